@@ -1,0 +1,135 @@
+from planserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineFeatures(_message.Message):
+    __slots__ = ("chunked_prefill", "block_copy", "swap", "speculation")
+    CHUNKED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPY_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    chunked_prefill: bool
+    block_copy: bool
+    swap: bool
+    speculation: bool
+    def __init__(self, chunked_prefill: _Optional[bool] = ..., block_copy: _Optional[bool] = ..., swap: _Optional[bool] = ..., speculation: _Optional[bool] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features")
+    class SpecialTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CONTRACT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    contract_version: int
+    model_name: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_slots: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    tokenizer_json: str
+    chat_template: str
+    special_tokens: _containers.ScalarMap[str, str]
+    features: EngineFeatures
+    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("slot", "token_ids", "sampling", "num_computed_tokens")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    num_computed_tokens: int
+    def __init__(self, slot: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class BatchPlan(_message.Message):
+    __slots__ = ("step_id", "new_sequences", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_slots", "preempted_slots", "aborted_slots", "copy_src", "copy_dst", "extension")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    COPY_SRC_FIELD_NUMBER: _ClassVar[int]
+    COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    EXTENSION_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished_slots: _containers.RepeatedScalarFieldContainer[int]
+    preempted_slots: _containers.RepeatedScalarFieldContainer[int]
+    aborted_slots: _containers.RepeatedScalarFieldContainer[int]
+    copy_src: _containers.RepeatedScalarFieldContainer[int]
+    copy_dst: _containers.RepeatedScalarFieldContainer[int]
+    extension: bytes
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_slots: _Optional[_Iterable[int]] = ..., preempted_slots: _Optional[_Iterable[int]] = ..., aborted_slots: _Optional[_Iterable[int]] = ..., copy_src: _Optional[_Iterable[int]] = ..., copy_dst: _Optional[_Iterable[int]] = ..., extension: _Optional[bytes] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("plan",)
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    plan: BatchPlan
+    def __init__(self, plan: _Optional[_Union[BatchPlan, _Mapping]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "num_sampled_tokens", "sampled_token_ids", "forward_ns", "sample_ns", "total_ns")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    num_sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    forward_ns: int
+    sample_ns: int
+    total_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: StepResult
+    def __init__(self, result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
