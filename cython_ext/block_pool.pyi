@@ -1,0 +1,61 @@
+"""Python view of cython_ext/block_pool.pyx (the C contract is block_pool.pxd)."""
+from collections.abc import Iterable, Sequence
+
+def block_hash(parent_hash: int, token_ids: Iterable[int], salt: int = 0) -> int:
+    """Deterministic 64-bit hash of one full block, chained on `parent_hash` (0 for the first
+    block) and salted. Token ids must fit uint32, hashes and salts uint64 (else OverflowError)."""
+
+class BlockPool:
+    """Ref-counted KV blocks with an LRU free queue and a prefix-hash map. Not thread safe.
+
+    Block 0 is reserved: its ref count is pinned at 1, it is never handed out, freed or shared.
+    Every block with ref count 0 sits in the free queue, cached (still hashed) or not.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        """Blocks 0 .. num_blocks - 1; ValueError unless 1 <= num_blocks <= 2**31 - 2."""
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free(self) -> int:
+        """Blocks with ref count 0, cached or not (the free queue's length)."""
+    @property
+    def num_usable(self) -> int:
+        """num_blocks - 1: every block but the reserved block 0."""
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the hash map (held or free)."""
+    def can_allocate(self, n: int) -> bool: ...
+    def allocate(self, n: int) -> list[int]:
+        """Take n blocks from the head of the free queue (least recently freed first), each with
+        ref count 1 and its cached hash, if any, evicted. MemoryError, with nothing taken, if fewer
+        than n are free; ValueError if n < 0."""
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Decrement each id's ref count, in order; a block reaching 0 goes to the tail of the free
+        queue (keeping its hash). ValueError for block 0, an id out of range, or a block already at
+        ref count 0 (counting repeats in block_ids); on any error the pool is left unchanged."""
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Increment each id's ref count (sharing: prefix hits, forks). A block at ref count 0
+        (cached, in the free queue) leaves the queue and keeps its hash. ValueError for block 0 or
+        an id out of range, with nothing changed."""
+    def ref_count(self, block_id: int) -> int:
+        """The block's ref count (block 0: 1). ValueError if out of range."""
+    def copy_on_write(self, block_id: int) -> int:
+        """If the block is shared (ref count > 1): allocate a fresh block, decrement the old one,
+        return the new id (the caller asks the model service to copy). Otherwise return block_id.
+        ValueError if the block is not held; MemoryError, with nothing changed, if no block is
+        free."""
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a held, FULL block under its hash. True if the block is now the one cached for
+        the hash (also when it already was); False, with nothing changed, when another block
+        already holds that hash. ValueError if the block is not held or is already cached under a
+        different hash."""
+    def lookup(self, block_hash: int) -> int:
+        """The block cached under the hash, or -1."""
+    def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
+        """Block ids of the longest chain of cached full blocks matching the start of token_ids.
+        Does not incref: the caller increfs what it keeps. Stops hashing at the first miss."""
+    def block_hashes(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
+        """The chained hashes of every full block of token_ids (what cache_block wants)."""
+    def free_queue(self) -> list[int]:
+        """The free queue, head (next to be allocated) first. O(num_free): for tests and debugging."""

@@ -1,0 +1,104 @@
+"""Paged attention over a packed mixed batch (prefill chunks and decodes together).
+
+Every layer does the same two things:
+
+1. write this step's K/V rows into the layer's paged cache at `slot_mapping`
+   (flat index = block_id * block_size + offset inside the block);
+2. gather each sequence's whole context (cached prefix + this step's tokens) through its block
+   table, padded to the longest context of the batch, and run ONE
+   `scaled_dot_product_attention` call for the whole batch.
+
+Index tables built once per step (shared by all layers), B sequences, T packed tokens,
+Q = longest chunk, C = longest context:
+
+    packed tokens   [ seq0 chunk | seq1 chunk | ... ]              T rows
+    query_index     [B, Q]  packed row of query q of sequence b     (0 where padding)
+    query_valid     [B, Q]  q < num_scheduled_tokens[b]
+    kv_index        [B, C]  flat cache slot of context position c   (block_table[b, c // bs] * bs + c % bs)
+    mask            [B, 1, Q, C]  c <= position of query q
+
+The mask is causal inside the chunk and full over the cached prefix, because the position of query
+q is `num_computed_tokens + q` and every cached position is below it. Padded context columns point
+into block 0 (reserved, zero-filled) or past the context end and are masked out; padded query rows
+see at least column 0, so softmax never gets an all-masked row (no NaN), and are dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Per-step index tensors, on the model's device, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64, KV write slot of each packed token
+    query_index: torch.Tensor  # [B, Q] int64
+    query_valid: torch.Tensor  # [B, Q] bool
+    kv_index: torch.Tensor  # [B, C] int64
+    mask: torch.Tensor  # [B, 1, Q, C] bool
+
+
+def build_attention_metadata(
+    slot_mapping: torch.Tensor,
+    query_start: torch.Tensor,
+    num_scheduled_tokens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    max_query_len: int,
+    max_context_len: int,
+) -> AttentionMetadata:
+    """Build the step's index tables on the device of the inputs.
+
+    `query_start[b]` is the packed row of sequence b's first token, `context_lens[b]` its
+    computed + scheduled tokens, `block_tables[b]` its block ids padded with 0 to at least
+    ceil(max_context_len / block_size) columns. The host passes the two maxima so that no
+    device-to-host sync is needed here.
+    """
+    device = slot_mapping.device
+    q_off = torch.arange(max_query_len, device=device)
+    query_valid = q_off[None, :] < num_scheduled_tokens[:, None]
+    query_index = torch.where(query_valid, query_start[:, None] + q_off[None, :], 0)
+    query_pos = (context_lens - num_scheduled_tokens)[:, None] + q_off[None, :]  # [B, Q]
+
+    c = torch.arange(max_context_len, device=device)
+    kv_index = block_tables[:, c // block_size] * block_size + (c % block_size)[None, :]
+    mask = c[None, None, :] <= query_pos[:, :, None]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_index=query_index,
+        query_valid=query_valid,
+        kv_index=kv_index,
+        mask=mask[:, None, :, :],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H * D]."""
+    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+
+    keys = k_flat[meta.kv_index].transpose(1, 2)  # [B, KVH, C, D]
+    values = v_flat[meta.kv_index].transpose(1, 2)
+    queries = q[meta.query_index].transpose(1, 2)  # [B, H, Q, D]
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=meta.mask, enable_gqa=queries.shape[1] != num_kv_heads
+    )
+    # Back to packed rows: boolean indexing walks (b, q) in row-major order, which is exactly the
+    # packed order because each sequence's chunk is contiguous and sequences follow plan order.
+    out = out.transpose(1, 2)[meta.query_valid]  # [T, H, D]
+    return out.reshape(out.shape[0], -1)

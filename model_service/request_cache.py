@@ -1,0 +1,56 @@
+"""Per-slot sequence state, kept in preallocated host arrays indexed by slot.
+
+    tokens        [max_num_slots, max_model_len + 1] int32   known token ids (prompt + sampled)
+    num_tokens    [max_num_slots]                            how many of them are known
+    block_table   [max_num_slots, max_blocks_per_seq] int32  append-only, 0 past num_blocks
+    num_blocks    [max_num_slots]
+    num_computed  [max_num_slots]                            tokens whose KV is in the cache
+    sampling      temperature / top_k / top_p / seed per slot
+    active        [max_num_slots] bool
+
+Flat arrays, not objects per sequence, so that a step's inputs are a few vectorized gathers
+(no per-token Python work). One extra token column: a sequence that reaches max_model_len still
+gets its final sampled token stored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RequestCache:
+    def __init__(self, max_num_slots: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_slots = max_num_slots
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.tokens = np.zeros((max_num_slots, max_model_len + 1), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_slots, dtype=np.int64)
+        self.block_table = np.zeros((max_num_slots, self.max_blocks_per_seq), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_slots, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_slots, dtype=np.int64)
+        self.temperature = np.ones(max_num_slots, dtype=np.float32)
+        self.top_k = np.zeros(max_num_slots, dtype=np.int64)
+        self.top_p = np.ones(max_num_slots, dtype=np.float32)
+        self.seed = np.zeros(max_num_slots, dtype=np.uint64)
+        self.active = np.zeros(max_num_slots, dtype=bool)
+
+    def register(self, slot: int, token_ids: np.ndarray, num_computed: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        n = len(token_ids)
+        self.tokens[slot, :n] = token_ids
+        self.num_tokens[slot] = n
+        self.block_table[slot] = 0
+        self.num_blocks[slot] = 0
+        self.num_computed[slot] = num_computed
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = temperature, top_k, top_p, seed
+        self.active[slot] = True
+
+    def drop(self, slots: np.ndarray) -> None:
+        self.active[slots] = False
+
+    def drop_all(self) -> None:
+        self.active[:] = False
+
+    def append_blocks(self, slot: int, block_ids: np.ndarray) -> None:
+        start = self.num_blocks[slot]
+        self.block_table[slot, start : start + len(block_ids)] = block_ids
+        self.num_blocks[slot] = start + len(block_ids)

@@ -1,0 +1,228 @@
+"""The model runner: applies one StepPlan to the slot state, runs one forward, samples.
+
+Order of application (engine.proto, BatchPlan):
+  1. drop finished / preempted / aborted slots;
+  2. register new sequences (num_computed_tokens = tokens already in the KV cache);
+  3. append new block ids to the scheduled slots' block tables;
+  4. run block copies;
+  5. one forward over the scheduled slots, then sample for every slot whose computed tokens reach
+     its known tokens; the sampled token is appended to that slot and computed advances.
+The whole plan is checked against the state before anything changes, so a bad plan leaves the
+state as it was.
+
+Packed inputs of one step (B scheduled slots, n[b] tokens each, T = sum(n)):
+
+    row            0 .. n[0]-1        | n[0] .. n[0]+n[1]-1 | ...
+    slot           slots[0]           | slots[1]            | ...
+    position       c[0] .. c[0]+n[0]-1| c[1] .. c[1]+n[1]-1 | ...   (c = num_computed before the step)
+    input id       tokens[slot, position]
+    KV write slot  block_table[slot, position // bs] * bs + position % bs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import structlog
+import torch
+
+from model_service.attention import build_attention_metadata
+from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
+from model_service.config import ModelServiceConfig
+from model_service.kv_cache import KVCache, kv_block_bytes
+from model_service.loader import LoadedModel
+from model_service.request_cache import RequestCache
+from model_service.sampler import SamplingBatch, sample
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What Describe reports, as plain values."""
+
+    model_name: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_slots: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    tokenizer_json: str
+    chat_template: str
+    special_tokens: dict[str, str]
+    chunked_prefill: bool = True
+    block_copy: bool = True
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
+        config.validate()
+        self.loaded = loaded
+        self.config = config
+        self.model = loaded.model
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        arch = loaded.arch
+        self.block_size = config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            per_block = kv_block_bytes(arch.num_hidden_layers, self.block_size, arch.num_key_value_heads, arch.head_dim, self.dtype)
+            num_blocks = config.kv_cache_memory_bytes // per_block
+            if num_blocks < 2:
+                raise ValueError(f"kv_cache_memory_bytes: {config.kv_cache_memory_bytes} holds {num_blocks} blocks of {per_block} bytes; need >= 2")
+        self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
+        self.cache = RequestCache(config.max_num_slots, loaded.max_model_len, self.block_size)
+        self.limits = PlanLimits(
+            vocab_size=arch.vocab_size, num_kv_blocks=num_blocks, max_num_slots=config.max_num_slots, max_model_len=loaded.max_model_len
+        )
+        # execute() runs in a worker thread; reset() may come from the event loop when a stream ends.
+        self._lock = threading.Lock()
+        log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.dtype, num_kv_blocks=num_blocks)
+
+    def describe_facts(self) -> EngineFacts:
+        lm = self.loaded
+        return EngineFacts(
+            model_name=lm.name,
+            architecture="llama",
+            dtype=self.config.dtype,
+            device=str(self.device) if self.device.index is not None or self.device.type == "cpu" else f"{self.device.type}:0",
+            vocab_size=lm.arch.vocab_size,
+            max_model_len=lm.max_model_len,
+            block_size=self.block_size,
+            num_kv_blocks=self.limits.num_kv_blocks,
+            max_num_slots=self.config.max_num_slots,
+            eos_token_ids=list(lm.eos_token_ids),
+            bos_token_id=lm.bos_token_id,
+            tokenizer_json=lm.tokenizer_json,
+            chat_template=lm.chat_template,
+            special_tokens=dict(lm.special_tokens),
+        )
+
+    def reset(self) -> None:
+        """Drop every slot (the Execute stream ended)."""
+        with self._lock:
+            self.cache.drop_all()
+
+    # -- plan checks against the slot state -------------------------------------------------
+
+    def _check(self, plan: StepPlan) -> None:
+        c = self.cache
+        active = c.active.copy()
+        for name in ("finished_slots", "preempted_slots", "aborted_slots"):
+            for slot in getattr(plan, name):
+                if not active[slot]:
+                    raise PlanError(name, f"slot {slot} is not registered")
+                active[slot] = False
+        num_tokens, num_computed, num_blocks = c.num_tokens.copy(), c.num_computed.copy(), c.num_blocks.copy()
+        for i, seq in enumerate(plan.new_sequences):
+            if active[seq.slot]:
+                raise PlanError(f"new_sequences[{i}].slot", f"slot {seq.slot} is occupied")
+            active[seq.slot] = True
+            num_tokens[seq.slot], num_computed[seq.slot], num_blocks[seq.slot] = len(seq.token_ids), seq.num_computed_tokens, 0
+        slots = plan.slots
+        if slots.size == 0:
+            return
+        if not active[slots].all():
+            raise PlanError("slots", f"slot {slots[~active[slots]][0]} is not registered")
+        end = num_computed[slots] + plan.num_scheduled_tokens
+        over = end > num_tokens[slots]
+        if over.any():
+            i = int(np.argmax(over))
+            raise PlanError(
+                "num_scheduled_tokens",
+                f"slot {slots[i]}: computed {num_computed[slots[i]]} + scheduled {plan.num_scheduled_tokens[i]} exceeds its {num_tokens[slots[i]]} known tokens",
+            )
+        if end.max() > self.limits.max_model_len:
+            raise PlanError("num_scheduled_tokens", f"{end.max()} tokens exceed max_model_len {self.limits.max_model_len}")
+        blocks_after = num_blocks[slots] + plan.num_new_blocks
+        short = blocks_after * self.block_size < end
+        if short.any():
+            i = int(np.argmax(short))
+            raise PlanError("num_new_blocks", f"slot {slots[i]}: {blocks_after[i]} blocks cannot hold {end[i]} tokens")
+        if blocks_after.max() > c.max_blocks_per_seq:
+            raise PlanError("num_new_blocks", f"{blocks_after.max()} blocks exceed {c.max_blocks_per_seq} per sequence")
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        with self._lock, torch.inference_mode():
+            return self._execute(plan)
+
+    def _apply_diff(self, plan: StepPlan) -> None:
+        c = self.cache
+        for dropped in (plan.finished_slots, plan.preempted_slots, plan.aborted_slots):
+            c.drop(dropped)
+        for seq in plan.new_sequences:
+            c.register(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.temperature, seq.top_k, seq.top_p, seq.seed)
+        if plan.new_block_ids.size:
+            # Each scheduled slot's new ids go right after its current blocks.
+            rows = np.repeat(plan.slots, plan.num_new_blocks)
+            first = np.concatenate(([0], np.cumsum(plan.num_new_blocks)[:-1]))
+            cols = np.repeat(c.num_blocks[plan.slots] - first, plan.num_new_blocks) + np.arange(plan.new_block_ids.size)
+            c.block_table[rows, cols] = plan.new_block_ids
+            c.num_blocks[plan.slots] += plan.num_new_blocks
+        if plan.copy_src.size:
+            self.kv_cache.copy_blocks(self._dev(plan.copy_src), self._dev(plan.copy_dst))
+
+    def _dev(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device, non_blocking=True)
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        self._check(plan)
+        self._apply_diff(plan)
+        c, bs, slots, n = self.cache, self.block_size, plan.slots, plan.num_scheduled_tokens
+        if slots.size == 0:
+            empty = np.zeros(0, dtype=np.int64)
+            return StepOutput(plan.step_id, empty, empty, 0, 0)
+
+        computed = c.num_computed[slots]
+        total = int(n.sum())
+        query_start = np.concatenate(([0], np.cumsum(n)[:-1]))
+        row_slot = np.repeat(slots, n)
+        positions = np.repeat(computed - query_start, n) + np.arange(total)
+        input_ids = c.tokens[row_slot, positions]
+        slot_mapping = c.block_table[row_slot, positions // bs].astype(np.int64) * bs + positions % bs
+        context_lens = computed + n
+        max_context = int(context_lens.max())
+        block_tables = c.block_table[slots, : -(-max_context // bs)]
+        needs_sample = context_lens == c.num_tokens[slots]
+        logits_indices = (query_start + n - 1)[needs_sample]
+
+        start = time.perf_counter_ns()
+        meta = build_attention_metadata(
+            self._dev(slot_mapping), self._dev(query_start), self._dev(n), self._dev(context_lens), self._dev(block_tables),
+            bs, int(n.max()), max_context,
+        )
+        logits = self.model(self._dev(input_ids), self._dev(positions), meta, self.kv_cache, self._dev(logits_indices))
+        self._sync()
+        forward_ns = time.perf_counter_ns() - start
+
+        start = time.perf_counter_ns()
+        sample_slots = slots[needs_sample]
+        if sample_slots.size:
+            params = SamplingBatch(
+                temperature=c.temperature[sample_slots], top_k=c.top_k[sample_slots], top_p=c.top_p[sample_slots],
+                seed=c.seed[sample_slots], position=c.num_tokens[sample_slots],
+            )
+            sampled = sample(logits, params).cpu().numpy().astype(np.int64)
+        else:
+            sampled = np.zeros(0, dtype=np.int64)
+        sample_ns = time.perf_counter_ns() - start
+
+        c.num_computed[slots] = context_lens
+        c.tokens[sample_slots, c.num_tokens[sample_slots]] = sampled
+        c.num_tokens[sample_slots] += 1
+        return StepOutput(plan.step_id, needs_sample.astype(np.int64), sampled, forward_ns, sample_ns)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,88 @@
+"""Batched sampling on the model's device: greedy, temperature, top-k, top-p; seeded.
+
+Reproducibility rule (common.proto SamplingParams.seed): the draw for a token depends only on
+(seed, position). Each row gets ONE uniform u in [0, 1), computed on the host by a counter-based
+hash (splitmix64 of the seed, mixed with the position, splitmix64 again), and the token is picked
+by inverse CDF over the filtered, renormalized probabilities taken in vocab order. Nothing depends
+on which other rows share the batch, on a stateful RNG, or on how often a sequence was preempted.
+
+Rows carry their own parameters; everything is vectorized over rows:
+    temperature == 0    greedy (argmax), u unused
+    top_k == 0          top-k off
+    top_p == 1.0        top-p off
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 step applied elementwise to a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return z ^ (z >> np.uint64(31))
+
+
+def uniform_for(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One float64 uniform in [0, 1) per (seed, position), from the top 53 bits of the hash."""
+    h = splitmix64(splitmix64(seeds.astype(np.uint64)) ^ positions.astype(np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row parameters, host arrays of length R."""
+
+    temperature: np.ndarray  # float32
+    top_k: np.ndarray  # int64, 0 = off
+    top_p: np.ndarray  # float32, 1.0 = off
+    seed: np.ndarray  # uint64
+    position: np.ndarray  # int64, position of the token being drawn
+
+
+def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """logits [R, V] float32 -> token ids [R] int64 (on the logits' device)."""
+    device = logits.device
+    greedy_ids = logits.argmax(dim=-1)
+    random_rows = params.temperature > 0
+    if not random_rows.any():
+        return greedy_ids
+
+    temperature = torch.from_numpy(np.where(random_rows, params.temperature, 1.0).astype(np.float32)).to(device)
+    # float64 from here: the filtered CDF must be the same function of one row's logits whatever
+    # the batch, and accurate enough that u * total never lands on a zero-probability step.
+    probs = torch.softmax(logits.double() / temperature[:, None].double(), dim=-1)
+    vocab = probs.shape[-1]
+
+    sorted_probs, _ = probs.sort(dim=-1, descending=True)
+    # top-k: keep probabilities >= the k-th largest (k = vocab when off).
+    k = torch.from_numpy(np.where(params.top_k > 0, np.minimum(params.top_k, vocab), vocab).astype(np.int64)).to(device)
+    kth = sorted_probs.gather(1, (k - 1)[:, None])
+    # top-p: keep the smallest prefix of the sorted list whose mass reaches top_p, i.e. every token
+    # whose preceding mass is still below top_p; its smallest member is the threshold.
+    top_p = torch.from_numpy(params.top_p.astype(np.float64)).to(device)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    num_kept = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)
+    pth = sorted_probs.gather(1, (num_kept - 1)[:, None])
+    threshold = torch.maximum(kth, pth)
+    filtered = torch.where(probs >= threshold, probs, 0.0)
+
+    cdf = filtered.cumsum(dim=-1)
+    u = torch.from_numpy(uniform_for(params.seed, params.position)).to(device)
+    target = u[:, None] * cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # If rounding made target reach the total, searchsorted runs off the end; the last kept token
+    # is the right answer then (never a filtered-out one).
+    last_kept = vocab - 1 - (filtered > 0).flip(-1).int().argmax(dim=-1)
+    drawn = torch.minimum(drawn, last_kept)
+    return torch.where(torch.from_numpy(random_rows).to(device), drawn, greedy_ids)

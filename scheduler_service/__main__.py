@@ -1,0 +1,5 @@
+import sys
+
+from scheduler_service.cli import main
+
+sys.exit(main())

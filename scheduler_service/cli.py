@@ -1,0 +1,197 @@
+"""The `planserve` command. Never imports torch: the model service runs as a child process.
+
+  planserve serve            model service + scheduler on one host, two processes
+  planserve model-service    the model service alone
+  planserve scheduler        the scheduler alone, against --engine HOST:PORT
+  planserve generate PROMPT  stream a completion from a running server
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from typing import Optional
+
+import structlog
+
+from planserve.v1 import generate_pb2
+from scheduler_service import logs
+from scheduler_service.client import build_request, stream_generate
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.server import SchedulerServer
+
+log = structlog.get_logger("planserve.cli")
+
+ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
+PORT_LINE = "PLANSERVE_PORT="
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2",
+                        help="a GGUF file path, 'smollm2' (default) or 'tiny' (random, for tests)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="auto", help="'auto' (CUDA when available), cpu, cuda")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV blocks to allocate (default: from a 1 GiB budget)")
+
+
+def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = SchedulerConfig()
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port,
+                        help="public API port (0 picks a free one and prints it)")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)
+
+
+def _scheduler_config(args: argparse.Namespace, engine_address: str) -> SchedulerConfig:
+    return SchedulerConfig(
+        host=args.host, port=args.port, engine_address=engine_address,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue_len=args.max_queue_len).validate()
+
+
+def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "model_service", "--model", args.model, "--dtype", args.dtype,
+            "--device", args.device, "--host", host, "--port", str(port)]
+    if args.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return argv
+
+
+async def _start_model_service(argv: list[str]) -> tuple[asyncio.subprocess.Process, int]:
+    """Starts the model service and waits for the line that tells its port."""
+    child = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    while True:
+        line = await child.stdout.readline()
+        if not line:
+            await child.wait()
+            raise RuntimeError(f"model service exited with status {child.returncode} "
+                               "before it started serving")
+        text = line.decode().strip()
+        if text.startswith(ENGINE_PORT_LINE):
+            return child, int(text[len(ENGINE_PORT_LINE):])
+
+
+async def _run_until_signal(server: SchedulerServer, sample_prompt: Optional[str]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    address = f"{server.config.host}:{server.port}"
+    if sample_prompt:
+        print(f"\n>>> planserve generate --chat {sample_prompt!r}", flush=True)
+        await _print_stream(address, build_request(sample_prompt, chat=True, temperature=0.0,
+                                                   max_new_tokens=64))
+        print(f"\nplanserve is serving on {address}; Ctrl-C stops it.", flush=True)
+    await stop.wait()
+    log.info("stopping")
+    await server.stop()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    child, engine_port = await _start_model_service(
+        _model_service_argv(args, "127.0.0.1", args.engine_port))
+    try:
+        server = SchedulerServer(_scheduler_config(args, f"127.0.0.1:{engine_port}"))
+        port = await server.start()
+        print(f"{PORT_LINE}{port}", flush=True)
+        await server.connect_engine()
+        await _run_until_signal(server, args.sample)
+    finally:
+        if child.returncode is None:
+            child.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                await asyncio.wait_for(child.wait(), 10)
+
+
+async def _scheduler(args: argparse.Namespace) -> None:
+    server = SchedulerServer(_scheduler_config(args, args.engine))
+    port = await server.start()
+    print(f"{PORT_LINE}{port}", flush=True)
+    await server.connect_engine()
+    await _run_until_signal(server, None)
+
+
+async def _print_stream(address: str, request: generate_pb2.GenerateRequest) -> None:
+    final = None
+    async for chunk in stream_generate(address, request):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.finish_reason:
+            final = chunk
+    if final is not None:
+        reason = generate_pb2.FinishReason.Name(final.finish_reason)
+        print(f"\n[{reason}; prompt {final.usage.prompt_tokens} tokens, "
+              f"completion {final.usage.completion_tokens} tokens, "
+              f"TTFT {final.usage.time_to_first_token_us / 1000:.0f} ms]", flush=True)
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    request = build_request(
+        args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    await _print_stream(f"{args.host}:{args.port}", request)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="info")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="model service + scheduler, two processes")
+    _add_model_flags(serve)
+    _add_scheduler_flags(serve)
+    serve.add_argument("--engine-port", type=int, default=50052,
+                       help="model service port (0 picks a free one)")
+    serve.add_argument("--sample", default=None,
+                       help="once serving, stream a completion of this chat prompt")
+
+    model = commands.add_parser("model-service", help="the model service alone")
+    _add_model_flags(model)
+    model.add_argument("--host", default="127.0.0.1")
+    model.add_argument("--port", type=int, default=50052)
+
+    scheduler = commands.add_parser("scheduler", help="the scheduler alone")
+    _add_scheduler_flags(scheduler)
+    scheduler.add_argument("--engine", default="127.0.0.1:50052", help="model service HOST:PORT")
+
+    generate = commands.add_parser("generate", help="stream a completion to the terminal")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true",
+                          help="send the prompt as one user message (chat template)")
+    generate.add_argument("--host", default="127.0.0.1")
+    generate.add_argument("--port", type=int, default=50051)
+    generate.add_argument("--max-new-tokens", type=int, default=None)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[])
+    generate.add_argument("--ignore-eos", action="store_true")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level)
+    if args.command == "model-service":
+        # Replace this process: the model service is its own program (and imports torch).
+        os.execv(sys.executable, _model_service_argv(args, args.host, args.port))
+    runners = {"serve": _serve, "scheduler": _scheduler, "generate": _generate}
+    try:
+        asyncio.run(runners[args.command](args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

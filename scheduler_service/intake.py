@@ -1,0 +1,126 @@
+"""Public request in, validated `Request` out: the edge of the public API for requests.
+
+Every bound is checked here, before anything is queued, and a violation names the field and
+the bound (the server maps `InvalidRequest` to INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+import secrets
+import uuid
+
+from planserve.v1 import generate_pb2
+from scheduler_service.engine_client import EngineFacts
+from scheduler_service.request import Request, Sampling, Stopping
+from scheduler_service.tokenizer import Tokenizer
+
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_MAX_NEW_TOKENS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _prompt_token_ids(pb: generate_pb2.GenerateRequest, facts: EngineFacts,
+                      tokenizer: Tokenizer) -> list[int]:
+    kind = pb.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt", "one of text, token_ids or messages must be set")
+    if kind == "text":
+        if not pb.text:
+            raise InvalidRequest("text", "must not be empty")
+        return tokenizer.encode(pb.text)
+    if kind == "token_ids":
+        ids = list(pb.token_ids.ids)
+        if not ids:
+            raise InvalidRequest("token_ids.ids", "must not be empty")
+        for index, token_id in enumerate(ids):
+            if token_id >= facts.vocab_size:
+                raise InvalidRequest(
+                    f"token_ids.ids[{index}]",
+                    f"{token_id} is outside the vocabulary [0, {facts.vocab_size})")
+        return ids
+    messages = pb.messages.messages
+    if not messages:
+        raise InvalidRequest("messages.messages", "must hold at least one message")
+    for index, message in enumerate(messages):
+        if message.role not in ("system", "user", "assistant"):
+            raise InvalidRequest(f"messages.messages[{index}].role",
+                                 f"must be system, user or assistant, got {message.role!r}")
+    if not tokenizer.has_chat_template:
+        raise InvalidRequest("messages", "the served model has no chat template")
+    return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+
+
+def _sampling(pb: generate_pb2.GenerateRequest) -> Sampling:
+    params = pb.sampling
+    temperature = params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE
+    if not temperature >= 0:  # also rejects NaN
+        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
+    top_p = params.top_p if params.HasField("top_p") else DEFAULT_TOP_P
+    if not 0 < top_p <= 1:
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = 0
+    if params.HasField("top_k"):
+        if params.top_k < 1:
+            raise InvalidRequest("sampling.top_k", f"must be >= 1 when set, got {params.top_k}")
+        top_k = params.top_k
+    # An unseeded request still gets a seed, so that preemption and recompute reproduce it.
+    seed = params.seed if params.HasField("seed") else secrets.randbits(63)
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _stopping(pb: generate_pb2.GenerateRequest, num_prompt_tokens: int,
+              facts: EngineFacts, capacity_tokens: int) -> Stopping:
+    stopping = pb.stopping
+    # A sequence may never outgrow the model nor the whole KV cache (alone, it always fits).
+    room = min(facts.max_model_len, capacity_tokens) - num_prompt_tokens
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    if stopping.HasField("max_new_tokens"):
+        max_new_tokens = stopping.max_new_tokens
+        if not 1 <= max_new_tokens <= facts.max_model_len:
+            raise InvalidRequest(
+                "stopping.max_new_tokens",
+                f"must be in [1, {facts.max_model_len}] (the model's max length), "
+                f"got {max_new_tokens}")
+    if len(stopping.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest("stopping.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for index, stop in enumerate(stopping.stop):
+        if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
+            raise InvalidRequest(f"stopping.stop[{index}]",
+                                 f"length must be in [1, {MAX_STOP_STRING_CHARS}]")
+    for index, token_id in enumerate(stopping.stop_token_ids):
+        if token_id >= facts.vocab_size:
+            raise InvalidRequest(
+                f"stopping.stop_token_ids[{index}]",
+                f"{token_id} is outside the vocabulary [0, {facts.vocab_size})")
+    return Stopping(
+        max_new_tokens=min(max_new_tokens, room),
+        stop_strings=tuple(stopping.stop),
+        stop_token_ids=frozenset(stopping.stop_token_ids),
+        ignore_eos=stopping.ignore_eos,
+    )
+
+
+def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: Tokenizer,
+               capacity_tokens: int) -> Request:
+    prompt = _prompt_token_ids(pb, facts, tokenizer)
+    if len(prompt) >= facts.max_model_len:
+        raise InvalidRequest(
+            "prompt", f"{len(prompt)} tokens; must be below the model's max length "
+                      f"{facts.max_model_len}")
+    if len(prompt) >= capacity_tokens:
+        raise InvalidRequest(
+            "prompt", f"{len(prompt)} tokens; must be below the KV cache's capacity "
+                      f"{capacity_tokens}")
+    return Request(
+        request_id=pb.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling=_sampling(pb),
+        stopping=_stopping(pb, len(prompt), facts, capacity_tokens),
+    )

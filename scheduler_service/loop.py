@@ -1,0 +1,85 @@
+"""The engine loop: schedule, execute on the model service, update, deliver. One step at a time.
+
+It sleeps while there is no work and wakes when a request arrives or is aborted.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from scheduler_service.engine_client import EngineClient
+from scheduler_service.request import FinishReason, Request, RequestOutput
+from scheduler_service.scheduler import Scheduler
+
+log = structlog.get_logger("planserve.loop")
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, client: EngineClient):
+        self.scheduler = scheduler
+        self.client = client
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._wake.set()
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.scheduler.has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine loop failed; failing every request in flight")
+            self._fail_all()
+            raise
+
+    async def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        self._deliver(self.scheduler.take_abort_outputs())
+        if plan.is_empty:
+            # Nothing could be scheduled: wait for news (an arrival, an abort) instead of
+            # spinning; the timeout only guards against a missed wake-up.
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+            except asyncio.TimeoutError:
+                pass
+            return
+        result = await self.client.execute(plan)
+        self.num_steps += 1
+        self._deliver(self.scheduler.update(plan, result))
+
+    @staticmethod
+    def _deliver(outputs: list[tuple[Request, RequestOutput]]) -> None:
+        for request, output in outputs:
+            request.outputs.put_nowait(output)
+
+    def _fail_all(self) -> None:
+        for request in list(self.scheduler.requests.values()):
+            request.outputs.put_nowait(RequestOutput(
+                token_ids=[], text="", finish_reason=FinishReason.ERROR))

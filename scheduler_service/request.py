@@ -1,0 +1,126 @@
+"""A request as the scheduler sees it: plain dataclasses, no protobuf.
+
+A sequence has no prefill or decode phase. It has `all_token_ids` (prompt, then generated tokens)
+and `num_computed_tokens` (how many of them have their KV in the cache, on the model side);
+each step schedules some of the difference. The model service samples a token whenever the
+computed count reaches the known tokens, so a decode is simply "one token left to compute".
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+from typing import Optional
+
+
+class FinishReason(enum.IntEnum):
+    """Mirrors planserve.v1.FinishReason (same numbers), kept free of protobuf."""
+
+    EOS = 1
+    LENGTH = 2
+    STOP = 3
+    CANCELLED = 4
+    DEADLINE = 5
+    ERROR = 6
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters with defaults filled in (the seed is always set)."""
+
+    temperature: float
+    top_k: int  # 0 = off
+    top_p: float
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopping:
+    """Stop conditions with defaults filled in."""
+
+    max_new_tokens: int  # already lowered to what the model's length leaves
+    stop_strings: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step (or the end) produced for one request; the server turns it into a chunk."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[FinishReason] = None
+    stop_match: Optional[str | int] = None
+    usage: Optional["Usage"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_time_us: int
+    time_to_first_token_us: int
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    stopping: Stopping
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    slot: Optional[int] = None
+    # True once the model service knows this request's slot; a preempted request is registered
+    # again (with every token it has so far) when it resumes.
+    registered: bool = False
+    abort_requested: bool = False
+    finish_reason: Optional[FinishReason] = None
+
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+
+    # Filled by the serving layer: where this request's outputs go.
+    outputs: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue, repr=False)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def usage(self) -> Usage:
+        def micros(t: Optional[float]) -> int:
+            return 0 if t is None else int((t - self.arrival_time) * 1e6)
+
+        return Usage(
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=len(self.output_token_ids),
+            cached_tokens=self.num_cached_tokens,
+            queue_time_us=micros(self.first_scheduled_time),
+            time_to_first_token_us=micros(self.first_token_time),
+        )

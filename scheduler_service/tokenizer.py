@@ -1,0 +1,56 @@
+"""Tokenization on the scheduler side, from what the model service's Describe sent.
+
+The scheduler needs no model files: the tokenizer arrives as a Hugging Face tokenizer.json
+document and the chat template as Jinja2 source, rendered the way `transformers` renders it
+(sandboxed, trim_blocks and lstrip_blocks on, `raise_exception` available).
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: str, chat_template: str, special_tokens: dict[str, str]):
+        self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+        self._special_tokens = dict(special_tokens)
+        self._chat_template = None
+        if chat_template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(
+                value, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise_exception
+            self._chat_template = env.from_string(chat_template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt, with whatever special tokens the tokenizer adds."""
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Renders the conversation with the chat template and the assistant prompt."""
+        if self._chat_template is None:
+            raise ValueError("the model has no chat template")
+        text = self._chat_template.render(
+            messages=list(messages), add_generation_prompt=True, **self._special_tokens)
+        # The template already wrote every special token it wants.
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._tokenizer.token_to_id(token)

@@ -1,0 +1,76 @@
+"""Shared fixtures: real servers on 127.0.0.1, started once per test session.
+
+The model service runs as its own process (as in production); the scheduler runs inside the
+test's event loop so that tests can look at its block pool after the traffic ends.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import pytest_asyncio
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.server import SchedulerServer
+
+ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
+
+
+class EngineProcess:
+    def __init__(self, *args: str):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "model_service", "--port", "0", *args],
+            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
+        for line in self.process.stdout:
+            if line.startswith(ENGINE_PORT_LINE):
+                self.address = f"127.0.0.1:{int(line[len(ENGINE_PORT_LINE):])}"
+                break
+        else:
+            raise RuntimeError(f"model service exited with {self.process.wait()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+async def start_scheduler(engine_address: str, **overrides) -> SchedulerServer:
+    config = SchedulerConfig(port=0, engine_address=engine_address, **overrides)
+    server = SchedulerServer(config)
+    await server.start()
+    await server.connect_engine()
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    # 64 blocks of 16 tokens: small enough that the concurrency test exercises preemption.
+    engine = EngineProcess("--model", "tiny", "--num-kv-blocks", "64")
+    yield engine.address
+    engine.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def tiny_server(tiny_engine):
+    server = await start_scheduler(tiny_engine, max_num_batched_tokens=64, max_num_seqs=16)
+    yield server
+    await server.stop(grace_s=1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    engine = EngineProcess("--model", "smollm2", "--dtype", "float32")
+    yield engine.address
+    engine.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def smollm2_server(smollm2_engine):
+    # A small budget so that a long prompt is prefilled in several chunks.
+    server = await start_scheduler(smollm2_engine, max_num_batched_tokens=64)
+    yield server
+    await server.stop(grace_s=1)

@@ -1,0 +1,200 @@
+"""Pure-Python oracle for cython_ext.block_pool: the same API, the same decisions, written plainly.
+
+The free queue is an OrderedDict (insertion order = free order, head first), the prefix cache two
+dicts. The hash is the same arithmetic as block_pool.pyx with explicit 64-bit masking, so for an
+identical call sequence both give identical hashes, block ids and exceptions (types, not messages).
+Slow on purpose: clarity over speed.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+
+MASK64 = (1 << 64) - 1
+P1 = 0x9E3779B185EBCA87
+P2 = 0xC2B2AE3D27D4EB4F
+P3 = 0x165667B19E3779F9
+P5 = 0x27D4EB2F165667C5
+INT32_MAX = (1 << 31) - 1
+
+
+def _as_uint(value: object, bits: int) -> int:
+    # Cython's conversion to uintN_t: TypeError for non-integers, OverflowError outside [0, 2**bits).
+    v = operator.index(value)
+    if not 0 <= v < (1 << bits):
+        raise OverflowError(f"{v} does not fit uint{bits}")
+    return v
+
+
+def _as_int(value: object, bits: int) -> int:
+    v = operator.index(value)
+    if not -(1 << (bits - 1)) <= v < (1 << (bits - 1)):
+        raise OverflowError(f"{v} does not fit int{bits}")
+    return v
+
+
+def _round(acc: int, value: int) -> int:
+    acc = (acc + value * P2) & MASK64
+    acc = ((acc << 31) | (acc >> 33)) & MASK64
+    return (acc * P1) & MASK64
+
+
+def _finish(acc: int, num_tokens: int) -> int:
+    acc = _round(acc, num_tokens)
+    acc ^= acc >> 33
+    acc = (acc * P2) & MASK64
+    acc ^= acc >> 29
+    acc = (acc * P3) & MASK64
+    acc ^= acc >> 32
+    return acc
+
+
+def block_hash(parent_hash: int, token_ids: Iterable[int], salt: int = 0) -> int:
+    parent_hash = _as_uint(parent_hash, 64)
+    salt = _as_uint(salt, 64)
+    acc = _round(_round(P5, salt), parent_hash)
+    n = 0
+    for t in token_ids:
+        acc = _round(acc, _as_uint(t, 32))
+        n += 1
+    return _finish(acc, n)
+
+
+class OracleBlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if not 1 <= num_blocks <= INT32_MAX - 1:
+            raise ValueError(f"num_blocks must be in [1, {INT32_MAX - 1}], got {num_blocks}")
+        self.num_blocks = operator.index(num_blocks)
+        self.ref = [0] * self.num_blocks
+        self.ref[0] = 1  # reserved block, pinned
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, self.num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.block_to_hash: dict[int, int] = {}
+
+    # ---- helpers ----
+
+    def _check(self, block_id: object) -> int:
+        b = _as_int(block_id, 64)
+        if b == 0:
+            raise ValueError("block 0 is reserved")
+        if not 0 < b < self.num_blocks:
+            raise ValueError(f"block id {b} out of range")
+        return b
+
+    def _evict(self, b: int) -> None:
+        h = self.block_to_hash.pop(b, None)
+        if h is not None:
+            del self.hash_to_block[h]
+
+    # ---- API ----
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.hash_to_block)
+
+    def can_allocate(self, n: int) -> bool:
+        n = _as_int(n, 64)
+        return 0 <= n <= self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        n = _as_int(n, 64)
+        if n < 0:
+            raise ValueError("negative n")
+        if n > self.num_free:
+            raise MemoryError(f"cannot allocate {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free_blocks.popitem(last=False)
+            self._evict(b)
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        ids = [self._check(b) for b in block_ids]
+        for b, count in Counter(ids).items():
+            if count > self.ref[b]:
+                raise ValueError(f"double free of block {b}")
+        for b in ids:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free_blocks[b] = None  # appended at the tail
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        ids = [self._check(b) for b in block_ids]
+        for b in ids:
+            if self.ref[b] == 0:
+                del self.free_blocks[b]
+            self.ref[b] += 1
+
+    def ref_count(self, block_id: int) -> int:
+        b = _as_int(block_id, 64)
+        if not 0 <= b < self.num_blocks:
+            raise ValueError(f"block id {b} out of range")
+        return self.ref[b]
+
+    def copy_on_write(self, block_id: int) -> int:
+        b = self._check(block_id)
+        if self.ref[b] == 0:
+            raise ValueError(f"block {b} not held")
+        if self.ref[b] == 1:
+            return b
+        (fresh,) = self.allocate(1)
+        self.ref[b] -= 1
+        return fresh
+
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        h = _as_uint(block_hash, 64)
+        b = self._check(block_id)
+        if self.ref[b] == 0:
+            raise ValueError(f"block {b} not held")
+        if b in self.block_to_hash:
+            if self.block_to_hash[b] == h:
+                return True
+            raise ValueError(f"block {b} already cached under another hash")
+        if h in self.hash_to_block:
+            return False
+        self.hash_to_block[h] = b
+        self.block_to_hash[b] = h
+        return True
+
+    def lookup(self, block_hash: int) -> int:
+        return self.hash_to_block.get(_as_uint(block_hash, 64), -1)
+
+    def block_hashes(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
+        block_size = _as_int(block_size, 64)
+        salt = _as_uint(salt, 64)
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        hashes, parent = [], 0
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            parent = block_hash(parent, token_ids[start : start + block_size], salt)
+            hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
+        block_size = _as_int(block_size, 64)
+        salt = _as_uint(salt, 64)
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        out, parent = [], 0
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            h = block_hash(parent, token_ids[start : start + block_size], salt)
+            b = self.hash_to_block.get(h, -1)
+            if b < 0:
+                break
+            out.append(b)
+            parent = h
+        return out
+
+    def free_queue(self) -> list[int]:
+        return list(self.free_blocks)

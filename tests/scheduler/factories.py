@@ -1,0 +1,74 @@
+"""One-line builders for scheduler tests driven by fake step results (no model, no gRPC)."""
+from __future__ import annotations
+
+import itertools
+
+import tokenizers
+from tokenizers import models, pre_tokenizers, decoders
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine_client import EngineFacts
+from scheduler_service.outputs import OutputProcessor
+from scheduler_service.plan import StepPlan, StepResult
+from scheduler_service.request import Request, Sampling, Stopping
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.tokenizer import Tokenizer
+
+EOS = 1
+# Token id i decodes to the word WORDS[i]; words are joined by spaces.
+WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(2, 200)]
+
+
+def make_tokenizer() -> Tokenizer:
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens(["<eos>"])
+    return Tokenizer(tokenizer.to_str(), chat_template="", special_tokens={})
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32,
+                   max_num_seqs: int = 8, max_num_slots: int = 16,
+                   max_model_len: int = 128) -> Scheduler:
+    facts = EngineFacts(
+        model_name="fake", architecture="llama", dtype="float32", device="cpu",
+        vocab_size=len(WORDS), max_model_len=max_model_len, block_size=block_size,
+        num_kv_blocks=num_blocks, max_num_slots=max_num_slots, eos_token_ids=frozenset({EOS}),
+        bos_token_id=None, tokenizer_json="", chat_template="", special_tokens={})
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs)
+    outputs = OutputProcessor(make_tokenizer(), facts.eos_token_ids, max_model_len)
+    return Scheduler(config, facts, outputs)
+
+
+_ids = itertools.count()
+
+
+def make_request(num_prompt_tokens: int = 8, max_new_tokens: int = 4, *, stop=(),
+                 stop_token_ids=(), ignore_eos: bool = False, request_id=None) -> Request:
+    return Request(
+        request_id=request_id or f"r{next(_ids)}",
+        prompt_token_ids=[2 + i % 100 for i in range(num_prompt_tokens)],
+        sampling=Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0),
+        stopping=Stopping(max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
+                          stop_token_ids=frozenset(stop_token_ids), ignore_eos=ignore_eos),
+    )
+
+
+def fake_result(plan: StepPlan, next_token=lambda request: 50) -> StepResult:
+    """What a model service would answer: one token for each slot whose prompt is done."""
+    counts, tokens = [], []
+    for request, num_scheduled in zip(plan.requests, plan.num_scheduled_tokens):
+        done = request.num_computed_tokens + num_scheduled >= request.num_tokens
+        counts.append(1 if done else 0)
+        if done:
+            tokens.append(next_token(request))
+    return StepResult(step_id=plan.step_id, num_sampled_tokens=counts, sampled_token_ids=tokens,
+                      forward_ns=0, sample_ns=0, total_ns=0)
+
+
+def run_step(scheduler: Scheduler, next_token=lambda request: 50):
+    plan = scheduler.schedule()
+    outputs = scheduler.update(plan, fake_result(plan, next_token))
+    return plan, outputs
