@@ -94,14 +94,19 @@ async def _run_until_signal(server: SchedulerServer, sample_prompt: Optional[str
     await server.stop()
 
 
+def _announce(server: SchedulerServer) -> None:
+    """Tells a parent process (or a person) the bound port, once requests can be served."""
+    print(f"{PORT_LINE}{server.port}", flush=True)
+
+
 async def _serve(args: argparse.Namespace) -> None:
     child, engine_port = await _start_model_service(
         _model_service_argv(args, "127.0.0.1", args.engine_port))
     try:
         server = SchedulerServer(_scheduler_config(args, f"127.0.0.1:{engine_port}"))
-        port = await server.start()
-        print(f"{PORT_LINE}{port}", flush=True)
+        await server.start()
         await server.connect_engine()
+        _announce(server)
         await _run_until_signal(server, args.sample)
     finally:
         if child.returncode is None:
@@ -112,9 +117,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 async def _scheduler(args: argparse.Namespace) -> None:
     server = SchedulerServer(_scheduler_config(args, args.engine))
-    port = await server.start()
-    print(f"{PORT_LINE}{port}", flush=True)
+    await server.start()
     await server.connect_engine()
+    _announce(server)
     await _run_until_signal(server, None)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -306,7 +306,9 @@ def test_match_prefix_agrees(prompts, query, block_size, salt):
 
 
 BLOCK_SIZE = 3
-TOKENS = st.lists(st.integers(0, 2), max_size=11)  # a small alphabet, so prefixes repeat
+# Prompts share prefixes (a system prompt, a few-shot header) so prefix hits are common.
+PREFIXES = [[], [0, 0, 0], [0, 0, 0, 1, 1, 1], [2, 2, 2, 0, 0, 0, 1, 1, 1]]
+TOKENS = st.builds(lambda p, s: p + s, st.sampled_from(PREFIXES), st.lists(st.integers(0, 2), max_size=5))
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -342,9 +344,10 @@ class PoolMachine(RuleBasedStateMachine):
         hashes, _ = self.both("block_hashes", tokens, BLOCK_SIZE, salt)
         self.hashes_seen.update(hashes)
         need = -(-len(tokens) // BLOCK_SIZE) - len(hit)
+        self.both("incref", hit)  # first: a hit on a cached free block shrinks num_free
         ok, _ = self.both("can_allocate", need)
-        self.both("incref", hit)
         new, err = self.both("allocate", need)
+        event(f"admit: {'hit' if hit else 'miss'}, {'ok' if ok else 'MemoryError'}")
         if not ok:
             assert err is MemoryError
             self.both("free", hit)  # back out the hit, as a scheduler that cannot admit does
@@ -377,6 +380,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.both("incref", [b])
             self.held.append(b)
         new, err = self.both("copy_on_write", b)
+        event(f"copy_on_write: {'error' if err else 'copied' if new != b else 'in place'}")
         if err is None and new != b:
             self.held.remove(b)
             self.held.append(new)
@@ -389,8 +393,10 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), h=st.integers(0, 4))
     def cache_raw(self, data, h):
         # Small hash values collide on purpose: "first block wins" and "already cached" paths.
-        b = data.draw(st.integers(0, self.cy.num_blocks))
-        self.both("cache_block", b, h)
+        any_id = st.integers(0, self.cy.num_blocks)
+        b = data.draw(st.one_of(st.sampled_from(self.held), any_id) if self.held else any_id)
+        result, err = self.both("cache_block", b, h)
+        event(f"cache_raw: {err.__name__ if err else result}")
         self.hashes_seen.add(h)
 
     @rule(data=st.data())
