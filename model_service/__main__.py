@@ -1,0 +1,82 @@
+"""`python -m model_service`: run the model service.
+
+With `--port 0` a free port is bound and, once serving, one line `PLANSERVE_ENGINE_PORT=<port>` is
+printed to stdout (flushed): the scheduler CLI and the tests read the port from it. Everything else
+(structured logs) goes to stderr; PLANSERVE_LOG_JSON=1 switches logs to JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+import structlog
+
+from model_service.config import ModelServiceConfig
+from model_service.server import serve, shutdown
+
+PORT_LINE = "PLANSERVE_ENGINE_PORT="
+
+
+def configure_logging() -> None:
+    json_logs = os.environ.get("PLANSERVE_LOG_JSON", "") not in ("", "0")
+    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
+    defaults = ModelServiceConfig()
+    parser = argparse.ArgumentParser(prog="python -m model_service", description="planserve model service (torch)")
+    parser.add_argument("--model", default=defaults.model, help='"smollm2", "tiny" or a path to a .gguf file')
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default=defaults.device, help='"auto", "cpu", "cuda" or "cuda:N"')
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port, help="0 binds a free port and prints it")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=defaults.num_kv_blocks, help="default: from --kv-cache-memory-bytes")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=defaults.kv_cache_memory_bytes)
+    parser.add_argument("--max-num-slots", type=int, default=defaults.max_num_slots)
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="default: the model's")
+    args = vars(parser.parse_args(argv))
+    config = ModelServiceConfig(**{f.name: args[f.name] for f in dataclasses.fields(ModelServiceConfig)})
+    try:
+        return config.validate()
+    except ValueError as error:
+        parser.error(str(error))
+
+
+async def _run(config: ModelServiceConfig) -> None:
+    server = await serve(config)
+    print(f"{PORT_LINE}{server.bound_port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    structlog.get_logger(__name__).info("shutting_down")
+    await shutdown(server, grace_s=5.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    configure_logging()
+    asyncio.run(_run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The model service's thin gRPC servicer (grpc.aio).
+
+Describe returns the runner's facts; Execute runs one plan per request, in order, each step in a
+worker thread so the event loop keeps serving health checks and Describe. The stream's lifetime
+is the lifetime of the slots: when it ends, every slot is dropped. One stream at a time: a second
+concurrent Execute gets FAILED_PRECONDITION. Errors map to status codes here and only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from model_service.batch import PlanError, facts_to_pb, from_pb, result_to_pb
+from model_service.config import ModelServiceConfig
+from model_service.loader import load_model
+from model_service.runner import ModelRunner
+from planserve.v1 import engine_pb2, engine_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = "planserve.v1.EngineService"
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._describe = facts_to_pb(runner.describe_facts())
+        self._streaming = False
+
+    async def Describe(self, request: engine_pb2.DescribeRequest, context) -> engine_pb2.DescribeResponse:
+        return self._describe
+
+    async def Execute(self, request_iterator, context):
+        if self._streaming:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open; one at a time")
+        self._streaming = True
+        log.info("execute_stream_open", peer=context.peer())
+        try:
+            async for request in request_iterator:
+                received = time.perf_counter_ns()
+                try:
+                    plan = from_pb(request, self.runner.limits)
+                    output = await asyncio.to_thread(self.runner.execute, plan)
+                except PlanError as error:
+                    log.warning("bad_plan", step_id=request.plan.step_id, field=error.field, error=error.message)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}")
+                except Exception as error:  # a bug or a device failure: end the stream with a status
+                    log.exception("step_failed", step_id=request.plan.step_id)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"step {request.plan.step_id} failed: {error!r}")
+                yield result_to_pb(output, total_ns=time.perf_counter_ns() - received)
+        finally:
+            # A worker thread may still be finishing a step; reset() waits for it (runner lock),
+            # so run it off the loop.
+            await asyncio.to_thread(self.runner.reset)
+            self._streaming = False
+            log.info("execute_stream_closed")
+
+
+async def serve(config: ModelServiceConfig, runner: ModelRunner | None = None) -> grpc.aio.Server:
+    """Load the model (unless a runner is given), bind, start; returns the started server.
+
+    The bound port is `server.bound_port` (useful with config.port == 0); the health servicer is
+    `server.health` (SERVING for "" and the engine service once started).
+    """
+    config.validate()
+    if runner is None:
+        loaded = await asyncio.to_thread(load_model, config)
+        runner = ModelRunner(loaded, config)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(runner), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"port: could not bind {config.host}:{config.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.bound_port = port
+    server.health = health_servicer
+    server.runner = runner
+    log.info("serving", host=config.host, port=port, model=runner.loaded.name)
+    return server
+
+
+async def shutdown(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Health NOT_SERVING first (so balancers stop sending), then a graceful stop."""
+    for name in ("", SERVICE_NAME):
+        await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace_s)

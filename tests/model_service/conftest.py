@@ -1,0 +1,31 @@
+"""Fixtures for the model service tests: the tiny model is loaded once per session."""
+from __future__ import annotations
+
+import pytest
+
+from model_service.config import ModelServiceConfig
+from model_service.loader import load_model
+from model_service.runner import ModelRunner
+
+
+def tiny_config(**overrides) -> ModelServiceConfig:
+    values = dict(model="tiny", num_kv_blocks=512, max_num_slots=16)
+    values.update(overrides)
+    return ModelServiceConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded():
+    return load_model(tiny_config())
+
+
+@pytest.fixture
+def tiny_runner(tiny_loaded):
+    return ModelRunner(tiny_loaded, tiny_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_loaded):
+    from reference import hf_llama_from_loaded
+
+    return hf_llama_from_loaded(tiny_loaded)

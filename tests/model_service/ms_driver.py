@@ -1,0 +1,102 @@
+"""A minimal stand-in for the scheduler: builds StepPlans for a ModelRunner and mirrors slot state.
+
+Blocks come from a counter (never freed), which is enough for short tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from model_service.batch import NewSequenceData, StepPlan
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _a(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+@dataclasses.dataclass
+class Seq:
+    tokens: list[int]
+    prompt_len: int
+    computed: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class Driver:
+    def __init__(self, runner, block_size: int = 16) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.next_block = 1
+        self.step_id = 0
+        self.seqs: dict[int, Seq] = {}
+        self._pending_new: list[NewSequenceData] = []
+        self._pending_drop: list[int] = []
+        self._preset: dict[int, list[int]] = {}
+
+    def add(self, slot, token_ids, temperature=0.0, top_k=0, top_p=1.0, seed=0, computed=0, blocks=()) -> None:
+        """Register a sequence; `blocks` are cached blocks holding its first `computed` tokens."""
+        self.seqs[slot] = Seq(list(token_ids), len(token_ids), computed)
+        self._preset[slot] = list(blocks)
+        self._pending_new.append(
+            NewSequenceData(slot, np.asarray(token_ids, dtype=np.int32), computed, temperature, top_k, top_p, seed)
+        )
+
+    def finish(self, slot) -> None:
+        self._pending_drop.append(slot)
+        del self.seqs[slot]
+
+    def step(self, schedule: dict[int, int]):
+        """schedule: slot -> tokens to compute this step. Returns {slot: sampled token} for sampled slots."""
+        slots, counts, num_new, new_ids = [], [], [], []
+        for slot, n in schedule.items():
+            seq = self.seqs[slot]
+            ids = self._preset.pop(slot, [])  # cached blocks handed over at registration
+            need = -(-(seq.computed + n) // self.block_size) - len(seq.blocks) - len(ids)
+            if need > 0:
+                ids += range(self.next_block, self.next_block + need)
+                self.next_block += need
+            seq.blocks += ids
+            slots.append(slot), counts.append(n), num_new.append(len(ids)), new_ids.extend(ids)
+        plan = StepPlan(
+            self.step_id, self._pending_new, _a(slots), _a(counts), _a(num_new), _a(new_ids),
+            _a(self._pending_drop), _EMPTY, _EMPTY, _EMPTY, _EMPTY,
+        )
+        self.step_id += 1
+        self._pending_new, self._pending_drop = [], []
+        out = self.runner.execute(plan)
+        sampled, at = {}, 0
+        for slot, n, k in zip(slots, counts, out.num_sampled_tokens):
+            seq = self.seqs[slot]
+            seq.computed += n
+            if k:
+                seq.tokens.append(int(out.sampled_token_ids[at]))
+                sampled[slot] = seq.tokens[-1]
+                at += 1
+        return sampled
+
+    def run_to_completion(self, max_new_tokens: int, chunk: int = 32, joins: dict[int, list] | None = None) -> dict[int, list[int]]:
+        """Step until every sequence has max_new_tokens; prefills go in chunks of `chunk`.
+
+        joins: {step index: [(slot, token_ids), ...]} sequences registered at that step, while the
+        others are mid-prefill or decoding."""
+        joins = dict(joins or {})
+        done: dict[int, list[int]] = {}
+        step = 0
+        while self.seqs or joins:
+            for slot, tokens in joins.pop(step, []):
+                self.add(slot, tokens)
+            schedule = {s: min(chunk, len(q.tokens) - q.computed) for s, q in self.seqs.items()}
+            self.step(schedule)
+            for slot, seq in list(self.seqs.items()):
+                if len(seq.generated) >= max_new_tokens:
+                    done[slot] = seq.generated[:max_new_tokens]
+                    self.finish(slot)
+            step += 1
+        return done

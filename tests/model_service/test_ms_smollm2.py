@@ -1,0 +1,108 @@
+"""SmolLM2-135M from the GGUF: tokenizer and greedy parity against transformers reading the same file."""
+from __future__ import annotations
+
+import os
+
+import jinja2
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from ms_driver import Driver
+from model_service.config import ModelServiceConfig
+from model_service.loader import SMOLLM2_FILE, load_model, smollm2_path
+from model_service.runner import ModelRunner
+from reference import compare_up_to_near_tie, greedy_reference
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Digits: 0 7 42 1234567890 3.14159 -12,000",
+    "unicode: héllo wörld — naïve café 你好 🚀 ñ",
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "  leading spaces\ttabs\n\nnewlines  ",
+    "<|endoftext|><repo_name>x<file_sep>",
+]
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write a haiku about gRPC streams."}],
+]
+NEW_TOKENS = 40
+COMPARED: dict[str, int] = {}  # prompt name -> compared tokens (reported by the last test)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    config = ModelServiceConfig(model="smollm2", num_kv_blocks=256, max_num_slots=8)
+    loaded = load_model(config)
+    return loaded, config
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model():
+    import transformers
+
+    path = smollm2_path()
+    return transformers.LlamaForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=SMOLLM2_FILE, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path()), gguf_file=SMOLLM2_FILE)
+
+
+def _render(template: str, messages) -> str:
+    env = jinja2.Environment()
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+
+
+def test_tokenizer_matches_transformers(smollm2, hf_tokenizer):
+    loaded, _ = smollm2
+    ours = Tokenizer.from_str(loaded.tokenizer_json)
+    for text in TEXTS + [_render(loaded.chat_template, m) for m in MESSAGES]:
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.encode("<|im_start|>user\nHi<|im_end|>").ids[0] == 1
+    assert ours.token_to_id("<|im_end|>") == loaded.eos_token_ids[0] == 2
+
+
+def test_chat_template_and_special_tokens(smollm2):
+    loaded, _ = smollm2
+    text = _render(loaded.chat_template, MESSAGES[0])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert loaded.special_tokens == {
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"
+    }
+    assert loaded.max_model_len == 8192 and loaded.arch.tie_word_embeddings
+
+
+def test_weights_match_transformers_gguf_loading(smollm2, hf_gguf_model):
+    loaded, _ = smollm2
+    theirs = hf_gguf_model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, theirs[name].to(tensor.dtype)), name
+
+
+def test_greedy_parity_mixed_batch(smollm2, hf_gguf_model):
+    loaded, config = smollm2
+    tok = Tokenizer.from_str(loaded.tokenizer_json)
+    prompts = {
+        "chat_capital": tok.encode(_render(loaded.chat_template, MESSAGES[0])).ids,
+        "chat_haiku": tok.encode(_render(loaded.chat_template, MESSAGES[1])).ids,
+        "text_fox": tok.encode(TEXTS[0]).ids,
+    }
+    driver = Driver(ModelRunner(loaded, config))
+    slots = dict(zip(prompts, range(len(prompts))))
+    driver.add(slots["chat_capital"], prompts["chat_capital"])
+    driver.add(slots["text_fox"], prompts["text_fox"])
+    # Chunks of 16 prefill the chat prompts over several steps; the haiku prompt joins later.
+    out = driver.run_to_completion(NEW_TOKENS, chunk=16, joins={3: [(slots["chat_haiku"], prompts["chat_haiku"])]})
+    for name, prompt in prompts.items():
+        ref, gaps = greedy_reference(hf_gguf_model, prompt, NEW_TOKENS)
+        COMPARED[name] = compare_up_to_near_tie(out[slots[name]], ref, gaps)
+        print(f"smollm2 parity {name}: prompt {len(prompt)} tokens, compared {COMPARED[name]}/{NEW_TOKENS}")
+        assert COMPARED[name] >= 32, name
