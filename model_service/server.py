@@ -30,17 +30,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._describe = facts_to_pb(runner.describe_facts())
-        self._streaming = False
+        # One open stream at a time. The flag is cleared as soon as a stream is ending (before its
+        # status reaches the client), so a reconnecting scheduler is never refused by a stream that
+        # is only cleaning up. Slot drops run under `_cleanup`: every new stream drops all slots
+        # first, and an ending stream drops them only if no newer stream has started meanwhile.
+        self._stream_open = False
+        self._generation = 0
+        self._cleanup = asyncio.Lock()
 
     async def Describe(self, request: engine_pb2.DescribeRequest, context) -> engine_pb2.DescribeResponse:
         return self._describe
 
     async def Execute(self, request_iterator, context):
-        if self._streaming:
+        if self._stream_open:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open; one at a time")
-        self._streaming = True
-        log.info("execute_stream_open", peer=context.peer())
+        self._stream_open = True
+        self._generation += 1
+        generation = self._generation
+        log.info("execute_stream_open", peer=context.peer(), generation=generation)
         try:
+            async with self._cleanup:
+                # reset() waits for a step still running in a worker thread (runner lock).
+                await asyncio.to_thread(self.runner.reset)
             async for request in request_iterator:
                 received = time.perf_counter_ns()
                 try:
@@ -48,17 +59,20 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     output = await asyncio.to_thread(self.runner.execute, plan)
                 except PlanError as error:
                     log.warning("bad_plan", step_id=request.plan.step_id, field=error.field, error=error.message)
+                    self._stream_open = False
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}")
                 except Exception as error:  # a bug or a device failure: end the stream with a status
                     log.exception("step_failed", step_id=request.plan.step_id)
+                    self._stream_open = False
                     await context.abort(grpc.StatusCode.INTERNAL, f"step {request.plan.step_id} failed: {error!r}")
                 yield result_to_pb(output, total_ns=time.perf_counter_ns() - received)
         finally:
-            # A worker thread may still be finishing a step; reset() waits for it (runner lock),
-            # so run it off the loop.
-            await asyncio.to_thread(self.runner.reset)
-            self._streaming = False
-            log.info("execute_stream_closed")
+            if self._generation == generation:
+                self._stream_open = False
+            async with self._cleanup:
+                if self._generation == generation:
+                    await asyncio.to_thread(self.runner.reset)
+            log.info("execute_stream_closed", generation=generation)
 
 
 async def serve(config: ModelServiceConfig, runner: ModelRunner | None = None) -> grpc.aio.Server:

@@ -1,0 +1,58 @@
+"""Config validation, bfloat16 smoke, and the `python -m model_service` port line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from conftest import tiny_config
+from model_service.config import ModelServiceConfig
+from model_service.loader import load_model
+from model_service.runner import ModelRunner
+from ms_driver import Driver
+from planserve.v1 import engine_pb2, engine_pb2_grpc
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("model", "llama"), ("dtype", "float16"), ("device", "tpu"), ("port", 70000), ("block_size", 0),
+     ("num_kv_blocks", 1), ("max_num_slots", 0), ("max_model_len", 0)],
+)
+def test_validate_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        ModelServiceConfig(**{field: value}).validate()
+
+
+def test_kv_blocks_derived_from_memory(tiny_loaded):
+    runner = ModelRunner(tiny_loaded, tiny_config(num_kv_blocks=None, kv_cache_memory_bytes=8 << 20))
+    # tiny: 2 layers * 16 tokens * 2 kv heads * 16 dims * 4 bytes * (K and V) = 8 KiB per block
+    assert runner.limits.num_kv_blocks == (8 << 20) // 8192
+
+
+def test_bfloat16_runs():
+    config = tiny_config(dtype="bfloat16")
+    driver = Driver(ModelRunner(load_model(config), config))
+    driver.add(0, list(range(100, 140)))
+    out = driver.run_to_completion(5, chunk=16)
+    assert len(out[0]) == 5 and all(0 <= t < 49152 for t in out[0])
+
+
+def test_cli_prints_port_and_serves():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "model_service", "--model", "tiny", "--port", "0", "--num-kv-blocks", "32", "--max-num-slots", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("PLANSERVE_ENGINE_PORT="), line
+        port = int(line.strip().split("=")[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            facts = engine_pb2_grpc.EngineServiceStub(channel).Describe(engine_pb2.DescribeRequest(), timeout=10)
+        assert (facts.num_kv_blocks, facts.max_num_slots) == (32, 4)
+    finally:
+        process.terminate()
+        assert process.wait(timeout=15) == 0
