@@ -18,9 +18,9 @@ from typing import Optional
 import structlog
 
 from planserve.v1 import generate_pb2
-from scheduler_service import logs
+from scheduler_service import logs, policies
 from scheduler_service.client import build_request, stream_generate
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.config import CHUNKING_MODES, SchedulerConfig
 from scheduler_service.server import SchedulerServer
 
 log = structlog.get_logger("planserve.cli")
@@ -47,13 +47,27 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=defaults.max_num_batched_tokens)
     parser.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)
+    parser.add_argument("--policy", default=defaults.policy,
+                        help="waiting order and preemption rule; one of:\n"
+                             + policies.describe()
+                             + "\nor a dotted path package.module:Class, or an entry point "
+                               "of the group planserve.policies")
+    parser.add_argument("--chunking-mode", default=defaults.chunking_mode,
+                        choices=CHUNKING_MODES,
+                        help="how prompt chunks and decodes share a step (default interleaved)")
+    parser.add_argument("--max-prefill-chunk", type=int, default=defaults.max_prefill_chunk,
+                        help="most prompt tokens of one sequence per step (0: the budget)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn automatic prefix caching off")
 
 
 def _scheduler_config(args: argparse.Namespace, engine_address: str) -> SchedulerConfig:
     return SchedulerConfig(
         host=args.host, port=args.port, engine_address=engine_address,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queue_len=args.max_queue_len).validate()
+        max_queue_len=args.max_queue_len, policy=args.policy,
+        chunking_mode=args.chunking_mode, max_prefill_chunk=args.max_prefill_chunk,
+        enable_prefix_caching=not args.no_prefix_caching).validate()
 
 
 def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
@@ -151,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="model service + scheduler, two processes")
+    serve = commands.add_parser("serve", help="model service + scheduler, two processes",
+                                formatter_class=argparse.RawTextHelpFormatter)
     _add_model_flags(serve)
     _add_scheduler_flags(serve)
     serve.add_argument("--engine-port", type=int, default=50052,
@@ -164,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--host", default="127.0.0.1")
     model.add_argument("--port", type=int, default=50052)
 
-    scheduler = commands.add_parser("scheduler", help="the scheduler alone")
+    scheduler = commands.add_parser("scheduler", help="the scheduler alone",
+                                    formatter_class=argparse.RawTextHelpFormatter)
     _add_scheduler_flags(scheduler)
     scheduler.add_argument("--engine", default="127.0.0.1:50052", help="model service HOST:PORT")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+CHUNKING_MODES = ("interleaved", "prefill-first", "decode-priority")
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
@@ -25,6 +27,30 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     """Token budget of one step, shared by decodes (1 token each) and prefill chunks."""
 
+    policy: str = "fcfs"
+    """Waiting order and preemption rule: a registered policy name (fcfs, priority, sjf, edf,
+    fair, lpm), a dotted path `package.module:Class`, or an entry point of `planserve.policies`."""
+
+    chunking_mode: str = "interleaved"
+    """How prompt chunks and decodes share a step's budget:
+    `interleaved`: running sequences in admission order (decodes and unfinished prompts
+        alike), then waiting prompts, with every step a mixed batch;
+    `prefill-first`: prompt chunks (running, then waiting) first, decodes get what is left:
+        shorter time to first token, longer gaps between tokens while prompts arrive;
+    `decode-priority`: every decode first, then at most one prompt chunk per step: the
+        steadiest inter-token latency, slower admission."""
+
+    max_prefill_chunk: int = 0
+    """Most prompt tokens one sequence computes in one step (0: up to the whole budget), so
+    that a long prompt cannot take a step's budget from the others alone."""
+
+    decode_reserve_tokens: int = 16
+    """Tokens of growth kept free for every running sequence when admitting a new one, so
+    that admission does not cause preemption a few steps later (SGLang's PrefillAdder rule)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV of cached full blocks shared with earlier requests (same cache_salt)."""
+
     max_queue_len: int = 1024
     """Most requests waiting for admission; beyond it new requests get RESOURCE_EXHAUSTED."""
 
@@ -41,6 +67,14 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.chunking_mode not in CHUNKING_MODES:
+            raise ValueError(f"chunking_mode must be one of {', '.join(CHUNKING_MODES)}, "
+                             f"got {self.chunking_mode!r}")
+        if self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError(
+                f"decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}")
         if self.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {self.max_queue_len}")
         if self.engine_connect_timeout_s <= 0:

@@ -6,6 +6,7 @@ the bound (the server maps `InvalidRequest` to INVALID_ARGUMENT).
 from __future__ import annotations
 
 import secrets
+import time
 import uuid
 
 from planserve.v1 import generate_pb2
@@ -18,6 +19,8 @@ DEFAULT_TOP_P = 1.0
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_TENANT_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
 
 
 class InvalidRequest(ValueError):
@@ -118,9 +121,21 @@ def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: 
         raise InvalidRequest(
             "prompt", f"{len(prompt)} tokens; must be below the KV cache's capacity "
                       f"{capacity_tokens}")
+    if len(pb.tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequest("tenant", f"at most {MAX_TENANT_CHARS} characters")
+    if len(pb.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
+    if pb.HasField("deadline_ms") and pb.deadline_ms < 1:
+        raise InvalidRequest("deadline_ms", f"must be >= 1 when set, got {pb.deadline_ms}")
+    arrival = time.monotonic()
     return Request(
         request_id=pb.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
         sampling=_sampling(pb),
         stopping=_stopping(pb, len(prompt), facts, capacity_tokens),
+        arrival_time=arrival,
+        priority=pb.priority,
+        deadline=arrival + pb.deadline_ms / 1000 if pb.HasField("deadline_ms") else None,
+        tenant=pb.tenant,
+        cache_salt=pb.cache_salt,
     )

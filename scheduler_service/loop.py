@@ -39,9 +39,11 @@ class EngineLoop:
         self.scheduler.add_request(request)
         self._wake.set()
 
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str) -> bool:
+        """False when no such request is in flight."""
+        found = self.scheduler.abort_request(request_id)
         self._wake.set()
+        return found
 
     async def _run(self) -> None:
         try:
@@ -60,7 +62,7 @@ class EngineLoop:
 
     async def _step(self) -> None:
         plan = self.scheduler.schedule()
-        self._deliver(self.scheduler.take_abort_outputs())
+        self._deliver(self.scheduler.take_early_outputs())
         if plan.is_empty:
             # Nothing could be scheduled: wait for news (an arrival, an abort) instead of
             # spinning; the timeout only guards against a missed wake-up.

@@ -78,17 +78,24 @@ class Request:
     sampling: Sampling
     stopping: Stopping
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0  # higher is more urgent
+    deadline: Optional[float] = None  # absolute, on the time.monotonic() clock
+    tenant: str = ""
+    cache_salt: str = ""
+    # Times this request was preempted; a preempted request goes ahead of fresh ones.
+    num_preemptions: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # Prefix-cache hashes of the request's full blocks, parallel to the start of block_ids.
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
     slot: Optional[int] = None
     # True once the model service knows this request's slot; a preempted request is registered
     # again (with every token it has so far) when it resumes.
     registered: bool = False
-    abort_requested: bool = False
     finish_reason: Optional[FinishReason] = None
 
     first_scheduled_time: Optional[float] = None

@@ -75,6 +75,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 # The client went away (cancel, disconnect): free its blocks next step.
                 serving.loop.abort_request(req.request_id)
 
+    async def Abort(self, request: generate_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> generate_pb2.AbortResponse:
+        serving = await self._serving(context)
+        if not serving.loop.abort_request(request.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"request_id: no request {request.request_id!r} in flight")
+        return generate_pb2.AbortResponse()
+
     async def GetModelInfo(self, request, context) -> generate_pb2.GetModelInfoResponse:
         facts = (await self._serving(context)).facts
         return generate_pb2.GetModelInfoResponse(

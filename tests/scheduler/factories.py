@@ -30,14 +30,16 @@ def make_tokenizer() -> Tokenizer:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32,
                    max_num_seqs: int = 8, max_num_slots: int = 16,
-                   max_model_len: int = 128) -> Scheduler:
+                   max_model_len: int = 128, **config) -> Scheduler:
+    """A scheduler over a fake model; `config` sets any other SchedulerConfig field."""
+    config.setdefault("decode_reserve_tokens", 0)
     facts = EngineFacts(
         model_name="fake", architecture="llama", dtype="float32", device="cpu",
         vocab_size=len(WORDS), max_model_len=max_model_len, block_size=block_size,
         num_kv_blocks=num_blocks, max_num_slots=max_num_slots, eos_token_ids=frozenset({EOS}),
         bos_token_id=None, tokenizer_json="", chat_template="", special_tokens={})
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                             max_num_seqs=max_num_seqs)
+                             max_num_seqs=max_num_seqs, **config).validate()
     outputs = OutputProcessor(make_tokenizer(), facts.eos_token_ids, max_model_len)
     return Scheduler(config, facts, outputs)
 
@@ -46,14 +48,46 @@ _ids = itertools.count()
 
 
 def make_request(num_prompt_tokens: int = 8, max_new_tokens: int = 4, *, stop=(),
-                 stop_token_ids=(), ignore_eos: bool = False, request_id=None) -> Request:
+                 stop_token_ids=(), ignore_eos: bool = False, request_id=None,
+                 prompt_token_ids=None, **fields) -> Request:
+    """`fields` sets any other Request field (priority, deadline, tenant, arrival_time...)."""
     return Request(
         request_id=request_id or f"r{next(_ids)}",
-        prompt_token_ids=[2 + i % 100 for i in range(num_prompt_tokens)],
+        prompt_token_ids=list(prompt_token_ids or [2 + i % 100 for i in range(num_prompt_tokens)]),
         sampling=Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0),
         stopping=Stopping(max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
                           stop_token_ids=frozenset(stop_token_ids), ignore_eos=ignore_eos),
+        **fields,
     )
+
+
+class ShadowEngine:
+    """Applies plans the way the model service does and checks them (slots registered once,
+    block tables append-only and always large enough), so scheduler tests catch plans that
+    a real model service would reject."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def apply(self, plan: StepPlan) -> None:
+        for slot in plan.finished_slots + plan.preempted_slots + plan.aborted_slots:
+            assert slot in self.tables, f"dropping unknown slot {slot}"
+            del self.tables[slot], self.computed[slot]
+        for seq in plan.new_sequences:
+            assert seq.slot not in self.tables, f"slot {seq.slot} registered twice"
+            self.tables[seq.slot], self.computed[seq.slot] = [], seq.num_computed_tokens
+        offset = 0
+        for slot, num_scheduled, num_new in zip(plan.slots, plan.num_scheduled_tokens,
+                                                plan.num_new_blocks):
+            self.tables[slot].extend(plan.new_block_ids[offset:offset + num_new])
+            offset += num_new
+            self.computed[slot] += num_scheduled
+            assert len(self.tables[slot]) * self.block_size >= self.computed[slot], (
+                f"slot {slot}: {len(self.tables[slot])} blocks for {self.computed[slot]} tokens")
+        held = [b for table in self.tables.values() for b in table]
+        assert 0 not in held, "block 0 is reserved"
 
 
 def fake_result(plan: StepPlan, next_token=lambda request: 50) -> StepResult:
@@ -70,5 +104,17 @@ def fake_result(plan: StepPlan, next_token=lambda request: 50) -> StepResult:
 
 def run_step(scheduler: Scheduler, next_token=lambda request: 50):
     plan = scheduler.schedule()
-    outputs = scheduler.update(plan, fake_result(plan, next_token))
+    if not hasattr(scheduler, "shadow_engine"):
+        scheduler.shadow_engine = ShadowEngine(scheduler.kv.block_size)
+    scheduler.shadow_engine.apply(plan)
+    outputs = scheduler.take_early_outputs() + scheduler.update(plan, fake_result(plan, next_token))
     return plan, outputs
+
+
+def run_until_idle(scheduler: Scheduler, next_token=lambda request: 50, max_steps: int = 10_000):
+    """Steps until nothing is left; returns the plans."""
+    plans = []
+    while scheduler.has_work():
+        plans.append(run_step(scheduler, next_token)[0])
+        assert len(plans) < max_steps, "the scheduler did not drain"
+    return plans

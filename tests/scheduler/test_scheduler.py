@@ -80,7 +80,7 @@ def test_stop_token_and_stop_string():
     sequence = {by_id.request_id: iter([55, 60, 70]),
                 by_text.request_id: iter([55, 61, 62, 63])}
     texts = {by_id.request_id: "", by_text.request_id: ""}
-    while scheduler.running or scheduler.waiting:
+    while scheduler.has_work():
         _, outputs = run_step(scheduler, next_token=lambda r: next(sequence[r.request_id]))
         for request, output in outputs:
             texts[request.request_id] += output.text
@@ -109,7 +109,7 @@ def test_running_out_of_blocks_preempts_the_latest_arrival_and_it_recomputes():
     scheduler.add_request(late)
     preempted = []
     registrations = []
-    while scheduler.running or scheduler.waiting:
+    while scheduler.has_work():
         plan, _ = run_step(scheduler)
         preempted.extend(plan.preempted_slots)
         registrations.extend(s.token_ids for s in plan.new_sequences)
@@ -133,7 +133,7 @@ def test_abort_frees_blocks_in_the_next_step_and_tells_the_model_service():
     plan = scheduler.schedule()
     assert plan.aborted_slots == [0]
     assert plan.slots == []
-    outputs = scheduler.take_abort_outputs()
+    outputs = scheduler.take_early_outputs()
     assert {r.request_id for r, _ in outputs} == {running.request_id, waiting_one.request_id}
     assert all(o.finish_reason is FinishReason.CANCELLED for _, o in outputs)
     assert running.status is RequestStatus.FINISHED

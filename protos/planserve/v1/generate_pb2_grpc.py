@@ -40,6 +40,11 @@ class GenerationServiceStub:
                 request_serializer=planserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=planserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/planserve.v1.GenerationService/Abort',
+                request_serializer=planserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/planserve.v1.GenerationService/GetModelInfo',
                 request_serializer=planserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
@@ -59,6 +64,14 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Aborts an in-flight request by id: its stream ends with finish reason CANCELLED and its
+        KV blocks are freed within one step. Unknown (or already finished) ids are NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Facts about the served model.
         """
@@ -73,6 +86,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=planserve_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=planserve_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=planserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -108,6 +126,33 @@ class GenerationService:
             '/planserve.v1.GenerationService/Generate',
             planserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             planserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.GenerationService/Abort',
+            planserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            planserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
