@@ -1,17 +1,19 @@
-"""Per-request block tables on top of the Cython block pool, with automatic prefix caching.
+"""The scheduler's KV blocks: the Cython block pool and prefix-cache lookups for waiting requests.
 
-A request holds ceil(num_computed_tokens / block_size) blocks after each step; its table is
-append-only while it runs and released whole when it finishes, is aborted or is preempted.
-Every block that fills up is registered under a hash chained on its parent and salted by the
+A running request holds ceil(num_computed_tokens / block_size) blocks after each step; its table
+lives in cython_ext/step_core.pyx (per slot, mirrored to Request.block_ids), is append-only while
+it runs and released whole when it finishes, is aborted or is preempted. Every block that fills up
+is registered (by step_core, in update) under a hash chained on its parent and salted by the
 request's cache_salt; released blocks stay in the pool's LRU free queue with their hash, so a
 later request (or the same one, resumed after preemption) starting with the same tokens picks
-them up instead of computing them again.
+them up instead of computing them again. This module answers the questions asked before a
+request runs: which cached blocks would it start with.
 """
 from __future__ import annotations
 
 import hashlib
 
-from cython_ext.block_pool import BlockPool, block_hash
+from cython_ext.block_pool import BlockPool
 from scheduler_service.request import Request
 
 
@@ -45,19 +47,6 @@ class KVBlockManager:
     def capacity_tokens(self) -> int:
         return self.num_usable_blocks * self.block_size
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks to append so that the request can hold `num_new_tokens` more computed tokens."""
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        return max(cdiv(num_tokens, self.block_size) - len(request.block_ids), 0)
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return self.pool.can_allocate(num_blocks)
-
-    def allocate(self, request: Request, num_blocks: int) -> list[int]:
-        new_block_ids = self.pool.allocate(num_blocks) if num_blocks else []
-        request.block_ids.extend(new_block_ids)
-        return new_block_ids
-
     # ---- prefix caching -------------------------------------------------------------------
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
@@ -74,39 +63,7 @@ class KVBlockManager:
                                       salt_of(request.cache_salt))
         return hits, sum(1 for block in hits if self.pool.ref_count(block) == 0)
 
-    def take_cached_prefix(self, request: Request, hits: list[int]) -> None:
-        """Shares the hit blocks with the request; their tokens count as computed."""
-        self.pool.incref(hits)
-        num_tokens = len(hits) * self.block_size
-        request.block_ids = list(hits)
-        # The request's next blocks chain on the hashes of these.
-        request.block_hashes = self.pool.block_hashes(
-            request.all_token_ids[:num_tokens], self.block_size, salt_of(request.cache_salt))
-        request.num_computed_tokens = num_tokens
-
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Prompt tokens a waiting request would find cached (the `lpm` policy's key)."""
         hits, _ = self.find_cached_prefix(request)
         return len(hits) * self.block_size
-
-    def cache_full_blocks(self, request: Request) -> None:
-        """Registers every block of the request that is full of computed tokens."""
-        if not self.enable_prefix_caching:
-            return
-        num_full = request.num_computed_tokens // self.block_size
-        if num_full <= len(request.block_hashes):
-            return
-        token_ids = request.all_token_ids
-        salt = salt_of(request.cache_salt)
-        parent = request.block_hashes[-1] if request.block_hashes else 0
-        for index in range(len(request.block_hashes), num_full):
-            start = index * self.block_size
-            parent = block_hash(parent, token_ids[start:start + self.block_size], salt)
-            self.pool.cache_block(request.block_ids[index], parent)
-            request.block_hashes.append(parent)
-
-    def free(self, request: Request) -> None:
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-            request.block_ids = []
-        request.block_hashes = []

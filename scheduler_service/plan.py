@@ -2,10 +2,16 @@
 
 A plan is a diff against what the model service already holds: new sequences are registered
 once; scheduled ones send only packed per-slot arrays; lifecycle lists drop state.
+
+The Scheduler's C core (cython_ext/step_core.pyx) hands each plan its packed arrays already in
+protobuf wire format (`StepPlan.packed.wire`); `to_pb` merges those bytes, which upb parses in
+C, instead of extending four repeated fields from Python lists (at 256 decodes: about 3 µs
+against 14 µs with protobuf 7 / upb; array('I') and numpy extend are slower than lists).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Optional
 
 from planserve.v1 import common_pb2, engine_pb2
 from scheduler_service.request import Request, Sampling
@@ -34,6 +40,10 @@ class StepPlan:
     aborted_slots: list[int] = dataclasses.field(default_factory=list)
     copy_src: list[int] = dataclasses.field(default_factory=list)
     copy_dst: list[int] = dataclasses.field(default_factory=list)
+    # The C core's copy of slots, num_scheduled_tokens, num_new_blocks and new_block_ids
+    # (a cython_ext.step_core.PackedPlan: the wire encoding, and what update() reads); None for
+    # plans built in Python, whose lists are then encoded field by field.
+    packed: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def total_scheduled_tokens(self) -> int:
@@ -65,24 +75,34 @@ def _sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
 
 
 def to_pb(plan: StepPlan) -> engine_pb2.ExecuteRequest:
-    return engine_pb2.ExecuteRequest(plan=engine_pb2.BatchPlan(
-        step_id=plan.step_id,
-        new_sequences=[
+    request = engine_pb2.ExecuteRequest()
+    batch = request.plan
+    if plan.packed is not None:
+        batch.MergeFromString(plan.packed.wire)  # fields 3-6, encoded by the C core
+    else:
+        batch.slots.extend(plan.slots)
+        batch.num_scheduled_tokens.extend(plan.num_scheduled_tokens)
+        batch.num_new_blocks.extend(plan.num_new_blocks)
+        batch.new_block_ids.extend(plan.new_block_ids)
+    batch.step_id = plan.step_id
+    if plan.new_sequences:
+        batch.new_sequences.extend([
             engine_pb2.NewSequence(
                 slot=seq.slot, token_ids=seq.token_ids, sampling=_sampling_to_pb(seq.sampling),
                 num_computed_tokens=seq.num_computed_tokens)
             for seq in plan.new_sequences
-        ],
-        slots=plan.slots,
-        num_scheduled_tokens=plan.num_scheduled_tokens,
-        num_new_blocks=plan.num_new_blocks,
-        new_block_ids=plan.new_block_ids,
-        finished_slots=plan.finished_slots,
-        preempted_slots=plan.preempted_slots,
-        aborted_slots=plan.aborted_slots,
-        copy_src=plan.copy_src,
-        copy_dst=plan.copy_dst,
-    ))
+        ])
+    # Lifecycle lists and copies are short and usually empty.
+    if plan.finished_slots:
+        batch.finished_slots.extend(plan.finished_slots)
+    if plan.preempted_slots:
+        batch.preempted_slots.extend(plan.preempted_slots)
+    if plan.aborted_slots:
+        batch.aborted_slots.extend(plan.aborted_slots)
+    if plan.copy_src:
+        batch.copy_src.extend(plan.copy_src)
+        batch.copy_dst.extend(plan.copy_dst)
+    return request
 
 
 def result_from_pb(response: engine_pb2.ExecuteResponse) -> StepResult:

@@ -3,19 +3,25 @@
 Requests are added and aborted from the serving layer; `schedule()` builds the next step's plan
 and `update()` applies the model service's result to it. Both run on the event loop thread, one
 step at a time, so no locking is needed.
+
+Python keeps the orchestration: Request objects and their lifecycle (admit, finish, abort,
+deadline, outputs), the waiting queue and every policy decision. The loops over running sequences
+(budget, chunking, block allocation, the plan's packed arrays, computed counts and prefix hashes
+in update) run in cython_ext/step_core.pyx, called a few times per step. The pure-Python oracle
+of the same decisions is tests/scheduler/oracle_scheduler.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import sys
 import time
-from typing import Iterable, Optional
+from typing import Optional
 
+from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepCore
 from scheduler_service import policies
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineFacts
-from scheduler_service.kv_blocks import KVBlockManager, cdiv
+from scheduler_service.kv_blocks import KVBlockManager, cdiv, salt_of
 from scheduler_service.outputs import OutputProcessor
 from scheduler_service.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.policies.base import SchedulingPolicy
@@ -37,16 +43,6 @@ class SlotAllocator:
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-
-@dataclasses.dataclass
-class _Budget:
-    """What is left of one step."""
-
-    tokens: int
-    seqs: int
-    prefill_chunks: int  # prompt chunks still allowed (1 per step in decode-priority mode)
-    stalled: bool = False  # a running sequence had to preempt itself: admit nobody
 
 
 class Scheduler:
@@ -71,6 +67,22 @@ class Scheduler:
         self._aborted_slots: list[int] = []
         # Outputs decided by schedule() itself (aborts, deadlines), delivered with the step's own.
         self._early_outputs: list[tuple[Request, RequestOutput]] = []
+        # Per-slot sequence state and the per-step loops over it, in C.
+        policy_type = type(self.policy)
+        self.core = StepCore(
+            self.kv.pool, facts.block_size, facts.max_num_slots,
+            max_prefill_chunk=config.max_prefill_chunk,
+            decode_reserve_tokens=config.decode_reserve_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            on_blocks_exhausted=self._on_blocks_exhausted,
+            # The base class's on_scheduled does nothing: skip 256 calls per step for it.
+            on_scheduled=(None if policy_type.on_scheduled is SchedulingPolicy.on_scheduled
+                          else self.policy.on_scheduled))
+        # Only a policy that may preempt for a waiting request (priority) needs step 3's second
+        # half; the base class's may_preempt_for always says no.
+        self._preempts_for_waiting = (
+            policy_type.may_preempt_for is not SchedulingPolicy.may_preempt_for)
+        self._plan: Optional[StepPlan] = None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -126,104 +138,90 @@ class Scheduler:
              sequences for the head of the queue.
         The chunking mode only changes the order of 1 and 2 (see SchedulerConfig).
         Aborted requests and passed deadlines leave first, freeing their blocks in this step.
+        Step 1 and the block and budget arithmetic run in C (StepCore); step 2's order and
+        step 3's victims are the policy's, in Python.
         """
         now = time.monotonic()
-        self._expire_deadlines(now)
-        self._collect_aborts()
-        plan = StepPlan(step_id=self._next_step_id)
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self._expire_deadlines(now)
+        if self._abort_ids:
+            self._collect_aborts()
+        plan = self._plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
-        self._preempt_for_waiting(plan, now)
+        if len(self.policy):
+            # Peek even when nothing will be preempted: a policy may fix its answer for `now`
+            # at the first peek (fair does, before this step's charges move its counters).
+            head = self.policy.peek(now)
+            if self._preempts_for_waiting:
+                self._preempt_for_waiting(plan, head)
 
-        budget = _Budget(tokens=self.config.max_num_batched_tokens, seqs=self.max_num_seqs,
-                         prefill_chunks=sys.maxsize)
+        core = self.core
+        core.begin_step(plan.step_id, self.config.max_num_batched_tokens, self.max_num_seqs)
         mode = self.config.chunking_mode
         if mode == "interleaved":
-            self._schedule_running(plan, budget, list(self.running))
-            self._schedule_waiting(plan, budget, now)
+            core.schedule_running(PHASE_ALL)
+            self._schedule_waiting(plan, now)
         elif mode == "prefill-first":
-            decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
-            self._schedule_running(
-                plan, budget, [r for r in self.running if r.num_tokens_to_compute > 1])
-            self._schedule_waiting(plan, budget, now)
-            self._schedule_running(plan, budget, decodes)
+            core.schedule_running(PHASE_PREFILLS)
+            self._schedule_waiting(plan, now)
+            core.schedule_running(PHASE_DECODES)
         else:  # decode-priority
-            prefills = [r for r in self.running if r.num_tokens_to_compute > 1]
-            self._schedule_running(
-                plan, budget, [r for r in self.running if r.num_tokens_to_compute == 1])
-            budget.prefill_chunks = 1
-            self._schedule_running(plan, budget, prefills)
-            self._schedule_waiting(plan, budget, now)
+            core.schedule_running(PHASE_DECODES)
+            core.limit_prefill_chunks(1)
+            core.schedule_running(PHASE_PREFILLS)
+            self._schedule_waiting(plan, now)
 
-        plan.finished_slots, self._finished_slots = self._finished_slots, []
-        plan.aborted_slots, self._aborted_slots = self._aborted_slots, []
+        (plan.requests, plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks,
+         plan.new_block_ids, plan.packed) = core.end_step()
+        self._plan = None
+        if self._finished_slots:
+            plan.finished_slots, self._finished_slots = self._finished_slots, []
+        if self._aborted_slots:
+            plan.aborted_slots, self._aborted_slots = self._aborted_slots, []
         return plan
 
-    def _chunk(self, num_tokens_to_compute: int, budget: _Budget) -> int:
-        """Tokens a sequence may compute this step: a decode 1, a prompt its next chunk."""
-        if num_tokens_to_compute <= 1:
-            return min(num_tokens_to_compute, budget.tokens)
-        if budget.prefill_chunks <= 0:
-            return 0
-        cap = self.config.max_prefill_chunk or sys.maxsize
-        return min(num_tokens_to_compute, budget.tokens, cap)
+    def _on_blocks_exhausted(self, slot: int) -> bool:
+        """StepCore's call when the sequence in `slot` needs more blocks than are free: preempts
+        the policy's victim among the running sequences not yet scheduled in this step. True when
+        the victim is that sequence itself (nothing else fits either)."""
+        core = self.core
+        request = self.running_in(slot)
+        victim = self.policy.select_victim(
+            [r for r in self.running if not core.is_scheduled(r.slot)])
+        self._plan.preempted_slots.append(self._preempt(victim))
+        return victim is request
 
-    def _schedule_running(self, plan: StepPlan, budget: _Budget,
-                          requests: Iterable[Request]) -> None:
-        scheduled = {id(r) for r in plan.requests}
-        for request in requests:
-            if budget.tokens <= 0 or budget.seqs <= 0 or budget.stalled:
-                return
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new_tokens = self._chunk(request.num_tokens_to_compute, budget)
-            if num_new_tokens == 0:
-                continue
-            num_blocks = self.kv.num_blocks_needed(request, num_new_tokens)
-            while not self.kv.can_allocate(num_blocks):
-                victim = self.policy.select_victim(
-                    [r for r in self.running if id(r) not in scheduled])
-                plan.preempted_slots.append(self._preempt(victim))
-                if victim is request:
-                    budget.stalled = True  # nothing else fits either
-                    return
-            self._schedule(plan, budget, request, num_new_tokens, num_blocks)
-            scheduled.add(id(request))
+    def running_in(self, slot: int) -> Request:
+        for request in self.running:
+            if request.slot == slot:
+                return request
+        raise KeyError(slot)
 
-    def _schedule_waiting(self, plan: StepPlan, budget: _Budget, now: float) -> None:
-        reserve = self._decode_reserve_blocks(plan)
-        while (len(self.policy) and budget.tokens > 0 and budget.seqs > 0
-               and self.slots.num_free > 0 and not budget.stalled):
-            request = self.policy.peek(now)
-            if self.policy.admission_veto(request, self.running):
+    def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
+        core, kv, policy = self.core, self.kv, self.policy
+        if not (len(policy) and core.budget_open and self.slots.num_free > 0):
+            return
+        reserve = core.decode_reserve_blocks()
+        while len(policy) and core.budget_open and self.slots.num_free > 0:
+            request = policy.peek(now)
+            if policy.admission_veto(request, self.running):
                 return
-            hits, num_free_hits = self.kv.find_cached_prefix(request)
-            num_cached = len(hits) * self.kv.block_size
-            num_new_tokens = self._chunk(request.num_tokens - num_cached, budget)
+            hits, num_free_hits = kv.find_cached_prefix(request)
+            num_cached = len(hits) * kv.block_size
+            num_new_tokens = core.chunk(request.num_tokens - num_cached)
             if num_new_tokens == 0:
                 return
-            num_blocks = cdiv(num_cached + num_new_tokens, self.kv.block_size) - len(hits)
-            if num_blocks + num_free_hits + reserve > self.kv.num_free_blocks:
+            num_blocks = cdiv(num_cached + num_new_tokens, kv.block_size) - len(hits)
+            if num_blocks + num_free_hits + reserve > kv.num_free_blocks:
                 return  # wait for room rather than overtake (the policy's order holds)
-            self.policy.pop(now)
+            policy.pop(now)
             if hits:
-                self.kv.take_cached_prefix(request, hits)
+                request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
-            self._admit(plan, request)
-            self._schedule(plan, budget, request, num_new_tokens, num_blocks, admitted=True)
-            reserve += self._reserve_blocks_of(request, num_new_tokens)
-
-    def _reserve_blocks_of(self, request: Request, num_scheduled: int) -> int:
-        """Blocks the request needs to grow decode_reserve_tokens past this step (capped by its
-        maximum length)."""
-        max_tokens = len(request.prompt_token_ids) + request.stopping.max_new_tokens
-        grown = min(max_tokens, request.num_computed_tokens + num_scheduled
-                    + self.config.decode_reserve_tokens)
-        return max(cdiv(grown, self.kv.block_size) - len(request.block_ids), 0)
-
-    def _decode_reserve_blocks(self, plan: StepPlan) -> int:
-        scheduled = {id(r): n for r, n in zip(plan.requests, plan.num_scheduled_tokens)}
-        return sum(self._reserve_blocks_of(r, scheduled.get(id(r), 0)) for r in self.running)
+            self._admit(plan, request, hits)
+            core.schedule_admitted(request.slot, num_new_tokens, num_blocks)
+            reserve += core.reserve_blocks_of(request.slot, num_new_tokens)
 
     def _fits(self, request: Request) -> bool:
         """Whether the waiting request's first chunk could be admitted right now."""
@@ -236,52 +234,38 @@ class Scheduler:
         num_blocks = cdiv(num_cached + first_chunk, self.kv.block_size) - len(hits)
         return num_blocks + num_free_hits <= self.kv.num_free_blocks
 
-    def _preempt_for_waiting(self, plan: StepPlan, now: float) -> None:
+    def _preempt_for_waiting(self, plan: StepPlan, head: Optional[Request]) -> None:
         """Preempts running sequences the policy ranks below the head of the queue until the
         head fits (lowest rank first). FCFS-like policies never rank a waiting request above a
-        running one, so for them this does nothing."""
-        head = self.policy.peek(now) if len(self.policy) else None
+        running one, so for them this is never called (see _preempts_for_waiting)."""
         while head is not None and self.running and not self._fits(head):
             victim = self.policy.select_victim(self.running)
             if not self.policy.may_preempt_for(head, victim):
                 return
             plan.preempted_slots.append(self._preempt(victim))
 
-    def _admit(self, plan: StepPlan, request: Request) -> None:
+    def _admit(self, plan: StepPlan, request: Request, hits: list[int]) -> None:
         request.status = RequestStatus.RUNNING
         request.slot = self.slots.allocate()
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
+        token_ids = request.all_token_ids
         plan.new_sequences.append(NewSequence(
-            slot=request.slot, token_ids=request.all_token_ids, sampling=request.sampling,
+            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
             num_computed_tokens=request.num_computed_tokens))
         request.registered = True
+        request.block_ids = list(hits)
+        self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
+                        len(request.prompt_token_ids) + request.stopping.max_new_tokens,
+                        salt_of(request.cache_salt))
         self.running.append(request)
-
-    def _schedule(self, plan: StepPlan, budget: _Budget, request: Request,
-                  num_new_tokens: int, num_blocks: int, admitted: bool = False) -> None:
-        new_block_ids = self.kv.allocate(request, num_blocks)
-        if admitted:
-            # A new sequence's block table starts empty on the model side: send all of its
-            # blocks, prefix-cache hits first.
-            new_block_ids = request.block_ids
-        plan.requests.append(request)
-        plan.slots.append(request.slot)
-        plan.num_scheduled_tokens.append(num_new_tokens)
-        plan.num_new_blocks.append(len(new_block_ids))
-        plan.new_block_ids.extend(new_block_ids)
-        budget.tokens -= num_new_tokens
-        budget.seqs -= 1
-        if request.num_tokens_to_compute > 1:
-            budget.prefill_chunks -= 1
-        self.policy.on_scheduled(request, num_new_tokens)
 
     def _preempt(self, request: Request) -> int:
         """Recompute preemption: free everything, requeue ahead of fresh requests. Returns the
         slot, which the model service drops before this step runs."""
         slot = request.slot
         self.running.remove(request)
-        self.kv.free(request)
+        self._free_blocks(request)
         self.slots.free(slot)
         request.slot = None
         request.registered = False
@@ -290,6 +274,12 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.policy.add_preempted(request)
         return slot
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.slot is not None:  # running: its blocks are in the core's slot
+            self.core.release(request.slot)
+        request.block_ids = []
+        request.block_hashes = []
 
     def _expire_deadlines(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -315,7 +305,7 @@ class Scheduler:
         self._release(request, lifecycle)
 
     def _release(self, request: Request, lifecycle: list[int]) -> None:
-        self.kv.free(request)
+        self._free_blocks(request)
         if request.slot is not None:
             self.slots.free(request.slot)
             lifecycle.append(request.slot)
@@ -326,25 +316,23 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
-        """Applies a step's result: computed counts advance, full blocks enter the prefix
-        cache, sampled tokens are appended, stops are checked, finished requests free their
-        blocks."""
+        """Applies a step's result: computed counts advance and full blocks enter the prefix
+        cache (both in C, for every sequence in the plan), then the sequences that sampled
+        tokens get them appended, stops checked, and free their blocks when finished."""
         outputs: list[tuple[Request, RequestOutput]] = []
+        indices, offsets = self.core.advance(plan.packed, result.num_sampled_tokens)
+        if not indices:
+            return outputs
         now = time.monotonic()
-        offset = 0
-        for request, num_scheduled, num_sampled in zip(
-                plan.requests, plan.num_scheduled_tokens, result.num_sampled_tokens):
-            token_ids = result.sampled_token_ids[offset:offset + num_sampled]
-            offset += num_sampled
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted, expired or preempted after this plan was built
-            request.num_computed_tokens += num_scheduled
-            self.kv.cache_full_blocks(request)
-            if not token_ids:
-                continue  # a prompt chunk that did not reach the end yet
+        requests, counts, sampled = plan.requests, result.num_sampled_tokens, \
+            result.sampled_token_ids
+        add_tokens, append_tokens = self.outputs.add_tokens, self.core.append_tokens
+        for index, offset in zip(indices, offsets):
+            request = requests[index]
             if request.first_token_time is None:
                 request.first_token_time = now
-            output = self.outputs.add_tokens(request, token_ids)
+            output = add_tokens(request, sampled[offset:offset + counts[index]])
+            append_tokens(request.slot, output.token_ids)
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._release(request, self._finished_slots)

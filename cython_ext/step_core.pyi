@@ -1,0 +1,83 @@
+"""Python view of cython_ext/step_core.pyx (the C contract is step_core.pxd)."""
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from cython_ext.block_pool import BlockPool
+
+PHASE_ALL: int       # every running sequence (interleaved)
+PHASE_PREFILLS: int  # only sequences with more than one token to compute
+PHASE_DECODES: int   # only sequences with exactly one token to compute
+
+class PackedPlan:
+    """One plan's packed arrays, owned by the plan (C copies)."""
+
+    @property
+    def num_entries(self) -> int: ...
+    @property
+    def num_block_ids(self) -> int: ...
+    @property
+    def wire(self) -> bytes:
+        """BatchPlan fields 3-6 (slots, num_scheduled_tokens, num_new_blocks, new_block_ids) in
+        protobuf wire format: `BatchPlan.MergeFromString(wire)` sets them."""
+    def arrays(self) -> tuple[list[int], list[int], list[int], list[int]]: ...
+
+class StepCore:
+    """Per-slot running state (token counts, block table, prefix hashes, tokens) and the per-step
+    loops over running sequences. Not thread safe."""
+
+    block_size: int
+    max_num_slots: int
+    max_prefill_chunk: int
+    decode_reserve_tokens: int
+    enable_prefix_caching: bool
+    num_running: int
+    step_id: int
+    budget_tokens: int
+    budget_seqs: int
+    budget_prefill_chunks: int
+    stalled: bool
+
+    def __init__(self, pool: BlockPool, block_size: int, max_num_slots: int,
+                 max_prefill_chunk: int = 0, decode_reserve_tokens: int = 0,
+                 enable_prefix_caching: bool = True,
+                 on_blocks_exhausted: Optional[Callable[[int], bool]] = None,
+                 on_scheduled: Optional[Callable[[Any, int], None]] = None) -> None:
+        """`on_blocks_exhausted(slot)` preempts a victim when the sequence in `slot` needs more
+        blocks than are free and says whether the victim was that sequence; `on_scheduled(request,
+        num_tokens)` is called for every scheduled sequence (None: not at all)."""
+
+    # Sequences in and out.
+    def admit(self, slot: int, request: Any, token_ids: Sequence[int], num_computed_tokens: int,
+              hits: Sequence[int], max_num_tokens: int, salt: int) -> None:
+        """Starts `request` in `slot` (appended to the running order), sharing the prefix-cache
+        hit blocks (increfed here). ValueError if the slot is taken or a hit id is invalid."""
+    def release(self, slot: int) -> None:
+        """Frees the slot's blocks in table order and drops it from the running order."""
+    def append_tokens(self, slot: int, token_ids: Sequence[int]) -> None: ...
+
+    # The step.
+    def begin_step(self, step_id: int, max_num_batched_tokens: int, max_num_seqs: int) -> None: ...
+    def limit_prefill_chunks(self, num_chunks: int) -> None: ...
+    def schedule_running(self, phase: int) -> None:
+        """One pass over the running sequences in admission order; see step_core.pyx."""
+    def schedule_admitted(self, slot: int, num_new_tokens: int, num_blocks: int) -> None: ...
+    def chunk(self, num_tokens_to_compute: int) -> int: ...
+    @property
+    def budget_open(self) -> bool: ...
+    def is_scheduled(self, slot: int) -> bool: ...
+    def decode_reserve_blocks(self) -> int: ...
+    def reserve_blocks_of(self, slot: int, num_scheduled: int) -> int: ...
+    def end_step(self) -> tuple[list[Any], list[int], list[int], list[int], list[int], PackedPlan]:
+        """(requests, slots, num_scheduled_tokens, num_new_blocks, new_block_ids, packed)."""
+    def advance(self, packed: PackedPlan, num_sampled_tokens: Sequence[int]
+                ) -> tuple[list[int], list[int]]:
+        """Computed counts advance (mirrored to Request.num_computed_tokens), newly full blocks are
+        hashed and cached; returns (entry indices, sampled-token offsets) of live entries that
+        sampled tokens."""
+
+    # Inspection.
+    def running_slots(self) -> list[int]: ...
+    def block_ids(self, slot: int) -> list[int]: ...
+    def block_hashes(self, slot: int) -> list[int]: ...
+    def num_computed_tokens(self, slot: int) -> int: ...
+    def num_tokens(self, slot: int) -> int: ...

@@ -1,0 +1,525 @@
+# distutils: language = c++
+"""The scheduler's per-step hot path (contract: step_core.pxd, Python view: step_core.pyi).
+
+scheduler_service/scheduler.py keeps the orchestration (Request lifecycle, the waiting queue and
+its policy, outputs, aborts, deadlines) and calls in here for everything that is a loop over
+running sequences. A step, as the Scheduler drives it:
+
+    begin_step(step_id, tokens, seqs)    budget reset, plan buffers emptied
+    schedule_running(phase)              running slots in admission order (one or two passes,
+                                         by chunking mode): chunk, blocks, allocate, write entry;
+                                         calls back into Python only when blocks run out
+    admit(...) + schedule_admitted(...)  per waiting request the Python loop admits
+    end_step()                           -> the plan's lists, its PackedPlan, its requests
+    advance(packed, num_sampled)         (update) computed counts, prefix hashes of full blocks
+
+Per-slot state (SlotState) and the plan buffers are allocated once; a step allocates only the
+plan's own objects. Each Request mirrors what Python code reads: `num_computed_tokens` (set by
+advance and admit) and `block_ids` (appended when blocks are allocated, which a decode does once
+per block_size steps).
+
+Plan entry layout (all uint32, one entry per scheduled sequence, in scheduling order):
+
+    entry i      slots[i]  num_scheduled_tokens[i]  num_new_blocks[i]  epochs[i]
+    block ids    new_block_ids[sum(num_new_blocks[:i]) : sum(num_new_blocks[:i + 1])]
+                 (an admitted sequence sends its whole table, prefix hits first)
+"""
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free as c_free, malloc, realloc
+from libc.string cimport memcpy, memmove
+
+from cython_ext.block_pool cimport BlockPool, hash_finish, hash_round, hash_seed
+
+PHASE_ALL = 0        # every running sequence (interleaved)
+PHASE_PREFILLS = 1   # only those with more than one token to compute
+PHASE_DECODES = 2    # only those with exactly one token to compute
+
+
+cdef inline int64_t _cdiv(int64_t a, int64_t b) noexcept nogil:
+    # a >= 0, b > 0 (cdivision: C's / truncates, so -(-a // b) would not round up)
+    return (a + b - 1) // b
+
+
+cdef inline int64_t _min(int64_t a, int64_t b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef inline uint8_t* _put_varint(uint8_t* p, uint64_t v) noexcept nogil:
+    while v >= 0x80:
+        p[0] = <uint8_t>((v & 0x7F) | 0x80)
+        p += 1
+        v >>= 7
+    p[0] = <uint8_t>v
+    return p + 1
+
+
+cdef inline uint8_t* _put_packed(uint8_t* p, uint32_t field, const uint32_t* values,
+                                 Py_ssize_t n) noexcept nogil:
+    # A packed repeated uint32 field; nothing for an empty one (as protobuf writes it).
+    cdef Py_ssize_t i
+    cdef uint64_t size = 0
+    cdef uint32_t v
+    if n == 0:
+        return p
+    for i in range(n):
+        v = values[i]
+        size += 1
+        while v >= 0x80:
+            size += 1
+            v >>= 7
+    p = _put_varint(p, (field << 3) | 2)
+    p = _put_varint(p, size)
+    for i in range(n):
+        p = _put_varint(p, values[i])
+    return p
+
+
+cdef class PackedPlan:
+    """The packed arrays of one plan (C copies, owned here) and their protobuf encoding."""
+
+    def __dealloc__(self):
+        c_free(self.slots)  # one allocation holds every array
+
+    def arrays(self):
+        """(slots, num_scheduled_tokens, num_new_blocks, new_block_ids) as lists (debugging)."""
+        return ([self.slots[i] for i in range(self.num_entries)],
+                [self.num_scheduled_tokens[i] for i in range(self.num_entries)],
+                [self.num_new_blocks[i] for i in range(self.num_entries)],
+                [self.new_block_ids[i] for i in range(self.num_block_ids)])
+
+
+cdef class StepCore:
+    """Per-slot running state and the per-step loops over it. Not thread safe."""
+
+    def __cinit__(self, BlockPool pool not None, int32_t block_size, int32_t max_num_slots,
+                  int64_t max_prefill_chunk=0, int64_t decode_reserve_tokens=0,
+                  bint enable_prefix_caching=True, on_blocks_exhausted=None,
+                  on_scheduled=None):
+        if block_size < 1 or max_num_slots < 1:
+            raise ValueError(f"block_size and max_num_slots must be >= 1, got {block_size} and "
+                             f"{max_num_slots}")
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_slots = max_num_slots
+        self.max_prefill_chunk = max_prefill_chunk
+        self.decode_reserve_tokens = decode_reserve_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self._on_blocks_exhausted = on_blocks_exhausted
+        self._on_scheduled = on_scheduled
+        self._requests = [None] * max_num_slots
+        cdef Py_ssize_t n = max_num_slots
+        self._slots = <SlotState*>calloc(n, sizeof(SlotState))
+        self._running = <int32_t*>malloc(n * sizeof(int32_t))
+        self._snap = <int32_t*>malloc(n * sizeof(int32_t))
+        self._snap_epochs = <uint32_t*>malloc(n * sizeof(uint32_t))
+        self._out_slots = <uint32_t*>malloc(n * sizeof(uint32_t))
+        self._out_num_scheduled = <uint32_t*>malloc(n * sizeof(uint32_t))
+        self._out_num_new_blocks = <uint32_t*>malloc(n * sizeof(uint32_t))
+        self._out_epochs = <uint32_t*>malloc(n * sizeof(uint32_t))
+        self._nb_cap = 4 * n
+        self._out_block_ids = <uint32_t*>malloc(self._nb_cap * sizeof(uint32_t))
+        self._wire_cap = 0
+        self._wire = NULL
+        if not (self._slots and self._running and self._snap and self._snap_epochs
+                and self._out_slots and self._out_num_scheduled and self._out_num_new_blocks
+                and self._out_epochs and self._out_block_ids):
+            raise MemoryError(f"cannot allocate step core arrays for {n} slots")
+        cdef Py_ssize_t i
+        for i in range(n):
+            self._slots[i].scheduled_step = -1
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self._slots:
+            for i in range(self.max_num_slots):
+                c_free(self._slots[i].block_ids)
+                c_free(self._slots[i].block_hashes)
+                c_free(self._slots[i].token_ids)
+        c_free(self._slots)
+        c_free(self._running)
+        c_free(self._snap)
+        c_free(self._snap_epochs)
+        c_free(self._out_slots)
+        c_free(self._out_num_scheduled)
+        c_free(self._out_num_new_blocks)
+        c_free(self._out_epochs)
+        c_free(self._out_block_ids)
+        c_free(self._wire)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    cdef SlotState* _state(self, int32_t slot) except NULL:
+        if slot < 0 or slot >= self.max_num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_num_slots})")
+        return &self._slots[slot]
+
+    cdef int _reserve_slot_buffers(self, SlotState* s, int32_t num_blocks,
+                                   int64_t num_tokens) except -1:
+        cdef int32_t cap
+        cdef int64_t tcap
+        cdef void* p
+        if num_blocks > s.blocks_cap:
+            cap = s.blocks_cap * 2 if s.blocks_cap * 2 > num_blocks else num_blocks + 8
+            p = realloc(s.block_ids, cap * sizeof(int32_t))
+            if p == NULL:
+                raise MemoryError("cannot grow a block table")
+            s.block_ids = <int32_t*>p
+            p = realloc(s.block_hashes, cap * sizeof(uint64_t))
+            if p == NULL:
+                raise MemoryError("cannot grow a block hash table")
+            s.block_hashes = <uint64_t*>p
+            s.blocks_cap = cap
+        if num_tokens > s.tokens_cap:
+            tcap = s.tokens_cap * 2 if s.tokens_cap * 2 > num_tokens else num_tokens + 64
+            p = realloc(s.token_ids, tcap * sizeof(uint32_t))
+            if p == NULL:
+                raise MemoryError("cannot grow a token buffer")
+            s.token_ids = <uint32_t*>p
+            s.tokens_cap = tcap
+        return 0
+
+    cdef int64_t _chunk(self, int64_t num_tokens_to_compute) noexcept nogil:
+        # A decode takes 1 token, a prompt its next chunk (1 chunk per step in decode-priority).
+        if num_tokens_to_compute <= 1:
+            return _min(num_tokens_to_compute, self.budget_tokens)
+        if self.budget_prefill_chunks <= 0:
+            return 0
+        cdef int64_t cap = self.max_prefill_chunk if self.max_prefill_chunk > 0 else INT64_MAX
+        return _min(_min(num_tokens_to_compute, self.budget_tokens), cap)
+
+    cdef int64_t _reserve_blocks_of(self, SlotState* s, int64_t num_scheduled) noexcept nogil:
+        # Blocks the sequence needs to grow decode_reserve_tokens past this step (capped by its
+        # maximum length).
+        cdef int64_t grown = _min(s.max_num_tokens, s.num_computed_tokens + num_scheduled
+                                  + self.decode_reserve_tokens)
+        cdef int64_t need = _cdiv(grown, self.block_size) - s.num_blocks
+        return need if need > 0 else 0
+
+    cdef int _schedule_slot(self, int32_t slot, int64_t num_new_tokens, int64_t num_blocks,
+                            bint admitted) except -1:
+        cdef SlotState* s = &self._slots[slot]
+        cdef int32_t first_new = s.num_blocks, start, count, j
+        cdef list mirror
+        if num_blocks > self.pool.num_free:
+            raise MemoryError(f"slot {slot}: {num_blocks} blocks wanted, "
+                              f"{self.pool.num_free} free")
+        if num_blocks > 0:
+            self._reserve_slot_buffers(s, s.num_blocks + <int32_t>num_blocks, 0)
+            mirror = self._requests[slot].block_ids
+            for j in range(<int32_t>num_blocks):
+                s.block_ids[s.num_blocks] = self.pool._take_head()
+                mirror.append(s.block_ids[s.num_blocks])
+                s.num_blocks += 1
+        # A new sequence's block table starts empty on the model side: send all of it.
+        start = 0 if admitted else first_new
+        count = s.num_blocks - start
+        if self._nb + count > self._nb_cap:
+            self._grow_out_block_ids(self._nb + count)
+        for j in range(count):
+            self._out_block_ids[self._nb + j] = <uint32_t>s.block_ids[start + j]
+        self._nb += count
+        self._out_slots[self._n] = <uint32_t>slot
+        self._out_num_scheduled[self._n] = <uint32_t>num_new_tokens
+        self._out_num_new_blocks[self._n] = <uint32_t>count
+        self._out_epochs[self._n] = s.epoch
+        self._n += 1
+        self.budget_tokens -= num_new_tokens
+        self.budget_seqs -= 1
+        if s.num_tokens - s.num_computed_tokens > 1:
+            self.budget_prefill_chunks -= 1
+        s.scheduled_step = self.step_id
+        s.num_scheduled_tokens = num_new_tokens
+        if self._on_scheduled is not None:
+            self._on_scheduled(self._requests[slot], num_new_tokens)
+        return 0
+
+    cdef int _grow_out_block_ids(self, Py_ssize_t need) except -1:
+        cdef Py_ssize_t cap = self._nb_cap * 2 if self._nb_cap * 2 > need else need
+        cdef void* p = realloc(self._out_block_ids, cap * sizeof(uint32_t))
+        if p == NULL:
+            raise MemoryError("cannot grow the plan's block id buffer")
+        self._out_block_ids = <uint32_t*>p
+        self._nb_cap = cap
+        return 0
+
+    cdef int _cache_full_blocks(self, SlotState* s) except -1:
+        # Registers every block full of computed tokens, hashed on its parent (BlockPool's
+        # cache_block rule: the first block to register a hash keeps it).
+        cdef int64_t num_full = s.num_computed_tokens // self.block_size
+        cdef int64_t index, j, start
+        cdef uint64_t parent, acc
+        cdef int32_t b
+        if num_full <= s.num_hashed:
+            return 0
+        parent = s.block_hashes[s.num_hashed - 1] if s.num_hashed > 0 else 0
+        for index in range(s.num_hashed, num_full):
+            start = index * self.block_size
+            acc = hash_seed(parent, s.salt)
+            for j in range(start, start + self.block_size):
+                acc = hash_round(acc, s.token_ids[j])
+            parent = hash_finish(acc, <uint64_t>self.block_size)
+            b = s.block_ids[index]
+            if self.pool._has_hash[b]:
+                if self.pool._hash[b] != parent:
+                    raise ValueError(f"block {b} is already cached under another hash")
+            elif self.pool._lookup(parent) < 0:
+                self.pool._register_hash(b, parent)
+            s.block_hashes[index] = parent
+        s.num_hashed = <int32_t>num_full
+        return 0
+
+    cdef void _remove_running(self, int32_t slot) noexcept nogil:
+        cdef int32_t i
+        for i in range(self.num_running):
+            if self._running[i] == slot:
+                memmove(&self._running[i], &self._running[i + 1],
+                        (self.num_running - i - 1) * sizeof(int32_t))
+                self.num_running -= 1
+                return
+
+    cdef Py_ssize_t _encode_wire(self) except -1:
+        cdef Py_ssize_t bound = 4 * 11 + 5 * (3 * self._n + self._nb)
+        cdef void* p
+        cdef uint8_t* end
+        if bound > self._wire_cap:
+            p = realloc(self._wire, bound)
+            if p == NULL:
+                raise MemoryError("cannot grow the wire buffer")
+            self._wire = <uint8_t*>p
+            self._wire_cap = bound
+        end = _put_packed(self._wire, 3, self._out_slots, self._n)
+        end = _put_packed(end, 4, self._out_num_scheduled, self._n)
+        end = _put_packed(end, 5, self._out_num_new_blocks, self._n)
+        end = _put_packed(end, 6, self._out_block_ids, self._nb)
+        return end - self._wire
+
+    # ---- sequences in and out -------------------------------------------------------------------
+
+    def admit(self, int32_t slot, request, token_ids, int64_t num_computed_tokens, hits,
+              int64_t max_num_tokens, uint64_t salt):
+        """Starts the running sequence `request` in `slot`: its tokens, the prefix-cache hit blocks
+        it shares (increfed here, their hashes computed), appended to the running order."""
+        cdef SlotState* s = self._state(slot)
+        if self._requests[slot] is not None:
+            raise ValueError(f"slot {slot} is already running a sequence")
+        cdef Py_ssize_t i, n = len(token_ids), num_hits = len(hits)
+        cdef int32_t b
+        cdef uint64_t parent = 0, acc
+        cdef int64_t j
+        self._reserve_slot_buffers(s, <int32_t>num_hits, n)
+        for i in range(n):
+            s.token_ids[i] = token_ids[i]
+        for i in range(num_hits):
+            self.pool._check_id(hits[i])
+        s.num_tokens = n
+        s.num_computed_tokens = num_computed_tokens
+        s.max_num_tokens = max_num_tokens
+        s.salt = salt
+        s.num_blocks = 0
+        s.num_hashed = 0
+        s.scheduled_step = -1
+        for i in range(num_hits):
+            b = hits[i]
+            self.pool._incref_one(b)
+            s.block_ids[i] = b
+            acc = hash_seed(parent, salt)
+            for j in range(i * self.block_size, (i + 1) * self.block_size):
+                acc = hash_round(acc, s.token_ids[j])
+            parent = hash_finish(acc, <uint64_t>self.block_size)
+            s.block_hashes[i] = parent
+        s.num_blocks = <int32_t>num_hits
+        s.num_hashed = <int32_t>num_hits
+        self._requests[slot] = request
+        self._running[self.num_running] = slot
+        self.num_running += 1
+
+    def release(self, int32_t slot):
+        """Frees the slot's blocks (in table order) and drops it from the running order."""
+        cdef SlotState* s = self._state(slot)
+        cdef int32_t j
+        if self._requests[slot] is None:
+            raise ValueError(f"slot {slot} is not running")
+        for j in range(s.num_blocks):
+            if self.pool._ref[s.block_ids[j]] <= 0:
+                raise ValueError(f"double free: block {s.block_ids[j]} has ref count 0")
+        for j in range(s.num_blocks):
+            self.pool._decref_one(s.block_ids[j])
+        s.num_blocks = 0
+        s.num_hashed = 0
+        s.num_tokens = 0
+        s.num_computed_tokens = 0
+        s.scheduled_step = -1
+        s.epoch += 1
+        self._remove_running(slot)
+        self._requests[slot] = None
+
+    def append_tokens(self, int32_t slot, token_ids):
+        """Tokens sampled for the slot's sequence (and accepted by the stop checks)."""
+        cdef SlotState* s = self._state(slot)
+        cdef Py_ssize_t i, n = len(token_ids)
+        self._reserve_slot_buffers(s, 0, s.num_tokens + n)
+        for i in range(n):
+            s.token_ids[s.num_tokens + i] = token_ids[i]
+        s.num_tokens += n
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def begin_step(self, int64_t step_id, int64_t max_num_batched_tokens, int64_t max_num_seqs):
+        self.step_id = step_id
+        self.budget_tokens = max_num_batched_tokens
+        self.budget_seqs = max_num_seqs
+        self.budget_prefill_chunks = INT64_MAX
+        self.stalled = False
+        self._n = 0
+        self._nb = 0
+
+    def limit_prefill_chunks(self, int64_t num_chunks):
+        self.budget_prefill_chunks = num_chunks
+
+    def schedule_running(self, int phase):
+        """One pass over the running sequences in admission order (`phase`: PHASE_ALL, or only
+        PHASE_PREFILLS / PHASE_DECODES). Each takes a decode token or its next prompt chunk and the
+        blocks that needs; when blocks run out, `on_blocks_exhausted(slot)` preempts the policy's
+        victim (True when the victim was that slot's own sequence: the pass, and admission, stop).
+        A slot scheduled earlier in the step, or released since the pass began, is skipped."""
+        cdef int32_t k, nsnap = self.num_running, slot
+        cdef SlotState* s
+        cdef int64_t to_compute, n, num_blocks
+        memcpy(self._snap, self._running, nsnap * sizeof(int32_t))
+        for k in range(nsnap):
+            self._snap_epochs[k] = self._slots[self._snap[k]].epoch
+        for k in range(nsnap):
+            if self.budget_tokens <= 0 or self.budget_seqs <= 0 or self.stalled:
+                return
+            slot = self._snap[k]
+            s = &self._slots[slot]
+            if s.epoch != self._snap_epochs[k] or s.scheduled_step == self.step_id:
+                continue
+            to_compute = s.num_tokens - s.num_computed_tokens
+            if (phase == 1 and to_compute <= 1) or (phase == 2 and to_compute != 1):
+                continue
+            n = self._chunk(to_compute)
+            if n == 0:
+                continue
+            num_blocks = _cdiv(s.num_computed_tokens + n, self.block_size) - s.num_blocks
+            if num_blocks < 0:
+                num_blocks = 0
+            while num_blocks > self.pool.num_free:
+                if self._on_blocks_exhausted(slot):
+                    self.stalled = True
+                    return
+            self._schedule_slot(slot, n, num_blocks, False)
+
+    def schedule_admitted(self, int32_t slot, int64_t num_new_tokens, int64_t num_blocks):
+        """Schedules a sequence just admitted: its first chunk and its whole block table."""
+        self._state(slot)
+        self._schedule_slot(slot, num_new_tokens, num_blocks, True)
+
+    def chunk(self, int64_t num_tokens_to_compute):
+        """Tokens a sequence with this many tokens left may compute, given the budget left."""
+        return self._chunk(num_tokens_to_compute)
+
+    @property
+    def budget_open(self):
+        """Room for one more sequence in this step."""
+        return self.budget_tokens > 0 and self.budget_seqs > 0 and not self.stalled
+
+    def is_scheduled(self, int32_t slot):
+        return self._state(slot).scheduled_step == self.step_id
+
+    def decode_reserve_blocks(self):
+        """Blocks every running sequence needs to grow decode_reserve_tokens past this step."""
+        cdef int64_t total = 0
+        cdef int32_t k
+        cdef SlotState* s
+        for k in range(self.num_running):
+            s = &self._slots[self._running[k]]
+            total += self._reserve_blocks_of(
+                s, s.num_scheduled_tokens if s.scheduled_step == self.step_id else 0)
+        return total
+
+    def reserve_blocks_of(self, int32_t slot, int64_t num_scheduled):
+        return self._reserve_blocks_of(self._state(slot), num_scheduled)
+
+    def end_step(self):
+        """(requests, slots, num_scheduled_tokens, num_new_blocks, new_block_ids, packed): the
+        plan's entries as lists for Python and as a PackedPlan for the wire and for advance()."""
+        cdef Py_ssize_t i, n = self._n, nb = self._nb
+        cdef Py_ssize_t wire_len = self._encode_wire()
+        cdef PackedPlan packed = PackedPlan.__new__(PackedPlan)
+        cdef uint32_t* block = <uint32_t*>malloc((4 * n + nb + 1) * sizeof(uint32_t))
+        if block == NULL:
+            raise MemoryError("cannot allocate a packed plan")
+        packed.slots = block
+        packed.num_scheduled_tokens = block + n
+        packed.num_new_blocks = block + 2 * n
+        packed.epochs = block + 3 * n
+        packed.new_block_ids = block + 4 * n
+        packed.num_entries = n
+        packed.num_block_ids = nb
+        memcpy(packed.slots, self._out_slots, n * sizeof(uint32_t))
+        memcpy(packed.num_scheduled_tokens, self._out_num_scheduled, n * sizeof(uint32_t))
+        memcpy(packed.num_new_blocks, self._out_num_new_blocks, n * sizeof(uint32_t))
+        memcpy(packed.epochs, self._out_epochs, n * sizeof(uint32_t))
+        memcpy(packed.new_block_ids, self._out_block_ids, nb * sizeof(uint32_t))
+        packed.wire = PyBytes_FromStringAndSize(<char*>self._wire, wire_len)
+        cdef list requests = [None] * n
+        cdef list slots = [None] * n
+        cdef list num_scheduled = [None] * n
+        cdef list num_new_blocks = [None] * n
+        cdef list block_ids = [None] * nb
+        for i in range(n):
+            requests[i] = self._requests[self._out_slots[i]]
+            slots[i] = self._out_slots[i]
+            num_scheduled[i] = self._out_num_scheduled[i]
+            num_new_blocks[i] = self._out_num_new_blocks[i]
+        for i in range(nb):
+            block_ids[i] = self._out_block_ids[i]
+        return requests, slots, num_scheduled, num_new_blocks, block_ids, packed
+
+    def advance(self, PackedPlan packed not None, num_sampled_tokens):
+        """Applies a plan's result to the sequences still in their slots: computed counts advance
+        (mirrored to Request.num_computed_tokens) and newly full blocks enter the prefix cache.
+        Returns (entry indices, offsets into the sampled token ids) of the live entries that
+        sampled tokens, for Python's output processing."""
+        cdef Py_ssize_t i, n = packed.num_entries, offset = 0, num_sampled
+        cdef SlotState* s
+        cdef uint32_t slot
+        cdef list indices = [], offsets = []
+        if len(num_sampled_tokens) != n:
+            raise ValueError(f"result has {len(num_sampled_tokens)} sampled counts for a plan "
+                             f"of {n} sequences")
+        for i in range(n):
+            num_sampled = num_sampled_tokens[i]
+            slot = packed.slots[i]
+            s = &self._slots[slot]
+            if s.epoch == packed.epochs[i] and self._requests[slot] is not None:
+                s.num_computed_tokens += packed.num_scheduled_tokens[i]
+                self._requests[slot].num_computed_tokens = s.num_computed_tokens
+                if self.enable_prefix_caching:
+                    self._cache_full_blocks(s)
+                if num_sampled:
+                    indices.append(i)
+                    offsets.append(offset)
+            offset += num_sampled
+        return indices, offsets
+
+    # ---- inspection -----------------------------------------------------------------------------
+
+    def running_slots(self):
+        return [self._running[i] for i in range(self.num_running)]
+
+    def block_ids(self, int32_t slot):
+        cdef SlotState* s = self._state(slot)
+        return [s.block_ids[i] for i in range(s.num_blocks)]
+
+    def block_hashes(self, int32_t slot):
+        cdef SlotState* s = self._state(slot)
+        return [s.block_hashes[i] for i in range(s.num_hashed)]
+
+    def num_computed_tokens(self, int32_t slot):
+        return self._state(slot).num_computed_tokens
+
+    def num_tokens(self, int32_t slot):
+        return self._state(slot).num_tokens
