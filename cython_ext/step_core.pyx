@@ -25,6 +25,8 @@ Plan entry layout (all uint32, one entry per scheduled sequence, in scheduling o
                  (an admitted sequence sends its whole table, prefix hits first)
 """
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free as c_free, malloc, realloc
 from libc.string cimport memcpy, memmove
@@ -464,18 +466,29 @@ cdef class StepCore:
         memcpy(packed.epochs, self._out_epochs, n * sizeof(uint32_t))
         memcpy(packed.new_block_ids, self._out_block_ids, nb * sizeof(uint32_t))
         packed.wire = PyBytes_FromStringAndSize(<char*>self._wire, wire_len)
-        cdef list requests = [None] * n
-        cdef list slots = [None] * n
-        cdef list num_scheduled = [None] * n
-        cdef list num_new_blocks = [None] * n
-        cdef list block_ids = [None] * nb
+        cdef list requests = PyList_New(n)
+        cdef list slots = PyList_New(n)
+        cdef list num_scheduled = PyList_New(n)
+        cdef list num_new_blocks = PyList_New(n)
+        cdef list block_ids = PyList_New(nb)
+        cdef object item
         for i in range(n):
-            requests[i] = self._requests[self._out_slots[i]]
-            slots[i] = self._out_slots[i]
-            num_scheduled[i] = self._out_num_scheduled[i]
-            num_new_blocks[i] = self._out_num_new_blocks[i]
+            item = self._requests[self._out_slots[i]]
+            Py_INCREF(item)
+            PyList_SET_ITEM(requests, i, item)
+            item = self._out_slots[i]
+            Py_INCREF(item)
+            PyList_SET_ITEM(slots, i, item)
+            item = self._out_num_scheduled[i]
+            Py_INCREF(item)
+            PyList_SET_ITEM(num_scheduled, i, item)
+            item = self._out_num_new_blocks[i]
+            Py_INCREF(item)
+            PyList_SET_ITEM(num_new_blocks, i, item)
         for i in range(nb):
-            block_ids[i] = self._out_block_ids[i]
+            item = self._out_block_ids[i]
+            Py_INCREF(item)
+            PyList_SET_ITEM(block_ids, i, item)
         return requests, slots, num_scheduled, num_new_blocks, block_ids, packed
 
     def advance(self, PackedPlan packed not None, num_sampled_tokens):
