@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from scheduler_service import policies
+
 CHUNKING_MODES = ("interleaved", "prefill-first", "decode-priority")
 
 
@@ -67,6 +69,8 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        # Fails with the valid names when the policy is unknown or does not import.
+        policies.resolve(self.policy)
         if self.chunking_mode not in CHUNKING_MODES:
             raise ValueError(f"chunking_mode must be one of {', '.join(CHUNKING_MODES)}, "
                              f"got {self.chunking_mode!r}")
