@@ -21,6 +21,7 @@ cdef struct SlotState:
     int64_t scheduled_step          # step_id of the last step that scheduled it
     int64_t num_scheduled_tokens    # tokens scheduled in that step
     int32_t num_blocks              # block_ids[0:num_blocks] is the block table
+    int32_t num_blocks_sent         # block_ids[0:num_blocks_sent] are known to the model service
     int32_t num_hashed              # block_hashes[0:num_hashed]: leading full blocks, hashed
     int32_t blocks_cap
     int32_t* block_ids
@@ -81,8 +82,8 @@ cdef class StepCore:
                                    int64_t num_tokens) except -1
     cdef int64_t _chunk(self, int64_t num_tokens_to_compute) noexcept nogil
     cdef int64_t _reserve_blocks_of(self, SlotState* s, int64_t num_scheduled) noexcept nogil
-    cdef int _schedule_slot(self, int32_t slot, int64_t num_new_tokens, int64_t num_blocks,
-                            bint admitted) except -1
+    cdef int _schedule_slot(self, int32_t slot, int64_t num_new_tokens,
+                            int64_t num_blocks) except -1
     cdef int _cache_full_blocks(self, SlotState* s) except -1
     cdef void _remove_running(self, int32_t slot) noexcept nogil
     cdef int _grow_out_block_ids(self, Py_ssize_t need) except -1

@@ -51,6 +51,12 @@ class StepCore:
               hits: Sequence[int], max_num_tokens: int, salt: int) -> None:
         """Starts `request` in `slot` (appended to the running order), sharing the prefix-cache
         hit blocks (increfed here). ValueError if the slot is taken or a hit id is invalid."""
+    def fork(self, parent_slot: int, slot: int, request: Any, num_prompt_tokens: int,
+             max_num_tokens: int) -> Optional[tuple[int, int]]:
+        """Starts `request` in `slot` as a parallel sample sharing the parent's computed prompt
+        blocks; it recomputes the last prompt token. Returns the copy-on-write (src, dst) of the
+        block that token lands in when the parent already wrote into it, else None.
+        `request.block_ids` must hold the shared blocks; the copy's id is appended."""
     def release(self, slot: int) -> None:
         """Frees the slot's blocks in table order and drops it from the running order."""
     def append_tokens(self, slot: int, token_ids: Sequence[int]) -> None: ...

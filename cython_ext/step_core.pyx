@@ -10,6 +10,7 @@ running sequences. A step, as the Scheduler drives it:
                                          by chunking mode): chunk, blocks, allocate, write entry;
                                          calls back into Python only when blocks run out
     admit(...) + schedule_admitted(...)  per waiting request the Python loop admits
+    fork(...)                            (update) a parallel sample sharing its parent's prompt
     end_step()                           -> the plan's lists, its PackedPlan, its requests
     advance(packed, num_sampled)         (update) computed counts, prefix hashes of full blocks
 
@@ -22,7 +23,7 @@ Plan entry layout (all uint32, one entry per scheduled sequence, in scheduling o
 
     entry i      slots[i]  num_scheduled_tokens[i]  num_new_blocks[i]  epochs[i]
     block ids    new_block_ids[sum(num_new_blocks[:i]) : sum(num_new_blocks[:i + 1])]
-                 (an admitted sequence sends its whole table, prefix hits first)
+                 (a sequence's first entry sends its whole table, shared blocks first)
 """
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.list cimport PyList_New, PyList_SET_ITEM
@@ -198,10 +199,10 @@ cdef class StepCore:
         cdef int64_t need = _cdiv(grown, self.block_size) - s.num_blocks
         return need if need > 0 else 0
 
-    cdef int _schedule_slot(self, int32_t slot, int64_t num_new_tokens, int64_t num_blocks,
-                            bint admitted) except -1:
+    cdef int _schedule_slot(self, int32_t slot, int64_t num_new_tokens,
+                            int64_t num_blocks) except -1:
         cdef SlotState* s = &self._slots[slot]
-        cdef int32_t first_new = s.num_blocks, start, count, j
+        cdef int32_t start, count, j
         cdef list mirror
         if num_blocks > self.pool.num_free:
             raise MemoryError(f"slot {slot}: {num_blocks} blocks wanted, "
@@ -213,9 +214,11 @@ cdef class StepCore:
                 s.block_ids[s.num_blocks] = self.pool._take_head()
                 mirror.append(s.block_ids[s.num_blocks])
                 s.num_blocks += 1
-        # A new sequence's block table starts empty on the model side: send all of it.
-        start = 0 if admitted else first_new
+        # A new sequence's block table starts empty on the model side: its first entry sends all
+        # of it (prefix hits or blocks shared with a parent first); later ones what was appended.
+        start = s.num_blocks_sent
         count = s.num_blocks - start
+        s.num_blocks_sent = s.num_blocks
         if self._nb + count > self._nb_cap:
             self._grow_out_block_ids(self._nb + count)
         for j in range(count):
@@ -331,10 +334,61 @@ cdef class StepCore:
             parent = hash_finish(acc, <uint64_t>self.block_size)
             s.block_hashes[i] = parent
         s.num_blocks = <int32_t>num_hits
+        s.num_blocks_sent = 0
         s.num_hashed = <int32_t>num_hits
         self._requests[slot] = request
         self._running[self.num_running] = slot
         self.num_running += 1
+
+    def fork(self, int32_t parent_slot, int32_t slot, request, int64_t num_prompt_tokens,
+             int64_t max_num_tokens):
+        """Starts `request` in `slot` as a parallel sample of the sequence in `parent_slot`,
+        whose prompt (its first num_prompt_tokens tokens) is computed: the child shares every
+        block of it (increfed) and computes the last prompt token again, to draw its own first
+        token. The block that token lands in is copied when the parent already wrote earlier
+        tokens into it (copy-on-write: the child's writes must not reach the parent's block).
+        Returns (src, dst) of that copy, or None. MemoryError when the copy finds no free block.
+        """
+        cdef SlotState* parent = self._state(parent_slot)
+        cdef SlotState* s = self._state(slot)
+        if self._requests[parent_slot] is None:
+            raise ValueError(f"slot {parent_slot} is not running")
+        if self._requests[slot] is not None:
+            raise ValueError(f"slot {slot} is already running a sequence")
+        if not 0 < num_prompt_tokens <= parent.num_computed_tokens:
+            raise ValueError(f"the parent has computed {parent.num_computed_tokens} tokens, "
+                             f"not the whole prompt of {num_prompt_tokens}")
+        cdef int64_t num_computed = num_prompt_tokens - 1
+        cdef int32_t num_full = <int32_t>(num_computed // self.block_size)
+        cdef bint copy = num_computed % self.block_size != 0
+        if copy and self.pool.num_free < 1:
+            raise MemoryError(f"slot {slot}: no free block for the copy-on-write")
+        cdef int32_t j, src = -1, dst = -1
+        self._reserve_slot_buffers(s, num_full + 1, num_prompt_tokens)
+        memcpy(s.token_ids, parent.token_ids, num_prompt_tokens * sizeof(uint32_t))
+        for j in range(num_full):
+            self.pool._incref_one(parent.block_ids[j])
+            s.block_ids[j] = parent.block_ids[j]
+        memcpy(s.block_hashes, parent.block_hashes,
+               _min(num_full, parent.num_hashed) * sizeof(uint64_t))
+        s.num_blocks = num_full
+        if copy:
+            src = parent.block_ids[num_full]
+            dst = self.pool._take_head()
+            s.block_ids[num_full] = dst
+            s.num_blocks += 1
+            request.block_ids.append(dst)
+        s.num_tokens = num_prompt_tokens
+        s.num_computed_tokens = num_computed
+        s.max_num_tokens = max_num_tokens
+        s.salt = parent.salt
+        s.num_blocks_sent = 0
+        s.num_hashed = <int32_t>_min(num_full, parent.num_hashed)
+        s.scheduled_step = -1
+        self._requests[slot] = request
+        self._running[self.num_running] = slot
+        self.num_running += 1
+        return (src, dst) if copy else None
 
     def release(self, int32_t slot):
         """Frees the slot's blocks (in table order) and drops it from the running order."""
@@ -411,12 +465,12 @@ cdef class StepCore:
                 if self._on_blocks_exhausted(slot):
                     self.stalled = True
                     return
-            self._schedule_slot(slot, n, num_blocks, False)
+            self._schedule_slot(slot, n, num_blocks)
 
     def schedule_admitted(self, int32_t slot, int64_t num_new_tokens, int64_t num_blocks):
         """Schedules a sequence just admitted: its first chunk and its whole block table."""
         self._state(slot)
-        self._schedule_slot(slot, num_new_tokens, num_blocks, True)
+        self._schedule_slot(slot, num_new_tokens, num_blocks)
 
     def chunk(self, int64_t num_tokens_to_compute):
         """Tokens a sequence with this many tokens left may compute, given the budget left."""

@@ -19,6 +19,7 @@ DEFAULT_TOP_P = 1.0
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_SAMPLES = 16
 MAX_TENANT_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 
@@ -127,6 +128,9 @@ def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: 
         raise InvalidRequest("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
     if pb.HasField("deadline_ms") and pb.deadline_ms < 1:
         raise InvalidRequest("deadline_ms", f"must be >= 1 when set, got {pb.deadline_ms}")
+    n = pb.n if pb.HasField("n") else 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise InvalidRequest("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
     arrival = time.monotonic()
     return Request(
         request_id=pb.request_id or uuid.uuid4().hex,
@@ -138,4 +142,5 @@ def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: 
         deadline=arrival + pb.deadline_ms / 1000 if pb.HasField("deadline_ms") else None,
         tenant=pb.tenant,
         cache_salt=pb.cache_salt,
+        n=n,
     )

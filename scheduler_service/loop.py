@@ -84,4 +84,6 @@ class EngineLoop:
     def _fail_all(self) -> None:
         for request in list(self.scheduler.requests.values()):
             request.outputs.put_nowait(RequestOutput(
-                token_ids=[], text="", finish_reason=FinishReason.ERROR))
+                token_ids=[], text="", finish_reason=FinishReason.ERROR, index=request.index))
+            for output in request.unforked_finals(FinishReason.ERROR):
+                request.outputs.put_nowait(output)

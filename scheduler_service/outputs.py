@@ -44,7 +44,8 @@ class OutputProcessor:
                 break
         final = request.finish_reason is not None
         return RequestOutput(token_ids=accepted, text=detokenizer.take_text(final=final),
-                             finish_reason=request.finish_reason, stop_match=stop_match)
+                             finish_reason=request.finish_reason, stop_match=stop_match,
+                             usage=request.usage() if final else None, index=request.index)
 
     def _check_stop(self, request: Request, token_id: int, stop_string: Optional[str]):
         stopping = request.stopping
@@ -64,7 +65,8 @@ class OutputProcessor:
         request.finish_reason = reason
         detokenizer = self._detokenizers.get(request.request_id)
         text = detokenizer.take_text(final=True) if detokenizer else ""
-        return RequestOutput(token_ids=[], text=text, finish_reason=reason)
+        return RequestOutput(token_ids=[], text=text, finish_reason=reason,
+                             usage=request.usage(), index=request.index)
 
     def release(self, request: Request) -> None:
         self._detokenizers.pop(request.request_id, None)
@@ -72,10 +74,11 @@ class OutputProcessor:
 
 def to_pb(request: Request, output: RequestOutput) -> generate_pb2.GenerateResponse:
     chunk = generate_pb2.GenerateResponse(
-        request_id=request.request_id, token_ids=output.token_ids, text=output.text)
+        request_id=request.public_id, token_ids=output.token_ids, text=output.text,
+        index=output.index)
     if output.finish_reason is not None:
         chunk.finish_reason = int(output.finish_reason)
-        usage = request.usage()
+        usage = output.usage or request.usage()
         chunk.usage.CopyFrom(generate_pb2.Usage(
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens, queue_time_us=usage.queue_time_us,

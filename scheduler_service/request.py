@@ -60,6 +60,7 @@ class RequestOutput:
     finish_reason: Optional[FinishReason] = None
     stop_match: Optional[str | int] = None
     usage: Optional["Usage"] = None
+    index: int = 0  # which of the request's n parallel samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,12 @@ class Request:
     cache_salt: str = ""
     # Times this request was preempted; a preempted request goes ahead of fresh ones.
     num_preemptions: int = 0
+    # Parallel samples: sample 0 is this request; once its prompt is computed, samples
+    # 1 .. n-1 fork from it (`fork_sample`), sharing its prompt blocks.
+    n: int = 1
+    index: int = 0
+    group_id: str = ""  # the public request id of every sample ("" for sample 0: request_id)
+    forked: bool = False  # samples 1 .. n-1 exist
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -103,6 +110,39 @@ class Request:
 
     # Filled by the serving layer: where this request's outputs go.
     outputs: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue, repr=False)
+
+    @property
+    def public_id(self) -> str:
+        return self.group_id or self.request_id
+
+    def fork_sample(self, index: int) -> "Request":
+        """Parallel sample `index` of this request: same prompt, stops, rank and outputs queue;
+        its own seed (the request's seed + index) and its own state."""
+        return Request(
+            request_id=f"{self.request_id}/{index}",
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=dataclasses.replace(
+                self.sampling, seed=(self.sampling.seed + index) % (1 << 64)),
+            stopping=self.stopping,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            deadline=self.deadline,
+            tenant=self.tenant,
+            cache_salt=self.cache_salt,
+            index=index,
+            group_id=self.request_id,
+            outputs=self.outputs,
+        )
+
+    def unforked_finals(self, reason: FinishReason) -> list[RequestOutput]:
+        """Last outputs of samples 1 .. n-1 when this request ends before they forked (so
+        that the client's stream still gets one last chunk per sample)."""
+        if self.forked:
+            return []
+        usage = Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=0,
+                      cached_tokens=0, queue_time_us=0, time_to_first_token_us=0)
+        return [RequestOutput(token_ids=[], text="", finish_reason=reason, usage=usage,
+                              index=index) for index in range(1, self.n)]
 
     @property
     def all_token_ids(self) -> list[int]:

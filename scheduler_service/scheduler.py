@@ -67,6 +67,11 @@ class Scheduler:
         self._aborted_slots: list[int] = []
         # Outputs decided by schedule() itself (aborts, deadlines), delivered with the step's own.
         self._early_outputs: list[tuple[Request, RequestOutput]] = []
+        # Parallel samples (n > 1): every sample of a request, by its public id, while any runs.
+        self._groups: dict[str, list[Request]] = {}
+        # Samples forked since the last plan, by slot: their registration and the copy-on-write
+        # of the block their first token lands in, both sent with the next plan.
+        self._pending_forks: dict[int, tuple[NewSequence, Optional[tuple[int, int]]]] = {}
         # Per-slot sequence state and the per-step loops over it, in C.
         policy_type = type(self.policy)
         self.core = StepCore(
@@ -99,10 +104,10 @@ class Scheduler:
         """Marks a request aborted; it leaves, and frees its blocks, in the next schedule().
         False when no such request is in flight."""
         request = self.requests.get(request_id)
-        if request is None or request.is_finished:
-            return False
-        self._abort_ids.add(request_id)
-        return True
+        members = self._groups.get(request_id, [request] if request else [])
+        live = [m.request_id for m in members if not m.is_finished]
+        self._abort_ids.update(live)
+        return bool(live)
 
     def has_work(self) -> bool:
         return bool(self.running or len(self.policy) or self._finished_slots
@@ -113,7 +118,9 @@ class Scheduler:
         return len(self.policy)
 
     def find(self, request_id: str) -> Optional[Request]:
-        return self.requests.get(request_id)
+        """The in-flight request with this public id (sample 0 of a request with n > 1)."""
+        members = self._groups.get(request_id)
+        return members[0] if members else self.requests.get(request_id)
 
     def take_early_outputs(self) -> list[tuple[Request, RequestOutput]]:
         outputs, self._early_outputs = self._early_outputs, []
@@ -174,6 +181,8 @@ class Scheduler:
         (plan.requests, plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks,
          plan.new_block_ids, plan.packed) = core.end_step()
         self._plan = None
+        if self._pending_forks:
+            self._register_forks(plan)
         if self._finished_slots:
             plan.finished_slots, self._finished_slots = self._finished_slots, []
         if self._aborted_slots:
@@ -188,7 +197,7 @@ class Scheduler:
         request = self.running_in(slot)
         victim = self.policy.select_victim(
             [r for r in self.running if not core.is_scheduled(r.slot)])
-        self._plan.preempted_slots.append(self._preempt(victim))
+        self._preempt(victim, self._plan)
         return victim is request
 
     def running_in(self, slot: int) -> Request:
@@ -242,7 +251,7 @@ class Scheduler:
             victim = self.policy.select_victim(self.running)
             if not self.policy.may_preempt_for(head, victim):
                 return
-            plan.preempted_slots.append(self._preempt(victim))
+            self._preempt(victim, plan)
 
     def _admit(self, plan: StepPlan, request: Request, hits: list[int]) -> None:
         request.status = RequestStatus.RUNNING
@@ -260,10 +269,12 @@ class Scheduler:
                         salt_of(request.cache_salt))
         self.running.append(request)
 
-    def _preempt(self, request: Request) -> int:
-        """Recompute preemption: free everything, requeue ahead of fresh requests. Returns the
-        slot, which the model service drops before this step runs."""
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Recompute preemption: free everything, requeue ahead of fresh requests. The model
+        service drops the slot before this step runs (unless it never heard of it)."""
         slot = request.slot
+        if self._pending_forks.pop(slot, None) is None:
+            plan.preempted_slots.append(slot)
         self.running.remove(request)
         self._free_blocks(request)
         self.slots.free(slot)
@@ -273,7 +284,6 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.policy.add_preempted(request)
-        return slot
 
     def _free_blocks(self, request: Request) -> None:
         if request.slot is not None:  # running: its blocks are in the core's slot
@@ -302,18 +312,24 @@ class Scheduler:
         else:
             self.running.remove(request)
         self._early_outputs.append((request, self.outputs.finish(request, reason)))
+        self._early_outputs.extend((request, output) for output in request.unforked_finals(reason))
+        request.forked = True
         self._release(request, lifecycle)
 
     def _release(self, request: Request, lifecycle: list[int]) -> None:
         self._free_blocks(request)
         if request.slot is not None:
             self.slots.free(request.slot)
-            lifecycle.append(request.slot)
+            if self._pending_forks.pop(request.slot, None) is None:
+                lifecycle.append(request.slot)  # the model service knows the slot
             request.slot = None
         request.status = RequestStatus.FINISHED
         self.outputs.release(request)
         self.policy.on_finished(request)
         del self.requests[request.request_id]
+        members = self._groups.get(request.public_id)
+        if members and members[0].forked and all(m.is_finished for m in members):
+            del self._groups[request.public_id]
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
         """Applies a step's result: computed counts advance and full blocks enter the prefix
@@ -333,8 +349,64 @@ class Scheduler:
                 request.first_token_time = now
             output = add_tokens(request, sampled[offset:offset + counts[index]])
             append_tokens(request.slot, output.token_ids)
+            if not request.forked and request.n > 1:
+                self._fork_samples(request)
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._release(request, self._finished_slots)
             outputs.append((request, output))
         return outputs
+
+    # ---- parallel samples (n > 1) ---------------------------------------------------------
+
+    def _fork_samples(self, parent: Request) -> None:
+        """Samples 1 .. n-1 of a request whose prompt is computed (it just drew its first
+        token). Each shares the parent's prompt blocks and recomputes only the last prompt
+        token, to draw its own first token with its own seed; the block that token lands in
+        is copied first when the parent already wrote into it (copy-on-write). A sample that
+        finds no free slot or block waits in the queue like a fresh request (and then finds
+        the prompt in the prefix cache)."""
+        parent.forked = True
+        members = self._groups.setdefault(parent.request_id, [parent])
+        num_prompt_tokens = len(parent.prompt_token_ids)
+        needs_copy = (num_prompt_tokens - 1) % self.kv.block_size != 0
+        for index in range(1, parent.n):
+            child = parent.fork_sample(index)
+            self.requests[child.request_id] = child
+            members.append(child)
+            self.outputs.start(child)
+            if child.deadline is not None:
+                heapq.heappush(self._deadlines, (child.deadline, child.request_id))
+            if (self.slots.num_free and len(self.running) < self.max_num_seqs
+                    and (self.kv.num_free_blocks > 0 or not needs_copy)):
+                self._start_fork(parent, child)
+            else:
+                self.policy.add(child)
+
+    def _start_fork(self, parent: Request, child: Request) -> None:
+        num_prompt_tokens = len(parent.prompt_token_ids)
+        num_computed = num_prompt_tokens - 1
+        child.status = RequestStatus.RUNNING
+        child.slot = self.slots.allocate()
+        child.first_scheduled_time = time.monotonic()
+        child.block_ids = parent.block_ids[:num_computed // self.kv.block_size]
+        copy = self.core.fork(parent.slot, child.slot, child, num_prompt_tokens,
+                              num_prompt_tokens + child.stopping.max_new_tokens)
+        child.num_computed_tokens = child.num_cached_tokens = num_computed
+        self._pending_forks[child.slot] = (NewSequence(
+            slot=child.slot, token_ids=list(child.prompt_token_ids), sampling=child.sampling,
+            num_computed_tokens=num_computed), copy)
+        self.running.append(child)
+
+    def _register_forks(self, plan: StepPlan) -> None:
+        """Forked samples still running join the plan: registered, their copy before the
+        forward. (Done last, so that a sample preempted in this very step is never sent.)"""
+        for slot, (sequence, copy) in self._pending_forks.items():
+            plan.new_sequences.append(sequence)
+            if copy is not None:
+                plan.copy_src.append(copy[0])
+                plan.copy_dst.append(copy[1])
+        for request in self.running:
+            if request.slot in self._pending_forks:
+                request.registered = True
+        self._pending_forks.clear()

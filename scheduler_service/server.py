@@ -64,14 +64,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                                 f"queue full: {scheduler.num_waiting} requests waiting "
                                 f"(max_queue_len {self._config.max_queue_len})")
         serving.loop.add_request(req)
+        samples_left = req.n
         try:
-            while True:
+            while samples_left:
                 output = await req.outputs.get()
                 yield outputs.to_pb(req, output)
                 if output.finish_reason is not None:
-                    return
+                    samples_left -= 1
         finally:
-            if not req.is_finished:
+            if samples_left:
                 # The client went away (cancel, disconnect): free its blocks next step.
                 serving.loop.abort_request(req.request_id)
 

@@ -63,3 +63,37 @@ async def test_bad_scheduling_fields_are_invalid_argument(tiny_server):
             await complete(stub, request)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert expected in raised.value.details()
+
+
+async def test_parallel_samples_share_the_prompt_and_match_single_seeded_requests(tiny_server):
+    stub = stub_for(tiny_server)
+    prompt = [(i * 13) % 3000 + 5 for i in range(37)]  # the last token lands mid-block: a copy
+
+    def request(n, seed):
+        r = greedy_ids_request(prompt, 12, n=n)
+        r.sampling.temperature = 1.0
+        r.sampling.seed = seed
+        return r
+
+    chunks = [c async for c in stub.Generate(request(3, 1000))]
+    by_index = {i: [t for c in chunks if c.index == i for t in c.token_ids] for i in range(3)}
+    finals = [c for c in chunks if c.finish_reason]
+    assert sorted(c.index for c in finals) == [0, 1, 2]
+    assert all(c.finish_reason == generate_pb2.FINISH_REASON_LENGTH for c in finals)
+    assert all(c.request_id == chunks[0].request_id for c in chunks)
+    # Sample i draws with seed + i: the same tokens as a lone request with that seed, which
+    # only holds if the forked samples saw the parent's prompt KV (shared and copied blocks).
+    for index in range(3):
+        alone = await complete(stub, request(1, 1000 + index))
+        assert by_index[index] == alone.token_ids
+    assert len({tuple(v) for v in by_index.values()}) > 1
+    await wait_until_idle(tiny_server)
+    assert_no_leaked_blocks(tiny_server)
+
+
+async def test_n_out_of_range_is_invalid_argument(tiny_server):
+    stub = stub_for(tiny_server)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await complete(stub, greedy_ids_request([1, 2, 3], 2, n=17))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "n: must be in [1, 16]" in raised.value.details()

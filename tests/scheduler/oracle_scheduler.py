@@ -177,6 +177,11 @@ class OracleScheduler:
         self._aborted_slots: list[int] = []
         # Outputs decided by schedule() itself (aborts, deadlines), delivered with the step's own.
         self._early_outputs: list[tuple[Request, RequestOutput]] = []
+        # Parallel samples: every sample by public id; forks not yet sent, by slot.
+        self._groups: dict[str, list[Request]] = {}
+        self._pending_forks: dict[int, tuple[NewSequence, Optional[tuple[int, int]]]] = {}
+        # Forked samples whose block table the model service has not seen yet.
+        self._unsent_tables: set[int] = set()
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -193,10 +198,10 @@ class OracleScheduler:
         """Marks a request aborted; it leaves, and frees its blocks, in the next schedule().
         False when no such request is in flight."""
         request = self.requests.get(request_id)
-        if request is None or request.is_finished:
-            return False
-        self._abort_ids.add(request_id)
-        return True
+        members = self._groups.get(request_id, [request] if request else [])
+        live = [m.request_id for m in members if not m.is_finished]
+        self._abort_ids.update(live)
+        return bool(live)
 
     def has_work(self) -> bool:
         return bool(self.running or len(self.policy) or self._finished_slots
@@ -207,7 +212,8 @@ class OracleScheduler:
         return len(self.policy)
 
     def find(self, request_id: str) -> Optional[Request]:
-        return self.requests.get(request_id)
+        members = self._groups.get(request_id)
+        return members[0] if members else self.requests.get(request_id)
 
     def take_early_outputs(self) -> list[tuple[Request, RequestOutput]]:
         outputs, self._early_outputs = self._early_outputs, []
@@ -260,6 +266,15 @@ class OracleScheduler:
             self._schedule_running(plan, budget, prefills)
             self._schedule_waiting(plan, budget, now)
 
+        for slot, (sequence, copy) in self._pending_forks.items():
+            plan.new_sequences.append(sequence)
+            if copy is not None:
+                plan.copy_src.append(copy[0])
+                plan.copy_dst.append(copy[1])
+        for request in self.running:
+            if request.slot in self._pending_forks:
+                request.registered = True
+        self._pending_forks.clear()
         plan.finished_slots, self._finished_slots = self._finished_slots, []
         plan.aborted_slots, self._aborted_slots = self._aborted_slots, []
         return plan
@@ -288,7 +303,7 @@ class OracleScheduler:
             while not self.kv.can_allocate(num_blocks):
                 victim = self.policy.select_victim(
                     [r for r in self.running if id(r) not in scheduled])
-                plan.preempted_slots.append(self._preempt(victim))
+                self._preempt(victim, plan)
                 if victim is request:
                     budget.stalled = True  # nothing else fits either
                     return
@@ -351,7 +366,7 @@ class OracleScheduler:
             victim = self.policy.select_victim(self.running)
             if not self.policy.may_preempt_for(head, victim):
                 return
-            plan.preempted_slots.append(self._preempt(victim))
+            self._preempt(victim, plan)
 
     def _admit(self, plan: StepPlan, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -367,7 +382,8 @@ class OracleScheduler:
     def _schedule(self, plan: StepPlan, budget: _Budget, request: Request,
                   num_new_tokens: int, num_blocks: int, admitted: bool = False) -> None:
         new_block_ids = self.kv.allocate(request, num_blocks)
-        if admitted:
+        if admitted or id(request) in self._unsent_tables:
+            self._unsent_tables.discard(id(request))
             # A new sequence's block table starts empty on the model side: send all of its
             # blocks, prefix-cache hits first.
             new_block_ids = request.block_ids
@@ -382,10 +398,13 @@ class OracleScheduler:
             budget.prefill_chunks -= 1
         self.policy.on_scheduled(request, num_new_tokens)
 
-    def _preempt(self, request: Request) -> int:
-        """Recompute preemption: free everything, requeue ahead of fresh requests. Returns the
-        slot, which the model service drops before this step runs."""
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Recompute preemption: free everything, requeue ahead of fresh requests; the model
+        service drops the slot before this step runs (unless it never heard of it)."""
         slot = request.slot
+        if self._pending_forks.pop(slot, None) is None:
+            plan.preempted_slots.append(slot)
+        self._unsent_tables.discard(id(request))
         self.running.remove(request)
         self.kv.free(request)
         self.slots.free(slot)
@@ -395,7 +414,6 @@ class OracleScheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.policy.add_preempted(request)
-        return slot
 
     def _expire_deadlines(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -418,18 +436,25 @@ class OracleScheduler:
         else:
             self.running.remove(request)
         self._early_outputs.append((request, self.outputs.finish(request, reason)))
+        self._early_outputs.extend((request, output) for output in request.unforked_finals(reason))
+        request.forked = True
         self._release(request, lifecycle)
 
     def _release(self, request: Request, lifecycle: list[int]) -> None:
         self.kv.free(request)
+        self._unsent_tables.discard(id(request))
         if request.slot is not None:
             self.slots.free(request.slot)
-            lifecycle.append(request.slot)
+            if self._pending_forks.pop(request.slot, None) is None:
+                lifecycle.append(request.slot)
             request.slot = None
         request.status = RequestStatus.FINISHED
         self.outputs.release(request)
         self.policy.on_finished(request)
         del self.requests[request.request_id]
+        members = self._groups.get(request.public_id)
+        if members and members[0].forked and all(m.is_finished for m in members):
+            del self._groups[request.public_id]
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
         """Applies a step's result: computed counts advance, full blocks enter the prefix
@@ -451,8 +476,50 @@ class OracleScheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             output = self.outputs.add_tokens(request, token_ids)
+            if not request.forked and request.n > 1:
+                self._fork_samples(request)
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._release(request, self._finished_slots)
             outputs.append((request, output))
         return outputs
+
+    def _fork_samples(self, parent: Request) -> None:
+        """Samples 1 .. n-1 share the parent's computed prompt blocks, recompute the last
+        prompt token, and copy the block it lands in when the parent wrote into it."""
+        parent.forked = True
+        members = self._groups.setdefault(parent.request_id, [parent])
+        block_size = self.kv.block_size
+        num_prompt_tokens = len(parent.prompt_token_ids)
+        num_computed = num_prompt_tokens - 1
+        num_shared = num_computed // block_size
+        needs_copy = num_computed % block_size != 0
+        for index in range(1, parent.n):
+            child = parent.fork_sample(index)
+            self.requests[child.request_id] = child
+            members.append(child)
+            self.outputs.start(child)
+            if child.deadline is not None:
+                heapq.heappush(self._deadlines, (child.deadline, child.request_id))
+            if not (self.slots.num_free and len(self.running) < self.max_num_seqs
+                    and (self.kv.num_free_blocks > 0 or not needs_copy)):
+                self.policy.add(child)
+                continue
+            child.status = RequestStatus.RUNNING
+            child.slot = self.slots.allocate()
+            child.first_scheduled_time = time.monotonic()
+            shared = parent.block_ids[:num_shared]
+            self.kv.pool.incref(shared)
+            child.block_ids = list(shared)
+            child.block_hashes = parent.block_hashes[:num_shared]
+            copy = None
+            if needs_copy:
+                destination = self.kv.pool.allocate(1)[0]
+                copy = (parent.block_ids[num_shared], destination)
+                child.block_ids.append(destination)
+            child.num_computed_tokens = child.num_cached_tokens = num_computed
+            self._pending_forks[child.slot] = (NewSequence(
+                slot=child.slot, token_ids=list(child.prompt_token_ids), sampling=child.sampling,
+                num_computed_tokens=num_computed), copy)
+            self._unsent_tables.add(id(child))
+            self.running.append(child)

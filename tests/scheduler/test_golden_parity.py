@@ -98,7 +98,19 @@ def prefix_hits(seed: int) -> Workload:
                     _spread(rng, specs, 30), {8: [1], 20: [4, 30]}, 11)
 
 
-WORKLOADS = [only_prefill, only_decode, mixed_chunked, near_capacity, prefix_hits]
+def parallel_samples(seed: int) -> Workload:
+    """Requests with n > 1: forks, copy-on-write, samples waiting for room, aborts of groups."""
+    rng = random.Random(seed)
+    specs = _specs(rng, 16, prompt=(1, 30), new=(2, 14), deadline_every=5)
+    for spec in specs:
+        spec["n"] = rng.choice([1, 2, 3, 4])
+    return Workload(dict(num_blocks=40, max_num_batched_tokens=32, max_num_seqs=6,
+                         decode_reserve_tokens=2),
+                    _spread(rng, specs, 20), {6: [1], 15: [4, 9]}, 13)
+
+
+WORKLOADS = [only_prefill, only_decode, mixed_chunked, near_capacity, prefix_hits,
+             parallel_samples]
 
 
 class FakeClock:
@@ -146,7 +158,7 @@ def _plan_fields(plan) -> dict:
 
 
 def _outputs(outputs) -> list:
-    return [(r.request_id, o.token_ids, o.text, o.finish_reason, o.stop_match)
+    return [(r.request_id, o.index, o.token_ids, o.text, o.finish_reason, o.stop_match)
             for r, o in outputs]
 
 
@@ -217,8 +229,8 @@ def test_golden_parity(workload, policy, mode, seed, clock):
 
 
 @pytest.mark.parametrize("policy", ["sjf", "edf", "fair", "lpm"])
-@pytest.mark.parametrize("workload", [mixed_chunked, near_capacity, prefix_hits],
-                         ids=lambda w: w.__name__)
+@pytest.mark.parametrize("workload", [mixed_chunked, near_capacity, prefix_hits,
+                                      parallel_samples], ids=lambda w: w.__name__)
 def test_golden_parity_other_policies(workload, policy, clock):
     replay(workload(7), policy, "interleaved", clock)
 
