@@ -17,6 +17,10 @@ Packed inputs of one step (B scheduled slots, n[b] tokens each, T = sum(n)):
     position       c[0] .. c[0]+n[0]-1| c[1] .. c[1]+n[1]-1 | ...   (c = num_computed before the step)
     input id       tokens[slot, position]
     KV write slot  block_table[slot, position // bs] * bs + position % bs
+
+cython_ext.mapping.StepInputBuilder fills these rows (and the per-slot query_start, context_lens,
+needs_sample, logits rows, read block tables) into preallocated buffers in one C loop; its oracle,
+the numpy original, is in tests/model_service/test_ms_mapping.py.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import structlog
 import torch
 
+from cython_ext.mapping import StepInputBuilder
 from model_service.attention import build_attention_metadata
 from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
 from model_service.config import ModelServiceConfig
@@ -81,6 +86,10 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_memory_bytes: {config.kv_cache_memory_bytes} holds {num_blocks} blocks of {per_block} bytes; need >= 2")
         self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
         self.cache = RequestCache(config.max_num_slots, loaded.max_model_len, self.block_size)
+        # Row capacity is a first guess (no token budget is configured here); the builder grows it.
+        self.inputs = StepInputBuilder(
+            max(loaded.max_model_len, config.max_num_slots), config.max_num_slots, self.cache.max_blocks_per_seq, self.block_size
+        )
         self.limits = PlanLimits(
             vocab_size=arch.vocab_size, num_kv_blocks=num_blocks, max_num_slots=config.max_num_slots, max_model_len=loaded.max_model_len
         )
@@ -184,30 +193,19 @@ class ModelRunner:
             empty = np.zeros(0, dtype=np.int64)
             return StepOutput(plan.step_id, empty, empty, 0, 0)
 
-        computed = c.num_computed[slots]
-        total = int(n.sum())
-        query_start = np.concatenate(([0], np.cumsum(n)[:-1]))
-        row_slot = np.repeat(slots, n)
-        positions = np.repeat(computed - query_start, n) + np.arange(total)
-        input_ids = c.tokens[row_slot, positions]
-        slot_mapping = c.block_table[row_slot, positions // bs].astype(np.int64) * bs + positions % bs
-        context_lens = computed + n
-        max_context = int(context_lens.max())
-        block_tables = c.block_table[slots, : -(-max_context // bs)]
-        needs_sample = context_lens == c.num_tokens[slots]
-        logits_indices = (query_start + n - 1)[needs_sample]
+        x = self.inputs.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, slots, n)  # views, valid this step
 
         start = time.perf_counter_ns()
         meta = build_attention_metadata(
-            self._dev(slot_mapping), self._dev(query_start), self._dev(n), self._dev(context_lens), self._dev(block_tables),
-            bs, int(n.max()), max_context,
+            self._dev(x.slot_mapping), self._dev(x.query_start), self._dev(n), self._dev(x.context_lens), self._dev(x.block_tables),
+            bs, x.max_query_len, x.max_context_len,
         )
-        logits = self.model(self._dev(input_ids), self._dev(positions), meta, self.kv_cache, self._dev(logits_indices))
+        logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(x.logits_indices))
         self._sync()
         forward_ns = time.perf_counter_ns() - start
 
         start = time.perf_counter_ns()
-        sample_slots = slots[needs_sample]
+        sample_slots = x.sample_slots
         if sample_slots.size:
             params = SamplingBatch(
                 temperature=c.temperature[sample_slots], top_k=c.top_k[sample_slots], top_p=c.top_p[sample_slots],
@@ -218,10 +216,10 @@ class ModelRunner:
             sampled = np.zeros(0, dtype=np.int64)
         sample_ns = time.perf_counter_ns() - start
 
-        c.num_computed[slots] = context_lens
+        c.num_computed[slots] = x.context_lens
         c.tokens[sample_slots, c.num_tokens[sample_slots]] = sampled
         c.num_tokens[sample_slots] += 1
-        return StepOutput(plan.step_id, needs_sample.astype(np.int64), sampled, forward_ns, sample_ns)
+        return StepOutput(plan.step_id, x.needs_sample.copy(), sampled, forward_ns, sample_ns)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
