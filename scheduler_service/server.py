@@ -5,12 +5,14 @@ status; a cancelled call aborts its request, which frees its blocks within one s
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import AsyncIterator
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service import intake, outputs
@@ -18,12 +20,34 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineClient, EngineFacts
 from scheduler_service.loop import EngineLoop
 from scheduler_service.outputs import OutputProcessor
+from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.tokenizer import Tokenizer
 
 log = structlog.get_logger("planserve.scheduler")
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class Rejected(Exception):
+    """A request that is not accepted, with the status it gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Tagged:
+    """Stands in for a request's output queue on a Session: everything the request (and its
+    parallel samples) produces goes to the stream's one queue, tagged with the request."""
+
+    def __init__(self, request: Request, sink: asyncio.Queue):
+        self._request = request
+        self._sink = sink
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        self._sink.put_nowait((self._request, output))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,23 +70,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                                 "the model service has not answered Describe yet")
         return self.serving
 
+    def _accept(self, serving: Serving, pb: generate_pb2.GenerateRequest) -> Request:
+        """Validates and queues a request; `Rejected` says which status it gets instead."""
+        scheduler = serving.loop.scheduler
+        try:
+            request = intake.to_request(pb, serving.facts, serving.tokenizer,
+                                        scheduler.kv.capacity_tokens)
+        except intake.InvalidRequest as error:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        if scheduler.find(request.request_id) is not None:
+            raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
+                           f"request_id: {request.request_id!r} is already in flight")
+        if scheduler.num_waiting >= self._config.max_queue_len:
+            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"queue full: {scheduler.num_waiting} requests waiting "
+                           f"(max_queue_len {self._config.max_queue_len})")
+        return request
+
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[
                            generate_pb2.GenerateResponse]:
         serving = await self._serving(context)
-        scheduler = serving.loop.scheduler
         try:
-            req = intake.to_request(request, serving.facts, serving.tokenizer,
-                                    scheduler.kv.capacity_tokens)
-        except intake.InvalidRequest as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if scheduler.find(req.request_id) is not None:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id: {req.request_id!r} is already in flight")
-        if scheduler.num_waiting >= self._config.max_queue_len:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"queue full: {scheduler.num_waiting} requests waiting "
-                                f"(max_queue_len {self._config.max_queue_len})")
+            req = self._accept(serving, request)
+        except Rejected as rejected:
+            await context.abort(rejected.code, rejected.message)
         serving.loop.add_request(req)
         samples_left = req.n
         try:
@@ -76,6 +108,67 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 # The client went away (cancel, disconnect): free its blocks next step.
                 serving.loop.abort_request(req.request_id)
 
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[generate_pb2.SessionResponse]:
+        """Requests and aborts in, chunks and per-request errors out, on one stream. A reader
+        task takes the client's messages; this coroutine writes everything the requests
+        produce, in the order produced, until the client is done and every request ended."""
+        serving = await self._serving(context)
+        sink: asyncio.Queue = asyncio.Queue()
+        samples_left: dict[str, int] = {}  # in-flight requests of this stream
+        done_reading = object()
+
+        def error(request_id: str, code: grpc.StatusCode, message: str) -> None:
+            sink.put_nowait(generate_pb2.SessionResponse(error=generate_pb2.SessionError(
+                request_id=request_id, code=code.value[0], message=message)))
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    kind = message.WhichOneof("kind")
+                    if kind == "generate":
+                        pb = message.generate
+                        if not pb.request_id:
+                            error("", grpc.StatusCode.INVALID_ARGUMENT,
+                                  "request_id: must be set on a Session")
+                            continue
+                        try:
+                            req = self._accept(serving, pb)
+                        except Rejected as rejected:
+                            error(pb.request_id, rejected.code, rejected.message)
+                            continue
+                        req.outputs = _Tagged(req, sink)
+                        samples_left[req.request_id] = req.n
+                        serving.loop.add_request(req)
+                    elif kind == "abort":
+                        request_id = message.abort.request_id
+                        if not serving.loop.abort_request(request_id):
+                            error(request_id, grpc.StatusCode.NOT_FOUND,
+                                  f"request_id: no request {request_id!r} in flight")
+            finally:
+                sink.put_nowait(done_reading)
+
+        reader = asyncio.ensure_future(read())
+        reading = True
+        try:
+            while reading or samples_left:
+                item = await sink.get()
+                if item is done_reading:
+                    reading = False
+                elif isinstance(item, generate_pb2.SessionResponse):
+                    yield item
+                else:
+                    req, output = item
+                    yield generate_pb2.SessionResponse(chunk=outputs.to_pb(req, output))
+                    if output.finish_reason is not None:
+                        samples_left[req.request_id] -= 1
+                        if not samples_left[req.request_id]:
+                            del samples_left[req.request_id]
+        finally:
+            reader.cancel()
+            for request_id in samples_left:  # the client went away: free their blocks
+                serving.loop.abort_request(request_id)
+
     async def Abort(self, request: generate_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generate_pb2.AbortResponse:
         serving = await self._serving(context)
@@ -83,6 +176,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request_id: no request {request.request_id!r} in flight")
         return generate_pb2.AbortResponse()
+
+    async def GetServerStatus(self, request, context) -> generate_pb2.GetServerStatusResponse:
+        scheduler = (await self._serving(context)).loop.scheduler
+        usable, free = scheduler.kv.num_usable_blocks, scheduler.kv.num_free_blocks
+        return generate_pb2.GetServerStatusResponse(
+            num_waiting=scheduler.num_waiting, num_running=len(scheduler.running),
+            num_kv_blocks=usable, num_free_kv_blocks=free,
+            kv_cache_usage=(usable - free) / usable if usable else 0.0)
 
     async def GetModelInfo(self, request, context) -> generate_pb2.GetModelInfoResponse:
         facts = (await self._serving(context)).facts
@@ -110,6 +211,8 @@ class SchedulerServer:
         """Starts listening (health NOT_SERVING) and returns the bound port."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         generate_pb2_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         await self.server.start()

@@ -45,10 +45,20 @@ class GenerationServiceStub:
                 request_serializer=planserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
                 response_deserializer=planserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/planserve.v1.GenerationService/Session',
+                request_serializer=planserve_dot_v1_dot_generate__pb2.SessionRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_generate__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/planserve.v1.GenerationService/GetModelInfo',
                 request_serializer=planserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=planserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.GetServerStatus = channel.unary_unary(
+                '/planserve.v1.GenerationService/GetServerStatus',
+                request_serializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -72,8 +82,24 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many requests multiplexed on one bidirectional stream: new requests and aborts in, chunks
+        tagged by request id out. A rejected request gets a SessionError on the stream, which
+        goes on; closing the stream (or cancelling the call) aborts every request still running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Facts about the served model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerStatus(self, request, context):
+        """Load right now: queue depth, running sequences, KV cache usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,10 +118,20 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     request_deserializer=planserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
                     response_serializer=planserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=planserve_dot_v1_dot_generate__pb2.SessionRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_generate__pb2.SessionResponse.SerializeToString,
+            ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=planserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=planserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetServerStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerStatus,
+                    request_deserializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -164,6 +200,33 @@ class GenerationService:
             _registered_method=True)
 
     @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/planserve.v1.GenerationService/Session',
+            planserve_dot_v1_dot_generate__pb2.SessionRequest.SerializeToString,
+            planserve_dot_v1_dot_generate__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetModelInfo(request,
             target,
             options=(),
@@ -180,6 +243,33 @@ class GenerationService:
             '/planserve.v1.GenerationService/GetModelInfo',
             planserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             planserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.GenerationService/GetServerStatus',
+            planserve_dot_v1_dot_generate__pb2.GetServerStatusRequest.SerializeToString,
+            planserve_dot_v1_dot_generate__pb2.GetServerStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
