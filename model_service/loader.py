@@ -101,7 +101,7 @@ def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -
 
 def load_model(config: ModelServiceConfig) -> LoadedModel:
     config.validate()
-    dtype, device = _dtype(config.dtype), config.resolved_device()
+    dtype, device = _dtype(config.resolved_dtype()), config.resolved_device()
     if config.model == "tiny":
         arch, state, name, tok_path = TINY_ARCH, tiny_state_dict(), "tiny-llama", smollm2_path()
     else:

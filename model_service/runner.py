@@ -95,14 +95,14 @@ class ModelRunner:
         )
         # execute() runs in a worker thread; reset() may come from the event loop when a stream ends.
         self._lock = threading.Lock()
-        log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.dtype, num_kv_blocks=num_blocks)
+        log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.resolved_dtype(), num_kv_blocks=num_blocks)
 
     def describe_facts(self) -> EngineFacts:
         lm = self.loaded
         return EngineFacts(
             model_name=lm.name,
             architecture="llama",
-            dtype=self.config.dtype,
+            dtype=self.config.resolved_dtype(),
             device=str(self.device) if self.device.index is not None or self.device.type == "cpu" else f"{self.device.type}:0",
             vocab_size=lm.arch.vocab_size,
             max_model_len=lm.max_model_len,

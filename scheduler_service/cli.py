@@ -32,7 +32,8 @@ PORT_LINE = "PLANSERVE_PORT="
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="a GGUF file path, 'smollm2' (default) or 'tiny' (random, for tests)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="'auto': bfloat16 on a GPU or a CPU with AMX/AVX512-BF16, else float32")
     parser.add_argument("--device", default="auto", help="'auto' (CUDA when available), cpu, cuda")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks to allocate (default: from a 1 GiB budget)")

@@ -49,7 +49,7 @@ async def start_scheduler(engine_address: str, **overrides) -> SchedulerServer:
 @pytest.fixture(scope="session")
 def tiny_engine():
     # 64 blocks of 16 tokens: small enough that the concurrency test exercises preemption.
-    engine = EngineProcess("--model", "tiny", "--num-kv-blocks", "64")
+    engine = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
     yield engine.address
     engine.stop()
 

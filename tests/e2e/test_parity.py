@@ -43,7 +43,7 @@ def _check(outputs, references, label):
 def tiny_reference_model():
     from model_service.config import ModelServiceConfig
     from model_service.loader import load_model
-    return hf_llama_from_loaded(load_model(ModelServiceConfig(model="tiny")))
+    return hf_llama_from_loaded(load_model(ModelServiceConfig(model="tiny", dtype="float32")))
 
 
 async def test_tiny_greedy_parity_with_transformers(tiny_server, tiny_reference_model):

@@ -9,7 +9,7 @@ from model_service.runner import ModelRunner
 
 
 def tiny_config(**overrides) -> ModelServiceConfig:
-    values = dict(model="tiny", num_kv_blocks=512, max_num_slots=16)
+    values = dict(model="tiny", dtype="float32", num_kv_blocks=512, max_num_slots=16)
     values.update(overrides)
     return ModelServiceConfig(**values)
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import grpc
+import torch
 import pytest
 
 from conftest import tiny_config
@@ -56,3 +57,17 @@ def test_cli_prints_port_and_serves():
     finally:
         process.terminate()
         assert process.wait(timeout=15) == 0
+
+
+def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
+    from model_service import config as config_module
+
+    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)
+    assert ModelServiceConfig(dtype="auto", device="cpu").resolved_dtype() == "float32"
+    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: True)
+    assert ModelServiceConfig(dtype="auto", device="cpu").resolved_dtype() == "bfloat16"
+    assert ModelServiceConfig(dtype="auto", device="cuda").resolved_dtype() == "bfloat16"
+    assert ModelServiceConfig(dtype="float32", device="cuda").resolved_dtype() == "float32"
+    config = tiny_config(dtype="auto", device="cpu")
+    runner = ModelRunner(load_model(config), config)
+    assert runner.describe_facts().dtype == "bfloat16" and runner.dtype == torch.bfloat16

@@ -32,7 +32,7 @@ COMPARED: dict[str, int] = {}  # prompt name -> compared tokens (reported by the
 
 @pytest.fixture(scope="module")
 def smollm2():
-    config = ModelServiceConfig(model="smollm2", num_kv_blocks=256, max_num_slots=8)
+    config = ModelServiceConfig(model="smollm2", dtype="float32", num_kv_blocks=256, max_num_slots=8)
     loaded = load_model(config)
     return loaded, config
 
