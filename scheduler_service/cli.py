@@ -48,6 +48,8 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=defaults.max_num_batched_tokens)
     parser.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)
+    parser.add_argument("--metrics-port", type=int, default=9400,
+                        help="Prometheus /metrics port (0 picks a free one, -1 serves none)")
     parser.add_argument("--policy", default=defaults.policy,
                         help="waiting order and preemption rule; one of:\n"
                              + policies.describe()
@@ -66,7 +68,7 @@ def _scheduler_config(args: argparse.Namespace, engine_address: str) -> Schedule
     return SchedulerConfig(
         host=args.host, port=args.port, engine_address=engine_address,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queue_len=args.max_queue_len, policy=args.policy,
+        max_queue_len=args.max_queue_len, metrics_port=args.metrics_port, policy=args.policy,
         chunking_mode=args.chunking_mode, max_prefill_chunk=args.max_prefill_chunk,
         enable_prefix_caching=not args.no_prefix_caching).validate()
 

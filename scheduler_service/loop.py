@@ -5,10 +5,12 @@ It sleeps while there is no work and wakes when a request arrives or is aborted.
 from __future__ import annotations
 
 import asyncio
+from typing import Optional
 
 import structlog
 
 from scheduler_service.engine_client import EngineClient
+from scheduler_service.metrics import Metrics
 from scheduler_service.request import FinishReason, Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
 
@@ -16,9 +18,12 @@ log = structlog.get_logger("planserve.loop")
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, client: EngineClient):
+    def __init__(self, scheduler: Scheduler, client: EngineClient,
+                 metrics: Optional[Metrics] = None):
         self.scheduler = scheduler
         self.client = client
+        self.metrics = metrics
+        self._num_preemptions_seen = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
@@ -75,11 +80,19 @@ class EngineLoop:
         result = await self.client.execute(plan)
         self.num_steps += 1
         self._deliver(self.scheduler.update(plan, result))
+        if self.metrics is not None:
+            scheduler = self.scheduler
+            usable = scheduler.kv.num_usable_blocks
+            preemptions = scheduler.num_preemptions_total - self._num_preemptions_seen
+            self._num_preemptions_seen = scheduler.num_preemptions_total
+            self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
+                                 (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
 
-    @staticmethod
-    def _deliver(outputs: list[tuple[Request, RequestOutput]]) -> None:
+    def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         for request, output in outputs:
             request.outputs.put_nowait(output)
+            if self.metrics is not None:
+                self.metrics.on_output(request, output)
 
     def _fail_all(self) -> None:
         for request in list(self.scheduler.requests.values()):

@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._next_step_id = 1
+        self.num_preemptions_total = 0
         self._abort_ids: set[str] = set()
         self._deadlines: list[tuple[float, str]] = []  # a heap
         # Lifecycle news for the model service, sent with the next plan.
@@ -273,6 +274,7 @@ class Scheduler:
         """Recompute preemption: free everything, requeue ahead of fresh requests. The model
         service drops the slot before this step runs (unless it never heard of it)."""
         slot = request.slot
+        self.num_preemptions_total += 1
         if self._pending_forks.pop(slot, None) is None:
             plan.preempted_slots.append(slot)
         self.running.remove(request)

@@ -19,6 +19,7 @@ from scheduler_service import intake, outputs
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineClient, EngineFacts
 from scheduler_service.loop import EngineLoop
+from scheduler_service.metrics import Metrics
 from scheduler_service.outputs import OutputProcessor
 from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
@@ -201,7 +202,9 @@ class SchedulerServer:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.servicer = GenerationServicer(config)
         self.client = EngineClient(config.engine_address)
+        self.metrics = Metrics()
         self.port = 0
+        self.metrics_port: int | None = None
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -216,6 +219,8 @@ class SchedulerServer:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         await self.server.start()
+        if self.config.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         return self.port
 
     async def connect_engine(self) -> None:
@@ -223,7 +228,8 @@ class SchedulerServer:
         facts = await self.client.describe(self.config.engine_connect_timeout_s)
         tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
         output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
-        loop = EngineLoop(Scheduler(self.config, facts, output_processor), self.client)
+        loop = EngineLoop(Scheduler(self.config, facts, output_processor), self.client,
+                          self.metrics)
         loop.start()
         self.servicer.serving = Serving(facts=facts, tokenizer=tokenizer, loop=loop)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -240,6 +246,7 @@ class SchedulerServer:
         if self.loop is not None:
             await self.loop.stop()
         await self.client.close()
+        self.metrics.close()
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

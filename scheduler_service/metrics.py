@@ -1,0 +1,111 @@
+"""Prometheus metrics of the scheduler, served over HTTP at /metrics.
+
+Gauges are refreshed after every step; counters and histograms are fed as requests produce
+tokens and finish. Queue depth, running requests and KV usage are also exported under the names
+vLLM uses, so that routers that read them (Kubernetes' Gateway API Inference Extension) work
+with planserve on an unchanged configuration.
+
+Each server owns its registry, so several servers in one process (tests) do not collide.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from scheduler_service.request import FinishReason, Request, RequestOutput
+
+# Seconds: from a few milliseconds (a tiny model's step) to minutes (a long queue).
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.waiting = Gauge("planserve_num_requests_waiting", "Requests waiting for admission.",
+                             registry=registry)
+        self.running = Gauge("planserve_num_requests_running",
+                             "Sequences running (parallel samples count one each).",
+                             registry=registry)
+        self.kv_usage = Gauge("planserve_kv_cache_usage_ratio",
+                              "Fraction of the usable KV blocks held by sequences.",
+                              registry=registry)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Alias of "
+                                  "planserve_num_requests_waiting for vLLM-aware routers.",
+                                  registry=registry)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Alias of "
+                                  "planserve_num_requests_running for vLLM-aware routers.",
+                                  registry=registry)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Alias of "
+                                   "planserve_kv_cache_usage_ratio (a fraction, as vLLM's).",
+                                   registry=registry)
+        self.steps = Counter("planserve_steps", "Steps executed by the model service.",
+                             registry=registry)
+        self.preemptions = Counter("planserve_preemptions", "Sequences preempted.",
+                                   registry=registry)
+        self.finished = Counter("planserve_requests_finished", "Samples finished, by reason.",
+                                ["reason"], registry=registry)
+        self.prompt_tokens = Counter("planserve_prompt_tokens", "Prompt tokens of finished "
+                                     "samples.", registry=registry)
+        self.cached_tokens = Counter("planserve_prefix_cache_hit_tokens",
+                                     "Prompt tokens served from the prefix cache.",
+                                     registry=registry)
+        self.generated_tokens = Counter("planserve_generation_tokens", "Tokens generated.",
+                                        registry=registry)
+        self.queue_time = Histogram("planserve_queue_time_seconds", "Arrival to first step.",
+                                    buckets=_LATENCY_BUCKETS, registry=registry)
+        self.ttft = Histogram("planserve_time_to_first_token_seconds",
+                              "Arrival to first generated token.", buckets=_LATENCY_BUCKETS,
+                              registry=registry)
+        self.inter_token = Histogram("planserve_inter_token_latency_seconds",
+                                     "Time between a request's consecutive token chunks.",
+                                     buckets=_LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("planserve_e2e_request_latency_seconds", "Arrival to last chunk.",
+                             buckets=_LATENCY_BUCKETS, registry=registry)
+        self._last_token_time: dict[int, float] = {}  # by id(request)
+        self._http = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves /metrics; returns the bound port (port 0 picks a free one)."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def on_step(self, num_waiting: int, num_running: int, kv_usage: float,
+                num_preemptions: int) -> None:
+        self.steps.inc()
+        if num_preemptions:
+            self.preemptions.inc(num_preemptions)
+        for gauge, value in ((self.waiting, num_waiting), (self.vllm_waiting, num_waiting),
+                             (self.running, num_running), (self.vllm_running, num_running),
+                             (self.kv_usage, kv_usage), (self.vllm_kv_usage, kv_usage)):
+            gauge.set(value)
+
+    def on_output(self, request: Request, output: RequestOutput) -> None:
+        now = time.monotonic()
+        key = id(request)
+        if output.token_ids:
+            self.generated_tokens.inc(len(output.token_ids))
+            last = self._last_token_time.get(key)
+            if last is not None:
+                self.inter_token.observe(now - last)
+            self._last_token_time[key] = now
+        if output.finish_reason is None:
+            return
+        self._last_token_time.pop(key, None)
+        self.finished.labels(FinishReason(output.finish_reason).name.lower()).inc()
+        self.e2e.observe(now - request.arrival_time)
+        usage = output.usage
+        if usage is not None:
+            self.prompt_tokens.inc(usage.prompt_tokens)
+            self.cached_tokens.inc(usage.cached_tokens)
+            if usage.queue_time_us:
+                self.queue_time.observe(usage.queue_time_us / 1e6)
+            if usage.time_to_first_token_us:
+                self.ttft.observe(usage.time_to_first_token_us / 1e6)
