@@ -27,6 +27,7 @@ log = structlog.get_logger("planserve.cli")
 
 ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
 PORT_LINE = "PLANSERVE_PORT="
+HTTP_PORT_LINE = "PLANSERVE_HTTP_PORT="
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +51,9 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)
     parser.add_argument("--metrics-port", type=int, default=9400,
                         help="Prometheus /metrics port (0 picks a free one, -1 serves none)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP API port (/v1/completions, "
+                             "/v1/chat/completions, /v1/models); 0 picks a free one, -1 serves none")
     parser.add_argument("--policy", default=defaults.policy,
                         help="waiting order and preemption rule; one of:\n"
                              + policies.describe()
@@ -68,7 +72,8 @@ def _scheduler_config(args: argparse.Namespace, engine_address: str) -> Schedule
     return SchedulerConfig(
         host=args.host, port=args.port, engine_address=engine_address,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queue_len=args.max_queue_len, metrics_port=args.metrics_port, policy=args.policy,
+        max_queue_len=args.max_queue_len, metrics_port=args.metrics_port,
+        http_port=args.http_port, policy=args.policy,
         chunking_mode=args.chunking_mode, max_prefill_chunk=args.max_prefill_chunk,
         enable_prefix_caching=not args.no_prefix_caching).validate()
 
@@ -114,6 +119,8 @@ async def _run_until_signal(server: SchedulerServer, sample_prompt: Optional[str
 def _announce(server: SchedulerServer) -> None:
     """Tells a parent process (or a person) the bound port, once requests can be served."""
     print(f"{PORT_LINE}{server.port}", flush=True)
+    if server.http_port is not None:
+        print(f"{HTTP_PORT_LINE}{server.http_port}", flush=True)
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -24,6 +24,11 @@ class SchedulerConfig:
     """Port of the Prometheus /metrics endpoint (on `host`); 0 picks a free one, -1 (the
     library default) serves none. `planserve serve` and `planserve scheduler` default to 9400."""
 
+    http_port: int = -1
+    """Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health) on `host`; 0 picks a free one, -1 (the library default) serves none.
+    `planserve serve` and `planserve scheduler` default to 8000."""
+
     engine_address: str = "127.0.0.1:50052"
     """host:port of the model service's EngineService."""
 
@@ -68,6 +73,8 @@ class SchedulerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [-1, 65535], got {self.http_port}")
         if ":" not in self.engine_address:
             raise ValueError(f"engine_address must be host:port, got {self.engine_address!r}")
         if self.max_num_seqs < 1:

@@ -20,6 +20,7 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineClient, EngineFacts
 from scheduler_service.loop import EngineLoop
 from scheduler_service.metrics import Metrics
+from scheduler_service.openai_api import HttpServer
 from scheduler_service.outputs import OutputProcessor
 from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
@@ -205,6 +206,8 @@ class SchedulerServer:
         self.metrics = Metrics()
         self.port = 0
         self.metrics_port: int | None = None
+        self.http: HttpServer | None = None
+        self.http_port: int | None = None  # the OpenAI-compatible API's bound port, if served
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -221,6 +224,10 @@ class SchedulerServer:
         await self.server.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+        if self.config.http_port >= 0:
+            # Answers 503 (and /health "starting") until the engine answered Describe.
+            self.http = HttpServer(self.servicer, self.config.host, self.config.http_port)
+            self.http_port = await self.http.start()
         return self.port
 
     async def connect_engine(self) -> None:
@@ -242,7 +249,11 @@ class SchedulerServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace_s)
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(grace_s), self.http.stop(grace_s))
+            self.http = None
+        else:
+            await self.server.stop(grace_s)
         if self.loop is not None:
             await self.loop.stop()
         await self.client.close()

@@ -56,7 +56,8 @@ def tiny_engine():
 
 @pytest_asyncio.fixture(scope="session")
 async def tiny_server(tiny_engine):
-    server = await start_scheduler(tiny_engine, max_num_batched_tokens=64, max_num_seqs=16)
+    server = await start_scheduler(tiny_engine, max_num_batched_tokens=64, max_num_seqs=16,
+                                   http_port=0)  # the OpenAI-compatible API on a free port
     yield server
     await server.stop(grace_s=1)
 
