@@ -12,6 +12,7 @@ from typing import Optional
 
 _DTYPES = ("auto", "float32", "bfloat16")
 _NAMED_MODELS = ("smollm2", "tiny")
+_QUANTIZATIONS = ("none", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,10 @@ class ModelServiceConfig:
     """Compute dtype of weights and KV cache: "float32", "bfloat16", or "auto": bfloat16 on a GPU or on
     a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32 otherwise.
     Describe reports the resolved name. Logits are upcast to float32 before sampling either way."""
+
+    quantization: str = "none"
+    """Weight quantization at load: "none" or "int8" (weight-only, per-output-channel scales, for every
+    Linear and the tied embedding/lm_head; see model_service/quant.py)."""
 
     device: str = "auto"
     """Torch device; "auto" picks "cuda" when available, else "cpu"."""
@@ -57,6 +62,8 @@ class ModelServiceConfig:
             raise ValueError(f"model: {self.model!r} is not one of {_NAMED_MODELS} nor a path to a .gguf file")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {_DTYPES}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization: {self.quantization!r} is not one of {_QUANTIZATIONS}")
         if not (self.device == "auto" or self.device.startswith(("cpu", "cuda"))):
             raise ValueError(f"device: {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
         if not 0 <= self.port <= 65535:

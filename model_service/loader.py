@@ -14,12 +14,16 @@ import importlib.util
 import os
 from typing import Optional
 
+import structlog
 import torch
 from torch import nn
 
 from model_service.config import ModelServiceConfig
 from model_service.gguf_file import load_gguf, load_gguf_tokenizer
 from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
+from model_service.quant import quantize_int8_, weight_bytes
+
+log = structlog.get_logger(__name__)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -69,7 +73,9 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def _build(arch: LlamaArchConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def _build(
+    arch: LlamaArchConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str, quantization: str = "none"
+) -> LlamaForCausalLM:
     # Built on the meta device, so no time goes into an init that the state dict overwrites.
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
@@ -79,6 +85,8 @@ def _build(arch: LlamaArchConfig, state: dict[str, torch.Tensor], dtype: torch.d
     if missing or unexpected:
         raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
     model.tie_weights()
+    if quantization == "int8":
+        quantize_int8_(model)  # from the float32 weights, before the cast to the compute dtype
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -119,8 +127,11 @@ def load_model(config: ModelServiceConfig) -> LoadedModel:
         if config.max_model_len > max_model_len:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
+    model = _build(arch, state, dtype, device, config.quantization)
+    log.info("model_loaded", model=name, dtype=config.resolved_dtype(), quantization=config.quantization,
+             weight_bytes=weight_bytes(model), device=device)
     return LoadedModel(
-        model=_build(arch, state, dtype, device),
+        model=model,
         arch=arch,
         name=name,
         tokenizer_json=tokenizer.tokenizer_json,

@@ -19,7 +19,7 @@ from planserve.v1 import engine_pb2, engine_pb2_grpc
 
 @pytest.mark.parametrize(
     "field,value",
-    [("model", "llama"), ("dtype", "float16"), ("device", "tpu"), ("port", 70000), ("block_size", 0),
+    [("model", "llama"), ("dtype", "float16"), ("quantization", "int4"), ("device", "tpu"), ("port", 70000), ("block_size", 0),
      ("num_kv_blocks", 1), ("max_num_slots", 0), ("max_model_len", 0)],
 )
 def test_validate_names_the_field(field, value):
@@ -71,3 +71,24 @@ def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
     config = tiny_config(dtype="auto", device="cpu")
     runner = ModelRunner(load_model(config), config)
     assert runner.describe_facts().dtype == "bfloat16" and runner.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_tiny_runs_and_rows_match_dequantized(dtype):
+    from model_service.quant import Int8Linear, Int8Weight
+
+    config = tiny_config(dtype=dtype, quantization="int8")
+    driver = Driver(ModelRunner(load_model(config), config))
+    driver.add(0, list(range(100, 140)))
+    out = driver.run_to_completion(5, chunk=16)
+    assert len(out[0]) == 5 and all(0 <= t < 49152 for t in out[0])
+    weight = torch.randn(96, 64)
+    layer = Int8Linear(Int8Weight(weight)).to(getattr(torch, dtype))
+    # Each block of 32 columns errs by at most half its own step, max|block| / 127, plus the float16
+    # rounding of the scale (relative 2**-11, times |q| <= 127: ~0.06 step).
+    step = weight.view(96, 2, 32).abs().amax(2, keepdim=True).expand(96, 2, 32).reshape(96, 64) / 127
+    assert ((layer.w.dequantize(torch.float32) - weight).abs() <= step * 0.57).all()
+    for rows in (1, 4, 200):
+        x = torch.randn(rows, 64).to(getattr(torch, dtype))
+        expected = x.float() @ layer.w.dequantize(torch.float32).T
+        torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

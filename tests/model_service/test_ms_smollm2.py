@@ -1,6 +1,7 @@
 """SmolLM2-135M from the GGUF: tokenizer and greedy parity against transformers reading the same file."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jinja2
@@ -106,3 +107,24 @@ def test_greedy_parity_mixed_batch(smollm2, hf_gguf_model):
         COMPARED[name] = compare_up_to_near_tie(out[slots[name]], ref, gaps)
         print(f"smollm2 parity {name}: prompt {len(prompt)} tokens, compared {COMPARED[name]}/{NEW_TOKENS}")
         assert COMPARED[name] >= 32, name
+
+
+def test_int8_greedy_matches_float32_and_weights_shrink(smollm2):
+    from model_service.quant import weight_bytes
+
+    loaded, config = smollm2
+    int8_config = dataclasses.replace(config, quantization="int8")
+    int8 = load_model(int8_config)
+    ratio = weight_bytes(loaded.model) / weight_bytes(int8.model)
+    print(f"smollm2 weight bytes float32 {weight_bytes(loaded.model)} int8 {weight_bytes(int8.model)} ({ratio:.2f}x)")
+    assert ratio >= 3.5
+    tok = Tokenizer.from_str(loaded.tokenizer_json)
+    prompts = [tok.encode(_render(loaded.chat_template, m)).ids for m in MESSAGES] + [tok.encode(TEXTS[0]).ids]
+    outputs = []
+    for model, cfg in ((loaded, config), (int8, int8_config)):
+        driver = Driver(ModelRunner(model, cfg))
+        for slot, prompt in enumerate(prompts):
+            driver.add(slot, prompt)
+        outputs.append(driver.run_to_completion(16, chunk=64))
+    for slot in range(len(prompts)):
+        assert outputs[1][slot][:16] == outputs[0][slot][:16], slot

@@ -1,0 +1,112 @@
+"""Int8 weight-only quantization, applied at load time (`--quantization int8`).
+
+Every `nn.Linear` and the token embedding keep their weight as int8 in Q8_0-like blocks: 32
+consecutive input columns of one output row share one scale, symmetric, `w ~= q * scale`,
+`scale = max|block| / 127`. When the embedding is tied to lm_head, both modules share the one int8
+matrix, so the quantized model holds ~1.06 bytes per parameter (float16 scales).
+Activations, norms, the KV cache and the logits keep the compute dtype.
+
+Why blocks and not one scale per output channel: per-channel int8 (even with an MSE-chosen clip)
+flipped SmolLM2's greedy token at step 1 of the haiku chat prompt (reference top-2 gap 0.12) and at
+step 10 of the text prompt (gap 0.05); blocks of 32 kept all 16 tokens of the 3 test prompts.
+That rules out `aten._weight_int8pack_mm`, which takes per-channel scales only (it was ~3x faster
+than a dense bf16 matmul at 1 row, and slower than dequantize + matmul above ~16 rows). The forward
+therefore dequantizes each weight into the compute dtype and runs the dense kernel: int8 saves
+memory, and costs the dequantize per call (see bench/results/forward.json).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8")
+BLOCK = 32
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] and float32 scales [N, K // block] with weight ~= q * scale per block of columns."""
+    n, k = weight.shape
+    if k % block:
+        raise ValueError(f"quantization: input size {k} is not a multiple of the block size {block}")
+    w = weight.detach().to(torch.float32).view(n, k // block, block)
+    scale = (w.abs().amax(dim=2) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, :, None]).clamp(-127, 127).to(torch.int8)
+    return q.view(n, k), scale
+
+
+class Int8Weight(nn.Module):
+    """The int8 matrix and its block scales; shared by the tied embedding and lm_head."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scale = quantize_blocks(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale.to(torch.float16))  # float16 like Q8_0, whatever the compute dtype
+        # Zero-size, cast with the model: it carries the compute dtype for the embedding's output.
+        self.register_buffer("like", torch.empty(0, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) would round the float16 scales through the compute dtype: move them only.
+        scale = self.scale
+        super()._apply(fn, recurse)
+        self.scale = scale.to(self.qweight.device)
+        return self
+
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] (or the chosen rows) in dtype."""
+        q, scale = (self.qweight, self.scale) if rows is None else (self.qweight[rows], self.scale[rows])
+        blocks = q.view(*q.shape[:-1], scale.shape[-1], -1).to(dtype) * scale.to(dtype)[..., None]
+        return blocks.view(q.shape)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: Int8Weight) -> None:
+        super().__init__()
+        self.w = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w.dequantize(x.dtype))
+
+
+class Int8Embedding(nn.Module):
+    def __init__(self, weight: Int8Weight) -> None:
+        super().__init__()
+        self.w = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w.dequantize(self.w.like.dtype, rows=ids)
+
+
+def quantize_int8_(model: nn.Module, embedding_path: str = "model.embed_tokens", lm_head_path: str = "lm_head") -> nn.Module:
+    """Replace, in place, every nn.Linear and the embedding by int8 versions (float weights dropped).
+    A tied lm_head shares the embedding's Int8Weight. Call on float32 weights, before the cast to
+    the compute dtype, so the scales are computed from full-precision values."""
+    embedding = model.get_submodule(embedding_path)
+    lm_head = model.get_submodule(lm_head_path)
+    tied = lm_head.weight is embedding.weight
+    shared = Int8Weight(embedding.weight)
+    _set(model, embedding_path, Int8Embedding(shared))
+    if tied:
+        _set(model, lm_head_path, Int8Linear(shared))
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            _set(model, name, Int8Linear(Int8Weight(module.weight)))
+    return model
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer (a tied weight counted once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
