@@ -48,7 +48,7 @@ _STATUS = {  # gRPC status of a rejected request -> HTTP status and OpenAI error
 # intake.py's field names (the gRPC request's) -> the OpenAI request's.
 _PARAMS = [
     (re.compile(r"^stopping\.max_new_tokens"), "max_tokens"),
-    (re.compile(r"^stopping\.stop(\[\d+\])?"), "stop"),
+    (re.compile(r"^stopping\.stop\b"), "stop"),
     (re.compile(r"^stopping\.ignore_eos"), "ignore_eos"),
     (re.compile(r"^sampling\.(\w+)"), None),  # temperature, top_p, top_k, seed: same names
     (re.compile(r"^messages\.messages"), "messages"),

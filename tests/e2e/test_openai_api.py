@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
 from planserve.v1 import generate_pb2
+from scheduler_service.openai_api import HttpServer
+from scheduler_service.server import Rejected
 
 PROMPT_IDS = [1, 17, 300, 4000, 22, 9]
 
@@ -28,9 +32,9 @@ def _model(server) -> str:
     return server.servicer.serving.facts.model_name
 
 
-def _get(server, path: str) -> tuple[int, dict]:
+def _get(port: int, path: str) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}{path}",
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}",
                                     timeout=30) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
@@ -40,7 +44,7 @@ def _get(server, path: str) -> tuple[int, dict]:
 async def test_models_lists_the_served_model_and_health_is_ok(tiny_server, client):
     models = await client.models.list()
     assert [m.id for m in models.data] == [_model(tiny_server)]
-    status, body = await asyncio.to_thread(_get, tiny_server, "/health")
+    status, body = await asyncio.to_thread(_get, tiny_server.http_port, "/health")
     assert (status, body) == (200, {"status": "ok"})
 
 
@@ -174,15 +178,88 @@ async def test_unknown_model_is_not_found(tiny_server, client):
     assert caught.value.param == "model"
 
 
-async def test_a_client_that_disconnects_mid_stream_aborts_its_request(tiny_server, client):
+@pytest.fixture
+def aborts(tiny_server, monkeypatch):
+    """Request ids the engine loop was asked to abort during the test."""
+    loop = tiny_server.loop
+    aborted, abort = [], loop.abort_request
+
+    def recording(request_id):
+        aborted.append(request_id)
+        return abort(request_id)
+
+    monkeypatch.setattr(loop, "abort_request", recording)
+    return aborted
+
+
+async def test_a_client_that_disconnects_mid_stream_aborts_its_request(
+        tiny_server, client, aborts):
     stream = await client.completions.create(
-        model=_model(tiny_server), prompt="Hello", max_tokens=400, temperature=0, stream=True,
+        model=_model(tiny_server), prompt="Hello", max_tokens=500, temperature=0, stream=True,
         extra_body={"ignore_eos": True})
-    async for _ in stream:
+    async for chunk in stream:
+        request_id = chunk.id.removeprefix("cmpl-")
         break
     await stream.close()
     await wait_until_idle(tiny_server, timeout_s=30)
+    assert aborts == [request_id]
     assert_no_leaked_blocks(tiny_server)
+
+
+async def test_a_client_that_gives_up_on_a_whole_completion_aborts_it(tiny_server, aborts):
+    impatient = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{tiny_server.http_port}/v1",
+                                   api_key="x", max_retries=0, timeout=0.2)
+    with pytest.raises(openai.APITimeoutError):
+        await impatient.chat.completions.create(
+            model=_model(tiny_server), messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=480, temperature=0, extra_body={"ignore_eos": True})
+    await wait_until_idle(tiny_server, timeout_s=30)
+    assert len(aborts) == 1
+    assert_no_leaked_blocks(tiny_server)
+
+
+class _FakeServicer:
+    """Serving state without an engine: `_accept` answers what the test sets."""
+
+    def __init__(self, serving, rejection=None):
+        self.serving = serving
+        self._rejection = rejection
+
+    def _accept(self, serving, pb):
+        raise self._rejection
+
+
+async def _fake_door(servicer):
+    server = HttpServer(servicer, "127.0.0.1", 0)
+    port = await server.start()
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                max_retries=0, timeout=30)
+    return server, client
+
+
+async def test_not_ready_is_503_and_a_full_queue_is_429():
+    server, client = await _fake_door(_FakeServicer(serving=None))
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.completions.create(model="m", prompt="Hi")
+        assert caught.value.status_code == 503
+        assert caught.value.body["type"] == "service_unavailable"
+        status, body = await asyncio.to_thread(_get, server.port, "/health")
+        assert (status, body) == (503, {"status": "starting"})
+    finally:
+        await server.stop(grace_s=1)
+
+    serving = types.SimpleNamespace(facts=types.SimpleNamespace(model_name="m",
+                                                                 max_model_len=64))
+    full = Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 3 requests waiting")
+    server, client = await _fake_door(_FakeServicer(serving, full))
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.completions.create(model="m", prompt="Hi")
+        assert caught.value.status_code == 429
+        assert caught.value.body["message"].startswith("queue full")
+    finally:
+        await server.stop(grace_s=1)
 
 
 def test_http_port_is_off_in_the_library_on_8000_in_the_cli_and_validated():
