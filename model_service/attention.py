@@ -95,10 +95,30 @@ def paged_attention(
     keys = k_flat[meta.kv_index].transpose(1, 2)  # [B, KVH, C, D]
     values = v_flat[meta.kv_index].transpose(1, 2)
     queries = q[meta.query_index].transpose(1, 2)  # [B, H, Q, D]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.mask, enable_gqa=queries.shape[1] != num_kv_heads
-    )
+    if queries.shape[2] == 1 and queries.dtype != torch.float32:
+        out = decode_attention(queries, keys, values, meta.mask)
+    else:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.mask, enable_gqa=queries.shape[1] != num_kv_heads
+        )
     # Back to packed rows: boolean indexing walks (b, q) in row-major order, which is exactly the
     # packed order because each sequence's chunk is contiguous and sequences follow plan order.
     out = out.transpose(1, 2)[meta.query_valid]  # [T, H, D]
     return out.reshape(out.shape[0], -1)
+
+
+def decode_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per sequence, as two batched matmuls with the softmax in float32.
+
+    queries [B, H, 1, D], keys/values [B, KVH, C, D], mask [B, 1, 1, C]; returns [B, H, 1, D]. The
+    H / KVH query heads of one KV head are stacked as rows (head h uses KV head h // (H / KVH), as
+    SDPA's enable_gqa), so no KV head is repeated. Used for all-decode steps in reduced precision:
+    CPU SDPA (flash kernel) took 15.8 ms at B=128, C=256 in bfloat16 against 2.6 ms here (4.3 vs
+    5.3 ms in float32, which keeps SDPA).
+    """
+    b, h, _, d = queries.shape
+    kvh, c = keys.shape[1], keys.shape[2]
+    grouped = queries.reshape(b, kvh, h // kvh, d)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * d**-0.5  # [B, KVH, H/KVH, C]
+    probs = scores.masked_fill(~mask.view(b, 1, 1, c), float("-inf")).softmax(-1)
+    return torch.matmul(probs.to(values.dtype), values).reshape(b, h, 1, d)
