@@ -38,6 +38,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="'auto' (CUDA when available), cpu, cuda")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks to allocate (default: from a 1 GiB budget)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
+                        help="'int8': weight-only int8 (about 3.8x less weight memory)")
 
 
 def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +82,8 @@ def _scheduler_config(args: argparse.Namespace, engine_address: str) -> Schedule
 
 def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "model_service", "--model", args.model, "--dtype", args.dtype,
-            "--device", args.device, "--host", host, "--port", str(port)]
+            "--device", args.device, "--quantization", args.quantization, "--host", host,
+            "--port", str(port)]
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return argv
