@@ -97,12 +97,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
-    # Prefix-cache hashes of the request's full blocks, parallel to the start of block_ids.
-    block_hashes: list[int] = dataclasses.field(default_factory=list)
     slot: Optional[int] = None
-    # True once the model service knows this request's slot; a preempted request is registered
-    # again (with every token it has so far) when it resumes.
-    registered: bool = False
     finish_reason: Optional[FinishReason] = None
 
     first_scheduled_time: Optional[float] = None

@@ -263,7 +263,6 @@ class Scheduler:
         plan.new_sequences.append(NewSequence(
             slot=request.slot, token_ids=token_ids, sampling=request.sampling,
             num_computed_tokens=request.num_computed_tokens))
-        request.registered = True
         request.block_ids = list(hits)
         self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
                         len(request.prompt_token_ids) + request.stopping.max_new_tokens,
@@ -281,7 +280,6 @@ class Scheduler:
         self._free_blocks(request)
         self.slots.free(slot)
         request.slot = None
-        request.registered = False
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -291,7 +289,6 @@ class Scheduler:
         if request.slot is not None:  # running: its blocks are in the core's slot
             self.core.release(request.slot)
         request.block_ids = []
-        request.block_hashes = []
 
     def _expire_deadlines(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -410,5 +407,4 @@ class Scheduler:
                 plan.copy_dst.append(copy[1])
         for request in self.running:
             if request.slot in self._pending_forks:
-                request.registered = True
-        self._pending_forks.clear()
+                self._pending_forks.clear()

@@ -47,6 +47,8 @@ class OracleKVBlockManager:
         self.pool = OracleBlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Prefix-cache hashes of each request's full blocks, parallel to its block_ids.
+        self.hashes: dict[str, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,7 +98,7 @@ class OracleKVBlockManager:
         num_tokens = len(hits) * self.block_size
         request.block_ids = list(hits)
         # The request's next blocks chain on the hashes of these.
-        request.block_hashes = self.pool.block_hashes(
+        self.hashes[request.request_id] = self.pool.block_hashes(
             request.all_token_ids[:num_tokens], self.block_size, salt_of(request.cache_salt))
         request.num_computed_tokens = num_tokens
 
@@ -110,22 +112,23 @@ class OracleKVBlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        if num_full <= len(request.block_hashes):
+        hashes = self.hashes.setdefault(request.request_id, [])
+        if num_full <= len(hashes):
             return
         token_ids = request.all_token_ids
         salt = salt_of(request.cache_salt)
-        parent = request.block_hashes[-1] if request.block_hashes else 0
-        for index in range(len(request.block_hashes), num_full):
+        parent = hashes[-1] if hashes else 0
+        for index in range(len(hashes), num_full):
             start = index * self.block_size
             parent = block_hash(parent, token_ids[start:start + self.block_size], salt)
             self.pool.cache_block(request.block_ids[index], parent)
-            request.block_hashes.append(parent)
+            hashes.append(parent)
 
     def free(self, request: Request) -> None:
         if request.block_ids:
             self.pool.free(request.block_ids)
             request.block_ids = []
-        request.block_hashes = []
+        self.hashes.pop(request.request_id, None)
 
 
 class SlotAllocator:
@@ -271,9 +274,6 @@ class OracleScheduler:
             if copy is not None:
                 plan.copy_src.append(copy[0])
                 plan.copy_dst.append(copy[1])
-        for request in self.running:
-            if request.slot in self._pending_forks:
-                request.registered = True
         self._pending_forks.clear()
         plan.finished_slots, self._finished_slots = self._finished_slots, []
         plan.aborted_slots, self._aborted_slots = self._aborted_slots, []
@@ -376,7 +376,6 @@ class OracleScheduler:
         plan.new_sequences.append(NewSequence(
             slot=request.slot, token_ids=request.all_token_ids, sampling=request.sampling,
             num_computed_tokens=request.num_computed_tokens))
-        request.registered = True
         self.running.append(request)
 
     def _schedule(self, plan: StepPlan, budget: _Budget, request: Request,
@@ -409,7 +408,6 @@ class OracleScheduler:
         self.kv.free(request)
         self.slots.free(slot)
         request.slot = None
-        request.registered = False
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -511,7 +509,7 @@ class OracleScheduler:
             shared = parent.block_ids[:num_shared]
             self.kv.pool.incref(shared)
             child.block_ids = list(shared)
-            child.block_hashes = parent.block_hashes[:num_shared]
+            self.kv.hashes[child.request_id] = self.kv.hashes.get(parent.request_id, [])[:num_shared]
             copy = None
             if needs_copy:
                 destination = self.kv.pool.allocate(1)[0]
