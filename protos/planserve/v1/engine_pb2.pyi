@@ -24,7 +24,7 @@ class EngineFeatures(_message.Message):
     def __init__(self, chunked_prefill: _Optional[bool] = ..., block_copy: _Optional[bool] = ..., swap: _Optional[bool] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features")
+    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features", "num_swap_blocks", "num_speculative_tokens", "max_top_logprobs")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,9 @@ class DescribeResponse(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     contract_version: int
     model_name: str
     architecture: str
@@ -64,22 +67,37 @@ class DescribeResponse(_message.Message):
     chat_template: str
     special_tokens: _containers.ScalarMap[str, str]
     features: EngineFeatures
-    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ...) -> None: ...
+    num_swap_blocks: int
+    num_speculative_tokens: int
+    max_top_logprobs: int
+    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ..., num_swap_blocks: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("slot", "token_ids", "sampling", "num_computed_tokens")
+    __slots__ = ("slot", "token_ids", "sampling", "num_computed_tokens", "num_prompt_tokens", "min_new_tokens", "min_tokens_suppressed_ids", "num_logprobs", "num_prompt_logprobs", "speculate")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_SUPPRESSED_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     slot: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     num_computed_tokens: int
-    def __init__(self, slot: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    num_prompt_tokens: int
+    min_new_tokens: int
+    min_tokens_suppressed_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_logprobs: int
+    num_prompt_logprobs: int
+    speculate: bool
+    def __init__(self, slot: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_suppressed_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ..., num_prompt_logprobs: _Optional[int] = ..., speculate: _Optional[bool] = ...) -> None: ...
 
 class BatchPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_slots", "preempted_slots", "aborted_slots", "copy_src", "copy_dst", "extension")
+    __slots__ = ("step_id", "new_sequences", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_slots", "preempted_slots", "aborted_slots", "copy_src", "copy_dst", "swap_out_src", "swap_out_dst", "swap_in_src", "extension", "swap_in_dst", "masked_slots", "allowed_token_bitmask")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +109,13 @@ class BatchPlan(_message.Message):
     ABORTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     COPY_SRC_FIELD_NUMBER: _ClassVar[int]
     COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_SRC_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_DST_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_SRC_FIELD_NUMBER: _ClassVar[int]
     EXTENSION_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_DST_FIELD_NUMBER: _ClassVar[int]
+    MASKED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     slots: _containers.RepeatedScalarFieldContainer[int]
@@ -103,8 +127,14 @@ class BatchPlan(_message.Message):
     aborted_slots: _containers.RepeatedScalarFieldContainer[int]
     copy_src: _containers.RepeatedScalarFieldContainer[int]
     copy_dst: _containers.RepeatedScalarFieldContainer[int]
+    swap_out_src: _containers.RepeatedScalarFieldContainer[int]
+    swap_out_dst: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_src: _containers.RepeatedScalarFieldContainer[int]
     extension: bytes
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_slots: _Optional[_Iterable[int]] = ..., preempted_slots: _Optional[_Iterable[int]] = ..., aborted_slots: _Optional[_Iterable[int]] = ..., copy_src: _Optional[_Iterable[int]] = ..., copy_dst: _Optional[_Iterable[int]] = ..., extension: _Optional[bytes] = ...) -> None: ...
+    swap_in_dst: _containers.RepeatedScalarFieldContainer[int]
+    masked_slots: _containers.RepeatedScalarFieldContainer[int]
+    allowed_token_bitmask: bytes
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., slots: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_slots: _Optional[_Iterable[int]] = ..., preempted_slots: _Optional[_Iterable[int]] = ..., aborted_slots: _Optional[_Iterable[int]] = ..., copy_src: _Optional[_Iterable[int]] = ..., copy_dst: _Optional[_Iterable[int]] = ..., swap_out_src: _Optional[_Iterable[int]] = ..., swap_out_dst: _Optional[_Iterable[int]] = ..., swap_in_src: _Optional[_Iterable[int]] = ..., extension: _Optional[bytes] = ..., swap_in_dst: _Optional[_Iterable[int]] = ..., masked_slots: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("plan",)
@@ -113,20 +143,32 @@ class ExecuteRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[BatchPlan, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "num_sampled_tokens", "sampled_token_ids", "forward_ns", "sample_ns", "total_ns")
+    __slots__ = ("step_id", "num_sampled_tokens", "sampled_token_ids", "logprobs", "logprob_token_ids", "forward_ns", "sample_ns", "total_ns", "prompt_logprobs", "prompt_logprob_token_ids", "num_draft_tokens", "num_accepted_draft_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
     forward_ns: int
     sample_ns: int
     total_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprob_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("result",)

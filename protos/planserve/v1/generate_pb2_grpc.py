@@ -50,6 +50,16 @@ class GenerationServiceStub:
                 request_serializer=planserve_dot_v1_dot_generate__pb2.SessionRequest.SerializeToString,
                 response_deserializer=planserve_dot_v1_dot_generate__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/planserve.v1.GenerationService/Tokenize',
+                request_serializer=planserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/planserve.v1.GenerationService/Detokenize',
+                request_serializer=planserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/planserve.v1.GenerationService/GetModelInfo',
                 request_serializer=planserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
@@ -91,6 +101,20 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Text (or chat turns) to token ids with the served model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids to text with the served model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Facts about the served model.
         """
@@ -122,6 +146,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=planserve_dot_v1_dot_generate__pb2.SessionRequest.FromString,
                     response_serializer=planserve_dot_v1_dot_generate__pb2.SessionResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=planserve_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=planserve_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -216,6 +250,60 @@ class GenerationService:
             '/planserve.v1.GenerationService/Session',
             planserve_dot_v1_dot_generate__pb2.SessionRequest.SerializeToString,
             planserve_dot_v1_dot_generate__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.GenerationService/Tokenize',
+            planserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            planserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.GenerationService/Detokenize',
+            planserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            planserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
