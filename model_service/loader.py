@@ -54,6 +54,8 @@ class LoadedModel:
     bos_token_id: Optional[int]
     special_tokens: dict[str, str]
     max_model_len: int
+    num_kv_blocks: Optional[int] = None
+    """KV blocks this model wants when the config sets none (the null model: a small fixed count)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weights in Hugging Face Llama naming (lm_head.weight shares the embedding when tied)."""
@@ -109,6 +111,10 @@ def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -
 
 def load_model(config: ModelServiceConfig) -> LoadedModel:
     config.validate()
+    if config.model == "null":
+        from model_service.models.null import load_null_model
+
+        return load_null_model(config)
     dtype, device = _dtype(config.resolved_dtype()), config.resolved_device()
     if config.model == "tiny":
         arch, state, name, tok_path = TINY_ARCH, tiny_state_dict(), "tiny-llama", smollm2_path()

@@ -77,8 +77,8 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         arch = loaded.arch
         self.block_size = config.block_size
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
+        if config.num_kv_blocks is not None or loaded.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else loaded.num_kv_blocks
         else:
             per_block = kv_block_bytes(arch.num_hidden_layers, self.block_size, arch.num_key_value_heads, arch.head_dim, self.dtype)
             num_blocks = config.kv_cache_memory_bytes // per_block

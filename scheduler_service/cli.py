@@ -32,7 +32,10 @@ HTTP_PORT_LINE = "PLANSERVE_HTTP_PORT="
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
-                        help="a GGUF file path, 'smollm2' (default) or 'tiny' (random, for tests)")
+                        help="a GGUF file path, 'smollm2' (default), 'tiny' (random, for tests) or "
+                             "'null' (deterministic tokens, no compute: orchestration benchmarks)")
+    parser.add_argument("--null-step-delay-ms", type=float, default=0.0,
+                        help="--model null: milliseconds each step sleeps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="'auto': bfloat16 on a GPU or a CPU with AMX/AVX512-BF16, else float32")
     parser.add_argument("--device", default="auto", help="'auto' (CUDA when available), cpu, cuda")
@@ -86,6 +89,8 @@ def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[
             "--port", str(port)]
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.null_step_delay_ms:
+        argv += ["--null-step-delay-ms", str(args.null_step_delay_ms)]
     return argv
 
 

@@ -1,0 +1,144 @@
+"""The null model (`--model null`): deterministic tokens, no compute, for measuring orchestration.
+
+Everything around the forward stays real (plan checks, slot state, the input builder, the sampler,
+gRPC), so a scheduler over the null model pays every host-side cost of a real step and none of the
+model's. The "forward" writes one-hot logits over a 259-token byte-level vocabulary:
+
+    next token after position p  =  NULL_ALPHABET[(p + 1) % 26]     ("a".."z", never EOS)
+
+so a prompt of L tokens continues with the letters from index L % 26 on, whatever slot, batch or
+sampling parameters it gets (one-hot logits make every sampler pick the same id). EOS comes only
+when asked: with `eos_at` set, the token at position >= eos_at is EOS.
+`step_delay_ms` sleeps in the forward (the GIL is released), standing in for a model of that speed.
+
+The tokenizer is byte-level with no merges: id b < 256 is byte b, then the specials below, so the
+scheduler's tokenizer, chat template and detokenizer work unchanged and text prompts cost one token
+per byte.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from torch import nn
+
+from model_service.models.llama import LlamaArchConfig
+
+NULL_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
+EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+EOS_ID, IM_START_ID, IM_END_ID = 256, 257, 258
+NULL_VOCAB_SIZE = 259
+NULL_MAX_MODEL_LEN = 8192
+# The KV cache is never read, so keep it small: a 1-layer, 1-head, head_dim 8 shape and a fixed
+# count of blocks (1M tokens at block size 16) instead of the 1 GiB budget a real model gets.
+NULL_NUM_KV_BLOCKS = 1 << 16
+NULL_ARCH = LlamaArchConfig(
+    vocab_size=NULL_VOCAB_SIZE,
+    hidden_size=8,
+    intermediate_size=8,
+    num_hidden_layers=1,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=NULL_MAX_MODEL_LEN,
+    tie_word_embeddings=True,
+)
+NULL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def null_next_token(position: int) -> int:
+    """The token the null model puts after `position` (EOS aside)."""
+    return NULL_ALPHABET[(position + 1) % len(NULL_ALPHABET)]
+
+
+def null_continuation(prompt_len: int, num_tokens: int) -> list[int]:
+    """The ids a prompt of `prompt_len` tokens continues with (what tests compare against)."""
+    return [null_next_token(prompt_len - 1 + i) for i in range(num_tokens)]
+
+
+def null_tokenizer_json() -> str:
+    """A byte-level tokenizer without merges: id b is byte b, ids 256.. the special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    # ByteLevel's alphabet lists the 256 byte spellings unordered; order them by byte value the way
+    # GPT-2 assigns them (printable bytes map to themselves, the rest to chr(256 + n)).
+    spelling = _gpt2_byte_spelling()
+    assert set(spelling) == set(alphabet)
+    vocab = {s: b for b, s in enumerate(spelling)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)])
+    text = tokenizer.to_str()
+    ids = json.loads(text)["added_tokens"]
+    assert [t["id"] for t in ids] == [EOS_ID, IM_START_ID, IM_END_ID], ids
+    return text
+
+
+def _gpt2_byte_spelling() -> list[str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    spelling, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            spelling.append(chr(b))
+        else:
+            spelling.append(chr(256 + extra))
+            extra += 1
+    return spelling
+
+
+class NullLM(nn.Module):
+    """Same call signature as LlamaForCausalLM; returns one-hot float32 logits [R, V]."""
+
+    def __init__(self, step_delay_ms: float = 0.0, eos_at: int | None = None) -> None:
+        super().__init__()
+        # One parameter so the runner can read the device and dtype off the module.
+        self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.step_delay_s = step_delay_ms / 1000.0
+        self.eos_at = eos_at
+        self.register_buffer("alphabet", torch.tensor(list(NULL_ALPHABET), dtype=torch.int64), persistent=False)
+
+    def forward(self, input_ids, positions, meta, kv_cache, logits_indices) -> torch.Tensor:
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
+        last = positions[logits_indices]
+        next_ids = self.alphabet[(last + 1) % self.alphabet.numel()]
+        if self.eos_at is not None:
+            next_ids = torch.where(last + 1 >= self.eos_at, EOS_ID, next_ids)
+        logits = torch.full((last.numel(), NULL_VOCAB_SIZE), -1e4, dtype=torch.float32, device=input_ids.device)
+        logits.scatter_(1, next_ids[:, None], 0.0)
+        return logits
+
+
+def load_null_model(config):
+    """The LoadedModel of `--model null` (model_service.loader.load_model calls this)."""
+    from model_service.loader import LoadedModel
+
+    max_model_len = NULL_MAX_MODEL_LEN
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}")
+        max_model_len = config.max_model_len
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.resolved_dtype()]
+    model = NullLM(config.null_step_delay_ms, config.null_eos_at).to(config.resolved_device())
+    model.anchor.data = model.anchor.data.to(dtype)  # the runner's KV dtype; logits stay float32
+    return LoadedModel(
+        model=model.eval(),
+        arch=NULL_ARCH,
+        name="null",
+        tokenizer_json=null_tokenizer_json(),
+        chat_template=NULL_CHAT_TEMPLATE,
+        eos_token_ids=[EOS_ID],
+        bos_token_id=None,
+        special_tokens={"eos_token": EOS_TOKEN},
+        max_model_len=max_model_len,
+        num_kv_blocks=NULL_NUM_KV_BLOCKS,
+    )
