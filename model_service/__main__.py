@@ -19,6 +19,7 @@ import structlog
 
 from model_service.config import ModelServiceConfig
 from model_service.server import serve, shutdown
+from model_service.tp_worker import run_torchrun_worker, torchrun_rank
 
 PORT_LINE = "PLANSERVE_ENGINE_PORT="
 
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=defaults.kv_cache_memory_bytes)
     parser.add_argument("--max-num-slots", type=int, default=defaults.max_num_slots)
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="default: the model's")
+    parser.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size,
+                        help="ranks to split attention heads and MLP columns across (torch.distributed: nccl on "
+                             "CUDA, gloo on CPU); spawned here, or set by torchrun's WORLD_SIZE")
     args = vars(parser.parse_args(argv))
     config = ModelServiceConfig(**{f.name: args[f.name] for f in dataclasses.fields(ModelServiceConfig)})
     try:
@@ -82,7 +86,14 @@ async def _run(config: ModelServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
-    asyncio.run(_run(parse_args(argv)))
+    config = parse_args(argv)
+    launched = torchrun_rank()
+    if launched is not None:
+        config = dataclasses.replace(config, tensor_parallel_size=launched[1])
+        if launched[0] != 0:  # torchrun started this rank: it follows rank 0 and serves nothing
+            run_torchrun_worker(config)
+            return
+    asyncio.run(_run(config))
 
 
 if __name__ == "__main__":

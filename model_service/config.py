@@ -63,6 +63,12 @@ class ModelServiceConfig:
     """Override of the longest sequence in tokens; None takes the model's (8192 for SmolLM2, 512 for
     tiny). It may only shorten the model's length."""
 
+    tensor_parallel_size: int = 1
+    """Processes (ranks) the model's attention heads and MLP columns are split across, coordinated
+    with torch.distributed (nccl on CUDA, one GPU per rank; gloo on CPU). Rank 0 serves gRPC; the
+    others are spawned by the service itself, or started by torchrun (model_service/tp_worker.py).
+    It must divide the query heads, KV heads and MLP columns (checked at load)."""
+
     def validate(self) -> "ModelServiceConfig":
         """Raise ValueError naming the field and its bound; return self for chaining."""
         if self.model not in _NAMED_MODELS and not self.model.endswith(".gguf"):
@@ -89,6 +95,8 @@ class ModelServiceConfig:
             raise ValueError(f"max_num_slots: {self.max_num_slots} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} must be in [1, 64]")
         return self
 
     def resolved_dtype(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 import torch
@@ -54,8 +54,14 @@ class LoadedModel:
     bos_token_id: Optional[int]
     special_tokens: dict[str, str]
     max_model_len: int
+    tensor_parallel_size: int = 1
+    """Ranks the layers are split across (model_service/parallel.py); this process holds one share."""
     num_kv_blocks: Optional[int] = None
     """KV blocks this model wants when the config sets none (the null model: a small fixed count)."""
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.arch.num_key_value_heads // self.tensor_parallel_size
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weights in Hugging Face Llama naming (lm_head.weight shares the embedding when tied)."""
@@ -76,7 +82,8 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _build(
-    arch: LlamaArchConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str, quantization: str = "none"
+    arch: LlamaArchConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str, quantization: str = "none",
+    shard: Optional[Callable[[nn.Module], object]] = None,
 ) -> LlamaForCausalLM:
     # Built on the meta device, so no time goes into an init that the state dict overwrites.
     with torch.device("meta"):
@@ -87,6 +94,8 @@ def _build(
     if missing or unexpected:
         raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
     model.tie_weights()
+    if shard is not None:
+        shard(model)  # tensor parallel: keep this rank's heads and columns, before quantizing them
     if quantization == "int8":
         quantize_int8_(model)  # from the float32 weights, before the cast to the compute dtype
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -109,7 +118,9 @@ def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -
     return state
 
 
-def load_model(config: ModelServiceConfig) -> LoadedModel:
+def load_model(config: ModelServiceConfig, shard: Optional[Callable[[nn.Module], object]] = None,
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    """`shard` (with the tensor_parallel_size it splits by) keeps one rank's share of the layers."""
     config.validate()
     if config.model == "null":
         from model_service.models.null import load_null_model
@@ -133,7 +144,7 @@ def load_model(config: ModelServiceConfig) -> LoadedModel:
         if config.max_model_len > max_model_len:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
-    model = _build(arch, state, dtype, device, config.quantization)
+    model = _build(arch, state, dtype, device, config.quantization, shard)
     log.info("model_loaded", model=name, dtype=config.resolved_dtype(), quantization=config.quantization,
              weight_bytes=weight_bytes(model), device=device)
     return LoadedModel(
@@ -146,4 +157,5 @@ def load_model(config: ModelServiceConfig) -> LoadedModel:
         bos_token_id=tokenizer.bos_token_id,
         special_tokens=dict(tokenizer.special_tokens),
         max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
     )

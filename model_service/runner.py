@@ -80,11 +80,12 @@ class ModelRunner:
         if config.num_kv_blocks is not None or loaded.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else loaded.num_kv_blocks
         else:
-            per_block = kv_block_bytes(arch.num_hidden_layers, self.block_size, arch.num_key_value_heads, arch.head_dim, self.dtype)
+            per_block = kv_block_bytes(arch.num_hidden_layers, self.block_size, loaded.num_kv_heads_per_rank, arch.head_dim, self.dtype)
             num_blocks = config.kv_cache_memory_bytes // per_block
             if num_blocks < 2:
                 raise ValueError(f"kv_cache_memory_bytes: {config.kv_cache_memory_bytes} holds {num_blocks} blocks of {per_block} bytes; need >= 2")
-        self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim, self.dtype, self.device)
+        # Under tensor parallelism each rank caches only its own KV heads.
+        self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, self.block_size, loaded.num_kv_heads_per_rank, arch.head_dim, self.dtype, self.device)
         self.cache = RequestCache(config.max_num_slots, loaded.max_model_len, self.block_size)
         # Row capacity is a first guess (no token budget is configured here); the builder grows it.
         self.inputs = StepInputBuilder(

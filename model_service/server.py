@@ -19,6 +19,7 @@ from model_service.batch import PlanError, facts_to_pb, from_pb, result_to_pb
 from model_service.config import ModelServiceConfig
 from model_service.loader import load_model
 from model_service.runner import ModelRunner
+from model_service.tp_worker import start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -82,7 +83,10 @@ async def serve(config: ModelServiceConfig, runner: ModelRunner | None = None) -
     `server.health` (SERVING for "" and the engine service once started).
     """
     config.validate()
-    if runner is None:
+    if runner is None and (config.tensor_parallel_size > 1 or torchrun_rank() is not None):
+        # Rank 0 of a tensor-parallel group: starts (or joins) the other ranks, same interface.
+        runner = await asyncio.to_thread(start_tensor_parallel, config)
+    elif runner is None:
         loaded = await asyncio.to_thread(load_model, config)
         runner = ModelRunner(loaded, config)
     server = grpc.aio.server(
@@ -109,3 +113,6 @@ async def shutdown(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
     for name in ("", SERVICE_NAME):
         await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace_s)
+    close = getattr(server.runner, "close", None)  # tensor parallel: stop the other ranks
+    if close is not None:
+        await asyncio.to_thread(close)

@@ -1,0 +1,130 @@
+"""Tensor parallelism (Megatron style) over torch.distributed: how one model is split across ranks.
+
+Every rank holds, per decoder layer, its share of the attention heads and of the MLP columns:
+
+    q_proj, k_proj, v_proj   column-parallel: rank r keeps query heads [r*H/N, (r+1)*H/N) and KV
+                             heads [r*KVH/N, (r+1)*KVH/N) (GQA groups stay whole: query head h
+                             uses KV head h // (H/KVH) on every rank alike)
+    o_proj                   row-parallel: the input columns of those heads, then all_reduce(sum)
+    gate_proj, up_proj       column-parallel: rows [r*I/N, (r+1)*I/N)
+    down_proj                row-parallel: the same columns, then all_reduce(sum)
+    embedding, norms, lm_head  replicated (every rank computes identical logits)
+
+So a layer costs two all_reduces of [T, hidden] per step, and each rank's paged KV cache holds only
+its KVH/N heads: with the same memory per rank, N ranks hold N times the blocks of one.
+
+The split needs H, KVH and I divisible by N; the check names the counts that are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model_service.models.llama import LlamaArchConfig
+
+# Ranks other than 0 wait on the control broadcast while the service is idle, which may last
+# days; gloo applies the group's timeout to every wait, so the control group's is long.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# A collective inside a step that takes longer than this means a rank is gone.
+COMPUTE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    compute: object  # process group of the all_reduces (nccl on CUDA, gloo on CPU)
+    control: object  # gloo group on which rank 0 broadcasts each step's plan
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def check_divisible(arch: LlamaArchConfig, world_size: int) -> None:
+    """Raise ValueError naming tensor_parallel_size and each count it does not divide."""
+    counts = {
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "intermediate_size": arch.intermediate_size,
+    }
+    bad = [f"{name} {count}" for name, count in counts.items() if count % world_size]
+    if bad:
+        raise ValueError(f"tensor_parallel_size: {world_size} does not divide {', '.join(bad)}")
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads for each rank: the cores this process may use, shared evenly, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world_size: int, device: str, init_method: str) -> TPGroup:
+    """Join the default process group (the compute backend) and make the gloo control group."""
+    backend = backend_for(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COMPUTE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(rank=rank, world_size=world_size, compute=dist.group.WORLD, control=control)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear over this rank's input columns, summed over the ranks (all_reduce in place)."""
+
+    def __init__(self, linear: nn.Module, group) -> None:
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    with torch.device("meta"):
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    # clone: the slice must not keep the whole unsplit matrix alive.
+    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return layer
+
+
+def shard_llama_(model: nn.Module, rank: int, world_size: int, group) -> nn.Module:
+    """Keep, in place, rank's share of every decoder layer (see the module docstring)."""
+    arch: LlamaArchConfig = model.arch
+    check_divisible(arch, world_size)
+    d = arch.head_dim
+    heads, kv_heads = arch.num_attention_heads // world_size, arch.num_key_value_heads // world_size
+    columns = arch.intermediate_size // world_size
+    q_rows = slice(rank * heads * d, (rank + 1) * heads * d)
+    kv_rows = slice(rank * kv_heads * d, (rank + 1) * kv_heads * d)
+    mlp_rows = slice(rank * columns, (rank + 1) * columns)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj = _linear(attn.q_proj.weight[q_rows])
+        attn.k_proj = _linear(attn.k_proj.weight[kv_rows])
+        attn.v_proj = _linear(attn.v_proj.weight[kv_rows])
+        attn.o_proj = RowParallelLinear(_linear(attn.o_proj.weight[:, q_rows]), group)
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        mlp.gate_proj = _linear(mlp.gate_proj.weight[mlp_rows])
+        mlp.up_proj = _linear(mlp.up_proj.weight[mlp_rows])
+        mlp.down_proj = RowParallelLinear(_linear(mlp.down_proj.weight[:, mlp_rows]), group)
+    return model
