@@ -76,6 +76,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             log.info("execute_stream_closed", generation=generation)
 
 
+def warm_up(runner: ModelRunner) -> None:
+    """Readiness: one real one-token step (slot 0, block 1) through the same path as a plan from
+    the scheduler, then every slot dropped. A process that loaded but cannot compute fails here
+    instead of reporting SERVING."""
+    request = engine_pb2.ExecuteRequest()
+    plan = request.plan
+    sequence = plan.new_sequences.add(slot=0, token_ids=[0], num_computed_tokens=0)
+    sequence.sampling.temperature = 0.0
+    plan.slots.append(0)
+    plan.num_scheduled_tokens.append(1)
+    plan.num_new_blocks.append(1)
+    plan.new_block_ids.append(1)
+    output = runner.execute(from_pb(request, runner.limits))
+    runner.reset()
+    if len(output.sampled_token_ids) != 1 or not 0 <= int(output.sampled_token_ids[0]) < runner.limits.vocab_size:
+        raise RuntimeError(f"warm-up step sampled {list(output.sampled_token_ids)}, expected one token id")
+    log.info("warm_up_step_ok")
+
+
 async def serve(config: ModelServiceConfig, runner: ModelRunner | None = None) -> grpc.aio.Server:
     """Load the model (unless a runner is given), bind, start; returns the started server.
 
@@ -89,6 +108,8 @@ async def serve(config: ModelServiceConfig, runner: ModelRunner | None = None) -
     elif runner is None:
         loaded = await asyncio.to_thread(load_model, config)
         runner = ModelRunner(loaded, config)
+    # Not SERVING (not even listening) before one real step went through the model.
+    await asyncio.to_thread(warm_up, runner)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     )

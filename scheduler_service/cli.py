@@ -71,6 +71,34 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                         help="most prompt tokens of one sequence per step (0: the budget)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
+    _add_hardening_flags(parser, defaults)
+
+
+def _add_hardening_flags(parser: argparse.ArgumentParser, defaults: SchedulerConfig) -> None:
+    """Overload, drain and security flags of the scheduler (see docs/operations.md)."""
+    parser.add_argument("--max-queue-tokens", type=int, default=defaults.max_queue_tokens,
+                        help="most prompt tokens waiting; beyond: RESOURCE_EXHAUSTED + retry hint")
+    parser.add_argument("--max-stream-buffer-chunks", type=int,
+                        default=defaults.max_stream_buffer_chunks,
+                        help="unread chunks one stream may hold before it is aborted")
+    parser.add_argument("--drain-grace-seconds", type=float, default=defaults.drain_grace_s,
+                        help="on SIGTERM, how long running requests may take to finish")
+    parser.add_argument("--tls-cert", default="", help="PEM certificate: serve the API over TLS")
+    parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", default="",
+                        help="PEM CA: require client certificates signed by it (mutual TLS)")
+    parser.add_argument("--engine-tls-ca", default="",
+                        help="PEM CA of the model service's certificate: TLS to the engine")
+    parser.add_argument("--engine-tls-cert", default="",
+                        help="PEM client certificate for the model service (mutual TLS)")
+    parser.add_argument("--engine-tls-key", default="", help="PEM key of --engine-tls-cert")
+    parser.add_argument("--auth-token-file", default="",
+                        help="file with the bearer token the API requires (none: no auth)")
+    parser.add_argument("--max-concurrent-streams", type=int,
+                        default=defaults.max_concurrent_streams,
+                        help="most concurrent RPCs per connection")
+    parser.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes,
+                        help="largest request message accepted")
 
 
 def _scheduler_config(args: argparse.Namespace, engine_address: str) -> SchedulerConfig:
@@ -80,7 +108,14 @@ def _scheduler_config(args: argparse.Namespace, engine_address: str) -> Schedule
         max_queue_len=args.max_queue_len, metrics_port=args.metrics_port,
         http_port=args.http_port, policy=args.policy,
         chunking_mode=args.chunking_mode, max_prefill_chunk=args.max_prefill_chunk,
-        enable_prefix_caching=not args.no_prefix_caching).validate()
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_queue_tokens=args.max_queue_tokens,
+        max_stream_buffer_chunks=args.max_stream_buffer_chunks,
+        drain_grace_s=args.drain_grace_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, engine_tls_ca=args.engine_tls_ca,
+        engine_tls_cert=args.engine_tls_cert, engine_tls_key=args.engine_tls_key,
+        auth_token_file=args.auth_token_file, max_concurrent_streams=args.max_concurrent_streams,
+        max_message_bytes=args.max_message_bytes).validate()
 
 
 def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:

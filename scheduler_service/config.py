@@ -68,6 +68,49 @@ class SchedulerConfig:
     engine_connect_timeout_s: float = 300.0
     """How long to wait for the model service to answer Describe at start (it loads weights)."""
 
+    max_queue_tokens: int = 1 << 20
+    """Most prompt tokens (still to compute) waiting for admission; beyond it new requests get
+    RESOURCE_EXHAUSTED with a retry hint. A request arriving at an empty queue is always taken."""
+
+    max_stream_buffer_chunks: int = 1024
+    """Most chunks one stream holds that its client has not read yet (beyond gRPC's flow-control
+    window); past it the stream's requests are aborted with RESOURCE_EXHAUSTED."""
+
+    drain_grace_s: float = 30.0
+    """On SIGTERM: how long running requests may take to finish (health NOT_SERVING and new
+    requests UNAVAILABLE meanwhile) before the process exits anyway."""
+
+    tls_cert: str = ""
+    """PEM certificate chain of the public API (with tls_key): TLS instead of plaintext."""
+
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+
+    tls_client_ca: str = ""
+    """PEM CA bundle: when set (with TLS), clients must present a certificate it signed (mTLS)."""
+
+    engine_tls_ca: str = ""
+    """PEM CA bundle that signed the model service's certificate: TLS to the model service."""
+
+    engine_tls_cert: str = ""
+    """PEM client certificate for the model service (mutual TLS; with engine_tls_key)."""
+
+    engine_tls_key: str = ""
+    """PEM private key of engine_tls_cert."""
+
+    engine_tls_server_name: str = ""
+    """Name to check the model service's certificate against, when not the engine address host."""
+
+    auth_token_file: str = ""
+    """File holding the bearer token the public API requires (`authorization: Bearer <token>`);
+    empty: no authentication. Health checks and reflection stay open."""
+
+    max_concurrent_streams: int = 1024
+    """Most concurrent RPCs per HTTP/2 connection of the public API."""
+
+    max_message_bytes: int = 4 << 20
+    """Largest request message the public API accepts (bigger ones get RESOURCE_EXHAUSTED)."""
+
     def validate(self) -> "SchedulerConfig":
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -97,4 +140,24 @@ class SchedulerConfig:
         if self.engine_connect_timeout_s <= 0:
             raise ValueError(
                 f"engine_connect_timeout_s must be > 0, got {self.engine_connect_timeout_s}")
+        if self.max_queue_tokens < 1:
+            raise ValueError(f"max_queue_tokens must be >= 1, got {self.max_queue_tokens}")
+        if self.max_stream_buffer_chunks < 1:
+            raise ValueError(
+                f"max_stream_buffer_chunks must be >= 1, got {self.max_stream_buffer_chunks}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+        if bool(self.engine_tls_cert) != bool(self.engine_tls_key):
+            raise ValueError("engine_tls_cert and engine_tls_key go together: set both or neither")
+        if self.engine_tls_cert and not self.engine_tls_ca:
+            raise ValueError("engine_tls_cert needs engine_tls_ca (mutual TLS is TLS)")
+        if self.max_concurrent_streams < 1:
+            raise ValueError(
+                f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         return self

@@ -1,15 +1,23 @@
 """The engine loop: schedule, execute on the model service, update, deliver. One step at a time.
 
 It sleeps while there is no work and wakes when a request arrives or is aborted.
+
+When the model service goes away (killed, restarted, its stream broken) the loop marks the engine
+down (health NOT_SERVING), reconnects with backoff, checks the new process with a real one-token
+step, and resumes: every sequence in flight is recomputed from its prompt plus the tokens already
+streamed (the scheduler's recompute preemption, applied to all of them at once), so clients see a
+delay and never a token twice. While idle it checks the model service's health every
+`engine_check_interval_s`, so that readiness also drops when nothing is running.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import structlog
 
-from scheduler_service.engine_client import EngineClient
+from scheduler_service.engine_client import EngineClient, EngineFacts, EngineUnavailable
 from scheduler_service.metrics import Metrics
 from scheduler_service.request import FinishReason, Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
@@ -18,15 +26,34 @@ log = structlog.get_logger("planserve.loop")
 
 
 class EngineLoop:
+    # Reconnect backoff: doubles from the first to the last, then stays.
+    FIRST_BACKOFF_S = 0.1
+    MAX_BACKOFF_S = 5.0
+    # Recoveries in a row with no step completed in between: the model service fails on what we
+    # send it (not an outage), so the requests in flight are failed instead of retried forever.
+    MAX_RECOVERIES_WITHOUT_PROGRESS = 3
+
     def __init__(self, scheduler: Scheduler, client: EngineClient,
-                 metrics: Optional[Metrics] = None):
+                 metrics: Optional[Metrics] = None,
+                 on_engine_up: Optional[Callable[[bool], None]] = None,
+                 engine_check_interval_s: float = 1.0,
+                 is_compatible: Optional[Callable[[EngineFacts], Optional[str]]] = None):
         self.scheduler = scheduler
         self.client = client
         self.metrics = metrics
+        self._on_engine_up = on_engine_up or (lambda up: None)
+        self._check_interval_s = engine_check_interval_s
+        # Says why a restarted model service cannot take over the requests in flight (None: it can).
+        self._is_compatible = is_compatible or (lambda facts: None)
+        self.engine_up = True
+        self.num_engine_recoveries = 0
+        self._recoveries_without_progress = 0
         self._num_preemptions_seen = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
+        # Tokens computed per second, a moving average over steps (the retry hint's rate).
+        self.tokens_per_s = 0.0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
@@ -55,9 +82,16 @@ class EngineLoop:
             while True:
                 if not self.scheduler.has_work():
                     self._wake.clear()
-                    await self._wake.wait()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), self._check_interval_s)
+                    except asyncio.TimeoutError:
+                        if not await self.client.is_alive(self._check_interval_s):
+                            await self._recover("the model service failed its health check")
                     continue
-                await self._step()
+                try:
+                    await self._step()
+                except EngineUnavailable as error:
+                    await self._recover(str(error))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -77,8 +111,11 @@ class EngineLoop:
             except asyncio.TimeoutError:
                 pass
             return
+        started = time.perf_counter()
         result = await self.client.execute(plan)
+        self._note_rate(plan.total_scheduled_tokens, time.perf_counter() - started)
         self.num_steps += 1
+        self._recoveries_without_progress = 0
         self._deliver(self.scheduler.update(plan, result))
         if self.metrics is not None:
             scheduler = self.scheduler
@@ -87,6 +124,58 @@ class EngineLoop:
             self._num_preemptions_seen = scheduler.num_preemptions_total
             self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
                                  (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
+
+    def _note_rate(self, num_tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = num_tokens / seconds
+            self.tokens_per_s = rate if not self.tokens_per_s else \
+                0.9 * self.tokens_per_s + 0.1 * rate
+
+    async def _recover(self, why: str) -> None:
+        """Engine down: health NOT_SERVING, every sequence back to waiting, then reconnect with
+        backoff until a model service answers Describe and a real step; health SERVING again."""
+        self.engine_up = False
+        self._on_engine_up(False)
+        self.client.drop_stream()
+        num_preempted = self.scheduler.reset_engine(self.scheduler.facts)
+        log.warning("engine_down", reason=why, num_preempted=num_preempted,
+                    num_in_flight=len(self.scheduler.requests))
+        self._recoveries_without_progress += 1
+        if self._recoveries_without_progress > self.MAX_RECOVERIES_WITHOUT_PROGRESS:
+            log.error("engine_fails_repeatedly; failing every request in flight",
+                      recoveries=self._recoveries_without_progress - 1)
+            self.scheduler.end_all(FinishReason.ERROR)
+            self._deliver(self.scheduler.take_early_outputs())
+            self._recoveries_without_progress = 0
+        backoff_s = self.FIRST_BACKOFF_S
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            # Aborts and deadlines still end requests while nothing can run.
+            self.scheduler.collect_departures()
+            self._deliver(self.scheduler.take_early_outputs())
+            try:
+                facts = await self.client.describe(max(backoff_s, 1.0))
+                incompatible = self._is_compatible(facts)
+                if incompatible is None:
+                    self.scheduler.reset_engine(facts)
+                    await self.client.probe(self.scheduler.take_step_ids(2), facts)
+                    break
+                log.error("engine_incompatible", reason=incompatible, attempt=attempt)
+            except (EngineUnavailable, asyncio.TimeoutError, ConnectionError) as error:
+                self.client.drop_stream()
+                log.info("engine_reconnect_failed", attempt=attempt, error=str(error))
+            except Exception as error:  # noqa: BLE001 - an AioRpcError of Describe, say
+                self.client.drop_stream()
+                log.info("engine_reconnect_failed", attempt=attempt, error=repr(error))
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self.MAX_BACKOFF_S)
+        self.num_engine_recoveries += 1
+        self.engine_up = True
+        self._on_engine_up(True)
+        log.warning("engine_up", attempts=attempt, down_s=round(time.monotonic() - started, 3),
+                    num_waiting=self.scheduler.num_waiting)
 
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         for request, output in outputs:

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Optional
 
+from cython_ext.block_pool import BlockPool
 from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepCore
 from scheduler_service import policies
 from scheduler_service.config import SchedulerConfig
@@ -75,20 +76,68 @@ class Scheduler:
         self._pending_forks: dict[int, tuple[NewSequence, Optional[tuple[int, int]]]] = {}
         # Per-slot sequence state and the per-step loops over it, in C.
         policy_type = type(self.policy)
-        self.core = StepCore(
-            self.kv.pool, facts.block_size, facts.max_num_slots,
-            max_prefill_chunk=config.max_prefill_chunk,
-            decode_reserve_tokens=config.decode_reserve_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            on_blocks_exhausted=self._on_blocks_exhausted,
-            # The base class's on_scheduled does nothing: skip 256 calls per step for it.
-            on_scheduled=(None if policy_type.on_scheduled is SchedulingPolicy.on_scheduled
-                          else self.policy.on_scheduled))
+        self.core = self._new_core()
         # Only a policy that may preempt for a waiting request (priority) needs step 3's second
         # half; the base class's may_preempt_for always says no.
         self._preempts_for_waiting = (
             policy_type.may_preempt_for is not SchedulingPolicy.may_preempt_for)
         self._plan: Optional[StepPlan] = None
+
+    def _new_core(self) -> StepCore:
+        return StepCore(
+            self.kv.pool, self.facts.block_size, self.facts.max_num_slots,
+            max_prefill_chunk=self.config.max_prefill_chunk,
+            decode_reserve_tokens=self.config.decode_reserve_tokens,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            on_blocks_exhausted=self._on_blocks_exhausted,
+            # The base class's on_scheduled does nothing: skip 256 calls per step for it.
+            on_scheduled=(None if type(self.policy).on_scheduled is SchedulingPolicy.on_scheduled
+                          else self.policy.on_scheduled))
+
+    def reset_engine(self, facts: EngineFacts) -> int:
+        """The model service lost every sequence (it restarted, or its Execute stream broke):
+        every running sequence is preempted, to be recomputed from its prompt plus the tokens
+        already streamed, and the block pool starts empty (the cached KV is gone, so are the
+        hashes that pointed at it). Lifecycle news meant for the old process is dropped; the
+        plan in flight, if any, never happened. `facts` is the new process's Describe (its
+        capacity may differ). Returns how many sequences were preempted."""
+        plan = StepPlan(step_id=0)  # throwaway: no process will hear of these slots
+        num_running = len(self.running)
+        # Last first: each goes to the front of the queue, so admission order is kept.
+        for request in reversed(list(self.running)):
+            self._preempt(request, plan)
+        self._pending_forks.clear()
+        self._finished_slots.clear()
+        self._aborted_slots.clear()
+        self.facts = facts
+        self.kv.pool = BlockPool(facts.num_kv_blocks)
+        self.slots = SlotAllocator(facts.max_num_slots)
+        self.max_num_seqs = min(self.config.max_num_seqs, facts.max_num_slots)
+        self.core = self._new_core()
+        return num_running
+
+    def collect_departures(self) -> None:
+        """Applies passed deadlines and aborts now, outside a step (while the model service is
+        down nothing is running, so no slot is involved); their outputs wait in
+        take_early_outputs()."""
+        now = time.monotonic()
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self._expire_deadlines(now)
+        if self._abort_ids:
+            self._collect_aborts()
+
+    def end_all(self, reason: FinishReason) -> None:
+        """Ends every request in flight for `reason` (outputs in take_early_outputs())."""
+        for request in list(self.requests.values()):
+            if not request.is_finished:
+                self._end(request, reason, self._aborted_slots)
+
+    def take_step_ids(self, count: int) -> int:
+        """Reserves `count` consecutive step ids for plans built outside schedule() (the
+        readiness probe); returns the first."""
+        first = self._next_step_id
+        self._next_step_id += count
+        return first
 
     # ---- requests in and out -------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_service import intake, outputs
+from scheduler_service import engine_client, intake, outputs, overload
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineClient, EngineFacts
 from scheduler_service.loop import EngineLoop
@@ -34,10 +34,17 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].ful
 class Rejected(Exception):
     """A request that is not accepted, with the status it gets."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_ms = retry_after_ms  # sent as trailing metadata retry-after-ms
+
+    @property
+    def trailing_metadata(self) -> tuple:
+        if self.retry_after_ms is None:
+            return ()
+        return ((overload.RETRY_AFTER_KEY, str(self.retry_after_ms)),)
 
 
 class _Tagged:
@@ -83,11 +90,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         if scheduler.find(request.request_id) is not None:
             raise Rejected(grpc.StatusCode.ALREADY_EXISTS,
                            f"request_id: {request.request_id!r} is already in flight")
-        if scheduler.num_waiting >= self._config.max_queue_len:
-            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"queue full: {scheduler.num_waiting} requests waiting "
-                           f"(max_queue_len {self._config.max_queue_len})")
+        if scheduler.num_waiting:
+            self._check_queue_room(serving, request)
         return request
+
+    def _check_queue_room(self, serving: Serving, request: Request) -> None:
+        """RESOURCE_EXHAUSTED with a retry hint when the waiting queue is full, by requests or by
+        tokens (a request arriving at an empty queue is always taken)."""
+        scheduler, config = serving.loop.scheduler, self._config
+        waiting_tokens = overload.num_waiting_tokens(scheduler)
+        if scheduler.num_waiting >= config.max_queue_len:
+            why = (f"queue full: {scheduler.num_waiting} requests waiting "
+                   f"(max_queue_len {config.max_queue_len})")
+        elif waiting_tokens + request.num_tokens_to_compute > config.max_queue_tokens:
+            why = (f"queue full: {waiting_tokens} prompt tokens waiting + "
+                   f"{request.num_tokens_to_compute} exceed max_queue_tokens "
+                   f"{config.max_queue_tokens}")
+        else:
+            return
+        retry_after_ms = overload.retry_after_ms(waiting_tokens, serving.loop.tokens_per_s)
+        raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"{why}; retry after {retry_after_ms} ms", retry_after_ms)
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[
@@ -96,12 +119,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         try:
             req = self._accept(serving, request)
         except Rejected as rejected:
-            await context.abort(rejected.code, rejected.message)
+            await context.abort(rejected.code, rejected.message, rejected.trailing_metadata)
+        req.outputs = overload.StreamBuffer(self._config.max_stream_buffer_chunks,
+                                            lambda: serving.loop.abort_request(req.request_id))
         serving.loop.add_request(req)
         samples_left = req.n
         try:
             while samples_left:
                 output = await req.outputs.get()
+                if isinstance(output, overload.Overflowed):
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, output.message)
                 yield outputs.to_pb(req, output)
                 if output.finish_reason is not None:
                     samples_left -= 1
@@ -116,8 +143,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         task takes the client's messages; this coroutine writes everything the requests
         produce, in the order produced, until the client is done and every request ended."""
         serving = await self._serving(context)
-        sink: asyncio.Queue = asyncio.Queue()
         samples_left: dict[str, int] = {}  # in-flight requests of this stream
+        sink = overload.StreamBuffer(  # one bound for the whole stream
+            self._config.max_stream_buffer_chunks,
+            lambda: [serving.loop.abort_request(request_id) for request_id in samples_left])
         done_reading = object()
 
         def error(request_id: str, code: grpc.StatusCode, message: str) -> None:
@@ -157,6 +186,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 item = await sink.get()
                 if item is done_reading:
                     reading = False
+                elif isinstance(item, overload.Overflowed):
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, item.message)
                 elif isinstance(item, generate_pb2.SessionResponse):
                     yield item
                 else:
@@ -235,13 +266,21 @@ class SchedulerServer:
         facts = await self.client.describe(self.config.engine_connect_timeout_s)
         tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
         output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
-        loop = EngineLoop(Scheduler(self.config, facts, output_processor), self.client,
-                          self.metrics)
+        scheduler = Scheduler(self.config, facts, output_processor)
+        # Readiness is a real one-token step on the model, not only an answer to Describe.
+        await self.client.probe(scheduler.take_step_ids(2), facts)
+        loop = EngineLoop(scheduler, self.client, self.metrics, on_engine_up=self._on_engine_up,
+                          is_compatible=lambda new: engine_client.incompatibility(facts, new))
         loop.start()
         self.servicer.serving = Serving(facts=facts, tokenizer=tokenizer, loop=loop)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("scheduler serving", port=self.port, model=facts.model_name,
                  num_kv_blocks=facts.num_kv_blocks, block_size=facts.block_size)
+
+    def _on_engine_up(self, up: bool) -> None:
+        """The engine loop's news: the model service went down, or is back and computing."""
+        self._set_health(health_pb2.HealthCheckResponse.SERVING if up
+                         else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):

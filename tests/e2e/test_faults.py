@@ -1,0 +1,132 @@
+"""Faults on real processes: the model service is killed with SIGKILL mid-generation and started
+again on the same port. Requests in flight see a delay, never an error nor a token twice, and
+their greedy output is the undisturbed run's; health says NOT_SERVING while the engine is down."""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
+from conftest import EngineProcess, start_scheduler
+from planserve.v1 import generate_pb2
+
+ENGINE_ARGS = ("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
+PROMPTS = [[17, 4000, 1203, 88, 9, 3141, 59, 26], list(range(5, 60)), [7, 7, 7, 7, 1, 2, 3]]
+MAX_NEW_TOKENS = [300, 200, 250]
+
+
+def _port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+async def _health(server) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return reply.status
+
+
+async def _wait_for_health(server, status: int, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while await _health(server) != status:
+        assert asyncio.get_running_loop().time() < deadline, f"health never became {status}"
+        await asyncio.sleep(0.02)
+
+
+async def _stream(stub, request, token_lists: list[list[int]], index: int):
+    """Collects one request's tokens chunk by chunk (so the test can see progress)."""
+    chunks = []
+    async for chunk in stub.Generate(request):
+        chunks.append(chunk)
+        token_lists[index].extend(chunk.token_ids)
+    return chunks
+
+
+async def test_sigkill_of_the_model_service_mid_generation_loses_nothing():
+    engine = EngineProcess(*ENGINE_ARGS)
+    server = await start_scheduler(engine.address, max_num_batched_tokens=64, max_num_seqs=16)
+    try:
+        stub = stub_for(server)
+        requests = [greedy_ids_request(p, n) for p, n in zip(PROMPTS, MAX_NEW_TOKENS)]
+        reference = [await complete(stub, r) for r in requests]
+        assert await _health(server) == health_pb2.HealthCheckResponse.SERVING
+
+        streamed: list[list[int]] = [[] for _ in requests]
+        tasks = [asyncio.ensure_future(_stream(stub, r, streamed, i))
+                 for i, r in enumerate(requests)]
+        while min(len(t) for t in streamed) < 10:  # every request has streamed some tokens
+            await asyncio.sleep(0.005)
+        engine.process.send_signal(signal.SIGKILL)
+        engine.process.wait()
+        tokens_at_kill = [len(t) for t in streamed]
+        assert any(n < m for n, m in zip(tokens_at_kill, MAX_NEW_TOKENS)), \
+            "every request finished before the kill: nothing was tested"
+
+        await _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert not all(t.done() for t in tasks)  # clients wait; nobody got an error
+        engine = EngineProcess(*ENGINE_ARGS, "--port", str(_port_of(server.config.engine_address)))
+        results = await asyncio.gather(*tasks)
+
+        for chunks, ref, tokens in zip(results, reference, streamed):
+            assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+            assert tokens == ref.token_ids  # identical greedy output, no token twice
+            assert "".join(c.text for c in chunks) == ref.text
+        assert server.loop.num_engine_recoveries == 1
+        await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+        # And the restarted engine serves new requests as before.
+        again = await complete(stub, requests[0])
+        assert again.token_ids == reference[0].token_ids
+    finally:
+        await server.stop(grace_s=1)
+        engine.stop()
+
+
+async def test_idle_scheduler_notices_a_dead_model_service_and_comes_back():
+    engine = EngineProcess(*ENGINE_ARGS)
+    server = await start_scheduler(engine.address)
+    try:
+        stub = stub_for(server)
+        before = await complete(stub, greedy_ids_request(PROMPTS[0], 8))
+        engine.process.send_signal(signal.SIGKILL)
+        engine.process.wait()
+        await _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # A request sent while the engine is down waits instead of failing.
+        waiting = asyncio.ensure_future(complete(stub, greedy_ids_request(PROMPTS[0], 8)))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        engine = EngineProcess(*ENGINE_ARGS, "--port", str(_port_of(server.config.engine_address)))
+        await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        after = await waiting
+        assert after.token_ids == before.token_ids
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+    finally:
+        await server.stop(grace_s=1)
+        engine.stop()
+
+
+async def test_abort_while_the_model_service_is_down_ends_the_request():
+    engine = EngineProcess(*ENGINE_ARGS)
+    server = await start_scheduler(engine.address)
+    try:
+        stub = stub_for(server)
+        streamed: list[list[int]] = [[]]
+        request = greedy_ids_request(PROMPTS[1], 300, request_id="doomed")
+        task = asyncio.ensure_future(_stream(stub, request, streamed, 0))
+        while len(streamed[0]) < 3:
+            await asyncio.sleep(0.005)
+        engine.process.send_signal(signal.SIGKILL)
+        engine.process.wait()
+        await _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await stub.Abort(generate_pb2.AbortRequest(request_id="doomed"))
+        chunks = await task  # ends without the engine coming back
+        assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_CANCELLED
+        assert not server.loop.scheduler.requests
+    finally:
+        await server.stop(grace_s=1)
+        engine.stop()
