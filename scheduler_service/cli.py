@@ -4,6 +4,7 @@
   planserve model-service    the model service alone
   planserve scheduler        the scheduler alone, against --engine HOST:PORT
   planserve generate PROMPT  stream a completion from a running server
+  planserve conformance      check a server against the engine contract or the public API
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional
 import structlog
 
 from planserve.v1 import generate_pb2
-from scheduler_service import logs, policies
+from scheduler_service import conformance, logs, policies
 from scheduler_service.client import build_request, stream_generate
 from scheduler_service.config import CHUNKING_MODES, SchedulerConfig
 from scheduler_service.server import SchedulerServer
@@ -250,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", default=[])
     generate.add_argument("--ignore-eos", action="store_true")
+
+    conformance.add_parser(commands)
     return parser
 
 
@@ -259,6 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "model-service":
         # Replace this process: the model service is its own program (and imports torch).
         os.execv(sys.executable, _model_service_argv(args, args.host, args.port))
+    if args.command == "conformance":
+        return conformance.run_command(args)  # exit status 1 when a check failed
     runners = {"serve": _serve, "scheduler": _scheduler, "generate": _generate}
     try:
         asyncio.run(runners[args.command](args))
