@@ -27,7 +27,7 @@ install: $(PY)
 	$(PIP) install --no-build-isolation -e ".[model]"
 
 install-test: install
-	$(PIP) install --no-build-isolation -e ".[model,test]"
+	$(PIP) install --no-build-isolation -e ".[model,test,bench]"
 	# tests/node: the Node.js client test's exact, locked npm packages.
 	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
 
