@@ -52,14 +52,15 @@ def test_field_numbers_and_enum_values_keep_their_meaning():
 
 ENGINE = "protos/planserve/v1/engine.proto"
 GENERATE = "protos/planserve/v1/generate.proto"
+# Numbers far above any the contract uses, so the edits stay valid as fields are added.
 ADD_FIELD = (ENGINE, "  bytes extension = 15;\n",
-             "  bytes extension = 15;\n  // A new field.\n  uint32 priority_hint = 16;\n")
+             "  bytes extension = 15;\n  // A new field.\n  uint32 priority_hint = 9001;\n")
 BREAKS = {
-    "renumbered field": (ENGINE, "repeated uint32 copy_dst = 11;", "repeated uint32 copy_dst = 12;"),
+    "renumbered field": (ENGINE, "repeated uint32 copy_dst = 11;", "repeated uint32 copy_dst = 9002;"),
     "reused number": (ENGINE, "repeated uint32 copy_dst = 11;", "repeated uint32 copy_dest = 11;"),
     "removed field": (ENGINE, "  repeated uint32 copy_dst = 11;\n", ""),
     "changed type": (ENGINE, "repeated uint32 copy_dst = 11;", "repeated uint64 copy_dst = 11;"),
-    "renumbered enum value": (GENERATE, "FINISH_REASON_DEADLINE = 5;", "FINISH_REASON_DEADLINE = 7;"),
+    "renumbered enum value": (GENERATE, "FINISH_REASON_DEADLINE = 5;", "FINISH_REASON_DEADLINE = 9003;"),
 }
 
 
@@ -69,7 +70,7 @@ def test_adding_a_field_passes_both_checks(tmp_path):
     _edit(module / path, old, new)
     assert _breaking(module).returncode == 0
     problems, added = compare(json.loads(SNAPSHOT_JSON.read_text()), current_snapshot(module))
-    assert problems == [] and "planserve.v1.BatchPlan.priority_hint = 16" in added
+    assert problems == [] and "planserve.v1.BatchPlan.priority_hint = 9001" in added
 
 
 @pytest.mark.parametrize("change", sorted(BREAKS))
