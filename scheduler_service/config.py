@@ -30,7 +30,17 @@ class SchedulerConfig:
     `planserve serve` and `planserve scheduler` default to 8000."""
 
     engine_address: str = "127.0.0.1:50052"
-    """host:port of the model service's EngineService."""
+    """host:port of the model service's EngineService; several replicas as a comma list
+    ("h1:p1,h2:p2"), or `dns:///name:port` (a headless Service: one replica per address,
+    re-resolved every replica_check_interval_s); see scheduler_service/replicas.py."""
+
+    router_weights: str = "prefix_affinity=2,kv_usage=1,waiting_tokens=1"
+    """With several replicas: the scorers that place a new request and their weights
+    (scheduler_service/scorers: kv_usage, waiting_tokens, prefix_affinity, random, or a plugin)."""
+
+    replica_check_interval_s: float = 5.0
+    """With several replicas: how often DNS is re-resolved, replicas that failed to connect are
+    retried, and replicas down with requests are drained."""
 
     max_num_seqs: int = 64
     """Most sequences scheduled in one step (running decodes plus prefill chunks)."""
@@ -118,8 +128,15 @@ class SchedulerConfig:
             raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if not -1 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [-1, 65535], got {self.http_port}")
-        if ":" not in self.engine_address:
-            raise ValueError(f"engine_address must be host:port, got {self.engine_address!r}")
+        if any(":" not in part for part in self.engine_address.split(",")):
+            raise ValueError(f"engine_address must be host:port (or a comma list of them, or "
+                             f"dns:///name:port), got {self.engine_address!r}")
+        if "," in self.engine_address or self.engine_address.startswith("dns:///"):
+            from scheduler_service import scorers
+            scorers.parse_weights(self.router_weights)  # names the bad scorer or weight
+        if self.replica_check_interval_s <= 0:
+            raise ValueError(
+                f"replica_check_interval_s must be > 0, got {self.replica_check_interval_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -22,6 +22,7 @@ from scheduler_service.loop import EngineLoop
 from scheduler_service.metrics import Metrics
 from scheduler_service.openai_api import HttpServer
 from scheduler_service.outputs import OutputProcessor
+from scheduler_service.replicas import ReplicaSet, is_replicated
 from scheduler_service.request import Request, RequestOutput
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.tokenizer import Tokenizer
@@ -213,10 +214,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     async def GetServerStatus(self, request, context) -> generate_pb2.GetServerStatusResponse:
         scheduler = (await self._serving(context)).loop.scheduler
         usable, free = scheduler.kv.num_usable_blocks, scheduler.kv.num_free_blocks
+        statuses = getattr(self.serving.loop, "statuses", None)  # several replicas: one each
         return generate_pb2.GetServerStatusResponse(
             num_waiting=scheduler.num_waiting, num_running=len(scheduler.running),
             num_kv_blocks=usable, num_free_kv_blocks=free,
-            kv_cache_usage=(usable - free) / usable if usable else 0.0)
+            kv_cache_usage=(usable - free) / usable if usable else 0.0,
+            replicas=[generate_pb2.ReplicaStatus(**s) for s in statuses()] if statuses else [])
 
     async def GetModelInfo(self, request, context) -> generate_pb2.GetModelInfoResponse:
         facts = (await self._serving(context)).facts
@@ -263,15 +266,22 @@ class SchedulerServer:
 
     async def connect_engine(self) -> None:
         """Describes the model service, builds the scheduler and turns health SERVING."""
-        facts = await self.client.describe(self.config.engine_connect_timeout_s)
-        tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
-        output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
-        scheduler = Scheduler(self.config, facts, output_processor)
-        # Readiness is a real one-token step on the model, not only an answer to Describe.
-        await self.client.probe(scheduler.take_step_ids(2), facts)
-        loop = EngineLoop(scheduler, self.client, self.metrics, on_engine_up=self._on_engine_up,
-                          is_compatible=lambda new: engine_client.incompatibility(facts, new))
-        loop.start()
+        if is_replicated(self.config.engine_address):
+            # Several model services: one scheduler + engine loop per replica, a router in front
+            # (scheduler_service/replicas.py); the servicer talks to the set as to one loop.
+            loop = ReplicaSet(self.config, self.metrics, on_serving=self._on_engine_up)
+            facts = await loop.connect()
+            tokenizer = loop.tokenizer
+        else:
+            facts = await self.client.describe(self.config.engine_connect_timeout_s)
+            tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
+            output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
+            scheduler = Scheduler(self.config, facts, output_processor)
+            # Readiness is a real one-token step on the model, not only an answer to Describe.
+            await self.client.probe(scheduler.take_step_ids(2), facts)
+            loop = EngineLoop(scheduler, self.client, self.metrics, on_engine_up=self._on_engine_up,
+                              is_compatible=lambda new: engine_client.incompatibility(facts, new))
+            loop.start()
         self.servicer.serving = Serving(facts=facts, tokenizer=tokenizer, loop=loop)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("scheduler serving", port=self.port, model=facts.model_name,
