@@ -157,7 +157,11 @@ async def _run_until_signal(server: SchedulerServer, sample_prompt: Optional[str
         print(f"\nplanserve is serving on {address}; Ctrl-C stops it.", flush=True)
     await stop.wait()
     log.info("stopping")
-    await server.stop()
+    # Drain: NOT_SERVING and UNAVAILABLE for new requests, running ones finish within the
+    # grace period (keep k8s terminationGracePeriodSeconds above it); then exit 0.
+    drained = await server.drain(server.config.drain_grace_s)
+    # Past the grace period the streams still open are cut (UNAVAILABLE/CANCELLED) at once.
+    await server.stop(grace_s=5.0 if drained else 0.0)
 
 
 def _announce(server: SchedulerServer) -> None:
@@ -167,9 +171,62 @@ def _announce(server: SchedulerServer) -> None:
         print(f"{HTTP_PORT_LINE}{server.http_port}", flush=True)
 
 
+class _ModelServiceSupervisor:
+    """`planserve serve`'s model service child, restarted on the same port whenever it dies (the
+    scheduler notices, reconnects and recomputes what was in flight). The delay before a restart
+    doubles, up to MAX_DELAY_S, while the child keeps dying within HEALTHY_S of its start."""
+
+    FIRST_DELAY_S = 0.5
+    MAX_DELAY_S = 30.0
+    HEALTHY_S = 60.0
+
+    def __init__(self, args: argparse.Namespace):
+        self._args = args
+        self.child: Optional[asyncio.subprocess.Process] = None
+        self.port = args.engine_port
+        self.num_restarts = 0
+        self._watch: Optional[asyncio.Task] = None
+
+    async def start(self) -> int:
+        self.child, self.port = await _start_model_service(
+            _model_service_argv(self._args, "127.0.0.1", self.port))
+        self._watch = asyncio.get_running_loop().create_task(self._restart_when_dead())
+        return self.port
+
+    async def _restart_when_dead(self) -> None:
+        delay_s = self.FIRST_DELAY_S
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            status = await self.child.wait()
+            delay_s = self.FIRST_DELAY_S if loop.time() - started > self.HEALTHY_S else delay_s
+            log.warning("model_service_died", status=status, restart_in_s=delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self.MAX_DELAY_S)
+            try:
+                self.child, _ = await _start_model_service(
+                    _model_service_argv(self._args, "127.0.0.1", self.port))
+            except RuntimeError as error:  # died while starting: wait() returns at once
+                log.warning("model_service_restart_failed", error=str(error))
+                continue
+            self.num_restarts += 1
+            log.warning("model_service_restarted", port=self.port, restarts=self.num_restarts)
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        child = self.child
+        if child is not None and child.returncode is None:
+            child.terminate()
+            with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                await asyncio.wait_for(child.wait(), 10)
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    child, engine_port = await _start_model_service(
-        _model_service_argv(args, "127.0.0.1", args.engine_port))
+    supervisor = _ModelServiceSupervisor(args)
+    engine_port = await supervisor.start()
     try:
         server = SchedulerServer(_scheduler_config(args, f"127.0.0.1:{engine_port}"))
         await server.start()
@@ -177,10 +234,7 @@ async def _serve(args: argparse.Namespace) -> None:
         _announce(server)
         await _run_until_signal(server, args.sample)
     finally:
-        if child.returncode is None:
-            child.terminate()
-            with contextlib.suppress(ProcessLookupError):
-                await asyncio.wait_for(child.wait(), 10)
+        await supervisor.stop()
 
 
 async def _scheduler(args: argparse.Namespace) -> None:

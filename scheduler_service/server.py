@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -73,6 +74,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: SchedulerConfig):
         self._config = config
         self.serving: Serving | None = None  # set once the engine answered Describe
+        self.draining = False  # SIGTERM: new requests get UNAVAILABLE, running ones finish
 
     async def _serving(self, context: grpc.aio.ServicerContext) -> Serving:
         if self.serving is None:
@@ -82,6 +84,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
 
     def _accept(self, serving: Serving, pb: generate_pb2.GenerateRequest) -> Request:
         """Validates and queues a request; `Rejected` says which status it gets instead."""
+        if self.draining:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                           "the server is draining (shutting down): send the request elsewhere")
         scheduler = serving.loop.scheduler
         try:
             request = intake.to_request(pb, serving.facts, serving.tokenizer,
@@ -289,8 +294,23 @@ class SchedulerServer:
 
     def _on_engine_up(self, up: bool) -> None:
         """The engine loop's news: the model service went down, or is back and computing."""
-        self._set_health(health_pb2.HealthCheckResponse.SERVING if up
+        self._set_health(health_pb2.HealthCheckResponse.SERVING if up and not self.servicer.draining
                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def drain(self, grace_s: float) -> bool:
+        """SIGTERM: health NOT_SERVING and new requests UNAVAILABLE at once; the requests in
+        flight run to their end for up to grace_s. True when all of them finished in time."""
+        self.servicer.draining = True
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = self.loop
+        num_in_flight = len(loop.scheduler.requests) if loop else 0
+        log.info("draining", num_in_flight=num_in_flight, grace_s=grace_s)
+        deadline = time.monotonic() + grace_s
+        while loop is not None and loop.scheduler.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        num_left = len(loop.scheduler.requests) if loop else 0
+        log.info("drained" if not num_left else "drain_grace_expired", num_left=num_left)
+        return not num_left
 
     def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
