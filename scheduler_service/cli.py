@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -44,6 +45,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="KV blocks to allocate (default: from a 1 GiB budget)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"],
                         help="'int8': weight-only int8 (about 3.8x less weight memory)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split attention heads and MLP columns across N ranks "
+                             "(torch.distributed: nccl on CUDA, gloo on CPU)")
 
 
 def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +129,8 @@ def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[
             "--port", str(port)]
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.null_step_delay_ms:
         argv += ["--null-step-delay-ms", str(args.null_step_delay_ms)]
     return argv
@@ -238,7 +244,12 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 async def _scheduler(args: argparse.Namespace) -> None:
-    server = SchedulerServer(_scheduler_config(args, args.engine))
+    # Several --engine (or a comma list, or dns:///name:port): replicas behind one router.
+    config = dataclasses.replace(
+        _scheduler_config(args, ",".join(args.engine or ["127.0.0.1:50052"])),
+        router_weights=args.router_weights,
+        replica_check_interval_s=args.replica_check_interval).validate()
+    server = SchedulerServer(config)
     await server.start()
     await server.connect_engine()
     _announce(server)
@@ -290,7 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = commands.add_parser("scheduler", help="the scheduler alone",
                                     formatter_class=argparse.RawTextHelpFormatter)
     _add_scheduler_flags(scheduler)
-    scheduler.add_argument("--engine", default="127.0.0.1:50052", help="model service HOST:PORT")
+    scheduler.add_argument("--engine", action="append", default=None,
+                           help="model service HOST:PORT (default 127.0.0.1:50052); repeat it or "
+                                "give a comma list for replicas, or dns:///NAME:PORT (a headless "
+                                "Service, one replica per address, re-resolved)")
+    scheduler.add_argument("--router-weights", default=SchedulerConfig.router_weights,
+                           help="with replicas: scorers placing new requests, NAME=WEIGHT,... "
+                                "(kv_usage, waiting_tokens, prefix_affinity, random)")
+    scheduler.add_argument("--replica-check-interval", type=float,
+                           default=SchedulerConfig.replica_check_interval_s,
+                           help="with replicas: seconds between DNS re-resolves and retries")
 
     generate = commands.add_parser("generate", help="stream a completion to the terminal")
     generate.add_argument("prompt")
