@@ -277,20 +277,32 @@ class SchedulerServer:
             loop = ReplicaSet(self.config, self.metrics, on_serving=self._on_engine_up)
             facts = await loop.connect()
             tokenizer = loop.tokenizer
+            engine_down = None
         else:
             facts = await self.client.describe(self.config.engine_connect_timeout_s)
             tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
             output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
             scheduler = Scheduler(self.config, facts, output_processor)
-            # Readiness is a real one-token step on the model, not only an answer to Describe.
-            await self.client.probe(scheduler.take_step_ids(2), facts)
+            # Readiness is a real one-token step on the model, not only an answer to Describe:
+            # when it fails, the loop starts by reconnecting, NOT_SERVING until a step works.
+            engine_down = await self._probe(scheduler, facts)
             loop = EngineLoop(scheduler, self.client, self.metrics, on_engine_up=self._on_engine_up,
                               is_compatible=lambda new: engine_client.incompatibility(facts, new))
-            loop.start()
+            loop.start(engine_down)
         self.servicer.serving = Serving(facts=facts, tokenizer=tokenizer, loop=loop)
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("scheduler serving", port=self.port, model=facts.model_name,
+        if engine_down is None:
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("scheduler serving" if engine_down is None else "scheduler waiting for engine", port=self.port, model=facts.model_name,
                  num_kv_blocks=facts.num_kv_blocks, block_size=facts.block_size)
+
+    async def _probe(self, scheduler: Scheduler, facts: EngineFacts) -> str | None:
+        """None when the model service computed a one-token step, else why not."""
+        try:
+            await self.client.probe(scheduler.take_step_ids(2), facts)
+        except engine_client.EngineUnavailable as error:
+            log.warning("readiness_probe_failed", error=str(error))
+            return f"readiness probe failed: {error}"
+        return None
 
     def _on_engine_up(self, up: bool) -> None:
         """The engine loop's news: the model service went down, or is back and computing."""

@@ -177,3 +177,38 @@ async def test_planserve_serve_restarts_its_killed_model_service_and_requests_fi
     finally:
         if process.poll() is None:
             process.kill()
+
+
+async def test_readiness_needs_a_real_step_a_model_service_that_cannot_compute_is_not_ready():
+    """The model service answers Describe and health, but its forward fails (as on a device
+    error): the scheduler stays NOT_SERVING, requests wait; once the model computes again the
+    scheduler turns SERVING on its own and serves them."""
+    from model_service.config import ModelServiceConfig
+    from model_service.server import serve, shutdown
+
+    engine = await serve(ModelServiceConfig(model="tiny", dtype="float32", port=0,
+                                            num_kv_blocks=64))
+    model = engine.runner.model
+    working_forward = model.forward
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    model.forward = broken_forward
+    server = await start_scheduler(f"127.0.0.1:{engine.bound_port}")
+    try:
+        assert await _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        stub = stub_for(server)
+        waiting = asyncio.ensure_future(complete(stub, greedy_ids_request(PROMPTS[0], 8)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        assert await _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        model.forward = working_forward
+        await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        served = await waiting
+        assert len(served.token_ids) == 8
+        assert served.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    finally:
+        model.forward = working_forward
+        await server.stop(grace_s=1)
+        await shutdown(engine, grace_s=1)
