@@ -195,3 +195,20 @@ def test_router_weights_are_checked_and_ties_take_turns():
     router = Router({"random": 0.0, "waiting_tokens": 1.0})
     replicas = [Idle("a"), Idle("b")]
     assert [router.choose(None, replicas) for _ in range(4)] == [0, 1, 0, 1]
+
+
+async def test_dns_name_resolves_to_replicas(two_engines):
+    """engine_address dns:///localhost:PORT (as a headless Service name would be) resolves to the
+    engine's address, which then serves as a replica."""
+    from scheduler_service.replicas import resolve_dns
+
+    port = two_engines[0].rsplit(":", 1)[1]
+    assert f"127.0.0.1:{port}" in await resolve_dns(f"dns:///localhost:{port}")
+    assert await resolve_dns("dns:///no-such-host.invalid:50052") == []
+    server = await start_scheduler(f"dns:///localhost:{port}", replica_check_interval_s=0.5)
+    try:
+        assert f"127.0.0.1:{port}" in [r.name for r in server.loop.replicas if r.up]
+        output = await complete(stub_for(server), greedy_ids_request([5, 6, 7], 4))
+        assert len(output.token_ids) == 4
+    finally:
+        await server.stop(grace_s=1)
