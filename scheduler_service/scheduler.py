@@ -19,14 +19,16 @@ from typing import Optional
 
 from cython_ext.block_pool import BlockPool
 from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepCore
-from scheduler_service import policies
+from scheduler_service import policies, structured
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineFacts
 from scheduler_service.kv_blocks import KVBlockManager, cdiv, salt_of
 from scheduler_service.outputs import OutputProcessor
 from scheduler_service.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.policies.base import SchedulingPolicy
-from scheduler_service.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_service.swap import SwapSpace
+from scheduler_service.request import (FinishReason, Request, RequestOutput, RequestStatus,
+                                       TokenLogprob)
 
 
 class SlotAllocator:
@@ -55,6 +57,8 @@ class Scheduler:
         self.kv = KVBlockManager(facts.num_kv_blocks, facts.block_size,
                                  config.enable_prefix_caching)
         self.slots = SlotAllocator(facts.max_num_slots)
+        # Host blocks for preemption by swap (none when preempting by recompute).
+        self.swap = SwapSpace(self._usable_swap_blocks(facts))
         self.max_num_seqs = min(config.max_num_seqs, facts.max_num_slots)
         self.policy = policy or policies.create(
             config.policy, prefix_match_len=self.kv.num_cached_prefix_tokens)
@@ -82,6 +86,8 @@ class Scheduler:
         self._preempts_for_waiting = (
             policy_type.may_preempt_for is not SchedulingPolicy.may_preempt_for)
         self._plan: Optional[StepPlan] = None
+        # Requests in flight with structured output: only then are the plans' masks filled.
+        self._num_constrained = 0
 
     def _new_core(self) -> StepCore:
         return StepCore(
@@ -103,6 +109,11 @@ class Scheduler:
         capacity may differ). Returns how many sequences were preempted."""
         plan = StepPlan(step_id=0)  # throwaway: no process will hear of these slots
         num_running = len(self.running)
+        # The old process's swap space is gone too: swapped-out requests start over, and
+        # nobody is swapped out to it now.
+        for request in self.swap.discard_all():
+            request.num_computed_tokens = 0
+        self.swap = SwapSpace(0)
         # Last first: each goes to the front of the queue, so admission order is kept.
         for request in reversed(list(self.running)):
             self._preempt(request, plan)
@@ -113,6 +124,7 @@ class Scheduler:
         self.kv.pool = BlockPool(facts.num_kv_blocks)
         self.slots = SlotAllocator(facts.max_num_slots)
         self.max_num_seqs = min(self.config.max_num_seqs, facts.max_num_slots)
+        self.swap = SwapSpace(self._usable_swap_blocks(facts))
         self.core = self._new_core()
         return num_running
 
@@ -148,6 +160,8 @@ class Scheduler:
         self.outputs.start(request)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+        if request.guide is not None:
+            self._num_constrained += 1
         self.policy.add(request)
 
     def abort_request(self, request_id: str) -> bool:
@@ -190,8 +204,8 @@ class Scheduler:
              cache hit starts them at the cached length; one is admitted only if every running
              sequence keeps decode_reserve_tokens of room to grow;
           3. when blocks run out for a running sequence, the policy's victim is preempted
-             (recompute: blocks freed, requeued ahead of fresh requests of equal rank) until it
-             fits; a policy that ranks requests (priority) also preempts lower-ranked running
+             (blocks freed, requeued ahead of fresh requests of equal rank; by swap when the
+             swap space holds its KV, else by recompute) until it fits; a policy that ranks requests (priority) also preempts lower-ranked running
              sequences for the head of the queue.
         The chunking mode only changes the order of 1 and 2 (see SchedulerConfig).
         Aborted requests and passed deadlines leave first, freeing their blocks in this step.
@@ -233,10 +247,13 @@ class Scheduler:
         self._plan = None
         if self._pending_forks:
             self._register_forks(plan)
+        if self._num_constrained:
+            structured.fill_plan_masks(plan)
         if self._finished_slots:
             plan.finished_slots, self._finished_slots = self._finished_slots, []
         if self._aborted_slots:
             plan.aborted_slots, self._aborted_slots = self._aborted_slots, []
+        self.swap.end_plan()
         return plan
 
     def _on_blocks_exhausted(self, slot: int) -> bool:
@@ -265,8 +282,12 @@ class Scheduler:
             request = policy.peek(now)
             if policy.admission_veto(request, self.running):
                 return
-            hits, num_free_hits = kv.find_cached_prefix(request)
-            num_cached = len(hits) * kv.block_size
+            swapped = self.swap.held_blocks(request) is not None
+            if swapped:  # resumes at its computed count, its KV swapped back in
+                hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
+            else:
+                hits, num_free_hits = kv.find_cached_prefix(request)
+                num_cached = len(hits) * kv.block_size
             num_new_tokens = core.chunk(request.num_tokens - num_cached)
             if num_new_tokens == 0:
                 return
@@ -280,14 +301,19 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             self._admit(plan, request, hits)
             core.schedule_admitted(request.slot, num_new_tokens, num_blocks)
+            if swapped:
+                self._swap_in(plan, request)
             reserve += core.reserve_blocks_of(request.slot, num_new_tokens)
 
     def _fits(self, request: Request) -> bool:
         """Whether the waiting request's first chunk could be admitted right now."""
         if len(self.running) >= self.max_num_seqs or self.slots.num_free == 0:
             return False
-        hits, num_free_hits = self.kv.find_cached_prefix(request)
-        num_cached = len(hits) * self.kv.block_size
+        if self.swap.held_blocks(request) is not None:
+            hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
+        else:
+            hits, num_free_hits = self.kv.find_cached_prefix(request)
+            num_cached = len(hits) * self.kv.block_size
         first_chunk = min(request.num_tokens - num_cached, self.config.max_num_batched_tokens,
                           self.config.max_prefill_chunk or sys.maxsize)
         num_blocks = cdiv(num_cached + first_chunk, self.kv.block_size) - len(hits)
@@ -309,27 +335,55 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         token_ids = request.all_token_ids
-        plan.new_sequences.append(NewSequence(
-            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
-            num_computed_tokens=request.num_computed_tokens))
+        plan.new_sequences.append(self._new_sequence(request, token_ids))
         request.block_ids = list(hits)
         self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
                         len(request.prompt_token_ids) + request.stopping.max_new_tokens,
                         salt_of(request.cache_salt))
         self.running.append(request)
 
+    def _new_sequence(self, request: Request, token_ids: list[int]) -> NewSequence:
+        """How the model service learns of a sequence (at admission, resume or fork)."""
+        stopping = request.stopping
+        suppressed: tuple[int, ...] = ()
+        if stopping.min_new_tokens:
+            eos = () if stopping.ignore_eos else self.facts.eos_token_ids
+            suppressed = tuple(sorted(set(eos) | stopping.stop_token_ids))
+        # Prompt logprobs are asked for until every prompt position has one (a recompute after
+        # a preemption mid-prompt asks again; entries already held are skipped on arrival).
+        prompt_logprobs = request.prompt_logprobs
+        if (prompt_logprobs is not None
+                and len(request.prompt_logprobs_out) >= len(request.prompt_token_ids) - 1):
+            prompt_logprobs = None
+        return NewSequence(
+            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
+            num_computed_tokens=request.num_computed_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            min_new_tokens=stopping.min_new_tokens, min_tokens_suppressed_ids=suppressed,
+            num_logprobs=request.logprobs, num_prompt_logprobs=prompt_logprobs)
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Recompute preemption: free everything, requeue ahead of fresh requests. The model
-        service drops the slot before this step runs (unless it never heard of it)."""
+        """Preemption: free the device blocks, requeue ahead of fresh requests. By swap when the
+        swap space has room for the sequence's computed KV (copied out before this step's
+        forward; it resumes where it stopped, scheduler_service/swap.py), else by recompute
+        (it starts over from its tokens). The model service drops the slot before this step
+        runs (unless it never heard of it: a pending fork, always recomputed)."""
         slot = request.slot
         self.num_preemptions_total += 1
-        if self._pending_forks.pop(slot, None) is None:
+        known = self._pending_forks.pop(slot, None) is None
+        if known:
             plan.preempted_slots.append(slot)
+        num_swap_blocks = cdiv(request.num_computed_tokens, self.kv.block_size)
+        by_swap = known and self.swap.can_swap_out(num_swap_blocks)
+        if by_swap:
+            plan.swap_out_src.extend(self.core.block_ids(slot)[:num_swap_blocks])
+            plan.swap_out_dst.extend(self.swap.swap_out(request, num_swap_blocks))
         self.running.remove(request)
         self._free_blocks(request)
         self.slots.free(slot)
         request.slot = None
-        request.num_computed_tokens = 0
+        if not by_swap:
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.policy.add_preempted(request)
@@ -337,7 +391,21 @@ class Scheduler:
     def _free_blocks(self, request: Request) -> None:
         if request.slot is not None:  # running: its blocks are in the core's slot
             self.core.release(request.slot)
+        else:  # waiting: it may hold swap blocks
+            self.swap.discard(request)
         request.block_ids = []
+
+    def _swap_in(self, plan: StepPlan, request: Request) -> None:
+        """A swapped-out request just admitted: its first blocks are filled from swap space
+        before the forward (its block table was sent whole with this plan)."""
+        host = self.swap.swap_in(request)
+        plan.swap_in_src.extend(host)
+        plan.swap_in_dst.extend(request.block_ids[:len(host)])
+
+    def _usable_swap_blocks(self, facts: EngineFacts) -> int:
+        if self.config.preemption_mode == "recompute":
+            return 0
+        return facts.num_swap_blocks
 
     def _expire_deadlines(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -372,6 +440,8 @@ class Scheduler:
                 lifecycle.append(request.slot)  # the model service knows the slot
             request.slot = None
         request.status = RequestStatus.FINISHED
+        if request.guide is not None:
+            self._num_constrained -= 1
         self.outputs.release(request)
         self.policy.on_finished(request)
         del self.requests[request.request_id]
@@ -384,6 +454,8 @@ class Scheduler:
         cache (both in C, for every sequence in the plan), then the sequences that sampled
         tokens get them appended, stops checked, and free their blocks when finished."""
         outputs: list[tuple[Request, RequestOutput]] = []
+        if result.prompt_logprobs:
+            self._take_prompt_logprobs(plan, result)
         indices, offsets = self.core.advance(plan.packed, result.num_sampled_tokens)
         if not indices:
             return outputs
@@ -391,19 +463,45 @@ class Scheduler:
         requests, counts, sampled = plan.requests, result.num_sampled_tokens, \
             result.sampled_token_ids
         add_tokens, append_tokens = self.outputs.add_tokens, self.core.append_tokens
+        logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
         for index, offset in zip(indices, offsets):
             request = requests[index]
             if request.first_token_time is None:
                 request.first_token_time = now
-            output = add_tokens(request, sampled[offset:offset + counts[index]])
+            token_ids = sampled[offset:offset + counts[index]]
+            entries = None
+            if request.logprobs is not None:
+                entries = logprobs.take(token_ids, request.logprobs)
+            output = add_tokens(request, token_ids, entries)
             append_tokens(request.slot, output.token_ids)
+            if request.stream_interval > 1:
+                output = self.outputs.coalesce(request, output)  # None: held back
             if not request.forked and request.n > 1:
                 self._fork_samples(request)
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._release(request, self._finished_slots)
-            outputs.append((request, output))
+            if output is not None:
+                outputs.append((request, output))
         return outputs
+
+    def _take_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+        """Files the step's prompt logprobs under their requests (before advance() moves the
+        computed counts: an entry's position follows from the count at planning time)."""
+        reader = LogprobReader(result.prompt_logprobs, result.prompt_logprob_token_ids)
+        for index, request in enumerate(plan.requests):
+            if request.prompt_logprobs is None or request.index:
+                continue
+            num_prompt = len(request.prompt_token_ids)
+            start = request.num_computed_tokens  # position of the chunk's first token
+            end = min(start + plan.num_scheduled_tokens[index], num_prompt - 1)
+            if end <= start:
+                continue
+            targets = request.prompt_token_ids[start + 1:end + 1]
+            entries = reader.take(targets, request.prompt_logprobs)
+            # After a recompute, positions already held come again: keep the first copy.
+            have = len(request.prompt_logprobs_out)
+            request.prompt_logprobs_out.extend(entries[max(0, have - start):])
 
     # ---- parallel samples (n > 1) ---------------------------------------------------------
 
@@ -423,6 +521,8 @@ class Scheduler:
             self.requests[child.request_id] = child
             members.append(child)
             self.outputs.start(child)
+            if child.guide is not None:
+                self._num_constrained += 1
             if child.deadline is not None:
                 heapq.heappush(self._deadlines, (child.deadline, child.request_id))
             if (self.slots.num_free and len(self.running) < self.max_num_seqs
@@ -441,9 +541,8 @@ class Scheduler:
         copy = self.core.fork(parent.slot, child.slot, child, num_prompt_tokens,
                               num_prompt_tokens + child.stopping.max_new_tokens)
         child.num_computed_tokens = child.num_cached_tokens = num_computed
-        self._pending_forks[child.slot] = (NewSequence(
-            slot=child.slot, token_ids=list(child.prompt_token_ids), sampling=child.sampling,
-            num_computed_tokens=num_computed), copy)
+        self._pending_forks[child.slot] = (
+            self._new_sequence(child, list(child.prompt_token_ids)), copy)
         self.running.append(child)
 
     def _register_forks(self, plan: StepPlan) -> None:
@@ -457,3 +556,22 @@ class Scheduler:
         for request in self.running:
             if request.slot in self._pending_forks:
                 self._pending_forks.clear()
+
+
+class LogprobReader:
+    """Walks a step's flat logprob arrays: per token, its logprob then k alternatives (with k
+    ids in the id array), k being the asking sequence's count."""
+
+    def __init__(self, values: list[float], token_ids: list[int]):
+        self._values, self._ids = values, token_ids
+        self._value_at = self._id_at = 0
+
+    def take(self, token_ids: list[int], k: int) -> list[TokenLogprob]:
+        entries = []
+        values, ids = self._values, self._ids
+        for token_id in token_ids:
+            v, i = self._value_at, self._id_at
+            top = tuple(zip(ids[i:i + k], values[v + 1:v + 1 + k]))
+            entries.append(TokenLogprob(token_id, values[v], top))
+            self._value_at, self._id_at = v + 1 + k, i + k
+        return entries
