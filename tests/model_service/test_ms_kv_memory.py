@@ -1,0 +1,193 @@
+"""KV capacity from a memory budget, host swap space, and swap out / swap in through the runner."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model_service.batch import PlanError, StepPlan, facts_to_pb, from_pb
+from model_service.config import ModelServiceConfig, parse_bytes
+from model_service.kv_cache import available_memory_bytes
+from model_service.runner import ModelRunner
+from planserve.v1 import engine_pb2
+
+def tiny_config(**overrides) -> ModelServiceConfig:
+    # As tests/model_service/conftest.py's (not imported: `conftest` may name another directory's).
+    return ModelServiceConfig(**{"model": "tiny", "dtype": "float32", "num_kv_blocks": 512, "max_num_slots": 16, **overrides})
+
+
+# The tiny Llama: 2 layers, 2 KV heads of 16 dims; K and V for 16 tokens per block.
+TINY_BLOCK_BYTES_FP32 = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def _runner(tiny_loaded, **overrides) -> ModelRunner:
+    return ModelRunner(tiny_loaded, tiny_config(**{"num_kv_blocks": None, **overrides}))
+
+
+def test_blocks_derived_from_the_memory_budget(tiny_loaded):
+    runner = _runner(tiny_loaded, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32 + 7)
+    assert runner.kv_cache.block_bytes == TINY_BLOCK_BYTES_FP32
+    assert runner.describe_facts().num_kv_blocks == 100
+    assert runner.kv_cache.k.shape[1] == 100 and runner.limits.num_kv_blocks == 100
+    assert facts_to_pb(runner.describe_facts()).num_kv_blocks == 100
+
+
+def test_num_kv_blocks_wins_over_the_budget(tiny_loaded):
+    runner = _runner(tiny_loaded, num_kv_blocks=40, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32)
+    assert runner.describe_facts().num_kv_blocks == 40
+
+
+def test_blocks_from_a_fraction_of_free_memory(tiny_loaded):
+    fraction = 0.002
+    runner = _runner(tiny_loaded, kv_cache_memory_fraction=fraction)
+    expected = available_memory_bytes(torch.device("cpu")) * fraction / TINY_BLOCK_BYTES_FP32
+    # Free memory moves a little between the two readings (other processes on the machine).
+    assert abs(runner.describe_facts().num_kv_blocks - expected) <= 0.1 * expected
+    assert runner.describe_facts().num_kv_blocks >= 2
+
+
+def test_a_budget_below_two_blocks_is_refused_naming_the_field(tiny_loaded):
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes: a budget of 9000 bytes holds 1 blocks of 8192 bytes"):
+        _runner(tiny_loaded, kv_cache_memory_bytes=9000)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction: 1.5 must be in \(0, 1\]"):
+        tiny_config(kv_cache_memory_fraction=1.5).validate()
+    with pytest.raises(ValueError, match=r"swap_space_bytes: -1 must be >= 0"):
+        tiny_config(swap_space_bytes=-1).validate()
+
+
+def test_byte_counts_take_binary_units():
+    assert parse_bytes("4096") == 4096
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("1.5k") == 1536
+    with pytest.raises(ValueError, match="not a byte count"):
+        parse_bytes("12 parsecs")
+
+
+def test_swap_space_is_reported_by_describe(tiny_loaded):
+    runner = _runner(tiny_loaded, num_kv_blocks=64, swap_space_bytes=10 * TINY_BLOCK_BYTES_FP32 + 100)
+    reply = facts_to_pb(runner.describe_facts())
+    assert reply.num_swap_blocks == 10 and reply.features.swap
+    assert runner.kv_cache.host_k.shape[1] == 10 and runner.kv_cache.host_k.device.type == "cpu"
+    reply = facts_to_pb(_runner(tiny_loaded, num_kv_blocks=64).describe_facts())
+    assert reply.num_swap_blocks == 0 and not reply.features.swap
+
+
+# -- swap out / swap in through the runner --------------------------------------------------------
+
+_E = np.zeros(0, dtype=np.int64)
+
+
+def _a(values) -> np.ndarray:
+    return np.asarray(list(values), dtype=np.int64)
+
+
+def _plan(step_id, new=(), slots=(), counts=(), new_blocks=(), block_ids=(), **fields) -> StepPlan:
+    values = dict(
+        step_id=step_id, new_sequences=list(new), slots=_a(slots), num_scheduled_tokens=_a(counts),
+        num_new_blocks=_a(new_blocks), new_block_ids=_a(block_ids), finished_slots=_E, preempted_slots=_E,
+        aborted_slots=_E, copy_src=_E, copy_dst=_E)
+    values.update({k: _a(v) for k, v in fields.items()})
+    return StepPlan(**values)
+
+
+def _new(slot, tokens, computed=0):
+    from model_service.batch import NewSequenceData
+
+    return NewSequenceData(slot, np.asarray(tokens, dtype=np.int32), computed, 0.0, 0, 1.0, 0)
+
+
+def _greedy(runner, prompt, num_new, swap_after=None):
+    """Prefill `prompt` in slot 0 (blocks 1..), decode num_new tokens. With swap_after=k: after k
+    decode steps slot 0 is preempted by swap, a stranger's prefill overwrites its freed blocks in
+    the same plan, and slot 0 resumes in a later plan on other blocks, filled by swap-in."""
+    bs = 16
+    tokens = list(prompt)
+    blocks = list(range(1, 1 + -(-len(tokens) // bs)))
+    out = runner.execute(_plan(0, [_new(0, tokens)], [0], [len(tokens)], [len(blocks)], blocks))
+    tokens.append(int(out.sampled_token_ids[0]))
+    step, next_block = 1, 40
+    for i in range(num_new - 1):
+        if i == swap_after:
+            computed = len(tokens) - 1  # the last sampled token is not computed yet
+            num_swap = -(-computed // bs)
+            stranger = list(range(7000, 7000 + num_swap * bs))
+            # One plan: preempt slot 0 by swap, give its blocks to slot 1, prefill slot 1 there.
+            runner.execute(_plan(step, [_new(1, stranger)], [1], [len(stranger)], [num_swap], blocks[:num_swap],
+                                 preempted_slots=[0], swap_out_src=blocks[:num_swap], swap_out_dst=range(num_swap)))
+            step += 1
+            # Resume on fresh blocks (host blocks paired in reverse order, to check the pairing):
+            # the swapped-in prefix, plus a block for the pending token when it starts one.
+            fresh = list(range(next_block, next_block + -(-(computed + 1) // bs)))
+            next_block += len(fresh)
+            blocks = fresh
+            out = runner.execute(_plan(step, [_new(0, tokens, computed)], [0], [1], [len(fresh)], fresh,
+                                       finished_slots=[1], swap_in_src=list(reversed(range(num_swap))),
+                                       swap_in_dst=list(reversed(fresh[:num_swap]))))
+        else:
+            new_blocks = []
+            if len(tokens) > len(blocks) * bs:
+                new_blocks = [next_block]
+                next_block += 1
+                blocks.append(new_blocks[0])
+            out = runner.execute(_plan(step, (), [0], [1], [len(new_blocks)], new_blocks))
+        step += 1
+        tokens.append(int(out.sampled_token_ids[0]))
+    return tokens[len(prompt):]
+
+
+def test_outputs_after_swap_out_and_in_match_a_run_without(tiny_loaded):
+    prompt = np.random.default_rng(7).integers(3, 49152, size=37).tolist()
+    plain = _greedy(_runner(tiny_loaded, num_kv_blocks=128), prompt, 24)
+    swapped = _greedy(_runner(tiny_loaded, num_kv_blocks=128, swap_space_bytes=8 * TINY_BLOCK_BYTES_FP32),
+                      prompt, 24, swap_after=5)
+    assert len(plain) == 24
+    assert swapped == plain
+
+
+def test_swap_out_then_in_restores_every_layer(tiny_loaded):
+    runner = _runner(tiny_loaded, num_kv_blocks=16, swap_space_bytes=4 * TINY_BLOCK_BYTES_FP32)
+    kv = runner.kv_cache
+    kv.k[:, 3] = torch.randn_like(kv.k[:, 3])
+    kv.v[:, 3] = torch.randn_like(kv.v[:, 3])
+    k3, v3 = kv.k[:, 3].clone(), kv.v[:, 3].clone()
+    kv.swap_out(torch.tensor([3]), torch.tensor([2]))
+    kv.k[:, 3] = 0
+    kv.swap_in(torch.tensor([2]), torch.tensor([9]))
+    assert torch.equal(kv.k[:, 9], k3) and torch.equal(kv.v[:, 9], v3)
+
+
+def _req(**fields) -> engine_pb2.ExecuteRequest:
+    return engine_pb2.ExecuteRequest(plan=engine_pb2.BatchPlan(step_id=1, **fields))
+
+
+@pytest.mark.parametrize("field, plan, message", [
+    ("swap_out_dst", dict(swap_out_src=[1, 2], swap_out_dst=[0]), "length 1 != len(swap_out_src) 2"),
+    ("swap_in_dst", dict(swap_in_src=[0], swap_in_dst=[]), "length 0 != len(swap_in_src) 1"),
+    ("swap_out_src", dict(swap_out_src=[0], swap_out_dst=[0]), "0 is outside [1, 64)"),
+    ("swap_out_dst", dict(swap_out_src=[1], swap_out_dst=[4]), "4 is outside [0, 4)"),
+    ("swap_in_src", dict(swap_in_src=[7], swap_in_dst=[3]), "7 is outside [0, 4)"),
+    ("swap_in_dst", dict(swap_in_src=[0], swap_in_dst=[64]), "64 is outside [1, 64)"),
+    ("swap_out_dst", dict(swap_out_src=[1, 2], swap_out_dst=[3, 3]), "a block is written twice"),
+])
+def test_bad_swap_ids_name_the_field(tiny_loaded, field, plan, message):
+    runner = _runner(tiny_loaded, num_kv_blocks=64, swap_space_bytes=4 * TINY_BLOCK_BYTES_FP32)
+    with pytest.raises(PlanError) as error:
+        from_pb(_req(**plan), runner.limits)
+    assert error.value.field == field and message in error.value.message
+
+
+def test_swap_without_swap_space_is_refused(tiny_loaded):
+    runner = _runner(tiny_loaded, num_kv_blocks=64)
+    with pytest.raises(PlanError, match=r"swap_out_dst: 0 is outside \[0, 0\)"):
+        from_pb(_req(swap_out_src=[1], swap_out_dst=[0]), runner.limits)
+
+
+def test_memory_flags_parse_into_the_config():
+    from model_service.__main__ import parse_args
+
+    config = parse_args(["--model", "tiny", "--kv-cache-memory", "800KiB", "--swap-space", "80KiB",
+                         "--kv-cache-memory-fraction", "0.25", "--served-model-name", "x", "--max-model-len", "256"])
+    assert (config.kv_cache_memory_bytes, config.swap_space_bytes) == (800 << 10, 80 << 10)
+    assert (config.kv_cache_memory_fraction, config.served_model_name, config.max_model_len) == (0.25, "x", 256)
+    assert parse_args(["--kv-cache-memory-bytes", "4096"]).kv_cache_memory_bytes == 4096

@@ -1,0 +1,246 @@
+"""Preemption by swap, driven by fake step results (no model, no gRPC).
+
+KVShadow plays the model service's part with KV *contents*: every device and host block holds, per
+position, the token whose KV it caches; plans are applied in the model service's order (drop,
+register, append blocks, swap out, copy, swap in, forward) and every scheduled sequence's cached
+prefix is checked token by token before the forward writes its new positions. A swap that lost,
+misplaced or overwrote a block fails here exactly where the real model would compute from wrong KV.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from factories import EOS, fake_result, make_request, make_scheduler
+from scheduler_service.swap import SwapSpace
+
+
+class KVShadow:
+    def __init__(self, num_blocks: int, num_swap_blocks: int, block_size: int):
+        self.bs = block_size
+        self.device = [[None] * block_size for _ in range(num_blocks)]
+        self.host = [[None] * block_size for _ in range(num_swap_blocks)]
+        self.tables: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.num_computed_total = 0
+
+    def apply(self, plan) -> None:
+        for slot in plan.finished_slots + plan.preempted_slots + plan.aborted_slots:
+            del self.tables[slot], self.tokens[slot], self.computed[slot]
+        for seq in plan.new_sequences:
+            assert seq.slot not in self.tables, f"slot {seq.slot} registered twice"
+            assert seq.num_computed_tokens < len(seq.token_ids)
+            self.tables[seq.slot] = []
+            self.tokens[seq.slot] = list(seq.token_ids)
+            self.computed[seq.slot] = seq.num_computed_tokens
+        offset = 0
+        for slot, num_new in zip(plan.slots, plan.num_new_blocks):
+            self.tables[slot].extend(plan.new_block_ids[offset:offset + num_new])
+            offset += num_new
+        assert len(plan.swap_out_src) == len(plan.swap_out_dst)
+        assert len(plan.swap_in_src) == len(plan.swap_in_dst)
+        assert len(set(plan.swap_out_dst)) == len(plan.swap_out_dst)
+        for src, dst in zip(plan.swap_out_src, plan.swap_out_dst):
+            assert src != 0, "block 0 is reserved"
+            self.host[dst] = list(self.device[src])
+        for src, dst in zip(plan.copy_src, plan.copy_dst):
+            self.device[dst] = list(self.device[src])
+        for src, dst in zip(plan.swap_in_src, plan.swap_in_dst):
+            self.device[dst] = list(self.host[src])
+        for slot, num_scheduled in zip(plan.slots, plan.num_scheduled_tokens):
+            table, tokens, start = self.tables[slot], self.tokens[slot], self.computed[slot]
+            assert len(table) * self.bs >= start + num_scheduled
+            cached = [self.device[table[p // self.bs]][p % self.bs] for p in range(start)]
+            assert cached == tokens[:start], f"slot {slot}: KV of its first {start} tokens is wrong"
+            for p in range(start, start + num_scheduled):
+                self.device[table[p // self.bs]][p % self.bs] = tokens[p]
+            self.computed[slot] = start + num_scheduled
+            self.num_computed_total += num_scheduled
+
+    def sampled(self, plan, result) -> None:
+        offset = 0
+        for slot, count in zip(plan.slots, result.num_sampled_tokens):
+            if slot in self.tokens:
+                self.tokens[slot].extend(result.sampled_token_ids[offset:offset + count])
+            offset += count
+
+
+def next_token(request) -> int:
+    """Deterministic per request and position, never EOS."""
+    return 2 + (request.prompt_token_ids[0] * 7 + len(request.output_token_ids) * 13) % 150
+
+
+def run(scheduler, requests, num_swap_blocks: int, max_steps: int = 5000):
+    shadow = KVShadow(scheduler.kv.pool.num_blocks, num_swap_blocks, scheduler.kv.block_size)
+    for request in requests:
+        scheduler.add_request(request)
+    outputs: dict[str, list[int]] = collections.defaultdict(list)
+    plans = []
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        shadow.apply(plan)
+        result = fake_result(plan, next_token)
+        shadow.sampled(plan, result)
+        for request, output in scheduler.take_early_outputs() + scheduler.update(plan, result):
+            outputs[request.request_id].extend(output.token_ids)
+        plans.append(plan)
+        assert len(plans) < max_steps, "the scheduler did not drain"
+    return outputs, plans, shadow
+
+
+def _requests(count=6, prompt=20, new=24):
+    return [make_request(num_prompt_tokens=prompt, max_new_tokens=new, request_id=f"q{i}",
+                         prompt_token_ids=[2 + (i * 31 + j) % 150 for j in range(prompt)])
+            for i in range(count)]
+
+
+# 24 usable blocks of 4 tokens for 6 sequences of 44 tokens (11 blocks each): preemption is forced.
+SMALL = dict(num_blocks=25, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
+
+
+def _facts_with_swap(scheduler, num_swap_blocks):
+    import dataclasses
+
+    from scheduler_service.scheduler import Scheduler
+
+    facts = dataclasses.replace(scheduler.facts, num_swap_blocks=num_swap_blocks)
+    return Scheduler(scheduler.config, facts, scheduler.outputs)
+
+
+def make_swap_scheduler(num_swap_blocks: int, **config):
+    return _facts_with_swap(make_scheduler(**{**SMALL, **config}), num_swap_blocks)
+
+
+def test_swap_preemption_keeps_the_kv_and_the_outputs():
+    reference, _, _ = run(make_scheduler(num_blocks=512, block_size=4), _requests(), 0)
+    recompute, recompute_plans, recompute_shadow = run(make_swap_scheduler(0), _requests(), 0)
+    scheduler = make_swap_scheduler(64)
+    swapped, plans, shadow = run(scheduler, _requests(), 64)
+
+    assert swapped == reference == recompute
+    assert all(len(tokens) == 24 for tokens in swapped.values())
+    swap = scheduler.swap
+    assert swap.num_swap_outs > 0 and swap.num_swap_ins == swap.num_swap_outs
+    assert swap.num_blocks_swapped_in == swap.num_blocks_swapped_out > 0
+    assert sum(len(p.swap_out_src) for p in plans) == swap.num_blocks_swapped_out
+    # Every swap block and every device block is free again.
+    assert swap.num_free == 64 and swap.num_held == 0
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+    # Recompute preempted too (no swap space), and computed more tokens than swap did.
+    assert any(p.preempted_slots for p in recompute_plans)
+    assert not any(p.swap_out_src for p in recompute_plans)
+    assert shadow.num_computed_total < recompute_shadow.num_computed_total
+
+
+def test_a_resumed_sequence_is_registered_at_its_computed_count():
+    scheduler = make_swap_scheduler(64)
+    _, plans, _ = run(scheduler, _requests(), 64)
+    resumes = [p for p in plans if p.swap_in_src]
+    assert resumes
+    for plan in resumes:
+        dst = set(plan.swap_in_dst)
+        # Swapped-in blocks are the first blocks sent for a new sequence that starts computed.
+        resumed = [s for s in plan.new_sequences if s.num_computed_tokens > 0]
+        assert resumed
+        assert dst <= set(plan.new_block_ids)
+        assert sum(-(-s.num_computed_tokens // 4) for s in resumed) == len(plan.swap_in_dst)
+
+
+def test_swap_falls_back_to_recompute_when_swap_space_is_short():
+    scheduler = make_swap_scheduler(3)  # fewer blocks than one preempted sequence holds, mostly
+    outputs, plans, shadow = run(scheduler, _requests(), 3)
+    assert all(len(tokens) == 24 for tokens in outputs.values())
+    by_recompute = sum(len(p.preempted_slots) for p in plans) - scheduler.swap.num_swap_outs
+    assert by_recompute > 0
+    assert scheduler.swap.num_free == 3
+
+
+def test_preemption_mode_recompute_never_swaps():
+    scheduler = make_swap_scheduler(64, preemption_mode="recompute")
+    assert scheduler.swap.num_blocks == 0
+    _, plans, _ = run(scheduler, _requests(), 64)
+    assert any(p.preempted_slots for p in plans)
+    assert not any(p.swap_out_src or p.swap_in_src for p in plans)
+
+
+def test_preemption_mode_is_validated():
+    with pytest.raises(ValueError, match=r"preemption_mode must be one of auto, recompute, swap"):
+        make_scheduler(preemption_mode="evict")
+
+
+def test_aborting_a_swapped_out_request_frees_its_swap_blocks():
+    scheduler = make_swap_scheduler(64)
+    requests = _requests()
+    shadow = KVShadow(scheduler.kv.pool.num_blocks, 64, 4)
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(200):
+        plan = scheduler.schedule()
+        shadow.apply(plan)
+        result = fake_result(plan, next_token)
+        shadow.sampled(plan, result)
+        scheduler.update(plan, result)
+        if scheduler.swap.num_held:
+            break
+    victim = next(r for r in requests if scheduler.swap.held_blocks(r) is not None)
+    held = len(scheduler.swap.held_blocks(victim))
+    free_before = scheduler.swap.num_free
+    assert scheduler.abort_request(victim.request_id)
+    plan = scheduler.schedule()
+    shadow.apply(plan)
+    assert scheduler.swap.held_blocks(victim) is None
+    assert scheduler.swap.num_free >= free_before + held - len(plan.swap_out_dst)
+    scheduler.update(plan, fake_result(plan, next_token))
+
+
+def test_reset_engine_sends_swapped_requests_back_to_recompute():
+    scheduler = make_swap_scheduler(64)
+    requests = _requests()
+    for request in requests:
+        scheduler.add_request(request)
+    while not scheduler.swap.num_held:
+        plan = scheduler.schedule()
+        scheduler.update(plan, fake_result(plan, next_token))
+    swapped = [r for r in requests if scheduler.swap.held_blocks(r) is not None]
+    scheduler.reset_engine(scheduler.facts)
+    assert all(r.num_computed_tokens == 0 for r in swapped)
+    assert scheduler.swap.num_held == 0 and scheduler.swap.num_free == 64
+    # And everything still runs to the end on the "new" engine, KV checked.
+    shadow = KVShadow(scheduler.kv.pool.num_blocks, 64, 4)
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        shadow.apply(plan)
+        result = fake_result(plan, next_token)
+        shadow.sampled(plan, result)
+        scheduler.update(plan, result)
+    assert all(len(r.output_token_ids) == 24 for r in requests)
+
+
+def test_swap_space_does_not_reuse_swapped_in_blocks_within_a_plan():
+    a, b = make_request(), make_request()
+    space = SwapSpace(4)
+    assert space.swap_out(a, 3) == [0, 1, 2]
+    assert space.swap_in(a) == [0, 1, 2]
+    # Blocks 0-2 are read by this plan's swap-in: a swap-out in the same plan gets block 3 only.
+    assert not space.can_swap_out(2)
+    assert space.swap_out(b, 1) == [3]
+    space.end_plan()
+    assert space.num_free == 3
+    space.discard(b)
+    assert space.num_free == 4
+    with pytest.raises(MemoryError):
+        space.swap_out(a, 5)
+
+
+def test_parallel_samples_survive_swap_preemption():
+    scheduler = make_swap_scheduler(64)
+    requests = [make_request(num_prompt_tokens=10, max_new_tokens=16, n=3, request_id=f"n{i}",
+                             prompt_token_ids=[2 + (i * 17 + j) % 150 for j in range(10)])
+                for i in range(4)]
+    outputs, plans, _ = run(scheduler, requests, 64)
+    assert any(p.preempted_slots for p in plans)
+    assert scheduler.swap.num_free == 64 and scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+    assert len(outputs) == 12 and all(len(tokens) == 16 for tokens in outputs.values())
+    assert EOS not in [t for tokens in outputs.values() for t in tokens]
