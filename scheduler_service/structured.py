@@ -1,0 +1,323 @@
+"""Structured output: a JSON schema, a regex or a list of choices constrains decoding.
+
+The grammar library is outlines-core: a grammar becomes a regex (a JSON schema through its
+schema-to-regex builder), the regex an `Index` over the model's vocabulary (a DFA whose every
+state knows its allowed tokens), and each request walks it with a `Guide`.
+
+Where each part runs:
+- intake (event loop, cheap): `spec_from_pb` checks the request's StructuredOutput and parses a
+  schema as JSON; errors name `structured_output.<field>`.
+- compilation (`GrammarCompiler.compile`, slow: 10 ms to seconds): off the event loop, in an
+  executor, before the request is admitted; cached by (kind, text) in an LRU, so a repeated
+  schema costs nothing. The vocabulary (the tokenizer's tokens as the bytes they stand for) is
+  built once, on the first compile.
+- every step (`fill_plan_masks`, event loop): each constrained sequence that samples in the
+  step gets its allowed-token bitmask written straight from its guide into one numpy block,
+  sent as BatchPlan.masked_slots + allowed_token_bitmask; the model side masks its logits.
+- every result (`GuideState.accept`, in OutputProcessor.add_tokens): the guide advances by the
+  sampled token.
+End-of-sequence tokens are allowed only in the grammar's final states. Preemption needs no
+special care: a preempted sequence keeps its generated tokens and its guide, which has already
+consumed exactly those tokens.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+import threading
+from typing import Optional, Sequence
+
+import numpy as np
+
+KINDS = ("json_schema", "regex", "choice", "json_object")
+MAX_GRAMMAR_CHARS = 65536
+MAX_CHOICES = 1024
+DEFAULT_CACHE_SIZE = 128
+
+
+
+def _any_object_regex() -> str:
+    """Any JSON object (StructuredOutput.json_object) whose values nest at most two deep
+    (an object of primitives, flat objects and flat arrays). outlines-core's regex for the
+    schema {"type": "object"} nests three deep and takes ~13 s to index over a 49k vocabulary;
+    this one ~0.8 s."""
+    from outlines_core.json_schema import NUMBER, STRING, WHITESPACE
+    primitive = rf"({STRING}|{NUMBER}|true|false|null)"
+
+    def obj(value: str) -> str:
+        member = rf"{STRING}{WHITESPACE}:{WHITESPACE}{value}"
+        return rf"\{{{WHITESPACE}({member}({WHITESPACE},{WHITESPACE}{member})*)?{WHITESPACE}\}}"
+
+    def array(value: str) -> str:
+        return rf"\[{WHITESPACE}({value}({WHITESPACE},{WHITESPACE}{value})*)?{WHITESPACE}\]"
+
+    return obj(rf"({primitive}|{obj(primitive)}|{array(primitive)})")
+
+
+class StructuredOutputError(ValueError):
+    """A bad StructuredOutput, naming its field (intake turns it into INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredSpec:
+    """A request's grammar, as the cache key: kind (one of KINDS) and its text (the schema,
+    the regex, the choices as a JSON list, "" for json_object)."""
+
+    kind: str
+    text: str
+
+
+def spec_from_pb(pb) -> Optional[StructuredSpec]:
+    """A planserve.v1.StructuredOutput (or None when unset) -> its checked spec. Cheap: the
+    schema is parsed as JSON here, compiled later."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise StructuredOutputError(
+            "structured_output", "one of json_schema, regex, choice or json_object must be set")
+    field = f"structured_output.{kind}"
+    if kind == "json_object":
+        if not pb.json_object:
+            raise StructuredOutputError(field, "must be true when set")
+        return StructuredSpec("json_object", "")
+    if kind == "choice":
+        choices = list(pb.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise StructuredOutputError(f"{field}.choices",
+                                        f"must hold 1 to {MAX_CHOICES} strings, got {len(choices)}")
+        for index, choice in enumerate(choices):
+            if not choice:
+                raise StructuredOutputError(f"{field}.choices[{index}]", "must not be empty")
+        text = json.dumps(choices, ensure_ascii=False)
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise StructuredOutputError(f"{field}.choices",
+                                        f"at most {MAX_GRAMMAR_CHARS} characters in all")
+        return StructuredSpec("choice", text)
+    text = getattr(pb, kind)
+    if not text:
+        raise StructuredOutputError(field, "must not be empty")
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise StructuredOutputError(field, f"at most {MAX_GRAMMAR_CHARS} characters, "
+                                           f"got {len(text)}")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise StructuredOutputError(field, f"not valid JSON ({error})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise StructuredOutputError(field, "must be a JSON object (a schema)")
+    return StructuredSpec(kind, text)
+
+
+def to_regex(spec: StructuredSpec) -> str:
+    """The regex the whole output must match."""
+    if spec.kind == "regex":
+        return spec.text
+    if spec.kind == "json_object":
+        return _any_object_regex()
+    if spec.kind == "choice":
+        return "(" + "|".join(re.escape(choice) for choice in json.loads(spec.text)) + ")"
+    from outlines_core.json_schema import build_regex_from_schema
+    return build_regex_from_schema(spec.text)
+
+
+# ---- the vocabulary -------------------------------------------------------------------------
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spelling: the printable character standing for each byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    spelled = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelled:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return {char: b for b, char in spelled.items()}
+
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _decoder_types(decoder: Optional[dict]) -> set[str]:
+    if not decoder:
+        return set()
+    types = {decoder.get("type", "")}
+    for inner in decoder.get("decoders", []) or []:
+        types |= _decoder_types(inner)
+    return types
+
+
+def token_bytes(tokenizer_json: str) -> tuple[dict[int, bytes], set[int]]:
+    """(id -> the bytes a token stands for, ids of special tokens), from a Hugging Face
+    tokenizer.json. outlines-core matches token *bytes* against the regex, so a byte-level BPE
+    token's spelling ("Ġthe") must be turned back into its bytes (b" the"); a SentencePiece
+    token's "▁" is a space and "<0x0A>" a raw byte."""
+    document = json.loads(tokenizer_json)
+    vocab: dict[str, int] = dict(document.get("model", {}).get("vocab") or {})
+    special = set()
+    for added in document.get("added_tokens", []) or []:
+        vocab.setdefault(added["content"], added["id"])
+        if added.get("special", False):
+            special.add(added["id"])
+    decoders = _decoder_types(document.get("decoder"))
+    out: dict[int, bytes] = {}
+    if "ByteLevel" in decoders:
+        alphabet = _byte_level_alphabet()
+        for token, token_id in vocab.items():
+            try:
+                out[token_id] = bytes(alphabet[char] for char in token)
+            except KeyError:  # an added token spelled in plain text
+                out[token_id] = token.encode("utf-8")
+    else:
+        for token, token_id in vocab.items():
+            match = _BYTE_TOKEN.match(token)
+            out[token_id] = (bytes([int(match.group(1), 16)]) if match
+                             else token.replace("▁", " ").encode("utf-8"))
+    return out, special
+
+
+# ---- compiled grammars and guides -----------------------------------------------------------
+
+class Grammar:
+    """A compiled grammar (an outlines-core Index), shared by every request that uses it."""
+
+    def __init__(self, index, eos_token_ids: Sequence[int], num_words: int):
+        self.index = index
+        self.eos_token_ids = np.asarray(sorted(eos_token_ids), dtype=np.int64)
+        self.num_words = num_words  # 32-bit words of one bitmask (ceil(vocab_size / 32))
+
+    def new_guide(self) -> "GuideState":
+        return GuideState(self)
+
+
+class GuideState:
+    """One sequence's walk through a grammar."""
+
+    __slots__ = ("grammar", "guide", "failed")
+
+    def __init__(self, grammar: Grammar):
+        from outlines_core import Guide
+        self.grammar = grammar
+        self.guide = Guide(grammar.index)
+        self.failed = False  # a token outside the grammar came back (the mask was not applied)
+
+    def fork(self) -> "GuideState":
+        """A fresh guide for a parallel sample: it draws its own first token."""
+        return GuideState(self.grammar)
+
+    @property
+    def is_final(self) -> bool:
+        """The output so far matches the whole grammar (end of sequence allowed)."""
+        return self.grammar.index.is_final_state(self.guide.get_state())
+
+    def accept(self, token_id: int) -> bool:
+        """Advances by a sampled token; False (and the guide stays) when the grammar does not
+        allow it."""
+        try:
+            self.guide.advance(token_id, return_tokens=False)
+        except ValueError:
+            self.failed = True
+            return False
+        return True
+
+    def write_mask(self, row: np.ndarray) -> None:
+        """Writes the allowed tokens of the current state into `row` (num_words uint32,
+        zeroed): bit t of word t // 32, little-endian."""
+        self.guide.write_mask_into(row.ctypes.data, row.shape[0], 4)
+        eos = self.grammar.eos_token_ids
+        if eos.size:
+            # Every end-of-sequence id (outlines-core knows only one) in final states only.
+            if self.is_final:
+                np.bitwise_or.at(row, eos >> 5, (np.uint32(1) << (eos & 31).astype(np.uint32)))
+            else:
+                np.bitwise_and.at(row, eos >> 5, ~(np.uint32(1) << (eos & 31).astype(np.uint32)))
+
+
+class GrammarCompiler:
+    """Compiles specs into Grammars over the served model's vocabulary, with an LRU cache.
+    Thread-safe: `compile` runs in executor threads."""
+
+    def __init__(self, tokenizer_json: str, eos_token_ids: Sequence[int], vocab_size: int,
+                 cache_size: int = DEFAULT_CACHE_SIZE):
+        self._tokenizer_json = tokenizer_json
+        self._eos_token_ids = tuple(sorted(eos_token_ids))
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._cache_size = cache_size
+        self._cache: collections.OrderedDict[StructuredSpec, Grammar] = \
+            collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._vocabulary = None
+        self._vocabulary_lock = threading.Lock()
+        self.num_compiled = 0  # cache misses, for tests and logs
+
+    def _get_vocabulary(self):
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
+                from outlines_core import Vocabulary
+                by_id, special = token_bytes(self._tokenizer_json)
+                eos = set(self._eos_token_ids)
+                by_bytes: dict[bytes, list[int]] = {}
+                for token_id, spelled in by_id.items():
+                    # Special and end-of-sequence tokens never match text; EOS is added to the
+                    # masks of final states instead.
+                    if (token_id in special or token_id in eos or not spelled
+                            or token_id >= self.vocab_size):
+                        continue
+                    by_bytes.setdefault(spelled, []).append(token_id)
+                primary_eos = self._eos_token_ids[0] if self._eos_token_ids else self.vocab_size
+                self._vocabulary = Vocabulary(primary_eos, by_bytes)
+            return self._vocabulary
+
+    def compile(self, spec: StructuredSpec) -> Grammar:
+        """The grammar of `spec`, from the cache or compiled now (slow: call off the event
+        loop). StructuredOutputError names the field when the grammar cannot be compiled."""
+        with self._lock:
+            grammar = self._cache.get(spec)
+            if grammar is not None:
+                self._cache.move_to_end(spec)
+                return grammar
+        from outlines_core import Index
+        field = f"structured_output.{spec.kind}"
+        if spec.kind == "choice":
+            field += ".choices"
+        try:
+            regex = to_regex(spec)
+        except (ValueError, TypeError) as error:
+            raise StructuredOutputError(field, f"cannot be compiled ({error})") from None
+        vocabulary = self._get_vocabulary()
+        try:
+            index = Index(regex, vocabulary)
+        except (ValueError, TypeError) as error:
+            raise StructuredOutputError(field, f"cannot be compiled ({error})") from None
+        grammar = Grammar(index, self._eos_token_ids, self.num_words)
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[spec] = grammar
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+
+def fill_plan_masks(plan) -> None:
+    """Puts every constrained sequence that samples in this step (a decode, or a prefill chunk
+    reaching the end of its known tokens) into plan.masked_slots, with its allowed tokens in
+    plan.allowed_token_bitmask."""
+    rows = [(slot, request.guide) for request, slot, num_scheduled
+            in zip(plan.requests, plan.slots, plan.num_scheduled_tokens)
+            if request.guide is not None
+            and request.num_computed_tokens + num_scheduled >= request.num_tokens]
+    if not rows:
+        return
+    masks = np.zeros((len(rows), rows[0][1].grammar.num_words), dtype="<u4")
+    for row, (_, guide) in zip(masks, rows):
+        guide.write_mask(row)
+    plan.masked_slots = [slot for slot, _ in rows]
+    plan.allowed_token_bitmask = masks.tobytes()
