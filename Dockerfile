@@ -82,8 +82,9 @@ RUN groupadd --gid 10001 planserve \
 COPY --from=build /opt/planserve /opt/planserve
 USER 10001:10001
 WORKDIR /tmp
-# 50051: the public GenerationService; 50052: the model service's EngineService (pod-local).
-EXPOSE 50051 50052
+# 50051: the public GenerationService; 50052: the model service's EngineService (pod-local);
+# 8000: the OpenAI-compatible HTTP API; 9400: Prometheus /metrics.
+EXPOSE 50051 50052 8000 9400
 ENTRYPOINT ["planserve"]
 # Both services in this one container; the Kubernetes manifests run them as two containers
 # (args `model-service ...` and `scheduler ...`) instead.

@@ -15,6 +15,9 @@ import numpy as np
 from planserve.v1 import engine_pb2
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 class PlanError(ValueError):
     """A plan the model service cannot apply; `field` names the offending BatchPlan field."""
 
@@ -44,6 +47,32 @@ class NewSequenceData:
     top_k: int  # 0 = off
     top_p: float
     seed: int
+    processing: "LogitsProcessing" = None  # type: ignore[assignment]
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsProcessing:
+    """What a sequence asks beyond temperature / top-k / top-p (engine.proto NewSequence)."""
+
+    num_prompt_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_new_tokens: int = 0
+    min_tokens_suppressed_ids: tuple[int, ...] = ()
+    num_logprobs: int = -1  # -1 = none
+    num_prompt_logprobs: int = -1  # -1 = none
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the logits need per-sequence work before sampling."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias or self.min_new_tokens)
+
+
+NO_PROCESSING = LogitsProcessing()
 
 
 @dataclasses.dataclass
@@ -61,6 +90,9 @@ class StepPlan:
     aborted_slots: np.ndarray
     copy_src: np.ndarray
     copy_dst: np.ndarray
+    # Constrained decoding: slots and their allowed-token bitmasks [len(masked_slots), words].
+    masked_slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    allowed_token_bitmask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), dtype=np.uint32))
     # Swaps (device block -> host swap block out, host -> device in), run with the block copies.
     swap_out_src: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     swap_out_dst: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -75,6 +107,11 @@ class StepOutput:
     sampled_token_ids: np.ndarray  # flattened in slot order
     forward_ns: int
     sample_ns: int
+    # engine.proto StepResult 4, 5, 9, 10 (empty unless a slot asked).
+    logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    logprob_token_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prompt_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    prompt_logprob_token_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def _arr(values) -> np.ndarray:
@@ -111,7 +148,43 @@ def _new_sequence(index: int, msg, limits: PlanLimits) -> NewSequenceData:
         raise PlanError(f"{field}.sampling.top_p", f"{top_p} must be in (0, 1]")
     # The scheduler always sets the seed; a missing one gets a random seed, as the contract says.
     seed = s.seed if s.HasField("seed") else secrets.randbits(64)
-    return NewSequenceData(msg.slot, tokens.astype(np.int32), msg.num_computed_tokens, float(temperature), int(top_k), float(top_p), int(seed))
+    processing = _processing(field, msg, tokens.size, limits)
+    return NewSequenceData(msg.slot, tokens.astype(np.int32), msg.num_computed_tokens, float(temperature), int(top_k), float(top_p), int(seed), processing)
+
+
+def _bounded(field: str, value: float, low: float, high: float) -> float:
+    if not low <= value <= high:  # NaN fails too
+        raise PlanError(field, f"{value} is outside [{low:g}, {high:g}]")
+    return float(value)
+
+
+def _processing(field: str, msg, num_tokens: int, limits: PlanLimits) -> LogitsProcessing:
+    s = msg.sampling
+    if msg.num_prompt_tokens > num_tokens:
+        raise PlanError(f"{field}.num_prompt_tokens", f"{msg.num_prompt_tokens} exceeds len(token_ids) {num_tokens}")
+    suppressed = _arr(msg.min_tokens_suppressed_ids)
+    _check_range(f"{field}.min_tokens_suppressed_ids", suppressed, 0, limits.vocab_size)
+    bias_ids = _arr(list(s.logit_bias.keys()))
+    _check_range(f"{field}.sampling.logit_bias", bias_ids, 0, limits.vocab_size)
+    for token_id, bias in s.logit_bias.items():
+        _bounded(f"{field}.sampling.logit_bias[{token_id}]", bias, -100.0, 100.0)
+    for name in ("num_logprobs", "num_prompt_logprobs"):
+        if msg.HasField(name) and getattr(msg, name) > MAX_TOP_LOGPROBS:
+            raise PlanError(f"{field}.{name}", f"{getattr(msg, name)} exceeds {MAX_TOP_LOGPROBS}")
+    repetition_penalty = _bounded(f"{field}.sampling.repetition_penalty", s.repetition_penalty, 1e-6, 2.0) if s.HasField("repetition_penalty") else 1.0
+    processing = LogitsProcessing(
+        num_prompt_tokens=msg.num_prompt_tokens or num_tokens,
+        min_p=_bounded(f"{field}.sampling.min_p", s.min_p, 0.0, 1.0),
+        repetition_penalty=repetition_penalty,
+        presence_penalty=_bounded(f"{field}.sampling.presence_penalty", s.presence_penalty, -2.0, 2.0),
+        frequency_penalty=_bounded(f"{field}.sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0),
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        min_new_tokens=msg.min_new_tokens,
+        min_tokens_suppressed_ids=tuple(suppressed.tolist()),
+        num_logprobs=msg.num_logprobs if msg.HasField("num_logprobs") else -1,
+        num_prompt_logprobs=msg.num_prompt_logprobs if msg.HasField("num_prompt_logprobs") else -1,
+    )
+    return processing if processing != NO_PROCESSING else NO_PROCESSING
 
 
 def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> StepPlan:
@@ -131,6 +204,8 @@ def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> StepPlan:
         aborted_slots=_arr(p.aborted_slots),
         copy_src=_arr(p.copy_src),
         copy_dst=_arr(p.copy_dst),
+        masked_slots=_arr(p.masked_slots),
+        allowed_token_bitmask=_bitmasks(p, limits),
         swap_out_src=_arr(p.swap_out_src),
         swap_out_dst=_arr(p.swap_out_dst),
         swap_in_src=_arr(p.swap_in_src),
@@ -153,7 +228,29 @@ def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> StepPlan:
         raise PlanError("num_scheduled_tokens", "every scheduled slot needs >= 1 token")
     if np.unique(plan.slots).size != n:
         raise PlanError("slots", "a slot is scheduled twice")
+    if np.unique(plan.masked_slots).size != plan.masked_slots.size:
+        raise PlanError("masked_slots", "a slot is masked twice")
+    if not np.isin(plan.masked_slots, plan.slots).all():
+        raise PlanError("masked_slots", f"slot {plan.masked_slots[~np.isin(plan.masked_slots, plan.slots)][0]} is not scheduled in this plan")
     return plan
+
+
+def _bitmasks(p, limits: PlanLimits) -> np.ndarray:
+    """BatchPlan.allowed_token_bitmask as [len(masked_slots), words] uint32."""
+    words = -(-limits.vocab_size // 32)
+    expected = len(p.masked_slots) * words * 4
+    if len(p.allowed_token_bitmask) != expected:
+        raise PlanError("allowed_token_bitmask", f"{len(p.allowed_token_bitmask)} bytes; {len(p.masked_slots)} masked slots need {expected}")
+    masks = np.frombuffer(p.allowed_token_bitmask, dtype="<u4").reshape(len(p.masked_slots), words)
+    # Every mask must allow some token inside the vocabulary, or nothing could be sampled.
+    tail = limits.vocab_size % 32
+    usable = masks.copy()
+    if tail:
+        usable[:, -1] &= np.uint32((1 << tail) - 1)
+    empty = ~usable.any(axis=1)
+    if empty.any():
+        raise PlanError("allowed_token_bitmask", f"the mask of masked slot {p.masked_slots[int(np.argmax(empty))]} allows no token")
+    return usable
 
 
 def result_to_pb(output: StepOutput, total_ns: int) -> engine_pb2.ExecuteResponse:
@@ -165,6 +262,12 @@ def result_to_pb(output: StepOutput, total_ns: int) -> engine_pb2.ExecuteRespons
     r.forward_ns = output.forward_ns
     r.sample_ns = output.sample_ns
     r.total_ns = total_ns
+    if output.logprobs.size:
+        r.logprobs.extend(output.logprobs.tolist())
+        r.logprob_token_ids.extend(output.logprob_token_ids.tolist())
+    if output.prompt_logprobs.size:
+        r.prompt_logprobs.extend(output.prompt_logprobs.tolist())
+        r.prompt_logprob_token_ids.extend(output.prompt_logprob_token_ids.tolist())
     return response
 
 
@@ -199,6 +302,7 @@ def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
         tokenizer_json=facts.tokenizer_json,
         chat_template=facts.chat_template,
         special_tokens=facts.special_tokens,
+        max_top_logprobs=MAX_TOP_LOGPROBS,
         features=engine_pb2.EngineFeatures(
             chunked_prefill=facts.chunked_prefill, block_copy=facts.block_copy,
             swap=getattr(facts, "num_swap_blocks", 0) > 0, speculation=False

@@ -5,7 +5,10 @@
     block_table   [max_num_slots, max_blocks_per_seq] int32  append-only, 0 past num_blocks
     num_blocks    [max_num_slots]
     num_computed  [max_num_slots]                            tokens whose KV is in the cache
-    sampling      temperature / top_k / top_p / seed per slot
+    sampling      temperature / top_k / top_p / min_p / seed per slot
+    processing    per slot LogitsProcessing (penalties, bias, min tokens, logprob counts), with
+                  changes_logits / num_logprobs / num_prompt_logprobs mirrored into arrays so
+                  that a step finds the few slots that need them without a Python loop
     active        [max_num_slots] bool
 
 Flat arrays, not objects per sequence, so that a step's inputs are a few vectorized gathers
@@ -15,7 +18,11 @@ gets its final sampled token stored.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+from model_service.batch import NO_PROCESSING, LogitsProcessing
 
 
 class RequestCache:
@@ -32,9 +39,17 @@ class RequestCache:
         self.top_k = np.zeros(max_num_slots, dtype=np.int64)
         self.top_p = np.ones(max_num_slots, dtype=np.float32)
         self.seed = np.zeros(max_num_slots, dtype=np.uint64)
+        self.min_p = np.zeros(max_num_slots, dtype=np.float32)
+        self.processing: list[LogitsProcessing] = [NO_PROCESSING] * max_num_slots
+        self.changes_logits = np.zeros(max_num_slots, dtype=bool)
+        self.num_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
         self.active = np.zeros(max_num_slots, dtype=bool)
 
-    def register(self, slot: int, token_ids: np.ndarray, num_computed: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+    def register(
+        self, slot: int, token_ids: np.ndarray, num_computed: int, temperature: float, top_k: int, top_p: float, seed: int,
+        processing: LogitsProcessing | None = None,
+    ) -> None:
         n = len(token_ids)
         self.tokens[slot, :n] = token_ids
         self.num_tokens[slot] = n
@@ -42,6 +57,14 @@ class RequestCache:
         self.num_blocks[slot] = 0
         self.num_computed[slot] = num_computed
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = temperature, top_k, top_p, seed
+        processing = processing or NO_PROCESSING
+        if processing.num_prompt_tokens == 0:  # registered without one: every known token is prompt
+            processing = dataclasses.replace(processing, num_prompt_tokens=n)
+        self.processing[slot] = processing
+        self.min_p[slot] = processing.min_p
+        self.changes_logits[slot] = processing.changes_logits
+        self.num_logprobs[slot] = processing.num_logprobs
+        self.num_prompt_logprobs[slot] = processing.num_prompt_logprobs
         self.active[slot] = True
 
     def drop(self, slots: np.ndarray) -> None:

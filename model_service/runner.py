@@ -40,6 +40,7 @@ from model_service.config import ModelServiceConfig
 from model_service.kv_cache import KVCache, kv_block_bytes, kv_cache_budget_bytes
 from model_service.loader import LoadedModel
 from model_service.request_cache import RequestCache
+from model_service.logits import apply_masks, apply_processing, gather_logprobs, prompt_logprob_rows
 from model_service.sampler import SamplingBatch, sample
 
 log = structlog.get_logger(__name__)
@@ -157,6 +158,10 @@ class ModelRunner:
                 "num_scheduled_tokens",
                 f"slot {slots[i]}: computed {num_computed[slots[i]]} + scheduled {plan.num_scheduled_tokens[i]} exceeds its {num_tokens[slots[i]]} known tokens",
             )
+        if plan.masked_slots.size:
+            missing = ~np.isin(plan.masked_slots, slots[end == num_tokens[slots]])
+            if missing.any():
+                raise PlanError("masked_slots", f"slot {plan.masked_slots[int(np.argmax(missing))]} does not sample this step")
         if end.max() > self.limits.max_model_len:
             raise PlanError("num_scheduled_tokens", f"{end.max()} tokens exceed max_model_len {self.limits.max_model_len}")
         blocks_after = num_blocks[slots] + plan.num_new_blocks
@@ -178,7 +183,7 @@ class ModelRunner:
         for dropped in (plan.finished_slots, plan.preempted_slots, plan.aborted_slots):
             c.drop(dropped)
         for seq in plan.new_sequences:
-            c.register(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.temperature, seq.top_k, seq.top_p, seq.seed)
+            c.register(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.temperature, seq.top_k, seq.top_p, seq.seed, seq.processing)
         if plan.new_block_ids.size:
             # Each scheduled slot's new ids go right after its current blocks.
             rows = np.repeat(plan.slots, plan.num_new_blocks)
@@ -212,26 +217,53 @@ class ModelRunner:
             self._dev(x.slot_mapping), self._dev(x.query_start), self._dev(n), self._dev(x.context_lens), self._dev(x.block_tables),
             bs, x.max_query_len, x.max_context_len,
         )
-        logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(x.logits_indices))
+        # Prompt logprobs (rare) need the logits of prompt rows too: they ride after the sample rows.
+        prompt_rows, prompt_targets, prompt_counts = prompt_logprob_rows(slots, n, x.query_start, c)
+        logits_indices = x.logits_indices if not prompt_rows.size else np.concatenate((x.logits_indices, prompt_rows))
+        logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(logits_indices))
         self._sync()
         forward_ns = time.perf_counter_ns() - start
 
         start = time.perf_counter_ns()
         sample_slots = x.sample_slots
+        output = StepOutput(plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), forward_ns, 0)
         if sample_slots.size:
-            params = SamplingBatch(
-                temperature=c.temperature[sample_slots], top_k=c.top_k[sample_slots], top_p=c.top_p[sample_slots],
-                seed=c.seed[sample_slots], position=c.num_tokens[sample_slots],
-            )
-            sampled = sample(logits, params).cpu().numpy().astype(np.int64)
-        else:
-            sampled = np.zeros(0, dtype=np.int64)
-        sample_ns = time.perf_counter_ns() - start
+            output.sampled_token_ids = self._sample(logits[: sample_slots.size], sample_slots, plan, output)
+        if prompt_rows.size:
+            output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(logits[sample_slots.size :], prompt_targets, prompt_counts)
+        output.sample_ns = time.perf_counter_ns() - start
 
+        sampled = output.sampled_token_ids
         c.num_computed[slots] = x.context_lens
         c.tokens[sample_slots, c.num_tokens[sample_slots]] = sampled
         c.num_tokens[sample_slots] += 1
-        return StepOutput(plan.step_id, x.needs_sample.copy(), sampled, forward_ns, sample_ns)
+        return output
+
+    def _sample(self, logits: torch.Tensor, sample_slots: np.ndarray, plan: StepPlan, output: StepOutput) -> np.ndarray:
+        """Logits processing, sampling and logprobs for the sample rows; returns the token ids
+        (and fills output's logprob arrays)."""
+        c = self.cache
+        raw = logits
+        processed = np.flatnonzero(c.changes_logits[sample_slots])
+        if processed.size or plan.masked_slots.size:
+            logits = logits.clone()
+            if processed.size:
+                apply_processing(logits, processed, sample_slots[processed], c)
+            if plan.masked_slots.size:
+                row_of_slot = {slot: row for row, slot in enumerate(sample_slots.tolist())}
+                rows = np.array([row_of_slot[slot] for slot in plan.masked_slots.tolist()], dtype=np.int64)  # _check: all sample
+                apply_masks(logits, rows, plan.allowed_token_bitmask, raw)
+        params = SamplingBatch(
+            temperature=c.temperature[sample_slots], top_k=c.top_k[sample_slots], top_p=c.top_p[sample_slots],
+            seed=c.seed[sample_slots], position=c.num_tokens[sample_slots], min_p=c.min_p[sample_slots],
+        )
+        sampled = sample(logits, params).cpu().numpy().astype(np.int64)
+        logprob_rows = np.flatnonzero(c.num_logprobs[sample_slots] >= 0)
+        if logprob_rows.size:
+            output.logprobs, output.logprob_token_ids = gather_logprobs(
+                raw[torch.from_numpy(logprob_rows).to(raw.device)], sampled[logprob_rows], c.num_logprobs[sample_slots[logprob_rows]]
+            )
+        return sampled
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

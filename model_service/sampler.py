@@ -10,6 +10,9 @@ Rows carry their own parameters; everything is vectorized over rows:
     temperature == 0    greedy (argmax), u unused
     top_k == 0          top-k off
     top_p == 1.0        top-p off
+    min_p == 0.0        min-p off (keep tokens with probability >= min_p * the largest)
+Penalties, logit bias, min-token suppression and grammar masks change the logits before this
+(model_service/logits.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class SamplingBatch:
     top_p: np.ndarray  # float32, 1.0 = off
     seed: np.ndarray  # uint64
     position: np.ndarray  # int64, position of the token being drawn
+    min_p: np.ndarray | None = None  # float32, 0 = off; None = off for every row
 
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
@@ -75,6 +79,9 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     num_kept = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)
     pth = sorted_probs.gather(1, (num_kept - 1)[:, None])
     threshold = torch.maximum(kth, pth)
+    if params.min_p is not None and params.min_p.any():
+        min_p = torch.from_numpy(params.min_p.astype(np.float64)).to(device)
+        threshold = torch.maximum(threshold, (min_p * sorted_probs[:, 0])[:, None])
     filtered = torch.where(probs >= threshold, probs, 0.0)
 
     cdf = filtered.cumsum(dim=-1)

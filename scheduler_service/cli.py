@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -54,6 +55,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget as a fraction of the device's free memory after loading")
     parser.add_argument("--swap-space", default=None,
                         help="host memory for swapped-out KV blocks, e.g. 4GiB (default none)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split attention heads and MLP columns across N ranks "
+                             "(torch.distributed: nccl on CUDA, gloo on CPU)")
 
 
 def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +145,8 @@ def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[
             "--port", str(port)]
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.null_step_delay_ms:
         argv += ["--null-step-delay-ms", str(args.null_step_delay_ms)]
     for flag in ("max_model_len", "served_model_name", "kv_cache_memory", "kv_cache_memory_fraction",
@@ -177,7 +183,11 @@ async def _run_until_signal(server: SchedulerServer, sample_prompt: Optional[str
         print(f"\nplanserve is serving on {address}; Ctrl-C stops it.", flush=True)
     await stop.wait()
     log.info("stopping")
-    await server.stop()
+    # Drain: NOT_SERVING and UNAVAILABLE for new requests, running ones finish within the
+    # grace period (keep k8s terminationGracePeriodSeconds above it); then exit 0.
+    drained = await server.drain(server.config.drain_grace_s)
+    # Past the grace period the streams still open are cut (UNAVAILABLE/CANCELLED) at once.
+    await server.stop(grace_s=5.0 if drained else 0.0)
 
 
 def _announce(server: SchedulerServer) -> None:
@@ -187,9 +197,62 @@ def _announce(server: SchedulerServer) -> None:
         print(f"{HTTP_PORT_LINE}{server.http_port}", flush=True)
 
 
+class _ModelServiceSupervisor:
+    """`planserve serve`'s model service child, restarted on the same port whenever it dies (the
+    scheduler notices, reconnects and recomputes what was in flight). The delay before a restart
+    doubles, up to MAX_DELAY_S, while the child keeps dying within HEALTHY_S of its start."""
+
+    FIRST_DELAY_S = 0.5
+    MAX_DELAY_S = 30.0
+    HEALTHY_S = 60.0
+
+    def __init__(self, args: argparse.Namespace):
+        self._args = args
+        self.child: Optional[asyncio.subprocess.Process] = None
+        self.port = args.engine_port
+        self.num_restarts = 0
+        self._watch: Optional[asyncio.Task] = None
+
+    async def start(self) -> int:
+        self.child, self.port = await _start_model_service(
+            _model_service_argv(self._args, "127.0.0.1", self.port))
+        self._watch = asyncio.get_running_loop().create_task(self._restart_when_dead())
+        return self.port
+
+    async def _restart_when_dead(self) -> None:
+        delay_s = self.FIRST_DELAY_S
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            status = await self.child.wait()
+            delay_s = self.FIRST_DELAY_S if loop.time() - started > self.HEALTHY_S else delay_s
+            log.warning("model_service_died", status=status, restart_in_s=delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self.MAX_DELAY_S)
+            try:
+                self.child, _ = await _start_model_service(
+                    _model_service_argv(self._args, "127.0.0.1", self.port))
+            except RuntimeError as error:  # died while starting: wait() returns at once
+                log.warning("model_service_restart_failed", error=str(error))
+                continue
+            self.num_restarts += 1
+            log.warning("model_service_restarted", port=self.port, restarts=self.num_restarts)
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        child = self.child
+        if child is not None and child.returncode is None:
+            child.terminate()
+            with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                await asyncio.wait_for(child.wait(), 10)
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    child, engine_port = await _start_model_service(
-        _model_service_argv(args, "127.0.0.1", args.engine_port))
+    supervisor = _ModelServiceSupervisor(args)
+    engine_port = await supervisor.start()
     try:
         server = SchedulerServer(_scheduler_config(args, f"127.0.0.1:{engine_port}"))
         await server.start()
@@ -197,14 +260,16 @@ async def _serve(args: argparse.Namespace) -> None:
         _announce(server)
         await _run_until_signal(server, args.sample)
     finally:
-        if child.returncode is None:
-            child.terminate()
-            with contextlib.suppress(ProcessLookupError):
-                await asyncio.wait_for(child.wait(), 10)
+        await supervisor.stop()
 
 
 async def _scheduler(args: argparse.Namespace) -> None:
-    server = SchedulerServer(_scheduler_config(args, args.engine))
+    # Several --engine (or a comma list, or dns:///name:port): replicas behind one router.
+    config = dataclasses.replace(
+        _scheduler_config(args, ",".join(args.engine or ["127.0.0.1:50052"])),
+        router_weights=args.router_weights,
+        replica_check_interval_s=args.replica_check_interval).validate()
+    server = SchedulerServer(config)
     await server.start()
     await server.connect_engine()
     _announce(server)
@@ -256,7 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = commands.add_parser("scheduler", help="the scheduler alone",
                                     formatter_class=argparse.RawTextHelpFormatter)
     _add_scheduler_flags(scheduler)
-    scheduler.add_argument("--engine", default="127.0.0.1:50052", help="model service HOST:PORT")
+    scheduler.add_argument("--engine", action="append", default=None,
+                           help="model service HOST:PORT (default 127.0.0.1:50052); repeat it or "
+                                "give a comma list for replicas, or dns:///NAME:PORT (a headless "
+                                "Service, one replica per address, re-resolved)")
+    scheduler.add_argument("--router-weights", default=SchedulerConfig.router_weights,
+                           help="with replicas: scorers placing new requests, NAME=WEIGHT,... "
+                                "(kv_usage, waiting_tokens, prefix_affinity, random)")
+    scheduler.add_argument("--replica-check-interval", type=float,
+                           default=SchedulerConfig.replica_check_interval_s,
+                           help="with replicas: seconds between DNS re-resolves and retries")
 
     generate = commands.add_parser("generate", help="stream a completion to the terminal")
     generate.add_argument("prompt")

@@ -56,7 +56,8 @@ class KVBlockManager:
         once taken). The last token is never matched: a step must compute at least one token
         to sample from, and it must not write into a shared block.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed.
             return [], 0
         token_ids = request.all_token_ids
         hits = self.pool.match_prefix(token_ids[:len(token_ids) - 1], self.block_size,

@@ -55,8 +55,11 @@ class EngineLoop:
         # Tokens computed per second, a moving average over steps (the retry hint's rate).
         self.tokens_per_s = 0.0
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+    def start(self, engine_down: Optional[str] = None) -> None:
+        """Starts stepping; with `engine_down` (why), reconnects first (the readiness probe
+        failed: the model service answered Describe but could not compute)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(engine_down),
+                                                            name="engine-loop")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -77,8 +80,10 @@ class EngineLoop:
         self._wake.set()
         return found
 
-    async def _run(self) -> None:
+    async def _run(self, engine_down: Optional[str] = None) -> None:
         try:
+            if engine_down is not None:
+                await self._recover(engine_down)
             while True:
                 if not self.scheduler.has_work():
                     self._wake.clear()

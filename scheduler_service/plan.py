@@ -23,6 +23,11 @@ class NewSequence:
     token_ids: list[int]
     sampling: Sampling
     num_computed_tokens: int
+    num_prompt_tokens: int = 0
+    min_new_tokens: int = 0
+    min_tokens_suppressed_ids: tuple[int, ...] = ()
+    num_logprobs: Optional[int] = None
+    num_prompt_logprobs: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -46,6 +51,10 @@ class StepPlan:
     swap_out_dst: list[int] = dataclasses.field(default_factory=list)
     swap_in_src: list[int] = dataclasses.field(default_factory=list)
     swap_in_dst: list[int] = dataclasses.field(default_factory=list)
+    # Structured output (scheduler_service/structured.py): the slots that must sample from an
+    # allowed set this step, and their bitmasks (ceil(vocab / 32) little-endian uint32 each).
+    masked_slots: list[int] = dataclasses.field(default_factory=list)
+    allowed_token_bitmask: bytes = b""
     # The C core's copy of slots, num_scheduled_tokens, num_new_blocks and new_block_ids
     # (a cython_ext.step_core.PackedPlan: the wire encoding, and what update() reads); None for
     # plans built in Python, whose lists are then encoded field by field.
@@ -70,6 +79,11 @@ class StepResult:
     forward_ns: int
     sample_ns: int
     total_ns: int
+    # Flat logprob arrays (engine.proto StepResult 4, 5, 9, 10); empty unless asked for.
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    logprob_token_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
+    prompt_logprob_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 def _sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
@@ -77,7 +91,32 @@ def _sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
     if sampling.top_k > 0:
         params.top_k = sampling.top_k
+    # Unset means off on the model side; only what a request changed travels.
+    if sampling.min_p:
+        params.min_p = sampling.min_p
+    if sampling.repetition_penalty != 1.0:
+        params.repetition_penalty = sampling.repetition_penalty
+    if sampling.presence_penalty:
+        params.presence_penalty = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        params.frequency_penalty = sampling.frequency_penalty
+    if sampling.logit_bias:
+        params.logit_bias.update(dict(sampling.logit_bias))
     return params
+
+
+def _new_sequence_to_pb(seq: NewSequence) -> engine_pb2.NewSequence:
+    message = engine_pb2.NewSequence(
+        slot=seq.slot, token_ids=seq.token_ids, sampling=_sampling_to_pb(seq.sampling),
+        num_computed_tokens=seq.num_computed_tokens, num_prompt_tokens=seq.num_prompt_tokens)
+    if seq.min_new_tokens:
+        message.min_new_tokens = seq.min_new_tokens
+        message.min_tokens_suppressed_ids.extend(seq.min_tokens_suppressed_ids)
+    if seq.num_logprobs is not None:
+        message.num_logprobs = seq.num_logprobs
+    if seq.num_prompt_logprobs is not None:
+        message.num_prompt_logprobs = seq.num_prompt_logprobs
+    return message
 
 
 def to_pb(plan: StepPlan) -> engine_pb2.ExecuteRequest:
@@ -92,12 +131,7 @@ def to_pb(plan: StepPlan) -> engine_pb2.ExecuteRequest:
         batch.new_block_ids.extend(plan.new_block_ids)
     batch.step_id = plan.step_id
     if plan.new_sequences:
-        batch.new_sequences.extend([
-            engine_pb2.NewSequence(
-                slot=seq.slot, token_ids=seq.token_ids, sampling=_sampling_to_pb(seq.sampling),
-                num_computed_tokens=seq.num_computed_tokens)
-            for seq in plan.new_sequences
-        ])
+        batch.new_sequences.extend([_new_sequence_to_pb(seq) for seq in plan.new_sequences])
     # Lifecycle lists and copies are short and usually empty.
     if plan.finished_slots:
         batch.finished_slots.extend(plan.finished_slots)
@@ -114,6 +148,9 @@ def to_pb(plan: StepPlan) -> engine_pb2.ExecuteRequest:
     if plan.swap_in_src:
         batch.swap_in_src.extend(plan.swap_in_src)
         batch.swap_in_dst.extend(plan.swap_in_dst)
+    if plan.masked_slots:
+        batch.masked_slots.extend(plan.masked_slots)
+        batch.allowed_token_bitmask = plan.allowed_token_bitmask
     return request
 
 
@@ -126,4 +163,8 @@ def result_from_pb(response: engine_pb2.ExecuteResponse) -> StepResult:
         forward_ns=result.forward_ns,
         sample_ns=result.sample_ns,
         total_ns=result.total_ns,
+        logprobs=list(result.logprobs),
+        logprob_token_ids=list(result.logprob_token_ids),
+        prompt_logprobs=list(result.prompt_logprobs),
+        prompt_logprob_token_ids=list(result.prompt_logprob_token_ids),
     )

@@ -39,6 +39,11 @@ class Sampling:
     top_k: int  # 0 = off
     top_p: float
     seed: int
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Stopping:
     stop_strings: tuple[str, ...]
     stop_token_ids: frozenset[int]
     ignore_eos: bool
+    min_new_tokens: int = 0  # eos and stop ids are masked until this many are generated
 
 
 @dataclasses.dataclass
@@ -61,6 +67,20 @@ class RequestOutput:
     stop_match: Optional[str | int] = None
     usage: Optional["Usage"] = None
     index: int = 0  # which of the request's n parallel samples
+    # With Request.logprobs set: one entry per token of token_ids.
+    logprobs: Optional[list["TokenLogprob"]] = None
+    # With Request.prompt_logprobs set, on the first output only: one per prompt token after the
+    # first.
+    prompt_logprobs: Optional[list["TokenLogprob"]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +111,12 @@ class Request:
     index: int = 0
     group_id: str = ""  # the public request id of every sample ("" for sample 0: request_id)
     forked: bool = False  # samples 1 .. n-1 exist
+    # Logprobs: None = off; k = the sampled token's logprob and k alternatives per token.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    # Prompt logprob entries received so far (positions 1 .. len), kept across a recompute;
+    # handed to the client once complete.
+    prompt_logprobs_out: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -105,6 +131,12 @@ class Request:
 
     # Filled by the serving layer: where this request's outputs go.
     outputs: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue, repr=False)
+    # Tokens per chunk the client gets (GenerateRequest.stream_interval); 1 = every step.
+    stream_interval: int = 1
+    # Structured output: the grammar (a structured.StructuredSpec, set by intake) and this
+    # sequence's walk through it (a structured.GuideState, set once compiled, before admission).
+    structured: Optional[object] = dataclasses.field(default=None, repr=False)
+    guide: Optional[object] = dataclasses.field(default=None, repr=False)
 
     @property
     def public_id(self) -> str:
@@ -127,6 +159,10 @@ class Request:
             index=index,
             group_id=self.request_id,
             outputs=self.outputs,
+            logprobs=self.logprobs,
+            stream_interval=self.stream_interval,
+            structured=self.structured,
+            guide=self.guide.fork() if self.guide is not None else None,
         )
 
     def unforked_finals(self, reason: FinishReason) -> list[RequestOutput]:

@@ -19,7 +19,7 @@ from typing import Optional
 
 from cython_ext.block_pool import BlockPool
 from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepCore
-from scheduler_service import policies
+from scheduler_service import policies, structured
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineFacts
 from scheduler_service.kv_blocks import KVBlockManager, cdiv, salt_of
@@ -27,7 +27,8 @@ from scheduler_service.outputs import OutputProcessor
 from scheduler_service.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.policies.base import SchedulingPolicy
 from scheduler_service.swap import SwapSpace
-from scheduler_service.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_service.request import (FinishReason, Request, RequestOutput, RequestStatus,
+                                       TokenLogprob)
 
 
 class SlotAllocator:
@@ -85,6 +86,8 @@ class Scheduler:
         self._preempts_for_waiting = (
             policy_type.may_preempt_for is not SchedulingPolicy.may_preempt_for)
         self._plan: Optional[StepPlan] = None
+        # Requests in flight with structured output: only then are the plans' masks filled.
+        self._num_constrained = 0
 
     def _new_core(self) -> StepCore:
         return StepCore(
@@ -157,6 +160,8 @@ class Scheduler:
         self.outputs.start(request)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+        if request.guide is not None:
+            self._num_constrained += 1
         self.policy.add(request)
 
     def abort_request(self, request_id: str) -> bool:
@@ -242,6 +247,8 @@ class Scheduler:
         self._plan = None
         if self._pending_forks:
             self._register_forks(plan)
+        if self._num_constrained:
+            structured.fill_plan_masks(plan)
         if self._finished_slots:
             plan.finished_slots, self._finished_slots = self._finished_slots, []
         if self._aborted_slots:
@@ -328,14 +335,32 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         token_ids = request.all_token_ids
-        plan.new_sequences.append(NewSequence(
-            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
-            num_computed_tokens=request.num_computed_tokens))
+        plan.new_sequences.append(self._new_sequence(request, token_ids))
         request.block_ids = list(hits)
         self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
                         len(request.prompt_token_ids) + request.stopping.max_new_tokens,
                         salt_of(request.cache_salt))
         self.running.append(request)
+
+    def _new_sequence(self, request: Request, token_ids: list[int]) -> NewSequence:
+        """How the model service learns of a sequence (at admission, resume or fork)."""
+        stopping = request.stopping
+        suppressed: tuple[int, ...] = ()
+        if stopping.min_new_tokens:
+            eos = () if stopping.ignore_eos else self.facts.eos_token_ids
+            suppressed = tuple(sorted(set(eos) | stopping.stop_token_ids))
+        # Prompt logprobs are asked for until every prompt position has one (a recompute after
+        # a preemption mid-prompt asks again; entries already held are skipped on arrival).
+        prompt_logprobs = request.prompt_logprobs
+        if (prompt_logprobs is not None
+                and len(request.prompt_logprobs_out) >= len(request.prompt_token_ids) - 1):
+            prompt_logprobs = None
+        return NewSequence(
+            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
+            num_computed_tokens=request.num_computed_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            min_new_tokens=stopping.min_new_tokens, min_tokens_suppressed_ids=suppressed,
+            num_logprobs=request.logprobs, num_prompt_logprobs=prompt_logprobs)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Preemption: free the device blocks, requeue ahead of fresh requests. By swap when the
@@ -415,6 +440,8 @@ class Scheduler:
                 lifecycle.append(request.slot)  # the model service knows the slot
             request.slot = None
         request.status = RequestStatus.FINISHED
+        if request.guide is not None:
+            self._num_constrained -= 1
         self.outputs.release(request)
         self.policy.on_finished(request)
         del self.requests[request.request_id]
@@ -427,6 +454,8 @@ class Scheduler:
         cache (both in C, for every sequence in the plan), then the sequences that sampled
         tokens get them appended, stops checked, and free their blocks when finished."""
         outputs: list[tuple[Request, RequestOutput]] = []
+        if result.prompt_logprobs:
+            self._take_prompt_logprobs(plan, result)
         indices, offsets = self.core.advance(plan.packed, result.num_sampled_tokens)
         if not indices:
             return outputs
@@ -434,19 +463,45 @@ class Scheduler:
         requests, counts, sampled = plan.requests, result.num_sampled_tokens, \
             result.sampled_token_ids
         add_tokens, append_tokens = self.outputs.add_tokens, self.core.append_tokens
+        logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
         for index, offset in zip(indices, offsets):
             request = requests[index]
             if request.first_token_time is None:
                 request.first_token_time = now
-            output = add_tokens(request, sampled[offset:offset + counts[index]])
+            token_ids = sampled[offset:offset + counts[index]]
+            entries = None
+            if request.logprobs is not None:
+                entries = logprobs.take(token_ids, request.logprobs)
+            output = add_tokens(request, token_ids, entries)
             append_tokens(request.slot, output.token_ids)
+            if request.stream_interval > 1:
+                output = self.outputs.coalesce(request, output)  # None: held back
             if not request.forked and request.n > 1:
                 self._fork_samples(request)
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._release(request, self._finished_slots)
-            outputs.append((request, output))
+            if output is not None:
+                outputs.append((request, output))
         return outputs
+
+    def _take_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+        """Files the step's prompt logprobs under their requests (before advance() moves the
+        computed counts: an entry's position follows from the count at planning time)."""
+        reader = LogprobReader(result.prompt_logprobs, result.prompt_logprob_token_ids)
+        for index, request in enumerate(plan.requests):
+            if request.prompt_logprobs is None or request.index:
+                continue
+            num_prompt = len(request.prompt_token_ids)
+            start = request.num_computed_tokens  # position of the chunk's first token
+            end = min(start + plan.num_scheduled_tokens[index], num_prompt - 1)
+            if end <= start:
+                continue
+            targets = request.prompt_token_ids[start + 1:end + 1]
+            entries = reader.take(targets, request.prompt_logprobs)
+            # After a recompute, positions already held come again: keep the first copy.
+            have = len(request.prompt_logprobs_out)
+            request.prompt_logprobs_out.extend(entries[max(0, have - start):])
 
     # ---- parallel samples (n > 1) ---------------------------------------------------------
 
@@ -466,6 +521,8 @@ class Scheduler:
             self.requests[child.request_id] = child
             members.append(child)
             self.outputs.start(child)
+            if child.guide is not None:
+                self._num_constrained += 1
             if child.deadline is not None:
                 heapq.heappush(self._deadlines, (child.deadline, child.request_id))
             if (self.slots.num_free and len(self.running) < self.max_num_seqs
@@ -484,9 +541,8 @@ class Scheduler:
         copy = self.core.fork(parent.slot, child.slot, child, num_prompt_tokens,
                               num_prompt_tokens + child.stopping.max_new_tokens)
         child.num_computed_tokens = child.num_cached_tokens = num_computed
-        self._pending_forks[child.slot] = (NewSequence(
-            slot=child.slot, token_ids=list(child.prompt_token_ids), sampling=child.sampling,
-            num_computed_tokens=num_computed), copy)
+        self._pending_forks[child.slot] = (
+            self._new_sequence(child, list(child.prompt_token_ids)), copy)
         self.running.append(child)
 
     def _register_forks(self, plan: StepPlan) -> None:
@@ -500,3 +556,22 @@ class Scheduler:
         for request in self.running:
             if request.slot in self._pending_forks:
                 self._pending_forks.clear()
+
+
+class LogprobReader:
+    """Walks a step's flat logprob arrays: per token, its logprob then k alternatives (with k
+    ids in the id array), k being the asking sequence's count."""
+
+    def __init__(self, values: list[float], token_ids: list[int]):
+        self._values, self._ids = values, token_ids
+        self._value_at = self._id_at = 0
+
+    def take(self, token_ids: list[int], k: int) -> list[TokenLogprob]:
+        entries = []
+        values, ids = self._values, self._ids
+        for token_id in token_ids:
+            v, i = self._value_at, self._id_at
+            top = tuple(zip(ids[i:i + k], values[v + 1:v + 1 + k]))
+            entries.append(TokenLogprob(token_id, values[v], top))
+            self._value_at, self._id_at = v + 1 + k, i + k
+        return entries

@@ -64,3 +64,11 @@ def compare_up_to_near_tie(ours, ref, gaps, tie: float = 1e-4) -> int:
             break
     assert list(ours[:limit]) == list(ref[:limit]), f"first mismatch within {limit} compared: ours={list(ours[:limit])} ref={list(ref[:limit])}"
     return limit
+
+
+@torch.inference_mode()
+def reference_logprobs(hf_model, token_ids) -> torch.Tensor:
+    """Log-softmax of the reference's logits over a whole sequence in one forward, float32:
+    row i is the distribution of token i + 1."""
+    out = hf_model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long))
+    return torch.log_softmax(out.logits[0].float(), dim=-1)

@@ -107,7 +107,9 @@ def validate_command(argv: list[str]):
         if token.startswith("--"):
             assert token.split("=")[0] in known, f"`{token}` is not a flag of `planserve {args.command}`"
     if args.command == "scheduler":
-        cli._scheduler_config(args, args.engine)
+        # --engine is one address, or (a repeatable flag) a list of them joined as the CLI does.
+        engines = args.engine if isinstance(args.engine, str) else ",".join(args.engine or [])
+        cli._scheduler_config(args, engines)
     elif args.command in ("model-service", "serve"):
         from model_service.__main__ import parse_args as model_parse_args
         host, port = (args.host, args.port) if args.command == "model-service" else ("127.0.0.1", args.engine_port)
@@ -120,29 +122,59 @@ def validate_command(argv: list[str]):
     return args
 
 
-def _call_kwarg(path: Path, function: str, callee: str, keyword: str):
-    """The literal `keyword=` (or first extra positional) of a call to *.callee inside function."""
+def _calls(path: Path, function: str, callee: str) -> list[ast.Call]:
+    """The calls to *.callee (or callee) inside `function` of the module at path."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
-            for call in ast.walk(node):
-                if isinstance(call, ast.Call):
-                    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
-                    if name == callee:
-                        for kw in call.keywords:
-                            if kw.arg == keyword:
-                                return ast.literal_eval(kw.value)
-                        return None
-            raise AssertionError(f"{path.name}:{function} no longer calls {callee}(); update the drain check")
+            return [call for call in ast.walk(node) if isinstance(call, ast.Call) and callee == (
+                call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None))]
     raise AssertionError(f"{path.name} has no function {function}")
 
 
-def scheduler_drain_s() -> float:
-    """How long the scheduler lets running requests finish after SIGTERM."""
+def _seconds(node: ast.expr, config_defaults) -> float:
+    """A literal, `a if c else b` (the longer of the two) or `*.config.<field>` (the field's
+    default in config_defaults)."""
+    if isinstance(node, ast.IfExp):
+        return max(_seconds(node.body, config_defaults), _seconds(node.orelse, config_defaults))
+    if isinstance(node, ast.Attribute) and config_defaults is not None and hasattr(config_defaults, node.attr):
+        return float(getattr(config_defaults, node.attr))
+    return float(ast.literal_eval(node))
+
+
+def _call_kwarg(path: Path, function: str, callee: str, keyword: str, config_defaults=None,
+                position: int | None = None):
+    """The seconds given as `keyword=` (or as positional argument `position`) to the call of
+    *.callee inside function; None when the call leaves it to the callee's default."""
+    calls = _calls(path, function, callee)
+    if not calls:
+        raise AssertionError(f"{path.name}:{function} no longer calls {callee}(); update the drain check")
+    call = calls[0]
+    for kw in call.keywords:
+        if kw.arg == keyword:
+            return _seconds(kw.value, config_defaults)
+    if position is not None and len(call.args) > position:
+        return _seconds(call.args[position], config_defaults)
+    return None
+
+
+def scheduler_drain_s(args=None) -> float:
+    """How long the scheduler may take after SIGTERM: its drain (requests in flight run to their
+    end, where the CLI calls server.drain(...)) and then the gRPC server's stop grace. `args`: the
+    container's parsed command line (its --drain-grace-seconds), else the config's defaults."""
+    import types
+    from scheduler_service.config import SchedulerConfig
     from scheduler_service.server import SchedulerServer
-    explicit = _call_kwarg(ROOT / "scheduler_service" / "cli.py", "_run_until_signal", "stop", "grace_s")
-    return float(explicit if explicit is not None
-                 else inspect.signature(SchedulerServer.stop).parameters["grace_s"].default)
+    config = SchedulerConfig()
+    if args is not None and getattr(args, "drain_grace_seconds", None) is not None:
+        config = types.SimpleNamespace(drain_grace_s=args.drain_grace_seconds)
+    cli = ROOT / "scheduler_service" / "cli.py"
+    drain = (_call_kwarg(cli, "_run_until_signal", "drain", "grace_s", config, position=0)
+             if _calls(cli, "_run_until_signal", "drain") else 0.0)
+    explicit = _call_kwarg(cli, "_run_until_signal", "stop", "grace_s", config)
+    stop = (explicit if explicit is not None
+            else inspect.signature(SchedulerServer.stop).parameters["grace_s"].default)
+    return float(drain or 0.0) + float(stop)
 
 
 def engine_drain_s() -> float:

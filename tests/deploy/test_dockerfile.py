@@ -100,7 +100,9 @@ def test_default_command_parses_with_the_cli_and_listens_beyond_loopback():
 
 def test_exposed_ports_are_the_services_defaults():
     exposed = {int(p.split("/")[0]) for rest in final("EXPOSE") for p in rest.split()}
-    assert exposed == {SchedulerConfig().port, ModelServiceConfig().port}
+    scheduler = parse_planserve(["scheduler"])  # the CLI's HTTP and metrics ports
+    assert exposed == {SchedulerConfig().port, ModelServiceConfig().port, scheduler.http_port,
+                       scheduler.metrics_port}
     # The default `serve` runs the model service on --engine-port: the exposed engine port.
     assert parse_planserve(["serve"]).engine_port == ModelServiceConfig().port
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 import pytest
 
 from _deploy import (INSTALL_HINT, K8S, K8S_VERSIONS, KUSTOMIZATIONS, engine_drain_s, env_of,
-                     expand, one, prestop_sleep_s, render, role, scheduler_drain_s,
-                     validate_command)
+                     expand, one, parse_planserve, prestop_sleep_s, render, role,
+                     scheduler_drain_s, validate_command)
 
 from model_service.config import ModelServiceConfig
 from scheduler_service.config import SchedulerConfig
 
 SCHEDULER_PORT = SchedulerConfig().port
 ENGINE_PORT = ModelServiceConfig().port
+# The CLI's defaults (the library config serves neither by default): what `planserve scheduler`
+# binds when the flags are left out, and what the manifests must spell out.
+HTTP_PORT = parse_planserve(["scheduler"]).http_port
+METRICS_PORT = parse_planserve(["scheduler"]).metrics_port
+SCHEDULER_PORTS = {"grpc": SCHEDULER_PORT, "http": HTTP_PORT, "metrics": METRICS_PORT}
 GENERATION_SERVICE = "planserve.v1.GenerationService"
 ENGINE_SERVICE = "planserve.v1.EngineService"
 IMAGE_UID = 10001  # Dockerfile: USER 10001:10001 (test_dockerfile checks that side)
@@ -92,8 +97,11 @@ def test_ports_agree_with_the_code_defaults_and_engine_traffic_is_pod_local(kust
     scheduler = roles["scheduler"]
     args = expand(scheduler["args"], env_of(scheduler, docs))
     assert int(flag(args, "--port")) == SCHEDULER_PORT
+    assert int(flag(args, "--http-port")) == HTTP_PORT
+    assert int(flag(args, "--metrics-port")) == METRICS_PORT
     assert flag(args, "--host") in ("0.0.0.0", "[::]"), "the public API must listen beyond loopback"
-    assert [p["containerPort"] for p in scheduler["ports"]] == [SCHEDULER_PORT]
+    assert {p["name"]: p["containerPort"] for p in scheduler["ports"]} == SCHEDULER_PORTS
+    assert all(p["protocol"] == "TCP" for p in scheduler["ports"])
     engine_host, engine_port = flag(args, "--engine").rsplit(":", 1)
     assert engine_host == "127.0.0.1", "the scheduler reaches the engine over the pod's loopback"
     assert int(engine_port) == ENGINE_PORT
@@ -135,10 +143,12 @@ def test_the_scheduler_start_waits_as_long_as_its_engine_connect_timeout():
 
 @all_kustomizations
 def test_grace_period_covers_the_drain(kustomization):
-    _, _, pod = deployment(kustomization)
+    docs, _, pod = deployment(kustomization)
     grace = pod["terminationGracePeriodSeconds"]
     roles = containers_by_role(pod)
-    scheduler_done = prestop_sleep_s(roles["scheduler"]) + scheduler_drain_s()
+    scheduler = roles["scheduler"]
+    scheduler_args = parse_planserve(expand(scheduler["args"], env_of(scheduler, docs)))
+    scheduler_done = prestop_sleep_s(scheduler) + scheduler_drain_s(scheduler_args)
     engine = roles["model-service"]
     engine_stops = prestop_sleep_s(engine)
     # The engine keeps serving until the scheduler's drain is over: its steps finish the requests.
@@ -150,34 +160,54 @@ def test_grace_period_covers_the_drain(kustomization):
 
 
 @all_kustomizations
-def test_network_policy_exposes_only_the_public_port(kustomization):
+def test_network_policy_admits_the_public_ports_and_metrics_from_monitoring_only(kustomization):
     docs, deploy, _ = deployment(kustomization)
     labels = deploy["spec"]["template"]["metadata"]["labels"]
     policy = one(docs, "NetworkPolicy")
     assert matches(policy["spec"]["podSelector"], labels), "the NetworkPolicy does not select the pods"
     assert "Ingress" in policy["spec"]["policyTypes"]
-    exposed = set()
+    from_anywhere, from_some = set(), set()
     for rule in policy["spec"].get("ingress", []):
         assert rule.get("ports"), "an ingress rule without ports admits every port"
-        for port in rule["ports"]:
-            exposed.add((port["port"], port.get("protocol", "TCP")))
-    assert exposed == {(SCHEDULER_PORT, "TCP")}
+        ports = {(port["port"], port.get("protocol", "TCP")) for port in rule["ports"]}
+        if rule.get("from"):
+            from_some |= ports
+        else:
+            from_anywhere |= ports
+    # The gRPC and HTTP APIs from anywhere; metrics only from the sources named (the monitoring
+    # namespace); the engine port never (the scheduler reaches it over the pod's loopback).
+    assert from_anywhere == {(SCHEDULER_PORT, "TCP"), (HTTP_PORT, "TCP")}
+    assert from_some == {(METRICS_PORT, "TCP")}
 
 
 @all_kustomizations
-def test_service_serves_the_public_port_of_the_pods(kustomization):
+def test_metrics_are_announced_for_scraping_on_the_metrics_port(kustomization):
+    _, deploy, _ = deployment(kustomization)
+    annotations = deploy["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") == "true"
+    assert int(annotations.get("prometheus.io/port", -1)) == METRICS_PORT
+    assert annotations.get("prometheus.io/path") == "/metrics"
+
+
+@all_kustomizations
+def test_services_serve_the_public_ports_of_the_pods(kustomization):
     docs, deploy, pod = deployment(kustomization)
     labels = deploy["spec"]["template"]["metadata"]["labels"]
     services = [d for d in docs if d["kind"] == "Service"]
     assert services
     named_ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+    protocols = {SCHEDULER_PORT: "kubernetes.io/h2c", HTTP_PORT: "http"}
     for service in services:
         assert matches({"matchLabels": service["spec"]["selector"]}, labels), service["metadata"]["name"]
         for port in service["spec"]["ports"]:
             target = port["targetPort"]
             target = named_ports.get(target) if isinstance(target, str) else target
-            assert (port["port"], target) == (SCHEDULER_PORT, SCHEDULER_PORT)
-            assert port.get("appProtocol") == "kubernetes.io/h2c"
+            # Same number outside and in; only the public APIs (metrics are scraped per pod).
+            assert port["port"] == target and target in protocols, f"{service['metadata']['name']}: {port}"
+            assert port.get("appProtocol") == protocols[target]
+    # The Service named planserve carries both APIs.
+    public = one(docs, "Service", "planserve")
+    assert {p["port"] for p in public["spec"]["ports"]} == {SCHEDULER_PORT, HTTP_PORT}
 
 
 @pytest.mark.parametrize("kustomization", ["base", "overlays/cpu", "overlays/gpu"])

@@ -1,6 +1,8 @@
 """The base pod's two containers as real processes on 127.0.0.1: started with the manifest's
 args (only the model, the host and the ports changed: the tiny model, loopback, free ports),
-every probe the manifest declares answers SERVING, and SIGTERM drains within the grace period."""
+every probe the manifest declares answers SERVING, the HTTP API and the metrics answer on the
+ports the manifest declares as `http` and `metrics`, and SIGTERM drains within the grace
+period."""
 from __future__ import annotations
 
 import os
@@ -9,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -71,6 +74,12 @@ def test_base_pod_processes_answer_their_probes_and_drain_in_the_grace_period():
     scheduler_args = expand(scheduler_c["args"], env_of(scheduler_c, docs))
     scheduler_args = _replace(_replace(scheduler_args, "--host", "127.0.0.1"), "--port", str(public_port))
     scheduler_args = _replace(scheduler_args, "--engine", f"127.0.0.1:{engine_port}")
+    # The manifest's fixed HTTP and metrics ports, moved to free ones (by the container port's name).
+    http_port, metrics_port = _free_port(), _free_port()
+    named = {p["name"]: p["containerPort"] for p in scheduler_c["ports"]}
+    for flag, name, port in (("--http-port", "http", http_port), ("--metrics-port", "metrics", metrics_port)):
+        assert int(scheduler_args[scheduler_args.index(flag) + 1]) == named[name]
+        scheduler_args = _replace(scheduler_args, flag, str(port))
 
     engine = _start(engine_args, env_of(engine_c, docs))
     scheduler = _start(scheduler_args, env_of(scheduler_c, docs))
@@ -81,6 +90,10 @@ def test_base_pod_processes_answer_their_probes_and_drain_in_the_grace_period():
                 status = _health(ports[name], service, deadline_s=120)
                 assert status == health_pb2.HealthCheckResponse.SERVING, (
                     f"{name} {kind} (service {service!r}) reads {status}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as reply:
+            assert reply.status == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            assert reply.status == 200 and b"# TYPE " in reply.read()
 
         # The kubelet: preStop first, then SIGTERM. Idle, each process exits within its drain.
         grace = pod["terminationGracePeriodSeconds"]

@@ -4,14 +4,17 @@ their greedy output is the undisturbed run's; health says NOT_SERVING while the 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
 from conftest import EngineProcess, start_scheduler
-from planserve.v1 import generate_pb2
+from planserve.v1 import generate_pb2, generate_pb2_grpc
 
 ENGINE_ARGS = ("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
 PROMPTS = [[17, 4000, 1203, 88, 9, 3141, 59, 26], list(range(5, 60)), [7, 7, 7, 7, 1, 2, 3]]
@@ -130,3 +133,82 @@ async def test_abort_while_the_model_service_is_down_ends_the_request():
     finally:
         await server.stop(grace_s=1)
         engine.stop()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+async def test_planserve_serve_restarts_its_killed_model_service_and_requests_finish():
+    # The null model with a step delay: a request is certainly still running at the kill.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_service", "serve", "--model", "null",
+         "--null-step-delay-ms", "5", "--port", "0", "--engine-port", "0",
+         "--http-port", "-1", "--metrics-port", "-1"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
+    try:
+        for line in process.stdout:
+            if line.startswith("PLANSERVE_PORT="):
+                port = int(line.split("=", 1)[1])
+                break
+        else:
+            raise AssertionError(f"planserve serve exited with {process.wait()}")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+        request = greedy_ids_request([1, 2, 3], 300)
+        reference = await complete(stub, request)
+        [child] = _children(process.pid)
+
+        tokens: list[list[int]] = [[]]
+        task = asyncio.ensure_future(_stream(stub, request, tokens, 0))
+        while len(tokens[0]) < 10:
+            await asyncio.sleep(0.005)
+        os.kill(child, signal.SIGKILL)
+        assert not task.done()  # 290 steps of 5 ms to go
+        chunks = await task
+        assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert tokens[0] == reference.token_ids
+        [restarted] = _children(process.pid)
+        assert restarted != child
+        await channel.close()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+async def test_readiness_needs_a_real_step_a_model_service_that_cannot_compute_is_not_ready():
+    """The model service answers Describe and health, but its forward fails (as on a device
+    error): the scheduler stays NOT_SERVING, requests wait; once the model computes again the
+    scheduler turns SERVING on its own and serves them."""
+    from model_service.config import ModelServiceConfig
+    from model_service.server import serve, shutdown
+
+    engine = await serve(ModelServiceConfig(model="tiny", dtype="float32", port=0,
+                                            num_kv_blocks=64))
+    model = engine.runner.model
+    working_forward = model.forward
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    model.forward = broken_forward
+    server = await start_scheduler(f"127.0.0.1:{engine.bound_port}")
+    try:
+        assert await _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        stub = stub_for(server)
+        waiting = asyncio.ensure_future(complete(stub, greedy_ids_request(PROMPTS[0], 8)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        assert await _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        model.forward = working_forward
+        await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        served = await waiting
+        assert len(served.token_ids) == 8
+        assert served.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    finally:
+        model.forward = working_forward
+        await server.stop(grace_s=1)
+        await shutdown(engine, grace_s=1)

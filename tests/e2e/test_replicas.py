@@ -57,6 +57,12 @@ async def test_requests_spread_across_both_replicas(replicated, tiny_server, two
     assert sorted(r.address for r in status.replicas) == sorted(two_engines)
     assert all(r.serving and r.num_kv_blocks == 255 for r in status.replicas)
     assert status.num_kv_blocks == 2 * 255
+    from prometheus_client import generate_latest
+
+    exported = generate_latest(replicated.metrics.registry).decode()
+    for address in two_engines:
+        assert f'planserve_replica_up{{replica="{address}"}} 1.0' in exported
+        assert f'planserve_replica_routed_requests_total{{replica="{address}"}} {routed[address]}' in exported
     await wait_until_idle(replicated)
     assert_no_leaked_blocks(replicated)
 
@@ -142,3 +148,67 @@ async def test_killing_a_replica_mid_run_loses_no_request():
         await server.stop(grace_s=1)
         for engine in engines:
             engine.stop()
+
+
+def test_scheduler_cli_takes_repeated_engines(two_engines):
+    """`planserve scheduler --engine A --engine B`: both replicas serve, GetServerStatus lists them."""
+    import os
+    import subprocess
+    import sys
+
+    import grpc
+
+    from planserve.v1 import generate_pb2_grpc
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_service", "scheduler", "--engine", two_engines[0], "--engine", two_engines[1],
+         "--port", "0", "--http-port", "-1", "--metrics-port", "0", "--router-weights", "kv_usage=1,random=0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        port = next(int(line.split("=", 1)[1]) for line in process.stdout if line.startswith("PLANSERVE_PORT="))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            status = generate_pb2_grpc.GenerationServiceStub(channel).GetServerStatus(
+                generate_pb2.GetServerStatusRequest(), timeout=10)
+        assert sorted(r.address for r in status.replicas) == sorted(two_engines)
+        assert all(r.serving for r in status.replicas)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_router_weights_are_checked_and_ties_take_turns():
+    from scheduler_service import scorers
+    from scheduler_service.router import Router
+
+    assert scorers.parse_weights("prefix_affinity=2, kv_usage=1") == {"prefix_affinity": 2.0, "kv_usage": 1.0}
+    for bad, why in (("nope=1", "unknown scorer 'nope'"), ("kv_usage=-1", "must be >= 0"),
+                     ("kv_usage=0", "no scorer with a weight above 0"), ("kv_usage=x", "is not NAME=WEIGHT")):
+        with pytest.raises(ValueError, match=why):
+            scorers.parse_weights(bad)
+
+    class Idle:  # two replicas with nothing on them: equal scores, turns alternate
+        def __init__(self, name):
+            self.name = name
+            self.scheduler = type("S", (), {"requests": {}})()
+
+    router = Router({"random": 0.0, "waiting_tokens": 1.0})
+    replicas = [Idle("a"), Idle("b")]
+    assert [router.choose(None, replicas) for _ in range(4)] == [0, 1, 0, 1]
+
+
+async def test_dns_name_resolves_to_replicas(two_engines):
+    """engine_address dns:///localhost:PORT (as a headless Service name would be) resolves to the
+    engine's address, which then serves as a replica."""
+    from scheduler_service.replicas import resolve_dns
+
+    port = two_engines[0].rsplit(":", 1)[1]
+    assert f"127.0.0.1:{port}" in await resolve_dns(f"dns:///localhost:{port}")
+    assert await resolve_dns("dns:///no-such-host.invalid:50052") == []
+    server = await start_scheduler(f"dns:///localhost:{port}", replica_check_interval_s=0.5)
+    try:
+        assert f"127.0.0.1:{port}" in [r.name for r in server.loop.replicas if r.up]
+        output = await complete(stub_for(server), greedy_ids_request([5, 6, 7], 4))
+        assert len(output.token_ids) == 4
+    finally:
+        await server.stop(grace_s=1)

@@ -375,7 +375,8 @@ class OracleScheduler:
             request.first_scheduled_time = time.monotonic()
         plan.new_sequences.append(NewSequence(
             slot=request.slot, token_ids=request.all_token_ids, sampling=request.sampling,
-            num_computed_tokens=request.num_computed_tokens))
+            num_computed_tokens=request.num_computed_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids)))
         self.running.append(request)
 
     def _schedule(self, plan: StepPlan, budget: _Budget, request: Request,
@@ -518,6 +519,7 @@ class OracleScheduler:
             child.num_computed_tokens = child.num_cached_tokens = num_computed
             self._pending_forks[child.slot] = (NewSequence(
                 slot=child.slot, token_ids=list(child.prompt_token_ids), sampling=child.sampling,
-                num_computed_tokens=num_computed), copy)
+                num_computed_tokens=num_computed,
+                num_prompt_tokens=len(child.prompt_token_ids)), copy)
             self._unsent_tables.add(id(child))
             self.running.append(child)
