@@ -7,7 +7,10 @@ its outputs are the same `RequestOutput`s, shaped here as OpenAI's JSON or serve
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 
 Extensions beyond OpenAI's fields (vLLM spells them the same): `top_k`, `ignore_eos`,
-`return_token_ids` (each choice gets the `token_ids` it generated).
+`return_token_ids` (each choice gets the `token_ids` it generated), `stream_interval` (tokens
+per streamed chunk), and structured output as `guided_json`, `guided_regex`, `guided_choice`
+besides OpenAI's `response_format` (json_schema, json_object). `/tokenize` and `/detokenize`
+take and give vLLM's JSON.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
+from scheduler_service.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.request import FinishReason, Request, RequestOutput
 
 log = structlog.get_logger("planserve.openai")
@@ -50,6 +54,8 @@ _PARAMS = [
     (re.compile(r"^stopping\.max_new_tokens"), "max_tokens"),
     (re.compile(r"^stopping\.stop\b"), "stop"),
     (re.compile(r"^stopping\.ignore_eos"), "ignore_eos"),
+    (re.compile(r"^stopping\.min_new_tokens"), "min_tokens"),
+    (re.compile(r"^top_logprobs"), "top_logprobs"),
     (re.compile(r"^sampling\.(\w+)"), None),  # temperature, top_p, top_k, seed: same names
     (re.compile(r"^messages\.messages"), "messages"),
     (re.compile(r"^messages"), "messages"),
@@ -85,6 +91,8 @@ def _openai_param(field: str, chat: bool) -> tuple[str, str]:
                 name = match.group(1)
             elif name == "prompt" and chat:
                 name = "messages"
+            elif name == "top_logprobs" and not chat:
+                name = "logprobs"  # completions spell the count of alternatives so
             rest = field[match.end():]
             return name, name + rest
     return field, field
@@ -111,8 +119,21 @@ class _Common(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # extension
     return_token_ids: bool = False  # extension
-    logprobs: Optional[Any] = None
+    logprobs: Optional[Any] = None  # completions: int (alternatives); chat: bool
+    top_logprobs: Optional[int] = None  # chat
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # extension
+    min_p: Optional[float] = None  # extension
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias
+    min_tokens: Optional[int] = None  # extension
     user: Optional[str] = None
+    stream_interval: Optional[int] = None  # extension: tokens per streamed chunk
+    # Structured output: OpenAI's response_format, or vLLM's guided_* (at most one of them).
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
 
 
 class CompletionRequest(_Common):
@@ -140,7 +161,68 @@ class ChatCompletionRequest(_Common):
     tools: Optional[list[Any]] = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt or chat messages."""
+
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 # --- request mapping -----------------------------------------------------------------------
+
+_GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def _structured_param(body: _Common) -> Optional[str]:
+    """Which of response_format / guided_* the body constrains its output with (None: none);
+    a response_format of type "text" constrains nothing."""
+    used = [name for name in _GUIDED if getattr(body, name) is not None]
+    if body.response_format is not None and body.response_format.get("type") == "text":
+        used.remove("response_format")
+    if len(used) > 1:
+        raise ApiError(400, f"{used[1]}: only one of {', '.join(_GUIDED)} may be set",
+                       param=used[1])
+    return used[0] if used else None
+
+
+def _structured_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
+    param = _structured_param(body)
+    if param is None:
+        return
+    out = pb.structured_output
+    if param == "guided_regex":
+        out.regex = body.guided_regex
+    elif param == "guided_choice":
+        out.choice.choices.extend(body.guided_choice)
+        out.choice.SetInParent()
+    elif param == "guided_json":
+        schema = body.guided_json
+        out.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+    else:
+        response_format = body.response_format
+        kind = response_format.get("type")
+        if kind == "json_object":
+            out.json_object = True
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema: must be a JSON schema "
+                               "object", param="response_format")
+            out.json_schema = json.dumps(schema)
+        else:
+            raise ApiError(400, "response_format.type: must be text, json_object or "
+                           f"json_schema, got {kind!r}", param="response_format")
+
 
 def _set(message, field: str, value, param: str) -> None:
     try:
@@ -151,8 +233,7 @@ def _set(message, field: str, value, param: str) -> None:
 
 def _to_pb(body: _Common, request_id: str) -> generate_pb2.GenerateRequest:
     pb = generate_pb2.GenerateRequest(request_id=request_id)
-    if body.logprobs not in (None, False):
-        raise ApiError(400, "logprobs: not supported", param="logprobs")
+    _logprobs_to_pb(body, pb)
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise ApiError(400, "echo: not supported", param="echo")
@@ -203,12 +284,47 @@ def _to_pb(body: _Common, request_id: str) -> generate_pb2.GenerateRequest:
         _set(pb.sampling, "top_k", body.top_k, "top_k")
     if body.seed is not None:
         _set(pb.sampling, "seed", body.seed % (1 << 64), "seed")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if getattr(body, name) is not None:
+            _set(pb.sampling, name, getattr(body, name), name)
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            pb.sampling.logit_bias[int(key)] = bias
+        except (ValueError, TypeError, OverflowError):
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id",
+                           param="logit_bias") from None
+    if body.min_tokens is not None:
+        _set(pb.stopping, "min_new_tokens", body.min_tokens, "min_tokens")
     if body.stop is not None:
         pb.stopping.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     pb.stopping.ignore_eos = body.ignore_eos
     if body.n is not None:
         _set(pb, "n", body.n, "n")
+    if body.stream_interval is not None:
+        _set(pb, "stream_interval", body.stream_interval, "stream_interval")
+    _structured_to_pb(body, pb)
     return pb
+
+
+def _logprobs_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
+    """Completions: logprobs = k alternatives; chat: logprobs = true and top_logprobs = k."""
+    if isinstance(body, CompletionRequest):
+        if body.logprobs is None:
+            return
+        if isinstance(body.logprobs, bool) or not isinstance(body.logprobs, int):
+            raise ApiError(400, "logprobs: must be an integer count of alternatives",
+                           param="logprobs")
+        pb.logprobs = True
+        _set(pb, "top_logprobs", body.logprobs, "logprobs")
+        return
+    if body.logprobs not in (None, False, True):
+        raise ApiError(400, "logprobs: must be a boolean", param="logprobs")
+    if body.logprobs:
+        pb.logprobs = True
+        if body.top_logprobs is not None:
+            _set(pb, "top_logprobs", body.top_logprobs, "top_logprobs")
+    elif body.top_logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
 
 
 # --- responses -----------------------------------------------------------------------------
@@ -254,6 +370,8 @@ class OpenAIApp:
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
         self.app.post("/v1/chat/completions")(self.chat_completions)
+        self.app.post("/tokenize")(self.tokenize)
+        self.app.post("/detokenize")(self.detokenize)
 
     @staticmethod
     async def _api_error(_, error: ApiError) -> JSONResponse:
@@ -300,7 +418,7 @@ class OpenAIApp:
     async def chat_completions(self, body: ChatCompletionRequest, http: HttpRequest):
         return await self._handle(body, http, chat=True)
 
-    def _accept(self, body: _Common, chat: bool) -> tuple[Any, Request]:
+    async def _accept(self, body: _Common, chat: bool) -> tuple[Any, Request]:
         serving = self._serving()
         if body.model != serving.facts.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
@@ -309,20 +427,57 @@ class OpenAIApp:
         pb = _to_pb(body, uuid.uuid4().hex)
         from scheduler_service.server import Rejected  # server.py imports this module
         try:
-            return serving, self.servicer._accept(serving, pb)
+            req = self.servicer._accept(serving, pb)
+            await self.servicer._compile_grammar(serving, req)
+            return serving, req
         except Rejected as rejected:
-            status, type_ = _STATUS.get(rejected.code, (500, "server_error"))
-            param = None
-            message = rejected.message
-            if rejected.code is grpc.StatusCode.INVALID_ARGUMENT and ":" in message:
-                field, rest = message.split(":", 1)
-                param, path = _openai_param(field, chat)
-                message = path + ":" + rest
-            raise ApiError(status, message, type_, param=param,
-                           code=rejected.code.name.lower()) from None
+            raise _rejected_error(rejected, chat, body) from None
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        serving = self._serving_model(body.model)
+        pb = generate_pb2.TokenizeRequest(add_special_tokens=body.add_special_tokens)
+        if body.messages is not None:
+            pb.messages.SetInParent()
+            for message in body.messages:
+                content = message.content
+                if isinstance(content, list):
+                    content = "".join(part.text or "" for part in content)
+                pb.messages.messages.add(role=message.role, content=content or "")
+        elif body.prompt is not None:
+            pb.text = body.prompt
+        from scheduler_service.server import Rejected
+        try:
+            reply = self.servicer.tokenize(serving, pb)
+        except Rejected as rejected:
+            raise _rejected_error(rejected, body.messages is not None) from None
+        return {"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
+                "tokens": list(reply.token_ids)}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        serving = self._serving_model(body.model)
+        for index, token in enumerate(body.tokens):
+            if not 0 <= token < 1 << 32:
+                raise ApiError(400, f"tokens[{index}]: {token} is not a token id",
+                               param="tokens")
+        from scheduler_service.server import Rejected
+        try:
+            reply = self.servicer.detokenize(
+                serving, generate_pb2.DetokenizeRequest(token_ids=body.tokens))
+        except Rejected as rejected:
+            raise ApiError(400, rejected.message.replace("token_ids", "tokens", 1),
+                           param="tokens", code=rejected.code.name.lower()) from None
+        return {"prompt": reply.text}
+
+    def _serving_model(self, model: Optional[str]):
+        serving = self._serving()
+        if model is not None and model != serving.facts.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{serving.facts.model_name}`", param="model",
+                           code="model_not_found")
+        return serving
 
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
-        serving, req = self._accept(body, chat)
+        serving, req = await self._accept(body, chat)
         response_id = ("chatcmpl-" if chat else "cmpl-") + req.request_id
         created = int(time.time())
         if body.stream:
@@ -343,7 +498,7 @@ class OpenAIApp:
                     await collect
         if collect.cancelled():
             raise ApiError(499, "client closed the request", "cancelled")
-        texts, token_ids, reasons, totals = collect.result()
+        texts, token_ids, reasons, totals, logprobs = collect.result()
         choices = []
         for index in range(req.n):
             choice: dict[str, Any] = {"index": index}
@@ -352,6 +507,10 @@ class OpenAIApp:
             else:
                 choice["text"] = texts[index]
             choice["logprobs"] = None
+            if req.logprobs is not None:
+                choice["logprobs"] = (
+                    chat_logprobs(serving.tokenizer, logprobs[index]) if chat
+                    else CompletionLogprobs(serving.tokenizer).add(logprobs[index]))
             choice["finish_reason"] = finish_reason_name(reasons[index])
             if body.return_token_ids:
                 choice["token_ids"] = token_ids[index]
@@ -364,6 +523,7 @@ class OpenAIApp:
     async def _collect(serving, req: Request):
         texts = [[] for _ in range(req.n)]
         token_ids = [[] for _ in range(req.n)]
+        logprobs = [[] for _ in range(req.n)]
         reasons: list[Optional[FinishReason]] = [None] * req.n
         totals = _Totals(req)
         samples_left = req.n
@@ -373,6 +533,7 @@ class OpenAIApp:
                 output = await req.outputs.get()
                 texts[output.index].append(output.text)
                 token_ids[output.index].extend(output.token_ids)
+                logprobs[output.index].extend(output.logprobs or ())
                 if output.finish_reason is not None:
                     reasons[output.index] = output.finish_reason
                     totals.add(output)
@@ -380,7 +541,7 @@ class OpenAIApp:
         finally:
             if samples_left:
                 serving.loop.abort_request(req.request_id)
-        return ["".join(parts) for parts in texts], token_ids, reasons, totals
+        return ["".join(parts) for parts in texts], token_ids, reasons, totals, logprobs
 
     @staticmethod
     async def _stream(serving, req: Request, body: _Common, chat: bool, response_id: str,
@@ -392,6 +553,7 @@ class OpenAIApp:
         object_ = "chat.completion.chunk" if chat else "text_completion"
         totals = _Totals(req)
         samples_left = req.n
+        completion_logprobs = [CompletionLogprobs(serving.tokenizer) for _ in range(req.n)]
 
         def chunk(choices: list[dict]) -> str:
             payload = {"id": response_id, "object": object_, "created": created,
@@ -420,6 +582,10 @@ class OpenAIApp:
                 else:
                     choice["text"] = output.text
                 choice["logprobs"] = None
+                if req.logprobs is not None:
+                    choice["logprobs"] = (
+                        chat_logprobs(serving.tokenizer, output.logprobs or []) if chat
+                        else completion_logprobs[output.index].add(output.logprobs))
                 choice["finish_reason"] = finish_reason_name(output.finish_reason)
                 if body.return_token_ids:
                     choice["token_ids"] = output.token_ids
@@ -431,6 +597,22 @@ class OpenAIApp:
         finally:
             if samples_left:
                 serving.loop.abort_request(req.request_id)
+
+
+def _rejected_error(rejected, chat: bool, body: Optional[_Common] = None) -> ApiError:
+    """A request the servicer rejected, as an OpenAI error naming the body's parameter."""
+    status, type_ = _STATUS.get(rejected.code, (500, "server_error"))
+    param = None
+    message = rejected.message
+    if rejected.code is grpc.StatusCode.INVALID_ARGUMENT and ":" in message:
+        field, rest = message.split(":", 1)
+        if field.startswith("structured_output") and body is not None:
+            param = _structured_param(body)
+            message = f"{param} ({field}):{rest}"
+        else:
+            param, path = _openai_param(field, chat)
+            message = path + ":" + rest
+    return ApiError(status, message, type_, param=param, code=rejected.code.name.lower())
 
 
 async def _disconnected(http: HttpRequest) -> None:
