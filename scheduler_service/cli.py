@@ -4,6 +4,7 @@
   planserve model-service    the model service alone
   planserve scheduler        the scheduler alone, against --engine HOST:PORT
   planserve generate PROMPT  stream a completion from a running server
+  planserve bench            load generator: a stored workload against a server (JSON + plots)
   planserve conformance      check a server against the engine contract or the public API
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import structlog
 
 from planserve.v1 import generate_pb2
 from scheduler_service import conformance, logs, policies
+from scheduler_service.bench import cli as bench_cli
 from scheduler_service.client import build_request, stream_generate
 from scheduler_service.config import CHUNKING_MODES, PREEMPTION_MODES, SchedulerConfig
 from scheduler_service.server import SchedulerServer
@@ -347,12 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
 
     conformance.add_parser(commands)
+    bench_cli.add_parser(commands)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
+    if args.command == "bench":
+        bench_cli.main(args)
+        return 0
     if args.command == "model-service":
         # Replace this process: the model service is its own program (and imports torch).
         os.execv(sys.executable, _model_service_argv(args, args.host, args.port))
