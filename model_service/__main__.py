@@ -15,10 +15,11 @@ import os
 import signal
 import sys
 
+import grpc
 import structlog
 
 from model_service.config import ModelServiceConfig, parse_bytes
-from model_service.server import serve, shutdown
+from model_service.server import serve, shutdown, tls_credentials
 from model_service.tp_worker import run_torchrun_worker, torchrun_rank
 
 PORT_LINE = "PLANSERVE_ENGINE_PORT="
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
     parser.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size,
                         help="ranks to split attention heads and MLP columns across (torch.distributed: nccl on "
                              "CUDA, gloo on CPU); spawned here, or set by torchrun's WORLD_SIZE")
+    add_tls_flags(parser)
     args = vars(parser.parse_args(argv))
     config = ModelServiceConfig(**{f.name: args[f.name] for f in dataclasses.fields(ModelServiceConfig)})
     try:
@@ -81,8 +83,24 @@ def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
         parser.error(str(error))
 
 
-async def _run(config: ModelServiceConfig) -> None:
-    server = await serve(config)
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", default="", help="PEM certificate: serve over TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", default="", help="PEM CA: require client certificates it signed (mutual TLS)")
+
+
+def parse_tls_args(argv: list[str] | None = None) -> grpc.ServerCredentials | None:
+    """The TLS flags (also listed by --help) as server credentials; None for plaintext."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_tls_flags(parser)
+    args, _ = parser.parse_known_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        raise SystemExit("--tls-cert and --tls-key go together, and --tls-client-ca needs both")
+    return tls_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+
+
+async def _run(config: ModelServiceConfig, credentials: grpc.ServerCredentials | None = None) -> None:
+    server = await serve(config, credentials=credentials)
     print(f"{PORT_LINE}{server.bound_port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -102,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         if launched[0] != 0:  # torchrun started this rank: it follows rank 0 and serves nothing
             run_torchrun_worker(config)
             return
-    asyncio.run(_run(config))
+    asyncio.run(_run(config, parse_tls_args(argv)))
 
 
 if __name__ == "__main__":

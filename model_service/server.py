@@ -95,7 +95,21 @@ def warm_up(runner: ModelRunner) -> None:
     log.info("warm_up_step_ok")
 
 
-async def serve(config: ModelServiceConfig, runner: ModelRunner | None = None) -> grpc.aio.Server:
+def tls_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
+    """TLS from PEM files; with `client_ca`, clients (the scheduler) must present a certificate it
+    signed (mutual TLS)."""
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(client_ca) if client_ca else None
+    return grpc.ssl_server_credentials([(read(key), read(cert))], root_certificates=ca, require_client_auth=ca is not None)
+
+
+async def serve(
+    config: ModelServiceConfig, runner: ModelRunner | None = None, credentials: grpc.ServerCredentials | None = None
+) -> grpc.aio.Server:
     """Load the model (unless a runner is given), bind, start; returns the started server.
 
     The bound port is `server.bound_port` (useful with config.port == 0); the health servicer is
@@ -116,7 +130,9 @@ async def serve(config: ModelServiceConfig, runner: ModelRunner | None = None) -
     engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(runner), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    # The engine trusts its plans: loopback by default (config.host), TLS/mTLS when credentials are given.
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"port: could not bind {config.host}:{config.port}")
     await server.start()

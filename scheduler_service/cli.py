@@ -317,8 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = commands.add_parser("model-service", help="the model service alone")
     _add_model_flags(model)
-    model.add_argument("--host", default="127.0.0.1")
+    model.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind: loopback by default, the engine trusts its plans")
     model.add_argument("--port", type=int, default=50052)
+    model.add_argument("--tls-cert", default="", help="PEM certificate: serve over TLS")
+    model.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    model.add_argument("--tls-client-ca", default="",
+                       help="PEM CA: require client certificates it signed (mutual TLS)")
 
     scheduler = commands.add_parser("scheduler", help="the scheduler alone",
                                     formatter_class=argparse.RawTextHelpFormatter)
@@ -361,7 +366,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.command == "model-service":
         # Replace this process: the model service is its own program (and imports torch).
-        os.execv(sys.executable, _model_service_argv(args, args.host, args.port))
+        tls = [f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+               for flag in ("tls_cert", "tls_key", "tls_client_ca") if getattr(args, flag)]
+        os.execv(sys.executable, _model_service_argv(args, args.host, args.port) + tls)
     if args.command == "conformance":
         return conformance.run_command(args)  # exit status 1 when a check failed
     runners = {"serve": _serve, "scheduler": _scheduler, "generate": _generate}

@@ -1,4 +1,9 @@
-"""Structured logs: key=value in a terminal, JSON lines otherwise (or with PLANSERVE_LOG_JSON=1)."""
+"""Structured logs: key=value in a terminal, JSON lines otherwise (or with PLANSERVE_LOG_JSON=1).
+
+Prompts and generated text are the users' data: no event logs them at info level or above (events
+carry request ids and counts), and `redact_content` masks the fields that would hold them if an
+event ever did; at debug level they pass, for a developer's own machine.
+"""
 from __future__ import annotations
 
 import logging
@@ -6,6 +11,20 @@ import os
 import sys
 
 import structlog
+
+# Event fields that would carry a user's prompt or output.
+CONTENT_KEYS = frozenset({"prompt", "text", "token_ids", "prompt_token_ids", "output_token_ids",
+                          "messages", "content", "stop", "completion"})
+
+
+def redact_content(logger, method_name: str, event_dict: dict) -> dict:
+    """Replaces content fields by their size, except in debug events."""
+    if method_name != "debug":
+        for key in CONTENT_KEYS.intersection(event_dict):
+            value = event_dict[key]
+            size = len(value) if hasattr(value, "__len__") else 1
+            event_dict[key] = f"<redacted: {size}>"
+    return event_dict
 
 
 def configure(level: str = "info") -> None:
@@ -15,6 +34,7 @@ def configure(level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            redact_content,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

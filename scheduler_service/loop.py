@@ -185,6 +185,12 @@ class EngineLoop:
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         for request, output in outputs:
             request.outputs.put_nowait(output)
+            if output.finish_reason is not None:  # ids and counts only: never the content
+                log.info("request_finished", request_id=request.request_id,
+                         finish_reason=output.finish_reason.name,
+                         prompt_tokens=len(request.prompt_token_ids),
+                         completion_tokens=len(request.output_token_ids),
+                         preemptions=request.num_preemptions)
             if self.metrics is not None:
                 self.metrics.on_output(request, output)
 

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_service import engine_client, intake, outputs, overload
+from scheduler_service import engine_client, intake, outputs, overload, security
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineClient, EngineFacts
 from scheduler_service.loop import EngineLoop
@@ -238,10 +238,14 @@ class SchedulerServer:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config.validate()
-        self.server = grpc.aio.server()
+        # Limits (concurrent streams, message size) and the optional bearer-token check.
+        self.server = grpc.aio.server(options=security.server_options(config),
+                                      interceptors=security.interceptors(config))
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.servicer = GenerationServicer(config)
-        self.client = EngineClient(config.engine_address)
+        self.client = EngineClient(config.engine_address,
+                                   security.engine_channel_credentials(config),
+                                   security.engine_channel_options(config))
         self.metrics = Metrics()
         self.port = 0
         self.metrics_port: int | None = None
@@ -259,13 +263,19 @@ class SchedulerServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        credentials = security.server_credentials(self.config)
+        self.port = (self.server.add_secure_port(address, credentials) if credentials
+                     else self.server.add_insecure_port(address))
         await self.server.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         if self.config.http_port >= 0:
             # Answers 503 (and /health "starting") until the engine answered Describe.
             self.http = HttpServer(self.servicer, self.config.host, self.config.http_port)
+            if self.config.auth_token_file:
+                security.add_http_bearer_auth(self.http.app,
+                                              security.read_token(self.config.auth_token_file))
             self.http_port = await self.http.start()
         return self.port
 

@@ -1,0 +1,130 @@
+"""TLS, mutual TLS and bearer-token authentication of the scheduler's gRPC edges.
+
+The public API takes TLS (`tls_cert` + `tls_key`), optionally requiring client certificates
+signed by `tls_client_ca` (mutual TLS), and optionally a bearer token (`auth_token_file`): every
+call but health checks and reflection must carry `authorization: Bearer <token>`, else
+UNAUTHENTICATED. The channel to the model service takes TLS (`engine_tls_ca`) and a client
+certificate (`engine_tls_cert` + `engine_tls_key`) for a model service that requires mTLS.
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
+
+from scheduler_service.config import SchedulerConfig
+
+# Services a load balancer or an operator's tool must reach without the token.
+OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME,
+                 "grpc.reflection.v1.ServerReflection")
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(config: SchedulerConfig) -> Optional[grpc.ServerCredentials]:
+    """The public API's TLS credentials, or None for plaintext."""
+    if not config.tls_cert:
+        return None
+    client_ca = _read(config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(_read(config.tls_key), _read(config.tls_cert))], root_certificates=client_ca,
+        require_client_auth=client_ca is not None)
+
+
+def engine_channel_credentials(config: SchedulerConfig) -> Optional[grpc.ChannelCredentials]:
+    """Credentials of the channel to the model service, or None for plaintext."""
+    if not config.engine_tls_ca:
+        return None
+    key = _read(config.engine_tls_key) if config.engine_tls_key else None
+    cert = _read(config.engine_tls_cert) if config.engine_tls_cert else None
+    return grpc.ssl_channel_credentials(root_certificates=_read(config.engine_tls_ca),
+                                        private_key=key, certificate_chain=cert)
+
+
+def engine_channel_options(config: SchedulerConfig) -> tuple:
+    if config.engine_tls_server_name:
+        return (("grpc.ssl_target_name_override", config.engine_tls_server_name),)
+    return ()
+
+
+def read_token(path: str) -> str:
+    """The bearer token in `path` (surrounding whitespace stripped); ValueError when empty."""
+    token = _read(path).decode().strip()
+    if not token:
+        raise ValueError(f"auth_token_file: {path} holds no token")
+    return token
+
+
+def bearer_token_ok(authorization: Optional[str], token: str) -> bool:
+    """Whether an `authorization` header value carries the token (constant-time compare)."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(authorization[len("Bearer "):].strip().encode(), token.encode())
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for any call without `authorization: Bearer <token>`, except health and
+    reflection. The check runs before the handler, so a refused call never reaches it."""
+
+    def __init__(self, token: str):
+        self._token = token
+
+    async def intercept_service(self, continuation, handler_call_details):
+        service = handler_call_details.method.lstrip("/").split("/", 1)[0]
+        handler = await continuation(handler_call_details)
+        if handler is None or service in OPEN_SERVICES:
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if bearer_token_ok(metadata.get("authorization"), self._token):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def refuse(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "authorization: a valid 'Bearer <token>' is required")
+
+    deserialize, serialize = handler.request_deserializer, handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse, deserialize, serialize)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, deserialize, serialize)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse, deserialize, serialize)
+    return grpc.unary_unary_rpc_method_handler(refuse, deserialize, serialize)
+
+
+def server_options(config: SchedulerConfig) -> list[tuple[str, int]]:
+    """Limits of the public API's gRPC server: concurrent streams and message size."""
+    return [("grpc.max_concurrent_streams", config.max_concurrent_streams),
+            ("grpc.max_receive_message_length", config.max_message_bytes)]
+
+
+def interceptors(config: SchedulerConfig) -> list[grpc.aio.ServerInterceptor]:
+    if not config.auth_token_file:
+        return []
+    return [BearerTokenInterceptor(read_token(config.auth_token_file))]
+
+
+def add_http_bearer_auth(app, token: str) -> None:
+    """The same token on the OpenAI-compatible HTTP API: 401 in OpenAI's error shape for any path
+    but /health without `Authorization: Bearer <token>`. Call before the app starts."""
+    from fastapi.responses import JSONResponse
+
+    @app.middleware("http")
+    async def require_bearer_token(request, call_next):
+        if request.url.path == "/health" or bearer_token_ok(
+                request.headers.get("authorization"), token):
+            return await call_next(request)
+        return JSONResponse(
+            status_code=401, headers={"WWW-Authenticate": "Bearer"},
+            content={"error": {"message": "a valid 'Authorization: Bearer <token>' is required",
+                               "type": "authentication_error", "param": None,
+                               "code": "invalid_api_key"}})
