@@ -92,6 +92,7 @@ class ExecuteStream:
                  prompt_len: Optional[int] = None, **sampling) -> None:
         plan.new_sequences.append(engine_pb2.NewSequence(
             slot=slot, token_ids=token_ids, num_computed_tokens=num_computed_tokens,
+            num_prompt_tokens=prompt_len or len(token_ids),
             sampling=common_pb2.SamplingParams(**(sampling or GREEDY))))
         self.blocks.share(cached_blocks)
         # The cached blocks are appended by the slot's first schedule() (contract: in the

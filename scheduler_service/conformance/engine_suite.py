@@ -263,7 +263,8 @@ def _raw_schedule(plan: engine_pb2.BatchPlan, slot: int, tokens: int, block_ids:
 
 
 def _new(slot: int, tokens: list[int]) -> engine_pb2.NewSequence:
-    return engine_pb2.NewSequence(slot=slot, token_ids=tokens, sampling=common_pb2.SamplingParams(**GREEDY))
+    return engine_pb2.NewSequence(slot=slot, token_ids=tokens, num_prompt_tokens=len(tokens),
+                                  sampling=common_pb2.SamplingParams(**GREEDY))
 
 
 def _bad_plan(name: str, what: str, fields: tuple[str, ...]):
