@@ -200,7 +200,11 @@ async def _drop_and_reuse(ctx: EngineContext, kind: str) -> None:
         s.drop(plan, kind, 1)
         s.register(plan, 0, ctx.prompt(1))
         s.schedule(plan, 0, len(ctx.prompt(1)))
-        await s.send(plan)
+        try:
+            await s.send(plan)
+        except CheckFailed as failure:
+            raise CheckFailed(f"a plan with {kind}_slots [0, 1] that registers slot 0 again was "
+                              f"refused ({kind} slots must be dropped first): {failure}") from None
         await s.decode([0], 2)
         _same(s.slots[0].generated, reference, f"slot 0 after {kind} and registered in the same plan")
         stale = s.plan()
