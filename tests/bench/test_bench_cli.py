@@ -8,7 +8,9 @@ import pytest
 import pytest_asyncio
 from conftest import EngineProcess, start_scheduler
 
+from model_service.models.null import null_continuation
 from scheduler_service.bench import workloads
+from scheduler_service.bench.loadgen import GrpcBackend, OpenAIBackend, run_workload
 from scheduler_service.bench.workloads import BenchRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +25,7 @@ def null_engine():
 
 @pytest_asyncio.fixture(scope="module")
 async def null_server(null_engine):
-    server = await start_scheduler(null_engine)
+    server = await start_scheduler(null_engine, http_port=0)  # the OpenAI API for the peers' backend
     yield server
     await server.stop(grace_s=1)
 
@@ -94,3 +96,19 @@ def test_workloads_are_a_pure_function_of_the_seed():
     assert workloads.generate("online", encode, seed=3) == workloads.generate("online", encode, seed=3)
     assert workloads.generate("online", encode, seed=3) != workloads.generate("online", encode, seed=4)
     assert isinstance(workloads.generate("peer", encode)[0], BenchRequest)
+
+
+async def test_both_backends_count_the_same_tokens_at_the_same_times(null_server):
+    """The OpenAI SSE backend (used for vLLM and llama.cpp) against planserve's own HTTP API, and the
+    gRPC backend, on the same requests: every streamed token is counted, none twice."""
+    requests = [BenchRequest(f"r{i}", 0.0, [97 + i] * (5 + i), 9) for i in range(3)]
+    async with OpenAIBackend(f"http://127.0.0.1:{null_server.http_port}", null_server.servicer.serving.facts.model_name) as http:
+        over_http, _ = await run_workload(http, requests, progress=False)
+    async with GrpcBackend(f"127.0.0.1:{null_server.port}", stream_interval=4) as grpc_backend:
+        over_grpc, _ = await run_workload(grpc_backend, requests, progress=False)
+    for request, a, b in zip(requests, over_http, over_grpc):
+        assert not a.error and not b.error, (a.error, b.error)
+        assert a.output_tokens == b.output_tokens == len(null_continuation(len(request.prompt_ids), 9))
+        assert a.chunk_tokens == [1] * 9
+        assert b.chunk_tokens == [4, 4, 1]  # stream_interval 4
+        assert a.sent_s <= a.chunk_times_s[0] <= a.chunk_times_s[-1] <= a.end_s
