@@ -16,6 +16,7 @@ cdef struct SlotState:
     int64_t num_tokens              # prompt + generated tokens the scheduler knows
     int64_t num_computed_tokens     # tokens with their KV computed (advanced by update)
     int64_t max_num_tokens          # prompt + max_new_tokens: the most it will ever hold
+    int32_t num_lookahead           # speculation: draft tokens granted to each of its decodes
     uint64_t salt                   # prefix-cache salt of its cache_salt (0: none)
     uint32_t epoch                  # bumped on release: plans built before no longer match
     int64_t scheduled_step          # step_id of the last step that scheduled it

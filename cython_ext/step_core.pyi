@@ -48,7 +48,8 @@ class StepCore:
 
     # Sequences in and out.
     def admit(self, slot: int, request: Any, token_ids: Sequence[int], num_computed_tokens: int,
-              hits: Sequence[int], max_num_tokens: int, salt: int) -> None:
+              hits: Sequence[int], max_num_tokens: int, salt: int,
+              num_lookahead: int = 0) -> None:
         """Starts `request` in `slot` (appended to the running order), sharing the prefix-cache
         hit blocks (increfed here). ValueError if the slot is taken or a hit id is invalid."""
     def fork(self, parent_slot: int, slot: int, request: Any, num_prompt_tokens: int,

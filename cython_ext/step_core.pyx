@@ -251,7 +251,8 @@ cdef class StepCore:
     cdef int _cache_full_blocks(self, SlotState* s) except -1:
         # Registers every block full of computed tokens, hashed on its parent (BlockPool's
         # cache_block rule: the first block to register a hash keeps it).
-        cdef int64_t num_full = s.num_computed_tokens // self.block_size
+        # Tokens computed but not yet appended (accepted drafts, until append_tokens) wait.
+        cdef int64_t num_full = _min(s.num_computed_tokens, s.num_tokens) // self.block_size
         cdef int64_t index, j, start
         cdef uint64_t parent, acc
         cdef int32_t b
@@ -302,9 +303,10 @@ cdef class StepCore:
     # ---- sequences in and out -------------------------------------------------------------------
 
     def admit(self, int32_t slot, request, token_ids, int64_t num_computed_tokens, hits,
-              int64_t max_num_tokens, uint64_t salt):
+              int64_t max_num_tokens, uint64_t salt, int32_t num_lookahead=0):
         """Starts the running sequence `request` in `slot`: its tokens, the prefix-cache hit blocks
-        it shares (increfed here, their hashes computed), appended to the running order."""
+        it shares (increfed here, their hashes computed), appended to the running order.
+        num_lookahead > 0: each of its decodes is granted that many draft tokens (speculation)."""
         cdef SlotState* s = self._state(slot)
         if self._requests[slot] is not None:
             raise ValueError(f"slot {slot} is already running a sequence")
@@ -320,6 +322,7 @@ cdef class StepCore:
         s.num_tokens = n
         s.num_computed_tokens = num_computed_tokens
         s.max_num_tokens = max_num_tokens
+        s.num_lookahead = num_lookahead
         s.salt = salt
         s.num_blocks = 0
         s.num_hashed = 0
@@ -381,6 +384,7 @@ cdef class StepCore:
         s.num_tokens = num_prompt_tokens
         s.num_computed_tokens = num_computed
         s.max_num_tokens = max_num_tokens
+        s.num_lookahead = parent.num_lookahead
         s.salt = parent.salt
         s.num_blocks_sent = 0
         s.num_hashed = <int32_t>_min(num_full, parent.num_hashed)
@@ -455,6 +459,9 @@ cdef class StepCore:
             to_compute = s.num_tokens - s.num_computed_tokens
             if (phase == 1 and to_compute <= 1) or (phase == 2 and to_compute != 1):
                 continue
+            if to_compute == 1 and s.num_lookahead > 0:
+                # A speculating decode: room for the drafts, never past its last token.
+                to_compute += _min(s.num_lookahead, s.max_num_tokens - s.num_tokens)
             n = self._chunk(to_compute)
             if n == 0:
                 continue
@@ -562,7 +569,12 @@ cdef class StepCore:
             slot = packed.slots[i]
             s = &self._slots[slot]
             if s.epoch == packed.epochs[i] and self._requests[slot] is not None:
-                s.num_computed_tokens += packed.num_scheduled_tokens[i]
+                if num_sampled > 0 and s.num_tokens - s.num_computed_tokens == 1:
+                    # A decode: with speculation it computed its accepted drafts and one more
+                    # (num_sampled tokens came back), not everything it was granted.
+                    s.num_computed_tokens += num_sampled
+                else:
+                    s.num_computed_tokens += packed.num_scheduled_tokens[i]
                 self._requests[slot].num_computed_tokens = s.num_computed_tokens
                 if self.enable_prefix_caching:
                     self._cache_full_blocks(s)

@@ -74,6 +74,14 @@ def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
     parser.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size,
                         help="ranks to split attention heads and MLP columns across (torch.distributed: nccl on "
                              "CUDA, gloo on CPU); spawned here, or set by torchrun's WORLD_SIZE")
+    parser.add_argument("--speculative-method", default=defaults.speculative_method, choices=["none", "ngram", "draft"],
+                        help="speculative decoding: ngram (prompt lookup, no extra model) or draft (--draft-model)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
+                        help="draft tokens per decoding sequence and step (default 3)")
+    parser.add_argument("--draft-model", default=defaults.draft_model,
+                        help="--speculative-method draft: the draft model (same forms as --model, same vocabulary)")
+    parser.add_argument("--ngram-max", type=int, default=defaults.ngram_max,
+                        help="--speculative-method ngram: longest suffix looked up (default 3)")
     add_tls_flags(parser)
     args = vars(parser.parse_args(argv))
     config = ModelServiceConfig(**{f.name: args[f.name] for f in dataclasses.fields(ModelServiceConfig)})

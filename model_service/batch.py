@@ -48,6 +48,7 @@ class NewSequenceData:
     top_p: float
     seed: int
     processing: "LogitsProcessing" = None  # type: ignore[assignment]
+    speculate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,8 @@ class StepOutput:
     logprob_token_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     prompt_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     prompt_logprob_token_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 def _arr(values) -> np.ndarray:
@@ -149,7 +152,9 @@ def _new_sequence(index: int, msg, limits: PlanLimits) -> NewSequenceData:
     # The scheduler always sets the seed; a missing one gets a random seed, as the contract says.
     seed = s.seed if s.HasField("seed") else secrets.randbits(64)
     processing = _processing(field, msg, tokens.size, limits)
-    return NewSequenceData(msg.slot, tokens.astype(np.int32), msg.num_computed_tokens, float(temperature), int(top_k), float(top_p), int(seed), processing)
+    # Speculation only where the rule needs no per-token state: no logits processing, no logprobs.
+    speculate = msg.speculate and not processing.changes_logits and processing.num_logprobs < 0
+    return NewSequenceData(msg.slot, tokens.astype(np.int32), msg.num_computed_tokens, float(temperature), int(top_k), float(top_p), int(seed), processing, speculate)
 
 
 def _bounded(field: str, value: float, low: float, high: float) -> float:
@@ -265,6 +270,8 @@ def result_to_pb(output: StepOutput, total_ns: int) -> engine_pb2.ExecuteRespons
     if output.logprobs.size:
         r.logprobs.extend(output.logprobs.tolist())
         r.logprob_token_ids.extend(output.logprob_token_ids.tolist())
+    r.num_draft_tokens = output.num_draft_tokens
+    r.num_accepted_draft_tokens = output.num_accepted_draft_tokens
     if output.prompt_logprobs.size:
         r.prompt_logprobs.extend(output.prompt_logprobs.tolist())
         r.prompt_logprob_token_ids.extend(output.prompt_logprob_token_ids.tolist())
@@ -305,9 +312,10 @@ def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
         max_top_logprobs=MAX_TOP_LOGPROBS,
         features=engine_pb2.EngineFeatures(
             chunked_prefill=facts.chunked_prefill, block_copy=facts.block_copy,
-            swap=getattr(facts, "num_swap_blocks", 0) > 0, speculation=False
+            swap=getattr(facts, "num_swap_blocks", 0) > 0, speculation=getattr(facts, "num_speculative_tokens", 0) > 0
         ),
         num_swap_blocks=getattr(facts, "num_swap_blocks", 0),
+        num_speculative_tokens=getattr(facts, "num_speculative_tokens", 0),
     )
     if facts.bos_token_id is not None:
         response.bos_token_id = facts.bos_token_id

@@ -14,6 +14,7 @@ from typing import Optional
 _DTYPES = ("auto", "float32", "bfloat16")
 _NAMED_MODELS = ("smollm2", "tiny", "null")
 _QUANTIZATIONS = ("none", "int8")
+_SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,22 @@ class ModelServiceConfig:
     others are spawned by the service itself, or started by torchrun (model_service/tp_worker.py).
     It must divide the query heads, KV heads and MLP columns (checked at load)."""
 
+    speculative_method: str = "none"
+    """Speculative decoding: "none", "ngram" (prompt lookup: propose what followed the latest earlier
+    occurrence of the last few tokens; no extra model) or "draft" (a smaller model, `draft_model`,
+    proposes by sampling; model_service/speculative.py)."""
+
+    num_speculative_tokens: int = 3
+    """Draft tokens per decoding sequence and step (k); Describe reports it and the scheduler budgets
+    1 + k tokens for each speculating sequence."""
+
+    draft_model: Optional[str] = None
+    """--speculative-method draft: the draft model (same names and paths as `model`; it must share
+    the target's tokenizer/vocabulary)."""
+
+    ngram_max: int = 3
+    """--speculative-method ngram: the longest suffix looked up (down to 1 token)."""
+
     def validate(self) -> "ModelServiceConfig":
         """Raise ValueError naming the field and its bound; return self for chaining."""
         if self.model not in _NAMED_MODELS and not self.model.endswith(".gguf") and not os.path.isdir(self.model):
@@ -117,6 +134,14 @@ class ModelServiceConfig:
             raise ValueError("served_model_name: must not be empty")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
+        if self.speculative_method not in _SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: {self.speculative_method!r} is not one of {_SPECULATIVE_METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens: {self.num_speculative_tokens} must be in [1, 16]")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("draft_model: needed with speculative_method 'draft'")
+        if not 1 <= self.ngram_max <= 8:
+            raise ValueError(f"ngram_max: {self.ngram_max} must be in [1, 8]")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} must be in [1, 64]")
         return self

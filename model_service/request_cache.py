@@ -44,6 +44,7 @@ class RequestCache:
         self.changes_logits = np.zeros(max_num_slots, dtype=bool)
         self.num_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
+        self.speculate = np.zeros(max_num_slots, dtype=bool)  # may get draft tokens (speculative.py)
         self.active = np.zeros(max_num_slots, dtype=bool)
 
     def register(

@@ -41,7 +41,8 @@ from model_service.kv_cache import KVCache, kv_block_bytes, kv_cache_budget_byte
 from model_service.loader import LoadedModel
 from model_service.request_cache import RequestCache
 from model_service.logits import apply_masks, apply_processing, gather_logprobs, prompt_logprob_rows
-from model_service.sampler import SamplingBatch, sample
+from model_service.sampler import SamplingBatch, filtered_probs, sample
+from model_service.speculative import NgramDrafter, uniforms, verify, verify_greedy
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +68,7 @@ class EngineFacts:
     chunked_prefill: bool = True
     block_copy: bool = True
     num_swap_blocks: int = 0
+    num_speculative_tokens: int = 0  # > 0: speculation on, this many drafts per decode at most
 
 
 class ModelRunner:
@@ -100,6 +102,17 @@ class ModelRunner:
             vocab_size=arch.vocab_size, num_kv_blocks=num_blocks, max_num_slots=config.max_num_slots, max_model_len=loaded.max_model_len,
             num_swap_blocks=self.kv_cache.num_swap_blocks,
         )
+        # Speculative decoding: the drafter proposes, _verify_drafts decides (model_service/speculative.py).
+        self.drafter = None
+        self.num_speculative_tokens = 0
+        if config.speculative_method == "ngram":
+            self.drafter = NgramDrafter(max_n=config.ngram_max)
+        elif config.speculative_method == "draft":
+            from model_service.draft_model import DraftModelDrafter
+
+            self.drafter = DraftModelDrafter(config, self)
+        if self.drafter is not None:
+            self.num_speculative_tokens = config.num_speculative_tokens
         # execute() runs in a worker thread; reset() may come from the event loop when a stream ends.
         self._lock = threading.Lock()
         log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.resolved_dtype(), num_kv_blocks=num_blocks)
@@ -122,6 +135,7 @@ class ModelRunner:
             chat_template=lm.chat_template,
             special_tokens=dict(lm.special_tokens),
             num_swap_blocks=self.limits.num_swap_blocks,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def reset(self) -> None:
@@ -140,18 +154,22 @@ class ModelRunner:
                     raise PlanError(name, f"slot {slot} is not registered")
                 active[slot] = False
         num_tokens, num_computed, num_blocks = c.num_tokens.copy(), c.num_computed.copy(), c.num_blocks.copy()
+        speculate = c.speculate.copy()
         for i, seq in enumerate(plan.new_sequences):
             if active[seq.slot]:
                 raise PlanError(f"new_sequences[{i}].slot", f"slot {seq.slot} is occupied")
             active[seq.slot] = True
             num_tokens[seq.slot], num_computed[seq.slot], num_blocks[seq.slot] = len(seq.token_ids), seq.num_computed_tokens, 0
+            speculate[seq.slot] = seq.speculate
         slots = plan.slots
         if slots.size == 0:
             return
         if not active[slots].all():
             raise PlanError("slots", f"slot {slots[~active[slots]][0]} is not registered")
         end = num_computed[slots] + plan.num_scheduled_tokens
-        over = end > num_tokens[slots]
+        # A speculating decode may be granted up to k draft tokens past what is known.
+        lookahead = np.where((num_tokens[slots] - num_computed[slots] == 1) & speculate[slots], self.num_speculative_tokens, 0)
+        over = end > num_tokens[slots] + lookahead
         if over.any():
             i = int(np.argmax(over))
             raise PlanError(
@@ -159,7 +177,7 @@ class ModelRunner:
                 f"slot {slots[i]}: computed {num_computed[slots[i]]} + scheduled {plan.num_scheduled_tokens[i]} exceeds its {num_tokens[slots[i]]} known tokens",
             )
         if plan.masked_slots.size:
-            missing = ~np.isin(plan.masked_slots, slots[end == num_tokens[slots]])
+            missing = ~np.isin(plan.masked_slots, slots[end >= num_tokens[slots]])
             if missing.any():
                 raise PlanError("masked_slots", f"slot {plan.masked_slots[int(np.argmax(missing))]} does not sample this step")
         if end.max() > self.limits.max_model_len:
@@ -184,6 +202,7 @@ class ModelRunner:
             c.drop(dropped)
         for seq in plan.new_sequences:
             c.register(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.temperature, seq.top_k, seq.top_p, seq.seed, seq.processing)
+            c.speculate[seq.slot] = seq.speculate and self.drafter is not None
         if plan.new_block_ids.size:
             # Each scheduled slot's new ids go right after its current blocks.
             rows = np.repeat(plan.slots, plan.num_new_blocks)
@@ -210,7 +229,10 @@ class ModelRunner:
             empty = np.zeros(0, dtype=np.int64)
             return StepOutput(plan.step_id, empty, empty, 0, 0)
 
-        x = self.inputs.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, slots, n)  # views, valid this step
+        # Speculation: decoding slots granted 1 + k tokens get their drafts appended for this step;
+        # n becomes what is computed (1 + drafts), the drafts count as known tokens for the build.
+        drafts, n, num_tokens = self._propose_drafts(slots, n)
+        x = self.inputs.build(c.tokens, c.block_table, c.num_computed, num_tokens, slots, n)  # views, valid this step
 
         start = time.perf_counter_ns()
         meta = build_attention_metadata(
@@ -219,7 +241,10 @@ class ModelRunner:
         )
         # Prompt logprobs (rare) need the logits of prompt rows too: they ride after the sample rows.
         prompt_rows, prompt_targets, prompt_counts = prompt_logprob_rows(slots, n, x.query_start, c)
-        logits_indices = x.logits_indices if not prompt_rows.size else np.concatenate((x.logits_indices, prompt_rows))
+        # Verification needs the target at every drafted position: those rows follow the sample rows.
+        draft_rows = [x.query_start[b] + np.arange(len(draft.token_ids)) for b, draft in drafts.items()]
+        draft_rows = np.concatenate(draft_rows).astype(np.int64) if draft_rows else np.zeros(0, dtype=np.int64)
+        logits_indices = np.concatenate((x.logits_indices, draft_rows, prompt_rows)) if draft_rows.size or prompt_rows.size else x.logits_indices
         logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(logits_indices))
         self._sync()
         forward_ns = time.perf_counter_ns() - start
@@ -230,14 +255,85 @@ class ModelRunner:
         if sample_slots.size:
             output.sampled_token_ids = self._sample(logits[: sample_slots.size], sample_slots, plan, output)
         if prompt_rows.size:
-            output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(logits[sample_slots.size :], prompt_targets, prompt_counts)
+            first = sample_slots.size + draft_rows.size
+            output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(logits[first:], prompt_targets, prompt_counts)
+        emitted = {}
+        if drafts:
+            emitted = self._verify_drafts(drafts, slots, x, logits[sample_slots.size : sample_slots.size + draft_rows.size], logits[: sample_slots.size], output)
         output.sample_ns = time.perf_counter_ns() - start
 
         sampled = output.sampled_token_ids
         c.num_computed[slots] = x.context_lens
         c.tokens[sample_slots, c.num_tokens[sample_slots]] = sampled
         c.num_tokens[sample_slots] += 1
+        if emitted:
+            self._apply_emitted(emitted, slots, output)
         return output
+
+    # -- speculative decoding -----------------------------------------------------------------
+
+    def _propose_drafts(self, slots: np.ndarray, n: np.ndarray) -> tuple[dict, np.ndarray, np.ndarray]:
+        """({plan index: Draft}, tokens computed per slot, known tokens per slot incl. drafts)."""
+        c = self.cache
+        if self.drafter is None:
+            return {}, n, c.num_tokens
+        decoding = (n > 1) & (c.num_tokens[slots] - c.num_computed[slots] == 1) & c.speculate[slots]
+        if not decoding.any():
+            return {}, n, c.num_tokens
+        n, num_tokens, drafts = n.copy(), c.num_tokens.copy(), {}
+        for b in np.flatnonzero(decoding).tolist():
+            slot, length = int(slots[b]), int(c.num_tokens[slots[b]])
+            room = min(int(n[b]) - 1, self.loaded.max_model_len - length)
+            draft = self.drafter.propose(c.tokens[slot, :length], room) if room > 0 else None
+            d = 0 if draft is None else len(draft.token_ids)
+            n[b] = 1 + d
+            if d:
+                c.tokens[slot, length : length + d] = draft.token_ids
+                num_tokens[slot] = length + d
+                drafts[b] = draft
+        return drafts, n, num_tokens
+
+    def _verify_drafts(self, drafts: dict, slots: np.ndarray, x, draft_logits: torch.Tensor, sample_logits: torch.Tensor, output: StepOutput) -> dict:
+        """{plan index: (emitted tokens, drafts accepted)} by speculative.verify; the target at a
+        slot's drafted positions are its draft rows, one past them its ordinary sample row."""
+        c = self.cache
+        row_of_slot = {int(slot): row for row, slot in enumerate(x.sample_slots.tolist())}
+        emitted, first = {}, 0
+        for b, draft in drafts.items():
+            slot, d = int(slots[b]), len(draft.token_ids)
+            target_logits = torch.cat((draft_logits[first : first + d], sample_logits[row_of_slot[slot] : row_of_slot[slot] + 1]))
+            first += d
+            length = int(c.num_tokens[slot])  # the first draft's position
+            if c.temperature[slot] == 0:
+                result = verify_greedy(target_logits.argmax(dim=-1).cpu().numpy(), draft)
+            else:
+                params = SamplingBatch(
+                    temperature=np.repeat(c.temperature[slot], d + 1), top_k=np.repeat(c.top_k[slot], d + 1),
+                    top_p=np.repeat(c.top_p[slot], d + 1), seed=np.repeat(c.seed[slot], d + 1),
+                    position=np.arange(length, length + d + 1), min_p=np.repeat(c.min_p[slot], d + 1),
+                )
+                accept_u, draw_u = uniforms(int(c.seed[slot]), length, d + 1)
+                result = verify(filtered_probs(target_logits, params), draft, accept_u[:d], draw_u)
+            emitted[b] = result
+            output.num_draft_tokens += d
+            output.num_accepted_draft_tokens += result[1]
+        return emitted
+
+    def _apply_emitted(self, emitted: dict, slots: np.ndarray, output: StepOutput) -> None:
+        """Replaces the plain samples of speculating slots by what verification emitted: the
+        slot keeps the accepted drafts' KV (computed = known - 1, the decode invariant)."""
+        c = self.cache
+        counts = output.num_sampled_tokens
+        per_slot = np.split(output.sampled_token_ids, np.cumsum(counts)[:-1]) if counts.size else []
+        for b, (tokens, accepted) in emitted.items():
+            slot = int(slots[b])
+            length = int(c.num_tokens[slot]) - 1  # the step appended one plain sample: undo it
+            c.tokens[slot, length : length + len(tokens)] = tokens
+            c.num_tokens[slot] = length + len(tokens)
+            c.num_computed[slot] = length + accepted
+            per_slot[b] = np.asarray(tokens, dtype=np.int64)
+            counts[b] = len(tokens)
+        output.sampled_token_ids = np.concatenate(per_slot) if len(per_slot) else output.sampled_token_ids
 
     def _sample(self, logits: torch.Tensor, sample_slots: np.ndarray, plan: StepPlan, output: StepOutput) -> np.ndarray:
         """Logits processing, sampling and logprobs for the sample rows; returns the token ids

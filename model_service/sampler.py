@@ -61,7 +61,16 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     random_rows = params.temperature > 0
     if not random_rows.any():
         return greedy_ids
+    filtered = filtered_probs(logits, params)
+    drawn = draw(filtered, uniform_for(params.seed, params.position))
+    return torch.where(torch.from_numpy(random_rows).to(device), drawn, greedy_ids)
 
+
+def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from, float64 [R, V], unnormalized: softmax at the row's
+    temperature (greedy rows at 1.0), then top-k, top-p and min-p zero what they drop."""
+    device = logits.device
+    random_rows = params.temperature > 0
     temperature = torch.from_numpy(np.where(random_rows, params.temperature, 1.0).astype(np.float32)).to(device)
     # float64 from here: the filtered CDF must be the same function of one row's logits whatever
     # the batch, and accurate enough that u * total never lands on a zero-probability step.
@@ -82,14 +91,17 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     if params.min_p is not None and params.min_p.any():
         min_p = torch.from_numpy(params.min_p.astype(np.float64)).to(device)
         threshold = torch.maximum(threshold, (min_p * sorted_probs[:, 0])[:, None])
-    filtered = torch.where(probs >= threshold, probs, 0.0)
+    return torch.where(probs >= threshold, probs, 0.0)
 
-    cdf = filtered.cumsum(dim=-1)
-    u = torch.from_numpy(uniform_for(params.seed, params.position)).to(device)
-    target = u[:, None] * cdf[:, -1:]
+
+def draw(weights: torch.Tensor, u: np.ndarray) -> torch.Tensor:
+    """Inverse CDF in vocab order: one token per row of nonnegative weights [R, V] (unnormalized,
+    float64) for uniforms u [R] in [0, 1); never a zero-weight token."""
+    vocab = weights.shape[-1]
+    cdf = weights.cumsum(dim=-1)
+    target = torch.from_numpy(u).to(weights.device)[:, None] * cdf[:, -1:]
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # If rounding made target reach the total, searchsorted runs off the end; the last kept token
     # is the right answer then (never a filtered-out one).
-    last_kept = vocab - 1 - (filtered > 0).flip(-1).int().argmax(dim=-1)
-    drawn = torch.minimum(drawn, last_kept)
-    return torch.where(torch.from_numpy(random_rows).to(device), drawn, greedy_ids)
+    last_kept = vocab - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(drawn, last_kept)

@@ -47,6 +47,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="KV blocks to allocate (default: from a 1 GiB budget)")
     parser.add_argument("--quantization", default="none", choices=["none", "int8"],
                         help="'int8': weight-only int8 (about 3.8x less weight memory)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split attention heads and MLP columns across N ranks "
+                             "(torch.distributed: nccl on CUDA, gloo on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest sequence in tokens (default: the model's; only shortens it)")
     parser.add_argument("--served-model-name", default=None,
@@ -57,9 +60,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget as a fraction of the device's free memory after loading")
     parser.add_argument("--swap-space", default=None,
                         help="host memory for swapped-out KV blocks, e.g. 4GiB (default none)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split attention heads and MLP columns across N ranks "
-                             "(torch.distributed: nccl on CUDA, gloo on CPU)")
+    parser.add_argument("--speculative-method", default=None, choices=["none", "ngram", "draft"],
+                        help="speculative decoding: 'ngram' (prompt lookup) or 'draft' (--draft-model)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="draft tokens per decoding sequence and step (default 3)")
+    parser.add_argument("--draft-model", default=None,
+                        help="the draft model of --speculative-method draft (same vocabulary)")
 
 
 def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +158,7 @@ def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[
     if args.null_step_delay_ms:
         argv += ["--null-step-delay-ms", str(args.null_step_delay_ms)]
     for flag in ("max_model_len", "served_model_name", "kv_cache_memory", "kv_cache_memory_fraction",
-                 "swap_space"):
+                 "swap_space", "speculative_method", "num_speculative_tokens", "draft_model"):
         if getattr(args, flag) is not None:
             argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return argv

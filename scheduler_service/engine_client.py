@@ -41,6 +41,8 @@ class EngineFacts:
     special_tokens: dict[str, str]
     num_swap_blocks: int = 0
     """Host blocks for swapped-out KV (0 unless the engine has features.swap)."""
+    num_speculative_tokens: int = 0
+    """Draft tokens the engine may propose per decoding sequence and step (0: no speculation)."""
 
     @classmethod
     def from_pb(cls, reply: engine_pb2.DescribeResponse) -> "EngineFacts":
@@ -64,6 +66,8 @@ class EngineFacts:
             chat_template=reply.chat_template,
             special_tokens=dict(reply.special_tokens),
             num_swap_blocks=reply.num_swap_blocks if reply.features.swap else 0,
+            num_speculative_tokens=(
+                reply.num_speculative_tokens if reply.features.speculation else 0),
         )
 
 

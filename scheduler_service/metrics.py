@@ -53,6 +53,13 @@ class Metrics:
                                      registry=registry)
         self.generated_tokens = Counter("planserve_generation_tokens", "Tokens generated.",
                                         registry=registry)
+        # Speculative decoding: acceptance rate = accepted / draft (rate() of both).
+        self.draft_tokens = Counter("planserve_spec_decode_draft_tokens",
+                                    "Draft tokens proposed by speculative decoding.",
+                                    registry=registry)
+        self.accepted_tokens = Counter("planserve_spec_decode_accepted_tokens",
+                                       "Draft tokens accepted by verification.",
+                                       registry=registry)
         self.queue_time = Histogram("planserve_queue_time_seconds", "Arrival to first step.",
                                     buckets=_LATENCY_BUCKETS, registry=registry)
         self.ttft = Histogram("planserve_time_to_first_token_seconds",
@@ -86,6 +93,10 @@ class Metrics:
                              (self.running, num_running), (self.vllm_running, num_running),
                              (self.kv_usage, kv_usage), (self.vllm_kv_usage, kv_usage)):
             gauge.set(value)
+
+    def on_speculation(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.draft_tokens.inc(num_draft_tokens)
+        self.accepted_tokens.inc(num_accepted_tokens)
 
     def on_output(self, request: Request, output: RequestOutput) -> None:
         now = time.monotonic()

@@ -28,6 +28,7 @@ class NewSequence:
     min_tokens_suppressed_ids: tuple[int, ...] = ()
     num_logprobs: Optional[int] = None
     num_prompt_logprobs: Optional[int] = None
+    speculate: bool = False
 
 
 @dataclasses.dataclass
@@ -84,6 +85,8 @@ class StepResult:
     logprob_token_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
     prompt_logprob_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 def _sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
@@ -116,6 +119,8 @@ def _new_sequence_to_pb(seq: NewSequence) -> engine_pb2.NewSequence:
         message.num_logprobs = seq.num_logprobs
     if seq.num_prompt_logprobs is not None:
         message.num_prompt_logprobs = seq.num_prompt_logprobs
+    if seq.speculate:
+        message.speculate = True
     return message
 
 
@@ -167,4 +172,6 @@ def result_from_pb(response: engine_pb2.ExecuteResponse) -> StepResult:
         logprob_token_ids=list(result.logprob_token_ids),
         prompt_logprobs=list(result.prompt_logprobs),
         prompt_logprob_token_ids=list(result.prompt_logprob_token_ids),
+        num_draft_tokens=result.num_draft_tokens,
+        num_accepted_draft_tokens=result.num_accepted_draft_tokens,
     )

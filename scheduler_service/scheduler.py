@@ -66,6 +66,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._next_step_id = 1
         self.num_preemptions_total = 0
+        # Speculative decoding, as the engine reports it: drafts proposed and accepted.
+        self.num_draft_tokens_total = 0
+        self.num_accepted_draft_tokens_total = 0
         self._abort_ids: set[str] = set()
         self._deadlines: list[tuple[float, str]] = []  # a heap
         # Lifecycle news for the model service, sent with the next plan.
@@ -339,8 +342,21 @@ class Scheduler:
         request.block_ids = list(hits)
         self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
                         len(request.prompt_token_ids) + request.stopping.max_new_tokens,
-                        salt_of(request.cache_salt))
+                        salt_of(request.cache_salt), self._lookahead(request))
         self.running.append(request)
+
+    def _lookahead(self, request: Request) -> int:
+        """Draft tokens granted to each decode of `request`: the engine's k when it speculates
+        and the request needs nothing per token that drafts would have to honour (logprobs,
+        penalties, bias, min tokens, a grammar)."""
+        k = self.facts.num_speculative_tokens
+        if not k or request.logprobs is not None or request.structured is not None:
+            return 0
+        sampling, stopping = request.sampling, request.stopping
+        if (sampling.repetition_penalty != 1.0 or sampling.presence_penalty
+                or sampling.frequency_penalty or sampling.logit_bias or stopping.min_new_tokens):
+            return 0
+        return k
 
     def _new_sequence(self, request: Request, token_ids: list[int]) -> NewSequence:
         """How the model service learns of a sequence (at admission, resume or fork)."""
@@ -360,7 +376,8 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             num_prompt_tokens=len(request.prompt_token_ids),
             min_new_tokens=stopping.min_new_tokens, min_tokens_suppressed_ids=suppressed,
-            num_logprobs=request.logprobs, num_prompt_logprobs=prompt_logprobs)
+            num_logprobs=request.logprobs, num_prompt_logprobs=prompt_logprobs,
+            speculate=self._lookahead(request) > 0)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Preemption: free the device blocks, requeue ahead of fresh requests. By swap when the
@@ -454,6 +471,8 @@ class Scheduler:
         cache (both in C, for every sequence in the plan), then the sequences that sampled
         tokens get them appended, stops checked, and free their blocks when finished."""
         outputs: list[tuple[Request, RequestOutput]] = []
+        self.num_draft_tokens_total += result.num_draft_tokens
+        self.num_accepted_draft_tokens_total += result.num_accepted_draft_tokens
         if result.prompt_logprobs:
             self._take_prompt_logprobs(plan, result)
         indices, offsets = self.core.advance(plan.packed, result.num_sampled_tokens)
