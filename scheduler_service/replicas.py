@@ -386,7 +386,17 @@ class ReplicaSet:
                 moved += 1
             dst.loop._wake.set()  # noqa: SLF001 - wake its loop: it may be sleeping with no work
         self.drained.labels(replica.name).inc(moved)
+        for touched in (replica, *targets):
+            self._refresh_gauges(touched)  # its loop updates them only when it steps
         log.warning("replica_drained", replica=replica.name, num_moved=moved, to=[t.name for t in targets])
+
+    def _refresh_gauges(self, replica: Replica) -> None:
+        scheduler = replica.scheduler
+        usable = scheduler.kv.num_usable_blocks
+        self.waiting_gauge.labels(replica.name).set(scheduler.num_waiting)
+        self.running_gauge.labels(replica.name).set(len(scheduler.running))
+        self.kv_usage_gauge.labels(replica.name).set(
+            (usable - scheduler.kv.num_free_blocks) / usable if usable else 0.0)
 
     async def _maintain(self) -> None:
         """Every replica_check_interval_s: re-resolve and reconcile the set; drain replicas that

@@ -212,3 +212,40 @@ async def test_dns_name_resolves_to_replicas(two_engines):
         assert len(output.token_ids) == 4
     finally:
         await server.stop(grace_s=1)
+
+
+async def test_replica_gone_from_dns_is_drained_mid_run(two_engines, monkeypatch):
+    """A replica whose address leaves the name's answer (its pod was deleted) is stopped mid-step
+    and its requests finish on the other one with the undisturbed greedy tokens. The name's
+    answer is set by the test (the resolver is the environment here, not the part under test)."""
+    from scheduler_service import replicas as replicas_module
+
+    answer = list(two_engines)
+
+    async def resolve(target):
+        return list(answer)
+
+    monkeypatch.setattr(replicas_module, "resolve_dns", resolve)
+    server = await start_scheduler("dns:///planserve-engine:50052", max_num_batched_tokens=512, max_num_seqs=32,
+                                   replica_check_interval_s=0.2)
+    try:
+        assert sorted(r.name for r in server.loop.replicas) == sorted(two_engines)
+        stub = stub_for(server)
+        requests = [greedy_ids_request([300 + 11 * i + j for j in range(5 + i)], 100) for i in range(8)]
+        reference = [await complete(stub, r) for r in requests]
+        streamed: list[list[int]] = [[] for _ in requests]
+        tasks = [asyncio.ensure_future(_stream(stub, r, streamed[i])) for i, r in enumerate(requests)]
+        while min(len(t) for t in streamed) < 5:
+            await asyncio.sleep(0.005)
+        leaving = next(r for r in server.loop.replicas if r.scheduler.running)
+        answer.remove(leaving.name)
+        results = await asyncio.gather(*tasks)
+        for chunks, ref, tokens in zip(results, reference, streamed):
+            assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+            assert tokens == ref.token_ids
+        assert [r.name for r in server.loop.replicas] == answer
+        assert server.loop.drained.labels(leaving.name)._value.get() >= 1
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+    finally:
+        await server.stop(grace_s=1)
