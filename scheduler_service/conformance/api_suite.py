@@ -206,6 +206,21 @@ async def check_stop_string(ctx: ApiContext) -> str:
     return f"stop {stop!r}"
 
 
+@check(CHECKS, "parallel_samples", "n = 2: chunks carry their sample's index, each sample ends "
+                                   "with its own last chunk")
+async def check_parallel_samples(ctx: ApiContext) -> None:
+    reference = tokens_of(await ctx.reference())
+    chunks = await ctx.complete(await ctx.greedy(8, n=2))
+    by_index: dict[int, list] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    expect(sorted(by_index) == [0, 1], f"sample indices {sorted(by_index)}, expected [0, 1]")
+    for index, own in by_index.items():
+        expect_finished(own, FinishReason.FINISH_REASON_LENGTH)
+        # Greedy: every sample is the reference.
+        expect(tokens_of(own) == reference[:8], f"sample {index}: {tokens_of(own)}, expected {reference[:8]}")
+
+
 @check(CHECKS, "abort", "Abort ends an in-flight request with CANCELLED; unknown or finished ids "
                         "are NOT_FOUND")
 async def check_abort(ctx: ApiContext) -> None:

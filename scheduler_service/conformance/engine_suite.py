@@ -186,6 +186,33 @@ async def check_prefix_cache(ctx: EngineContext) -> str:
     return f"{cached} of {len(prompt)} prompt tokens from slot 0's blocks"
 
 
+@check(CHECKS, "block_copy", "copy_src -> copy_dst runs before the forward: a sequence continues "
+                             "on a copy of another's partial block (copy-on-write)")
+async def check_block_copy(ctx: EngineContext) -> str:
+    facts = await ctx.facts()
+    if not facts.features.block_copy:
+        raise Skipped("features.block_copy is false")
+    # A prompt one token short of a block: nearly all of its KV is in the block that is copied.
+    prompt = ctx.prompt(4, length=max(facts.block_size - 1, 3))
+    reference = await ctx.reference(prompt)
+    async with ctx.stream() as s:
+        await s.prefill(0, prompt)
+        full, partial = s.slots[0].blocks[:-1], s.slots[0].blocks[-1]
+        (copy,) = s.blocks.take(1)
+        # Slot 1 holds slot 0's full blocks (if any) and a copy of its last, partial one; it
+        # recomputes only the last prompt token, which attends over the copied KV.
+        plan = s.plan()
+        plan.copy_src.append(partial)
+        plan.copy_dst.append(copy)
+        s.register(plan, 1, prompt, num_computed_tokens=len(prompt) - 1, cached_blocks=(*full, copy))
+        s.schedule(plan, 1, 1)
+        await s.send(plan)
+        await s.decode([0, 1], 2)  # each writes its own last block now
+        for slot in (0, 1):
+            _same(s.slots[slot].generated, reference, f"slot {slot} after block {partial} was copied to {copy}")
+    return f"block {partial} -> {copy}"
+
+
 async def _drop_and_reuse(ctx: EngineContext, kind: str) -> None:
     """Slots 0 and 1 run another prompt; one plan drops both (`kind`) and registers slot 0 with
     the reference prompt on the freed blocks. Dropped first, then registered: the contract's

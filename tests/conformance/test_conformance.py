@@ -50,7 +50,7 @@ def test_our_model_service_passes_the_engine_suite_via_the_cli(own_engine):
     statuses = report_lines(result.stdout)
     # Every part of the contract was exercised, and nothing was skipped on our engine.
     for name in ("describe", "health", "prefill", "decode", "chunked_prefill", "batch",
-                 "prefix_cache", "finish", "abort", "preempt", "stream_end", "recovers"):
+                 "prefix_cache", "block_copy", "finish", "abort", "preempt", "stream_end", "recovers"):
         assert statuses.get(name) == "PASS", f"{name}: {statuses.get(name)}\n{result.stdout}"
     bad_plans = [n for n in statuses if n.startswith("bad_plan.")]
     assert len(bad_plans) >= 10 and all(statuses[n] == "PASS" for n in bad_plans)
@@ -62,7 +62,8 @@ async def test_our_scheduler_passes_the_api_suite(tiny_server):
     assert passed(outcomes), report
     statuses = report_lines(report)
     for name in ("health", "model_info", "server_status", "generate", "stop_token_ids", "stop_string",
-                 "max_new_tokens", "abort", "cancel", "session", "bad_input.max_new_tokens_zero"):
+                 "max_new_tokens", "parallel_samples", "abort", "cancel", "session",
+                 "bad_input.max_new_tokens_zero"):
         assert statuses.get(name) == "PASS", f"{name}: {statuses.get(name)}\n{report}"
 
 
@@ -107,6 +108,12 @@ def _broken_runners():
         def execute(self, plan):
             return super().execute(dataclasses.replace(plan, aborted_slots=_EMPTY))
 
+    class IgnoresBlockCopies(ModelRunner):
+        """Never copies blocks (copy-on-write forks read whatever the block held)."""
+
+        def execute(self, plan):
+            return super().execute(dataclasses.replace(plan, copy_src=_EMPTY, copy_dst=_EMPTY))
+
     class ResultsInSlotOrder(ModelRunner):
         """Returns each step's results sorted by slot instead of in the plan's order."""
 
@@ -119,12 +126,13 @@ def _broken_runners():
                               output.forward_ns, output.sample_ns)
 
     return {"drops_finished_late": DropsFinishedLate, "ignores_aborts": IgnoresAborts,
-            "results_in_slot_order": ResultsInSlotOrder}
+            "ignores_block_copies": IgnoresBlockCopies, "results_in_slot_order": ResultsInSlotOrder}
 
 
 @pytest.mark.parametrize("broken,failing,reason", [
     ("drops_finished_late", {"finish"}, "INVALID_ARGUMENT"),
     ("ignores_aborts", {"abort"}, "INVALID_ARGUMENT"),
+    ("ignores_block_copies", {"block_copy"}, "differ from the reference"),
     ("results_in_slot_order", {"batch"}, "differ from the reference"),
 ])
 async def test_a_broken_engine_fails_the_check_it_breaks_with_a_readable_report(broken, failing, reason):
