@@ -203,6 +203,8 @@ class ModelRunner:
         for seq in plan.new_sequences:
             c.register(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.temperature, seq.top_k, seq.top_p, seq.seed, seq.processing)
             c.speculate[seq.slot] = seq.speculate and self.drafter is not None
+            if self.drafter is not None:
+                self.drafter.on_register(seq.slot)
         if plan.new_block_ids.size:
             # Each scheduled slot's new ids go right after its current blocks.
             rows = np.repeat(plan.slots, plan.num_new_blocks)
@@ -281,11 +283,15 @@ class ModelRunner:
         if not decoding.any():
             return {}, n, c.num_tokens
         n, num_tokens, drafts = n.copy(), c.num_tokens.copy(), {}
-        for b in np.flatnonzero(decoding).tolist():
+        entries = np.flatnonzero(decoding)
+        rooms = np.minimum(n[entries] - 1, self.loaded.max_model_len - c.num_tokens[slots[entries]])
+        entries, rooms = entries[rooms > 0], rooms[rooms > 0]
+        if not entries.size:
+            return {}, n, c.num_tokens
+        proposals = self.drafter.propose_batch(c, slots[entries], rooms)
+        for b, draft in zip(entries.tolist(), proposals):
             slot, length = int(slots[b]), int(c.num_tokens[slots[b]])
-            room = min(int(n[b]) - 1, self.loaded.max_model_len - length)
-            draft = self.drafter.propose(c.tokens[slot, :length], room) if room > 0 else None
-            d = 0 if draft is None else len(draft.token_ids)
+            d = len(draft.token_ids)
             n[b] = 1 + d
             if d:
                 c.tokens[slot, length : length + d] = draft.token_ids

@@ -103,6 +103,13 @@ class NgramDrafter:
             raise ValueError(f"ngram sizes: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
+    def on_register(self, slot: int) -> None:
+        """Nothing to forget: the lookup reads the sequence's tokens each time."""
+
+    def propose_batch(self, cache, slots: np.ndarray, rooms: np.ndarray) -> list[Draft]:
+        """Drafts for each decoding slot (at most rooms[i] tokens), from RequestCache tokens."""
+        return [self.propose(cache.tokens[slot, : cache.num_tokens[slot]], int(room)) for slot, room in zip(slots.tolist(), rooms.tolist())]
+
     def propose(self, tokens: np.ndarray, k: int) -> Draft:
         """tokens: the sequence's known token ids; returns at most k drafts."""
         length = len(tokens)

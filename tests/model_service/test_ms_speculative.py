@@ -135,6 +135,12 @@ class ScriptedDrafter:
     def __init__(self, continuation: dict[tuple, list[int]], wrong_every: int):
         self.continuation, self.wrong_every, self.calls = continuation, wrong_every, 0
 
+    def on_register(self, slot):
+        pass
+
+    def propose_batch(self, cache, slots, rooms):
+        return [self.propose(cache.tokens[s, : cache.num_tokens[s]], int(k)) for s, k in zip(slots.tolist(), rooms.tolist())]
+
     def propose(self, tokens: np.ndarray, k: int) -> Draft:
         self.calls += 1
         for prompt, full in self.continuation.items():
@@ -197,3 +203,18 @@ def test_runner_reports_drafts_and_acceptances(tiny_loaded):
     decodes = [o for o in outputs if o.num_draft_tokens]
     assert decodes and all(o.num_accepted_draft_tokens == o.num_draft_tokens == 3 for o in decodes[:-1])
     assert all(o.num_sampled_tokens[0] == 4 for o in decodes[:-1])  # 3 accepted + the bonus
+
+
+def test_draft_model_equal_to_the_target_is_always_accepted_greedy(tiny_loaded):
+    """The tiny model drafting for itself proposes the target's own greedy tokens: every draft
+    is accepted (up to near ties) and the output is the plain greedy output."""
+    prompts = [list(range(300, 320)), list(range(1000, 1037))]
+    plain = _generate(ModelRunner(tiny_loaded, tiny_config()), prompts, 16, lookahead=0)
+    runner = ModelRunner(tiny_loaded, tiny_config(speculative_method="draft", draft_model="tiny", num_speculative_tokens=3))
+    outputs = []
+    original = runner.execute
+    runner.execute = lambda plan: outputs.append(original(plan)) or outputs[-1]
+    assert _generate(runner, prompts, 16, lookahead=3) == plain
+    drafted = sum(o.num_draft_tokens for o in outputs)
+    accepted = sum(o.num_accepted_draft_tokens for o in outputs)
+    assert drafted > 0 and accepted == drafted

@@ -1,0 +1,119 @@
+"""The draft-model drafter of speculative decoding: a smaller model of the same vocabulary
+proposes k tokens per speculating slot by sampling, and hands its distributions to the
+verification rule (model_service/speculative.py) with them.
+
+The draft keeps its own paged KV cache with the target's block layout: the same block ids, the
+same block tables (RequestCache), so the scheduler's allocation covers both models. Per slot it
+remembers how many tokens it has computed; each step it first catches up on what it has not seen
+(a new sequence's prompt, or the tokens the last verification emitted) in one batched forward,
+which also yields the distribution of the first draft, then runs k - 1 one-token forwards. After
+proposing, its computed count is set back to the sequence's known length: whatever verification
+keeps, the next catch-up recomputes it (at most k + 1 tokens), so acceptance needs no callback.
+
+Draws are keyed by (seed ^ DRAFT_STREAM, position) like every other draw in the service, so a
+seeded request stays reproducible whatever it is batched with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from cython_ext.mapping import StepInputBuilder
+from model_service.attention import build_attention_metadata
+from model_service.kv_cache import KVCache
+from model_service.sampler import SamplingBatch, draw, filtered_probs, uniform_for
+from model_service.speculative import Draft
+
+DRAFT_STREAM = np.uint64(0xA0761D6478BD642F)
+
+
+class DraftModelDrafter:
+    def __init__(self, config, runner) -> None:
+        from model_service.loader import load_model
+
+        draft_config = dataclasses.replace(
+            config, model=config.draft_model, speculative_method="none", draft_model=None, served_model_name=None, quantization="none"
+        )
+        self.loaded = load_model(draft_config)
+        arch = self.loaded.arch
+        if arch.vocab_size != runner.loaded.arch.vocab_size:
+            raise ValueError(f"draft_model: vocabulary of {arch.vocab_size} tokens, the target's has {runner.loaded.arch.vocab_size}")
+        self.model = self.loaded.model
+        self.device = runner.device
+        self.cache = runner.cache  # tokens and block tables are the target's
+        self.kv_cache = KVCache(
+            arch.num_hidden_layers, runner.limits.num_kv_blocks, runner.block_size, arch.num_key_value_heads, arch.head_dim,
+            next(self.model.parameters()).dtype, self.device,
+        )
+        self.block_size = runner.block_size
+        self.num_computed = np.zeros(self.cache.max_num_slots, dtype=np.int64)
+        self.inputs = StepInputBuilder(
+            max(self.loaded.max_model_len, config.max_num_slots), config.max_num_slots, self.cache.max_blocks_per_seq, self.block_size
+        )
+
+    def on_register(self, slot: int) -> None:
+        """A new sequence in `slot`: the draft has computed none of it (shared prefix blocks are
+        recomputed into the draft's cache; same tokens, same positions, same values)."""
+        self.num_computed[slot] = 0
+
+    def _dev(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+    def _forward(self, slots: np.ndarray, n: np.ndarray, num_tokens: np.ndarray) -> torch.Tensor:
+        """One draft forward computing n[i] tokens of slots[i]; logits of each slot's last row."""
+        c = self.cache
+        x = self.inputs.build(c.tokens, c.block_table, self.num_computed, num_tokens, slots, n)
+        meta = build_attention_metadata(
+            self._dev(x.slot_mapping), self._dev(x.query_start), self._dev(n), self._dev(x.context_lens), self._dev(x.block_tables),
+            self.block_size, x.max_query_len, x.max_context_len,
+        )
+        logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(x.logits_indices))
+        self.num_computed[slots] += n
+        return logits.float()
+
+    def _next(self, logits: torch.Tensor, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """Draft tokens at `positions` and the distributions they were drawn from (normalized)."""
+        c = self.cache
+        params = SamplingBatch(
+            temperature=c.temperature[slots], top_k=c.top_k[slots], top_p=c.top_p[slots], seed=c.seed[slots],
+            position=positions, min_p=c.min_p[slots],
+        )
+        weights = filtered_probs(logits, params)
+        greedy = c.temperature[slots] == 0
+        tokens = draw(weights, uniform_for(c.seed[slots] ^ DRAFT_STREAM, positions)).cpu().numpy()
+        tokens = np.where(greedy, logits.argmax(dim=-1).cpu().numpy(), tokens)
+        return tokens.astype(np.int64), weights / weights.sum(dim=-1, keepdim=True)
+
+    def propose_batch(self, cache, slots: np.ndarray, rooms: np.ndarray) -> list[Draft]:
+        """Up to rooms[i] drafts for each of slots (decoding: every known token but the last is
+        computed by the target). Writes the drafts after the known tokens in RequestCache.tokens."""
+        c = self.cache
+        lengths = c.num_tokens[slots].copy()
+        num_tokens = c.num_tokens.copy()
+        # Catch up on everything the draft has not computed, up to the last known token.
+        logits = self._forward(slots, lengths - self.num_computed[slots], num_tokens)
+        proposals = [[] for _ in slots]
+        probs: list[list[torch.Tensor]] = [[] for _ in slots]
+        live = np.arange(len(slots))
+        for i in range(int(rooms.max())):
+            positions = lengths[live] + i
+            tokens, dists = self._next(logits, slots[live], positions)
+            for j, row in enumerate(live.tolist()):
+                proposals[row].append(int(tokens[j]))
+                probs[row].append(dists[j])
+                c.tokens[slots[row], positions[j]] = tokens[j]
+            live = live[rooms[live] > i + 1]
+            if not live.size:
+                break
+            # Feed each live slot its newest draft.
+            num_tokens[slots[live]] = lengths[live] + i + 1
+            logits = self._forward(slots[live], np.ones(live.size, dtype=np.int64), num_tokens)
+        self.num_computed[slots] = lengths  # see the module docstring
+        drafts = []
+        for row, slot in enumerate(slots.tolist()):
+            greedy = c.temperature[slot] == 0
+            drafts.append(Draft(np.asarray(proposals[row], dtype=np.int64), None if greedy else torch.stack(probs[row])))
+        return drafts
