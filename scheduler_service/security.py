@@ -108,9 +108,12 @@ def server_options(config: SchedulerConfig) -> list[tuple[str, int]]:
 
 
 def interceptors(config: SchedulerConfig) -> list[grpc.aio.ServerInterceptor]:
-    if not config.auth_token_file:
-        return []
-    return [BearerTokenInterceptor(read_token(config.auth_token_file))]
+    """The token check first (a refused call is not even parsed), then malformed bytes."""
+    chain: list[grpc.aio.ServerInterceptor] = []
+    if config.auth_token_file:
+        chain.append(BearerTokenInterceptor(read_token(config.auth_token_file)))
+    chain.append(MalformedMessageInterceptor())
+    return chain
 
 
 def add_http_bearer_auth(app, token: str) -> None:
@@ -128,3 +131,73 @@ def add_http_bearer_auth(app, token: str) -> None:
             content={"error": {"message": "a valid 'Authorization: Bearer <token>' is required",
                                "type": "authentication_error", "param": None,
                                "code": "invalid_api_key"}})
+
+
+class _Malformed:
+    """Stands in for a request message whose bytes did not parse."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT naming the message type for request bytes that do not parse (gRPC's own
+    answer is UNKNOWN with a Python exception's text). The deserializer hands a marker to the
+    handler instead of raising; the wrapped handler turns it into the status."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _tolerant(handler)
+
+
+def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    type_name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+    type_name = type_name.full_name if type_name is not None else "request message"
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as error:  # noqa: BLE001 - DecodeError and friends
+            return _Malformed(error)
+
+    async def refuse(context) -> None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request: the bytes are not a valid {type_name}")
+
+    async def checked(iterator, context):
+        async for item in iterator:
+            if isinstance(item, _Malformed):
+                await refuse(context)
+            yield item
+
+    serialize = handler.response_serializer
+    if handler.request_streaming:
+        behavior = handler.stream_stream or handler.stream_unary
+        if handler.response_streaming:
+            async def stream_stream(iterator, context):
+                async for item in behavior(checked(iterator, context), context):
+                    yield item
+            return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
+
+        async def stream_unary(iterator, context):
+            return await behavior(checked(iterator, context), context)
+        return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, serialize)
+    if handler.response_streaming:
+        behavior = handler.unary_stream
+
+        async def unary_stream(request, context):
+            if isinstance(request, _Malformed):
+                await refuse(context)
+            async for item in behavior(request, context):
+                yield item
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serialize)
+    behavior = handler.unary_unary
+
+    async def unary_unary(request, context):
+        if isinstance(request, _Malformed):
+            await refuse(context)
+        return await behavior(request, context)
+    return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)
