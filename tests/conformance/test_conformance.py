@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from api import assert_no_leaked_blocks, wait_until_idle
 from scheduler_service.conformance import run_suite
 from scheduler_service.conformance.report import passed
 
@@ -65,6 +66,9 @@ async def test_our_scheduler_passes_the_api_suite(tiny_server):
                  "max_new_tokens", "parallel_samples", "abort", "cancel", "session",
                  "bad_input.max_new_tokens_zero"):
         assert statuses.get(name) == "PASS", f"{name}: {statuses.get(name)}\n{report}"
+    # The suite's aborts, cancels and rejections leave nothing behind.
+    await wait_until_idle(tiny_server)
+    assert_no_leaked_blocks(tiny_server)
 
 
 def test_a_server_that_is_not_there_fails_once_with_the_reason():
