@@ -1,0 +1,235 @@
+"""Structured output on the scheduler side, without a model: the vocabulary outlines-core sees,
+the masks the scheduler puts into plans (checked against brute force), and guides that stay
+right through chunked prefills, preemption and parallel samples. A fake engine samples the
+lowest allowed token of each masked slot, as a model service applying the mask would."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import decoders, models
+
+from factories import EOS, WORDS, fake_result, make_request, make_scheduler, run_step
+from scheduler_service.request import FinishReason
+from scheduler_service.structured import (GrammarCompiler, StructuredSpec, fill_plan_masks,
+                                          token_bytes)
+
+
+def _word_level_json() -> str:
+    from factories import make_tokenizer  # noqa: F401  (same vocabulary as the scheduler's)
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tokenizer.add_special_tokens(["<eos>"])
+    return tokenizer.to_str()
+
+
+@pytest.fixture(scope="module")
+def grammars() -> GrammarCompiler:
+    return GrammarCompiler(_word_level_json(), [EOS], len(WORDS))
+
+
+@pytest.fixture(scope="module")
+def smollm2_vocab():
+    from model_service.gguf_file import load_gguf_tokenizer
+    from model_service.loader import smollm2_path
+    tokenizer = load_gguf_tokenizer(smollm2_path())
+    return tokenizer.tokenizer_json, tuple(tokenizer.eos_token_ids), tokenizer.vocab_size
+
+
+def _allowed(row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(row.astype("<u4").view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def _plan_masks(plan) -> dict[int, set[int]]:
+    if not plan.masked_slots:
+        return {}
+    words = len(plan.allowed_token_bitmask) // 4 // len(plan.masked_slots)
+    rows = np.frombuffer(plan.allowed_token_bitmask, dtype="<u4").reshape(-1, words)
+    return {slot: _allowed(row) for slot, row in zip(plan.masked_slots, rows)}
+
+
+def _masked_step(scheduler):
+    """One step through a fake engine that samples the lowest allowed token of masked slots
+    (token 50 elsewhere)."""
+    plan = scheduler.schedule()
+    masks = _plan_masks(plan)
+    result = fake_result(plan, lambda request: min(masks[request.slot])
+                         if request.slot in masks else 50)
+    outputs = scheduler.take_early_outputs() + scheduler.update(plan, result)
+    return plan, masks, outputs
+
+
+def _constrained(grammars, regex: str, **fields):
+    request = make_request(structured=StructuredSpec("regex", regex), **fields)
+    request.guide = grammars.compile(request.structured).new_guide()
+    return request
+
+
+# ---- the vocabulary ----------------------------------------------------------------------------
+
+def test_byte_level_tokens_become_their_bytes(smollm2_vocab):
+    tokenizer_json, eos, vocab_size = smollm2_vocab
+    by_id, special = token_bytes(tokenizer_json)
+    vocab = tokenizers.Tokenizer.from_str(tokenizer_json)
+    assert by_id[vocab.token_to_id("Ġthe")] == b" the"
+    assert by_id[vocab.token_to_id("Ċ")] == b"\n"
+    assert by_id[vocab.token_to_id("Ã©")] == "é".encode()
+    assert set(eos) <= special and vocab.token_to_id("<|im_start|>") in special
+    # Every token's bytes decode back to what the tokenizer decodes it to.
+    for token_id in range(100, vocab_size, 997):
+        assert by_id[token_id].decode("utf-8", "replace") == vocab.decode([token_id])
+
+
+def test_sentencepiece_tokens_become_their_bytes():
+    vocab = {"<unk>": 0, "<s>": 1, "▁hello": 2, "<0x0A>": 3, "world": 4}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.add_special_tokens(["<s>"])
+    by_id, special = token_bytes(tokenizer.to_str())
+    assert (by_id[2], by_id[3], by_id[4]) == (b" hello", b"\n", b"world")
+    assert special == {1}
+
+
+def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2_vocab):
+    tokenizer_json, eos, vocab_size = smollm2_vocab
+    # A second end-of-sequence id (outlines-core knows one) and a model vocab larger than the
+    # tokenizer's: both handled by the scheduler.
+    eos_ids = (*eos, 0)
+    compiler = GrammarCompiler(tokenizer_json, eos_ids, vocab_size + 64)
+    choices = ["yes", "no", " maybe so"]
+    guide = compiler.compile(StructuredSpec("choice", json.dumps(choices))).new_guide()
+    by_id, special = token_bytes(tokenizer_json)
+    expected = {i for i, spelled in by_id.items()
+                if spelled and i not in special and any(c.encode().startswith(spelled)
+                                                        for c in choices)}
+    row = np.zeros(compiler.num_words, dtype="<u4")
+    guide.write_mask(row)
+    assert _allowed(row) == expected
+    vocab = tokenizers.Tokenizer.from_str(tokenizer_json)
+    for token_id in vocab.encode("yes", add_special_tokens=False).ids:
+        assert guide.accept(token_id)
+    assert guide.is_final
+    row[:] = 0
+    guide.write_mask(row)
+    assert _allowed(row) == set(eos_ids)
+    assert not guide.accept(vocab.token_to_id("no"))  # nothing may follow a whole choice
+
+
+def test_json_schema_and_object_compile_and_bad_ones_name_the_field(smollm2_vocab):
+    from scheduler_service.structured import StructuredOutputError
+    compiler = GrammarCompiler(*smollm2_vocab)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                         "required": ["a"]})
+    for spec in (StructuredSpec("json_schema", schema), StructuredSpec("json_object", "")):
+        guide = compiler.compile(spec).new_guide()
+        row = np.zeros(compiler.num_words, dtype="<u4")
+        guide.write_mask(row)
+        vocab = tokenizers.Tokenizer.from_str(smollm2_vocab[0])
+        assert {vocab.decode([t]) for t in _allowed(row)} <= {"{", '{"', "{}", '{"}'}
+    with pytest.raises(StructuredOutputError) as error:
+        compiler.compile(StructuredSpec("regex", "(unclosed"))
+    assert error.value.field == "structured_output.regex"
+
+
+def test_the_cache_is_lru_by_spec(grammars):
+    compiler = GrammarCompiler(_word_level_json(), [EOS], len(WORDS), cache_size=2)
+    a, b, c = (StructuredSpec("regex", r) for r in ("w2", "w3", "w4"))
+    first = compiler.compile(a)
+    compiler.compile(b)
+    assert compiler.compile(a) is first and compiler.num_compiled == 2
+    compiler.compile(c)  # evicts b, the least recently used
+    compiler.compile(a)
+    assert compiler.num_compiled == 3
+    compiler.compile(b)
+    assert compiler.num_compiled == 4
+
+
+# ---- masks in plans ----------------------------------------------------------------------------
+
+def test_only_the_sampling_step_of_a_constrained_sequence_is_masked(grammars):
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    constrained = _constrained(grammars, "w5w6w7", num_prompt_tokens=10, max_new_tokens=10)
+    plain = make_request(num_prompt_tokens=2, max_new_tokens=3)
+    scheduler.add_request(constrained)
+    scheduler.add_request(plain)
+    slot = None
+    for num_scheduled in ([4], [4]):  # prompt chunks that end before the known tokens: no mask
+        plan, masks, _ = _masked_step(scheduler)
+        assert plan.num_scheduled_tokens == num_scheduled and masks == {}
+        slot = plan.slots[0]
+    plan, masks, _ = _masked_step(scheduler)  # the last 2 prompt tokens, and plain's 2
+    assert plan.num_scheduled_tokens == [2, 2]
+    assert masks == {slot: {5}}  # the plain request samples too, unmasked
+    seen = []
+    while scheduler.has_work():
+        seen.append(_masked_step(scheduler)[1])
+    # Then w6, w7, then only end of sequence.
+    assert [m for m in seen if m] == [{slot: {6}}, {slot: {7}}, {slot: {EOS}}]
+    assert constrained.output_token_ids == [5, 6, 7, EOS]
+    assert constrained.finish_reason is FinishReason.EOS
+    assert plain.output_token_ids == [50, 50, 50]
+
+
+def test_guides_stay_right_through_preemption(grammars):
+    # 12 blocks of 4 tokens for four sequences growing to 6 + 10 tokens: they preempt.
+    scheduler = make_scheduler(num_blocks=13, block_size=4, max_num_batched_tokens=16)
+    regex = "(w2|w3)w4w5w6w7w8w9w10w11w12"
+    requests = [_constrained(grammars, regex, num_prompt_tokens=6, max_new_tokens=12)
+                for _ in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(500):
+        if not scheduler.has_work():
+            break
+        _masked_step(scheduler)
+    assert scheduler.num_preemptions_total > 0
+    for request in requests:
+        assert request.output_token_ids == [2, 4, 5, 6, 7, 8, 9, 10, 11, 12, EOS]
+        assert request.finish_reason is FinishReason.EOS
+    assert scheduler._num_constrained == 0
+
+
+def test_parallel_samples_start_from_the_grammars_first_state(grammars):
+    scheduler = make_scheduler()
+    parent = _constrained(grammars, "(w3|w2)w9", n=3, max_new_tokens=5)
+    scheduler.add_request(parent)
+    plan, masks, _ = _masked_step(scheduler)
+    assert masks == {parent.slot: {2, 3}}
+    plan, masks, _ = _masked_step(scheduler)  # the parent's second token, the samples' first
+    children = [r for r in scheduler.running if r is not parent]
+    assert len(children) == 2
+    assert masks[parent.slot] == {9}
+    assert all(masks[child.slot] == {2, 3} for child in children)
+    assert all(child.guide is not parent.guide for child in children)
+
+
+def test_unconstrained_plans_carry_no_masks():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request())
+    plan, _ = run_step(scheduler)
+    fill_plan_masks(plan)
+    assert plan.masked_slots == [] and plan.allowed_token_bitmask == b""
+
+
+def test_stream_interval_coalesces_outputs_without_losing_tokens():
+    def run(**fields):
+        scheduler = make_scheduler()
+        request = make_request(max_new_tokens=7, request_id="r", **fields)
+        scheduler.add_request(request)
+        outputs = []
+        while scheduler.has_work():
+            outputs.extend(output for _, output in run_step(scheduler)[1])
+        return outputs
+
+    every_step, batched = run(), run(stream_interval=3)
+    assert [len(output.token_ids) for output in every_step] == [1] * 7
+    assert [len(output.token_ids) for output in batched] == [3, 3, 1]
+    assert ([t for output in batched for t in output.token_ids]
+            == [t for output in every_step for t in output.token_ids])
+    assert "".join(o.text for o in batched) == "".join(o.text for o in every_step)
+    assert batched[-1].finish_reason is FinishReason.LENGTH
+    assert batched[-1].usage.completion_tokens == 7
