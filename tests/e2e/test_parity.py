@@ -12,23 +12,35 @@ import grpc
 import pytest
 
 from api import complete, greedy_ids_request, stub_for
-from reference import compare_up_to_near_tie, greedy_reference, hf_llama_from_loaded
+from reference import compare_up_to_near_tie, greedy_reference, hf_llama_from_loaded, reference_logprobs
 
 NEW_TOKENS = 40
 MIN_COMPARED = 32
 
 
-async def _concurrent_with_a_join(server, prompts):
-    """Starts prompts[0] and prompts[2]; prompts[1] joins once the first one is decoding."""
+async def _concurrent_with_a_join(server, prompts, logprobs=None):
+    """Starts prompts[0] and prompts[2]; prompts[1] joins once the first one is decoding.
+    With `logprobs` (a list), prompts[0]'s logprob entries are appended to it."""
     stub = stub_for(server)
-    first = stub.Generate(greedy_ids_request(prompts[0], NEW_TOKENS))
+    first = stub.Generate(greedy_ids_request(prompts[0], NEW_TOKENS, logprobs=logprobs is not None))
     longest = asyncio.ensure_future(complete(stub, greedy_ids_request(prompts[2], NEW_TOKENS)))
     chunks = [await first.read()]  # first is decoding now
     joiner = asyncio.ensure_future(complete(stub, greedy_ids_request(prompts[1], NEW_TOKENS)))
     while (chunk := await first.read()) is not grpc.aio.EOF:
         chunks.append(chunk)
     first_ids = [t for c in chunks for t in c.token_ids]
+    if logprobs is not None:
+        logprobs.extend(e for c in chunks for e in c.logprobs)
     return [first_ids, (await joiner).token_ids, (await longest).token_ids]
+
+
+def _check_logprobs(entries, prompt, tokens, hf_model, compared, label):
+    """The greedy tokens' logprobs against the reference's float32 log-softmax (issue 4: 1e-4)."""
+    reference = reference_logprobs(hf_model, list(prompt) + list(tokens))
+    errors = [abs(e.logprob - float(reference[len(prompt) - 1 + i][e.token_id]))
+              for i, e in enumerate(entries[:compared])]
+    print(f"{label}: greedy logprobs compared {len(errors)}, max error {max(errors):.2e}")
+    assert max(errors) < 1e-4
 
 
 def _check(outputs, references, label):
@@ -37,6 +49,7 @@ def _check(outputs, references, label):
         compared.append(compare_up_to_near_tie(ours, ref_ids, gaps))
     print(f"\n{label}: tokens compared per prompt {compared} of {NEW_TOKENS}")
     assert all(n >= MIN_COMPARED for n in compared), compared
+    return compared
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +61,11 @@ def tiny_reference_model():
 
 async def test_tiny_greedy_parity_with_transformers(tiny_server, tiny_reference_model):
     prompts = [list(range(300, 307)), list(range(1000, 1030)), list(range(2000, 2150))]
-    outputs = await _concurrent_with_a_join(tiny_server, prompts)
+    logprobs = []
+    outputs = await _concurrent_with_a_join(tiny_server, prompts, logprobs)
     references = [greedy_reference(tiny_reference_model, p, NEW_TOKENS) for p in prompts]
-    _check(outputs, references, "tiny")
+    compared = _check(outputs, references, "tiny")
+    _check_logprobs(logprobs, prompts[0], outputs[0], tiny_reference_model, compared[0], "tiny")
 
 
 SMOLLM2_PROMPTS = [
@@ -83,6 +98,8 @@ async def test_smollm2_greedy_parity_with_transformers_gguf(smollm2_server):
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     assert len(prompts[2]) > 64  # prefilled in several chunks
 
-    outputs = await _concurrent_with_a_join(smollm2_server, prompts)
+    logprobs = []
+    outputs = await _concurrent_with_a_join(smollm2_server, prompts, logprobs)
     references = [greedy_reference(model, p, NEW_TOKENS) for p in prompts]
-    _check(outputs, references, "SmolLM2")
+    compared = _check(outputs, references, "SmolLM2")
+    _check_logprobs(logprobs, prompts[0], outputs[0], model, compared[0], "SmolLM2")
