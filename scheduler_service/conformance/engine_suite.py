@@ -213,6 +213,43 @@ async def check_block_copy(ctx: EngineContext) -> str:
     return f"block {partial} -> {copy}"
 
 
+@check(CHECKS, "swap", "a sequence preempted by swap (device -> host) and resumed by swap-in into "
+                       "other device blocks continues where it was")
+async def check_swap(ctx: EngineContext) -> str:
+    facts = await ctx.facts()
+    if not facts.features.swap:
+        raise Skipped("features.swap is false")
+    prompt = ctx.prompt(1)
+    reference = await ctx.reference(prompt)
+    async with ctx.stream() as s:
+        await s.prefill(0, prompt)
+        await s.decode([0], 2)
+        seq = s.slots[0]
+        known, computed, device = list(seq.tokens), seq.num_computed_tokens, list(seq.blocks)
+        expect(len(device) <= facts.num_swap_blocks,
+               f"num_swap_blocks {facts.num_swap_blocks} cannot hold the {len(device)} blocks swapped out")
+        host = list(range(len(device)))
+        plan = s.plan()
+        s.drop(plan, "preempted", 0)
+        plan.swap_out_src.extend(device)
+        plan.swap_out_dst.extend(host)
+        await s.send(plan)
+        # Another sequence takes the freed device blocks (and overwrites their KV) meanwhile.
+        await s.prefill(1, ctx.prompt(5, length=len(device) * facts.block_size - 1))
+        fresh = s.blocks.take(len(device))
+        plan = s.plan()
+        plan.swap_in_src.extend(host)
+        plan.swap_in_dst.extend(fresh)
+        s.register(plan, 0, known, num_computed_tokens=computed, cached_blocks=tuple(fresh),
+                   prompt_len=len(prompt))
+        s.blocks.release(fresh)  # held through the slot's block table from here on
+        s.schedule(plan, 0, len(known) - computed)
+        await s.send(plan)
+        await s.decode([0, 1], 2)
+        _same(s.slots[0].generated, reference, f"slot 0 swapped out to host blocks {host} and in to {fresh}")
+    return f"{len(device)} blocks out and back in"
+
+
 async def _drop_and_reuse(ctx: EngineContext, kind: str) -> None:
     """Slots 0 and 1 run another prompt; one plan drops both (`kind`) and registers slot 0 with
     the reference prompt on the freed blocks. Dropped first, then registered: the contract's

@@ -23,10 +23,11 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 @pytest.fixture(scope="module")
 def own_engine():
     """A tiny model service of our own: the session's tiny_engine is held by the scheduler's
-    Execute stream, and the engine suite needs the engine to itself."""
+    Execute stream, and the engine suite needs the engine to itself. With swap space, so that
+    every check applies."""
     process = subprocess.Popen(
         [sys.executable, "-m", "model_service", "--model", "tiny", "--dtype", "float32",
-         "--num-kv-blocks", "128", "--max-num-slots", "16", "--port", "0"],
+         "--num-kv-blocks", "128", "--max-num-slots", "16", "--swap-space", "16MiB", "--port", "0"],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
     for line in process.stdout:
         if line.startswith(ENGINE_PORT_LINE):
@@ -51,7 +52,8 @@ def test_our_model_service_passes_the_engine_suite_via_the_cli(own_engine):
     statuses = report_lines(result.stdout)
     # Every part of the contract was exercised, and nothing was skipped on our engine.
     for name in ("describe", "health", "prefill", "decode", "chunked_prefill", "batch",
-                 "prefix_cache", "block_copy", "finish", "abort", "preempt", "stream_end", "recovers"):
+                 "prefix_cache", "block_copy", "swap", "finish", "abort", "preempt", "stream_end",
+                 "recovers"):
         assert statuses.get(name) == "PASS", f"{name}: {statuses.get(name)}\n{result.stdout}"
     bad_plans = [n for n in statuses if n.startswith("bad_plan.")]
     assert len(bad_plans) >= 10 and all(statuses[n] == "PASS" for n in bad_plans)
@@ -118,6 +120,12 @@ def _broken_runners():
         def execute(self, plan):
             return super().execute(dataclasses.replace(plan, copy_src=_EMPTY, copy_dst=_EMPTY))
 
+    class IgnoresSwapIn(ModelRunner):
+        """Swaps out but never back in: a resumed sequence reads whatever its new blocks held."""
+
+        def execute(self, plan):
+            return super().execute(dataclasses.replace(plan, swap_in_src=_EMPTY, swap_in_dst=_EMPTY))
+
     class ResultsInSlotOrder(ModelRunner):
         """Returns each step's results sorted by slot instead of in the plan's order."""
 
@@ -130,13 +138,15 @@ def _broken_runners():
                               output.forward_ns, output.sample_ns)
 
     return {"drops_finished_late": DropsFinishedLate, "ignores_aborts": IgnoresAborts,
-            "ignores_block_copies": IgnoresBlockCopies, "results_in_slot_order": ResultsInSlotOrder}
+            "ignores_block_copies": IgnoresBlockCopies, "ignores_swap_in": IgnoresSwapIn,
+            "results_in_slot_order": ResultsInSlotOrder}
 
 
 @pytest.mark.parametrize("broken,failing,reason", [
     ("drops_finished_late", {"finish"}, "INVALID_ARGUMENT"),
     ("ignores_aborts", {"abort"}, "INVALID_ARGUMENT"),
     ("ignores_block_copies", {"block_copy"}, "differ from the reference"),
+    ("ignores_swap_in", {"swap"}, "differ from the reference"),
     ("results_in_slot_order", {"batch"}, "differ from the reference"),
 ])
 async def test_a_broken_engine_fails_the_check_it_breaks_with_a_readable_report(broken, failing, reason):
@@ -145,7 +155,7 @@ async def test_a_broken_engine_fails_the_check_it_breaks_with_a_readable_report(
     from model_service.server import serve
 
     config = ModelServiceConfig(model="tiny", dtype="float32", host="127.0.0.1", port=0,
-                                num_kv_blocks=128, max_num_slots=16)
+                                num_kv_blocks=128, max_num_slots=16, swap_space_bytes=16 << 20)
     runner = _broken_runners()[broken](load_model(config), config)
     server = await serve(config, runner=runner)
     try:
