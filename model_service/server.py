@@ -53,9 +53,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             async with self._cleanup:
                 # reset() waits for a step still running in a worker thread (runner lock).
                 await asyncio.to_thread(self.runner.reset)
+            last_step_id = None  # steps run in order: each step_id above the previous one
             async for request in request_iterator:
                 received = time.perf_counter_ns()
                 try:
+                    if last_step_id is not None and request.plan.step_id <= last_step_id:
+                        raise PlanError("step_id", f"{request.plan.step_id} is not after the previous step {last_step_id}")
+                    last_step_id = request.plan.step_id
                     plan = from_pb(request, self.runner.limits)
                     output = await asyncio.to_thread(self.runner.execute, plan)
                 except PlanError as error:

@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 16
 MAX_TENANT_CHARS = 128
+MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_STREAM_INTERVAL = 1024
 MAX_TOP_LOGPROBS = 20
@@ -188,6 +189,8 @@ def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: 
         raise InvalidRequest(
             "prompt", f"{len(prompt)} tokens; must be below the KV cache's capacity "
                       f"{capacity_tokens}")
+    if len(pb.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
     if len(pb.tenant) > MAX_TENANT_CHARS:
         raise InvalidRequest("tenant", f"at most {MAX_TENANT_CHARS} characters")
     if len(pb.cache_salt) > MAX_CACHE_SALT_CHARS:

@@ -9,6 +9,7 @@ certificate (`engine_tls_cert` + `engine_tls_key`) for a model service that requ
 from __future__ import annotations
 
 import hmac
+import inspect
 from typing import Optional
 
 import grpc
@@ -147,8 +148,15 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+        service = handler_call_details.method.lstrip("/").split("/", 1)[0]
+        if handler is None or handler.request_deserializer is None or service in OPEN_SERVICES:
             return handler
+        behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
+                    or handler.stream_stream)
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler  # a synchronous servicer: left as gRPC runs it
+        if handler.response_streaming and not inspect.isasyncgenfunction(behavior):
+            return handler  # a streaming coroutine (context.write): left alone too
         return _tolerant(handler)
 
 
