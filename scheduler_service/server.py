@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import grpc
 import structlog
@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_service import engine_client, intake, outputs, overload, security
+from scheduler_service import engine_client, intake, outputs, overload, security, structured
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineClient, EngineFacts
 from scheduler_service.loop import EngineLoop
@@ -68,6 +68,8 @@ class Serving:
     facts: EngineFacts
     tokenizer: Tokenizer
     loop: EngineLoop
+    # Structured output's grammars over the served vocabulary (compiled on demand, cached).
+    grammars: Optional[structured.GrammarCompiler] = None
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
@@ -118,12 +120,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"{why}; retry after {retry_after_ms} ms", retry_after_ms)
 
+    async def _compile_grammar(self, serving: Serving, req: Request) -> None:
+        """Structured output: compiles the request's grammar off the event loop (outlines-core
+        releases the GIL; repeats hit the cache) and gives the request its guide, before it is
+        queued. Rejected (INVALID_ARGUMENT naming the field) when it does not compile."""
+        if req.structured is None:
+            return
+        grammars = serving.grammars
+        try:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, grammars.compile, req.structured)
+        except structured.StructuredOutputError as error:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        req.guide = grammar.new_guide()
+
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[
                            generate_pb2.GenerateResponse]:
         serving = await self._serving(context)
         try:
             req = self._accept(serving, request)
+            await self._compile_grammar(serving, req)
         except Rejected as rejected:
             await context.abort(rejected.code, rejected.message, rejected.trailing_metadata)
         req.outputs = overload.StreamBuffer(self._config.max_stream_buffer_chunks,
@@ -171,6 +188,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                             continue
                         try:
                             req = self._accept(serving, pb)
+                            await self._compile_grammar(serving, req)
                         except Rejected as rejected:
                             error(pb.request_id, rejected.code, rejected.message)
                             continue
@@ -225,6 +243,55 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             num_kv_blocks=usable, num_free_kv_blocks=free,
             kv_cache_usage=(usable - free) / usable if usable else 0.0,
             replicas=[generate_pb2.ReplicaStatus(**s) for s in statuses()] if statuses else [])
+
+    def tokenize(self, serving: Serving, pb: generate_pb2.TokenizeRequest
+                 ) -> generate_pb2.TokenizeResponse:
+        """Text or chat turns to ids, exactly as Generate would turn them into its prompt
+        (chat turns checked the same way); Rejected names the field."""
+        if pb.WhichOneof("input") == "messages":
+            as_prompt = generate_pb2.GenerateRequest(messages=pb.messages)
+            try:
+                ids = intake._prompt_token_ids(as_prompt, serving.facts, serving.tokenizer)
+            except intake.InvalidRequest as error:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        elif pb.WhichOneof("input") == "text":
+            ids = serving.tokenizer.encode(pb.text, add_special_tokens=pb.add_special_tokens)
+        else:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           "input: one of text or messages must be set")
+        return generate_pb2.TokenizeResponse(token_ids=ids,
+                                             max_model_len=serving.facts.max_model_len)
+
+    def detokenize(self, serving: Serving, pb: generate_pb2.DetokenizeRequest
+                   ) -> generate_pb2.DetokenizeResponse:
+        facts = serving.facts
+        if len(pb.token_ids) > facts.max_model_len:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"token_ids: at most {facts.max_model_len} ids (the model's max "
+                           f"length), got {len(pb.token_ids)}")
+        for index, token_id in enumerate(pb.token_ids):
+            if token_id >= facts.vocab_size:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"token_ids[{index}]: {token_id} is outside the vocabulary "
+                               f"[0, {facts.vocab_size})")
+        text = serving.tokenizer.decode(pb.token_ids, skip_special_tokens=pb.skip_special_tokens)
+        return generate_pb2.DetokenizeResponse(text=text)
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
+        serving = await self._serving(context)
+        try:
+            return self.tokenize(serving, request)
+        except Rejected as rejected:
+            await context.abort(rejected.code, rejected.message)
+
+    async def Detokenize(self, request: generate_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> generate_pb2.DetokenizeResponse:
+        serving = await self._serving(context)
+        try:
+            return self.detokenize(serving, request)
+        except Rejected as rejected:
+            await context.abort(rejected.code, rejected.message)
 
     async def GetModelInfo(self, request, context) -> generate_pb2.GetModelInfoResponse:
         facts = (await self._serving(context)).facts
@@ -299,7 +366,10 @@ class SchedulerServer:
             loop = EngineLoop(scheduler, self.client, self.metrics, on_engine_up=self._on_engine_up,
                               is_compatible=lambda new: engine_client.incompatibility(facts, new))
             loop.start(engine_down)
-        self.servicer.serving = Serving(facts=facts, tokenizer=tokenizer, loop=loop)
+        self.servicer.serving = Serving(
+            facts=facts, tokenizer=tokenizer, loop=loop,
+            grammars=structured.GrammarCompiler(facts.tokenizer_json, facts.eos_token_ids,
+                                                facts.vocab_size))
         if engine_down is None:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("scheduler serving" if engine_down is None else "scheduler waiting for engine", port=self.port, model=facts.model_name,

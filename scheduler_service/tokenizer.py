@@ -36,9 +36,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a plain-text prompt, with whatever special tokens the tokenizer adds."""
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a plain-text prompt, with whatever special tokens the tokenizer adds
+        (none with add_special_tokens=False)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Renders the conversation with the chat template and the assistant prompt."""
@@ -49,8 +50,8 @@ class Tokenizer:
         # The template already wrote every special token it wants.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tokenizer.token_to_id(token)
