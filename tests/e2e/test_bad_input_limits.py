@@ -88,6 +88,16 @@ async def test_abort_of_an_unknown_id_is_not_found(tiny_server):
     assert "request_id: no request 'nobody' in flight" in raised.value.details()
 
 
+async def test_session_request_without_an_id_gets_a_session_error(tiny_server):
+    stub = stub_for(tiny_server)
+    requests = [generate_pb2.SessionRequest(generate=greedy_ids_request([1, 2, 3], 2))]
+    replies = [reply async for reply in stub.Session(iter(requests))]
+    assert [r.WhichOneof("kind") for r in replies] == ["error"]
+    assert replies[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert replies[0].error.message == "request_id: must be set on a Session"
+    await _still_serves(stub)
+
+
 def test_unknown_policy_name_is_refused_naming_the_valid_ones():
     with pytest.raises(ValueError) as raised:
         SchedulerConfig(policy="no-such-policy").validate()

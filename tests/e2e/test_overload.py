@@ -16,6 +16,7 @@ from scheduler_service.overload import RETRY_AFTER_KEY
 
 MAX_QUEUE_TOKENS = 100
 MAX_STREAM_BUFFER_CHUNKS = 8
+MAX_QUEUE_LEN = 2
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def engine():
 async def server(engine):
     # One sequence at a time, so that everything else waits in the queue.
     server = await start_scheduler(engine, max_num_seqs=1, max_queue_tokens=MAX_QUEUE_TOKENS,
-                                   max_stream_buffer_chunks=MAX_STREAM_BUFFER_CHUNKS)
+                                   max_stream_buffer_chunks=MAX_STREAM_BUFFER_CHUNKS,
+                                   max_queue_len=MAX_QUEUE_LEN)
     yield server
     await server.stop(grace_s=1)
 
@@ -65,6 +67,26 @@ async def test_queue_full_by_tokens_answers_resource_exhausted_with_a_retry_hint
                                  waiting)
     assert [len(c.token_ids) for c in small] == [4, 4]
     running.cancel()
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+
+
+async def test_queue_full_by_requests_answers_resource_exhausted_with_a_retry_hint(server):
+    stub = _stub(server)
+    scheduler = server.loop.scheduler
+    running = stub.Generate(greedy_ids_request(list(range(1, 9)), 400))
+    await running.read()
+    waiting = [asyncio.ensure_future(complete(stub, greedy_ids_request([1, 2, 3], 2)))
+               for _ in range(MAX_QUEUE_LEN)]
+    await _wait_for(lambda: scheduler.num_waiting == MAX_QUEUE_LEN)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await complete(stub, greedy_ids_request([1, 2, 3], 2))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"{MAX_QUEUE_LEN} requests waiting (max_queue_len {MAX_QUEUE_LEN})" in \
+        error.value.details()
+    assert int(dict(error.value.trailing_metadata())[RETRY_AFTER_KEY]) >= 100
+    running.cancel()
+    assert [len(c.token_ids) for c in await asyncio.gather(*waiting)] == [2] * MAX_QUEUE_LEN
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)
 
