@@ -442,7 +442,8 @@ class OpenAIApp:
                 content = message.content
                 if isinstance(content, list):
                     content = "".join(part.text or "" for part in content)
-                pb.messages.messages.add(role=message.role, content=content or "")
+                role = "system" if message.role == "developer" else message.role
+                pb.messages.messages.add(role=role, content=content or "")
         elif body.prompt is not None:
             pb.text = body.prompt
         from scheduler_service.server import Rejected

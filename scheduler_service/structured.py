@@ -190,8 +190,13 @@ class Grammar:
 
     def __init__(self, index, eos_token_ids: Sequence[int], num_words: int):
         self.index = index
-        self.eos_token_ids = np.asarray(sorted(eos_token_ids), dtype=np.int64)
         self.num_words = num_words  # 32-bit words of one bitmask (ceil(vocab_size / 32))
+        # The end-of-sequence bits, per word they fall in (OR'ed, so that each word is set once).
+        words: dict[int, int] = {}
+        for token_id in eos_token_ids:
+            words[token_id >> 5] = words.get(token_id >> 5, 0) | (1 << (token_id & 31))
+        self.eos_words = np.fromiter(words.keys(), dtype=np.int64, count=len(words))
+        self.eos_bits = np.fromiter(words.values(), dtype=np.uint32, count=len(words))
 
     def new_guide(self) -> "GuideState":
         return GuideState(self)
@@ -231,13 +236,12 @@ class GuideState:
         """Writes the allowed tokens of the current state into `row` (num_words uint32,
         zeroed): bit t of word t // 32, little-endian."""
         self.guide.write_mask_into(row.ctypes.data, row.shape[0], 4)
-        eos = self.grammar.eos_token_ids
-        if eos.size:
-            # Every end-of-sequence id (outlines-core knows only one) in final states only.
-            if self.is_final:
-                np.bitwise_or.at(row, eos >> 5, (np.uint32(1) << (eos & 31).astype(np.uint32)))
-            else:
-                np.bitwise_and.at(row, eos >> 5, ~(np.uint32(1) << (eos & 31).astype(np.uint32)))
+        # Every end-of-sequence id (outlines-core knows only one), in final states only.
+        grammar = self.grammar
+        if self.is_final:
+            row[grammar.eos_words] |= grammar.eos_bits
+        else:
+            row[grammar.eos_words] &= ~grammar.eos_bits
 
 
 class GrammarCompiler:
@@ -262,6 +266,9 @@ class GrammarCompiler:
         with self._vocabulary_lock:
             if self._vocabulary is None:
                 from outlines_core import Vocabulary
+                if not self._eos_token_ids:
+                    raise StructuredOutputError(
+                        "structured_output", "the served model has no end-of-sequence token")
                 by_id, special = token_bytes(self._tokenizer_json)
                 eos = set(self._eos_token_ids)
                 by_bytes: dict[bytes, list[int]] = {}
@@ -272,8 +279,7 @@ class GrammarCompiler:
                             or token_id >= self.vocab_size):
                         continue
                     by_bytes.setdefault(spelled, []).append(token_id)
-                primary_eos = self._eos_token_ids[0] if self._eos_token_ids else self.vocab_size
-                self._vocabulary = Vocabulary(primary_eos, by_bytes)
+                self._vocabulary = Vocabulary(self._eos_token_ids[0], by_bytes)
             return self._vocabulary
 
     def compile(self, spec: StructuredSpec) -> Grammar:

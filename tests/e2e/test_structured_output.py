@@ -162,6 +162,30 @@ async def test_bad_grammars_are_invalid_argument_naming_the_field(tiny_server, s
     assert error.value.details().startswith(field + ":"), error.value.details()
 
 
+async def test_session_rejects_a_bad_grammar_and_serves_a_good_one(tiny_server):
+    stub = stub_for(tiny_server)
+    requests = [
+        generate_pb2.SessionRequest(generate=_request(
+            request_id="bad", **_constrained(json_schema='{"type": "no-such-type"}'))),
+        generate_pb2.SessionRequest(generate=_request(
+            request_id="good", **_constrained(regex=EMAIL))),
+    ]
+    texts, errors, finals = {}, [], {}
+    async for response in stub.Session(iter(requests)):
+        if response.HasField("error"):
+            errors.append(response.error)
+            continue
+        chunk = response.chunk
+        texts[chunk.request_id] = texts.get(chunk.request_id, "") + chunk.text
+        if chunk.finish_reason:
+            finals[chunk.request_id] = chunk.finish_reason
+    assert [(e.request_id, e.code) for e in errors] == [
+        ("bad", grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+    assert errors[0].message.startswith("structured_output.json_schema:")
+    assert finals == {"good": generate_pb2.FINISH_REASON_EOS}
+    assert re.fullmatch(EMAIL, texts["good"])
+
+
 # ---- the OpenAI API -------------------------------------------------------------------------
 
 @pytest.fixture
