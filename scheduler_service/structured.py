@@ -23,6 +23,7 @@ consumed exactly those tokens.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import re
@@ -258,6 +259,8 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[StructuredSpec, Grammar] = \
             collections.OrderedDict()
         self._lock = threading.Lock()
+        # Specs being compiled right now -> the grammar's future, for concurrent callers.
+        self._compiling: dict[StructuredSpec, concurrent.futures.Future] = {}
         self._vocabulary = None
         self._vocabulary_lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and logs
@@ -284,12 +287,36 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredSpec) -> Grammar:
         """The grammar of `spec`, from the cache or compiled now (slow: call off the event
-        loop). StructuredOutputError names the field when the grammar cannot be compiled."""
+        loop). Concurrent calls for one spec compile it once (the others wait for it).
+        StructuredOutputError names the field when the grammar cannot be compiled."""
         with self._lock:
             grammar = self._cache.get(spec)
             if grammar is not None:
                 self._cache.move_to_end(spec)
                 return grammar
+            compiling = self._compiling.get(spec)
+            owner = compiling is None
+            if owner:
+                compiling = self._compiling[spec] = concurrent.futures.Future()
+        if not owner:
+            return compiling.result()  # the owner's grammar, or its error
+        try:
+            grammar = self._compile(spec)
+        except BaseException as error:
+            with self._lock:
+                del self._compiling[spec]
+            compiling.set_exception(error)
+            raise
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[spec] = grammar
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            del self._compiling[spec]
+        compiling.set_result(grammar)
+        return grammar
+
+    def _compile(self, spec: StructuredSpec) -> Grammar:
         from outlines_core import Index
         field = f"structured_output.{spec.kind}"
         if spec.kind == "choice":
@@ -303,13 +330,7 @@ class GrammarCompiler:
             index = Index(regex, vocabulary)
         except (ValueError, TypeError) as error:
             raise StructuredOutputError(field, f"cannot be compiled ({error})") from None
-        grammar = Grammar(index, self._eos_token_ids, self.num_words)
-        with self._lock:
-            self.num_compiled += 1
-            self._cache[spec] = grammar
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return grammar
+        return Grammar(index, self._eos_token_ids, self.num_words)
 
 
 def fill_plan_masks(plan) -> None:

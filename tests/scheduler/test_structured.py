@@ -4,6 +4,7 @@ right through chunked prefills, preemption and parallel samples. A fake engine s
 lowest allowed token of each masked slot, as a model service applying the mask would."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import numpy as np
@@ -146,6 +147,20 @@ def test_the_cache_is_lru_by_spec(grammars):
     assert compiler.num_compiled == 3
     compiler.compile(b)
     assert compiler.num_compiled == 4
+
+
+def test_concurrent_compiles_of_one_spec_compile_once():
+    compiler = GrammarCompiler(_word_level_json(), [EOS], len(WORDS))
+    spec = StructuredSpec("regex", "(w2|w3)+w4")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        grammars = list(pool.map(lambda _: compiler.compile(spec), range(16)))
+    assert compiler.num_compiled == 1
+    assert all(grammar is grammars[0] for grammar in grammars)
+    bad = StructuredSpec("regex", "(unclosed")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(compiler.compile, bad) for _ in range(4)]
+    for future in futures:
+        assert future.exception().field == "structured_output.regex"
 
 
 # ---- masks in plans ----------------------------------------------------------------------------
