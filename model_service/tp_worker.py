@@ -109,6 +109,10 @@ def _spawned_rank(index: int, config: ModelServiceConfig, world_size: int, init_
 
 def run_torchrun_worker(config: ModelServiceConfig) -> None:
     """Entry of a rank > 0 started by torchrun."""
+    # torchrun forwards SIGTERM / SIGINT to every rank; this one waits for rank 0's stop (sent
+    # while rank 0 shuts down) so that it leaves the group cleanly, and exits 0.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank, world_size = torchrun_rank()
     runner, group = setup_rank(config, rank, world_size, "env://")
     worker_loop(runner, group)

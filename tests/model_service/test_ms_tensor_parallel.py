@@ -42,10 +42,11 @@ async def _concurrent_with_a_join(server, prompts):
     return [[t for c in chunks for t in c.token_ids], (await joiner).token_ids, (await longest).token_ids]
 
 
-async def _tp_outputs(engine_args, prompts):
-    """Start `python -m model_service ...` (rank 0 spawns the others) and a scheduler on it."""
+async def _tp_outputs(engine_args, prompts, launcher=(sys.executable,)):
+    """Start `python -m model_service ...` (rank 0 spawns the others; or every rank started by
+    the launcher, torchrun) and a scheduler on it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PLANSERVE_LOG_JSON="1")
-    engine = subprocess.Popen([sys.executable, "-m", "model_service", "--port", "0", *engine_args],
+    engine = subprocess.Popen([*launcher, "-m", "model_service", "--port", "0", *engine_args],
                               stdout=subprocess.PIPE, text=True, env=env)
     try:
         port = next((line.split("=", 1)[1].strip() for line in engine.stdout if line.startswith("PLANSERVE_ENGINE_PORT=")), None)
@@ -60,7 +61,9 @@ async def _tp_outputs(engine_args, prompts):
             await server.stop(grace_s=1)
     finally:
         engine.terminate()  # rank 0 stops the other ranks on SIGTERM
-        assert engine.wait(timeout=30) == 0
+        status = engine.wait(timeout=30)
+        if launcher == (sys.executable,):  # (torchrun exits 1 on the SIGTERM it was sent itself)
+            assert status == 0
 
 
 def _check_equal_to_tp1(tp_outputs, tp1_outputs, references, label):
@@ -97,6 +100,22 @@ async def test_tiny_tp2_greedy_equals_tp1(tiny_server, tiny_hf):
                              "--tensor-parallel-size", "2"], prompts)
     references = [greedy_reference(tiny_hf, p, NEW_TOKENS) for p in prompts]
     _check_equal_to_tp1(tp2, tp1, references, "tiny tp=2")
+
+
+async def test_tiny_under_torchrun_equals_tp1(tiny_server, tiny_hf):
+    """torchrun starts both ranks (RANK / WORLD_SIZE / MASTER_ADDR in the environment, env://
+    rendezvous): rank 0 serves, rank 1 follows, and the greedy tokens are tensor parallel 1's."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed next to this Python")
+    from model_service.parallel import free_tcp_port
+
+    prompts = [list(range(310, 317)), list(range(1100, 1130)), list(range(2200, 2300))]
+    tp1 = await _concurrent_with_a_join(tiny_server, prompts)
+    launched = await _tp_outputs(["--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64"], prompts,
+                                 launcher=(torchrun, "--nproc-per-node", "2", "--master-port", str(free_tcp_port())))
+    references = [greedy_reference(tiny_hf, p, NEW_TOKENS) for p in prompts]
+    _check_equal_to_tp1(launched, tp1, references, "tiny torchrun x2")
 
 
 @pytest.mark.slow
