@@ -79,8 +79,10 @@ class KVCache:
         dst on the CPU)."""
         if src.numel() == 0:
             return
-        self.host_k[:, dst] = self.k[:, src].to("cpu")
-        self.host_v[:, dst] = self.v[:, src].to("cpu")
+        # index_select + index_copy_: a gather and a scatter of whole blocks, several times
+        # faster on the CPU than advanced-index assignment (k[:, dst] = ...).
+        self.host_k.index_copy_(1, dst, self.k.index_select(1, src).to("cpu"))
+        self.host_v.index_copy_(1, dst, self.v.index_select(1, src).to("cpu"))
 
     def swap_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Host swap blocks src[i] -> device blocks dst[i], every layer (src on the CPU, dst on
@@ -88,8 +90,8 @@ class KVCache:
         if src.numel() == 0:
             return
         device = self.k.device
-        self.k[:, dst] = self.host_k[:, src].to(device)
-        self.v[:, dst] = self.host_v[:, src].to(device)
+        self.k.index_copy_(1, dst, self.host_k.index_select(1, src).to(device))
+        self.v.index_copy_(1, dst, self.host_v.index_select(1, src).to(device))
 
 
 def available_memory_bytes(device: torch.device) -> int:
