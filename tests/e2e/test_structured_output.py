@@ -15,6 +15,7 @@ import pytest
 
 from api import assert_no_leaked_blocks, complete, stub_for, wait_until_idle
 from planserve.v1 import common_pb2, generate_pb2
+from scheduler_service.openai_api import HttpServer
 
 PROMPT_IDS = [1, 17, 300, 4000, 22, 9]
 EMAIL = r"[a-z]{3,8}@example\.(com|org)"
@@ -293,3 +294,25 @@ async def test_smollm2_prose_prompt_gives_valid_json_when_constrained(smollm2_se
     regex = r"(Yes|No)\. [A-Z][a-z ,]{5,60}\."
     out = await complete(stub, request(**_constrained(regex=regex)))
     assert re.fullmatch(regex, out.text), out.text
+
+    # The same through the OpenAI API (an HTTP door on this server, on a free port).
+    http = HttpServer(smollm2_server.servicer, "127.0.0.1", 0)
+    port = await http.start()
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                    max_retries=0, timeout=300)
+        kwargs = dict(model=smollm2_server.servicer.serving.facts.model_name, max_tokens=80,
+                      temperature=0, messages=[{"role": "user", "content":
+                                                "Tell me about Paris in two sentences."}])
+        plain_http = await client.chat.completions.create(**kwargs)
+        assert plain_http.choices[0].message.content == plain.text
+        reply = await client.chat.completions.create(response_format={
+            "type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}},
+            **kwargs)
+        assert json.loads(reply.choices[0].message.content) == value
+        reply = await client.chat.completions.create(
+            extra_body={"guided_choice": ["France", "Germany", "Spain"]}, **kwargs)
+        assert reply.choices[0].message.content in ("France", "Germany", "Spain")
+        assert reply.choices[0].finish_reason == "stop"
+    finally:
+        await http.stop(grace_s=1)
