@@ -76,11 +76,21 @@ class StepCore:
     def reserve_blocks_of(self, slot: int, num_scheduled: int) -> int: ...
     def end_step(self) -> tuple[list[Any], list[int], list[int], list[int], list[int], PackedPlan]:
         """(requests, slots, num_scheduled_tokens, num_new_blocks, new_block_ids, packed)."""
-    def advance(self, packed: PackedPlan, num_sampled_tokens: Sequence[int]
-                ) -> tuple[list[int], list[int]]:
+    def advance(self, packed: PackedPlan, num_sampled_tokens: Sequence[int],
+                cache_blocks: bool = True) -> tuple[list[int], list[int]]:
         """Computed counts advance (mirrored to Request.num_computed_tokens), newly full blocks are
-        hashed and cached; returns (entry indices, sampled-token offsets) of live entries that
-        sampled tokens."""
+        hashed and cached (unless cache_blocks is False); returns (entry indices, sampled-token
+        offsets) of live entries that sampled tokens."""
+
+    # Overlap: plans committed before their results.
+    def sampling_entries(self, packed: PackedPlan) -> list[int]:
+        """0/1 per entry: whether it samples (for a plan not yet advanced)."""
+    def live_entries(self, packed: PackedPlan) -> list[int]:
+        """Indices of the entries whose sequence still holds its slot."""
+    def set_token(self, slot: int, index: int, token_id: int) -> None:
+        """Overwrites a placeholder token with its real id."""
+    def cache_blocks(self, packed: PackedPlan) -> None:
+        """The prefix-cache registration advance(cache_blocks=False) skipped."""
 
     # Inspection.
     def running_slots(self) -> list[int]: ...

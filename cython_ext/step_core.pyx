@@ -552,11 +552,12 @@ cdef class StepCore:
             PyList_SET_ITEM(block_ids, i, item)
         return requests, slots, num_scheduled, num_new_blocks, block_ids, packed
 
-    def advance(self, PackedPlan packed not None, num_sampled_tokens):
+    def advance(self, PackedPlan packed not None, num_sampled_tokens, bint cache_blocks=True):
         """Applies a plan's result to the sequences still in their slots: computed counts advance
-        (mirrored to Request.num_computed_tokens) and newly full blocks enter the prefix cache.
-        Returns (entry indices, offsets into the sampled token ids) of the live entries that
-        sampled tokens, for Python's output processing."""
+        (mirrored to Request.num_computed_tokens) and newly full blocks enter the prefix cache
+        (later, by cache_blocks(), when `cache_blocks` is False: overlap commits a plan before
+        its tokens are known). Returns (entry indices, offsets into the sampled token ids) of the
+        live entries that sampled tokens, for Python's output processing."""
         cdef Py_ssize_t i, n = packed.num_entries, offset = 0, num_sampled
         cdef SlotState* s
         cdef uint32_t slot
@@ -576,13 +577,55 @@ cdef class StepCore:
                 else:
                     s.num_computed_tokens += packed.num_scheduled_tokens[i]
                 self._requests[slot].num_computed_tokens = s.num_computed_tokens
-                if self.enable_prefix_caching:
+                if self.enable_prefix_caching and cache_blocks:
                     self._cache_full_blocks(s)
                 if num_sampled:
                     indices.append(i)
                     offsets.append(offset)
             offset += num_sampled
         return indices, offsets
+
+    # ---- overlap: plans committed before their results -------------------------------------------
+
+    def sampling_entries(self, PackedPlan packed not None):
+        """0/1 per entry: whether it samples a token (its computed tokens reach its known ones);
+        for a plan not yet advanced. Without speculation that is the whole result's shape."""
+        cdef Py_ssize_t i, n = packed.num_entries
+        cdef SlotState* s
+        cdef list counts = [0] * n
+        for i in range(n):
+            s = &self._slots[packed.slots[i]]
+            if s.num_computed_tokens + packed.num_scheduled_tokens[i] >= s.num_tokens:
+                counts[i] = 1
+        return counts
+
+    def live_entries(self, PackedPlan packed not None):
+        """Indices of the entries whose sequence still holds its slot (not released since)."""
+        cdef Py_ssize_t i
+        cdef uint32_t slot
+        return [i for i in range(packed.num_entries)
+                if self._slots[packed.slots[i]].epoch == packed.epochs[i]
+                and self._requests[packed.slots[i]] is not None]
+
+    def set_token(self, int32_t slot, int64_t index, uint32_t token_id):
+        """Overwrites token `index` of the slot's sequence (a placeholder appended by overlap's
+        commit, once the real id is known)."""
+        cdef SlotState* s = self._state(slot)
+        if not 0 <= index < s.num_tokens:
+            raise IndexError(f"slot {slot}: token {index} of {s.num_tokens}")
+        s.token_ids[index] = token_id
+
+    def cache_blocks(self, PackedPlan packed not None):
+        """The prefix-cache registration advance() skipped, for the entries still live; call once
+        every token of their computed blocks is real."""
+        cdef Py_ssize_t i
+        cdef SlotState* s
+        if not self.enable_prefix_caching:
+            return
+        for i in range(packed.num_entries):
+            s = &self._slots[packed.slots[i]]
+            if s.epoch == packed.epochs[i] and self._requests[packed.slots[i]] is not None:
+                self._cache_full_blocks(s)
 
     # ---- inspection -----------------------------------------------------------------------------
 

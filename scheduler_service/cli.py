@@ -94,6 +94,9 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                         help="most prompt tokens of one sequence per step (0: the budget)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="one step at a time: plan step N+1 only after step N's result "
+                             "(default: plan and send it while the model computes step N)")
     parser.add_argument("--preemption-mode", default=defaults.preemption_mode,
                         choices=PREEMPTION_MODES,
                         help="'swap': preempted KV goes to the model service's --swap-space; "
@@ -144,7 +147,7 @@ def _scheduler_config(args: argparse.Namespace, engine_address: str) -> Schedule
         engine_tls_cert=args.engine_tls_cert, engine_tls_key=args.engine_tls_key,
         auth_token_file=args.auth_token_file, max_concurrent_streams=args.max_concurrent_streams,
         max_message_bytes=args.max_message_bytes,
-        preemption_mode=args.preemption_mode).validate()
+        preemption_mode=args.preemption_mode, overlap=not args.no_overlap).validate()
 
 
 def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:

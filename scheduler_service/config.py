@@ -43,6 +43,11 @@ class SchedulerConfig:
     """With several replicas: how often DNS is re-resolved, replicas that failed to connect are
     retried, and replicas down with requests are drained."""
 
+    overlap: bool = True
+    """Build and send step N+1 while the model service computes step N (at most two plans in
+    flight; scheduler_service/loop.py). Steps go one at a time while a request with a grammar
+    is running or the engine speculates (a plan then depends on the previous step's tokens)."""
+
     max_num_seqs: int = 64
     """Most sequences scheduled in one step (running decodes plus prefill chunks)."""
 

@@ -109,10 +109,29 @@ class EngineClient:
         """Sends one plan and waits for its result (one in flight). EngineUnavailable when the
         stream broke; the next call opens a new stream (on which the model service holds no
         sequence)."""
+        await self.send(step)
+        return await self.receive(step)
+
+    async def send(self, step: "plan_codec.StepPlan") -> None:
+        """Sends a plan without waiting for its result (overlap keeps up to two in flight;
+        results come back in order, receive() takes them)."""
         if self._stream is None:
             self._stream = self._stub.Execute()
         try:
             await self._stream.write(plan_codec.to_pb(step))
+        except grpc.aio.AioRpcError as error:
+            self.drop_stream()
+            raise EngineUnavailable(f"Execute stream ended: {error.code().name} "
+                                    f"{error.details()}") from error
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:
+            self.drop_stream()
+            raise EngineUnavailable(f"Execute stream unusable: {error!r}") from error
+
+    async def receive(self, step: "plan_codec.StepPlan") -> "plan_codec.StepResult":
+        """The result of the oldest plan sent, which must be `step`."""
+        if self._stream is None:
+            raise EngineUnavailable("no Execute stream: the plan was never sent")
+        try:
             response = await self._stream.read()
         except grpc.aio.AioRpcError as error:
             self.drop_stream()

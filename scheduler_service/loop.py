@@ -1,4 +1,12 @@
-"""The engine loop: schedule, execute on the model service, update, deliver. One step at a time.
+"""The engine loop: schedule, execute on the model service, update, deliver.
+
+With overlap (SchedulerConfig.overlap, the default) the loop keeps two plans in flight: it
+builds and sends step N+1 while the model service computes step N, committing each plan as if it
+had completed (Scheduler.commit: counts advance, sampled tokens are placeholders; the model
+service feeds its own sampled tokens to the next step) and reconciling when the result comes
+(Scheduler.reconcile: real ids, stops, releases). A request that stopped at step N was already
+scheduled in N+1: that token is computed and discarded. While a grammar-constrained request runs
+or the engine speculates, the next plan depends on the last tokens, so steps go one at a time.
 
 It sleeps while there is no work and wakes when a request arrives or is aborted.
 
@@ -12,6 +20,7 @@ delay and never a token twice. While idle it checks the model service's health e
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Callable, Optional
 
@@ -52,6 +61,9 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
+        # Overlap: plans sent whose results have not come back, oldest first (at most two).
+        self._in_flight: collections.deque = collections.deque()
+        self.max_in_flight_seen = 0
         # Tokens computed per second, a moving average over steps (the retry hint's rate).
         self.tokens_per_s = 0.0
 
@@ -85,7 +97,7 @@ class EngineLoop:
             if engine_down is not None:
                 await self._recover(engine_down)
             while True:
-                if not self.scheduler.has_work():
+                if not self.scheduler.has_work() and not self._in_flight:
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), self._check_interval_s)
@@ -105,7 +117,16 @@ class EngineLoop:
             raise
 
     async def _step(self) -> None:
+        scheduler = self.scheduler
+        if scheduler.config.overlap and not scheduler.needs_lockstep:
+            await self._overlapped_step()
+            return
+        if self._in_flight:  # lockstep from now on: finish what overlap sent first
+            await self._finish_oldest()
+            return
         plan = self.scheduler.schedule()
+        # Every event logged from here to the next step names this step.
+        structlog.contextvars.bind_contextvars(step_id=plan.step_id)
         self._deliver(self.scheduler.take_early_outputs())
         if plan.is_empty:
             # Nothing could be scheduled: wait for news (an arrival, an abort) instead of
@@ -133,6 +154,49 @@ class EngineLoop:
                 self.metrics.on_speculation(result.num_draft_tokens,
                                             result.num_accepted_draft_tokens)
 
+    async def _overlapped_step(self) -> None:
+        """Keeps the pipeline full: plan and send the next step while one is in flight, then
+        take the oldest result."""
+        scheduler = self.scheduler
+        if len(self._in_flight) < 2 and scheduler.has_work():
+            plan = scheduler.schedule()
+            self._deliver(scheduler.take_early_outputs())
+            if not plan.is_empty:
+                scheduler.commit(plan)
+                await self.client.send(plan)
+                self._in_flight.append((plan, time.perf_counter()))
+                self.max_in_flight_seen = max(self.max_in_flight_seen, len(self._in_flight))
+                if len(self._in_flight) < 2:
+                    return  # plan the next one before waiting
+            elif not self._in_flight:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                except asyncio.TimeoutError:
+                    pass
+                return
+        if self._in_flight:
+            await self._finish_oldest()
+
+    async def _finish_oldest(self) -> None:
+        plan, sent = self._in_flight[0]
+        result = await self.client.receive(plan)
+        self._in_flight.popleft()
+        self._note_rate(plan.total_scheduled_tokens, time.perf_counter() - sent)
+        self.num_steps += 1
+        self._recoveries_without_progress = 0
+        self._deliver(self.scheduler.reconcile(plan, result))
+        self._after_step(result)
+
+    def _after_step(self, result) -> None:
+        if self.metrics is not None:
+            scheduler = self.scheduler
+            usable = scheduler.kv.num_usable_blocks
+            preemptions = scheduler.num_preemptions_total - self._num_preemptions_seen
+            self._num_preemptions_seen = scheduler.num_preemptions_total
+            self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
+                                 (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
+
     def _note_rate(self, num_tokens: int, seconds: float) -> None:
         if seconds > 0:
             rate = num_tokens / seconds
@@ -144,7 +208,10 @@ class EngineLoop:
         backoff until a model service answers Describe and a real step; health SERVING again."""
         self.engine_up = False
         self._on_engine_up(False)
+        if self.metrics is not None:
+            self.metrics.on_engine_up(False)
         self.client.drop_stream()
+        self._in_flight.clear()  # those plans' sequences are all recomputed
         num_preempted = self.scheduler.reset_engine(self.scheduler.facts)
         log.warning("engine_down", reason=why, num_preempted=num_preempted,
                     num_in_flight=len(self.scheduler.requests))
@@ -182,6 +249,8 @@ class EngineLoop:
         self.num_engine_recoveries += 1
         self.engine_up = True
         self._on_engine_up(True)
+        if self.metrics is not None:
+            self.metrics.on_engine_up(True)
         log.warning("engine_up", attempts=attempt, down_s=round(time.monotonic() - started, 3),
                     num_waiting=self.scheduler.num_waiting)
 

@@ -391,7 +391,10 @@ class Scheduler:
         if known:
             plan.preempted_slots.append(slot)
         num_swap_blocks = cdiv(request.num_computed_tokens, self.kv.block_size)
-        by_swap = known and self.swap.can_swap_out(num_swap_blocks)
+        # A sequence whose token is still in flight (overlap) has computed all its known tokens:
+        # that token will never reach it, so it must recompute to sample it again.
+        by_swap = (known and request.num_computed_tokens < request.num_tokens
+                   and self.swap.can_swap_out(num_swap_blocks))
         if by_swap:
             plan.swap_out_src.extend(self.core.block_ids(slot)[:num_swap_blocks])
             plan.swap_out_dst.extend(self.swap.swap_out(request, num_swap_blocks))
@@ -481,30 +484,100 @@ class Scheduler:
         now = time.monotonic()
         requests, counts, sampled = plan.requests, result.num_sampled_tokens, \
             result.sampled_token_ids
-        add_tokens, append_tokens = self.outputs.add_tokens, self.core.append_tokens
         logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
         for index, offset in zip(indices, offsets):
             request = requests[index]
-            if request.first_token_time is None:
-                request.first_token_time = now
             token_ids = sampled[offset:offset + counts[index]]
             entries = None
             if request.logprobs is not None:
                 entries = logprobs.take(token_ids, request.logprobs)
-            output = add_tokens(request, token_ids, entries)
-            append_tokens(request.slot, output.token_ids)
-            if request.stream_interval > 1:
-                output = self.outputs.coalesce(request, output)  # None: held back
-            if not request.forked and request.n > 1:
-                self._fork_samples(request)
-            if request.finish_reason is not None:
-                self.running.remove(request)
-                self._release(request, self._finished_slots)
+            output = self._take_tokens(request, token_ids, entries, now)
             if output is not None:
                 outputs.append((request, output))
         return outputs
 
-    def _take_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+    def _take_tokens(self, request: Request, token_ids: list[int], entries,
+                     now: float, placeholder: Optional[int] = None) -> Optional[RequestOutput]:
+        """A request's sampled tokens: stops checked, appended (or, with `placeholder`, the
+        index of the token overlap's commit reserved, set), forks started, released when
+        finished. Returns what the client gets (None: held back by stream_interval)."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+        output = self.outputs.add_tokens(request, token_ids, entries)
+        if placeholder is None:
+            self.core.append_tokens(request.slot, output.token_ids)
+        elif output.token_ids:
+            self.core.set_token(request.slot, placeholder, output.token_ids[0])
+        if request.stream_interval > 1:
+            output = self.outputs.coalesce(request, output)  # None: held back
+        if not request.forked and request.n > 1:
+            self._fork_samples(request)
+        if request.finish_reason is not None:
+            self.running.remove(request)
+            self._release(request, self._finished_slots)
+        return output
+
+    # ---- overlap: the next plan is built while the model service computes this one ---------
+
+    @property
+    def needs_lockstep(self) -> bool:
+        """A plan can only be built once the previous one's tokens are known: a grammar's mask
+        depends on them, and a speculating decode's length does."""
+        return self._num_constrained > 0 or self.facts.num_speculative_tokens > 0
+
+    def commit(self, plan: StepPlan) -> None:
+        """Applies a plan as if it had completed, before its result: computed counts advance and
+        every entry that samples gets a placeholder token (its id is on the model side, which
+        feeds it to the next step by itself), so the next plan can be built right away.
+        Prefix-cache registration waits for reconcile(), when the ids are real."""
+        if plan.packed is None:
+            raise ValueError("commit needs a plan built by schedule()")
+        plan.prompt_starts = {index: request.num_computed_tokens
+                              for index, request in enumerate(plan.requests)
+                              if request.prompt_logprobs is not None}
+        expected = self.core.sampling_entries(plan.packed)
+        self.core.advance(plan.packed, expected, cache_blocks=False)
+        placeholders = {}
+        for index in self.core.live_entries(plan.packed):
+            if expected[index]:
+                slot = plan.slots[index]
+                placeholders[index] = self.core.num_tokens(slot)
+                self.core.append_tokens(slot, [0])
+        plan.placeholders = placeholders
+
+    def reconcile(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
+        """The result of a committed plan: real token ids replace the placeholders, stops are
+        checked (a request that stopped here was already scheduled in the next plan: that
+        token is discarded when its result comes, the slot having been released), blocks
+        enter the prefix cache. Entries whose sequence left its slot since (preempted, aborted)
+        are skipped; a preempted one recomputes and samples that token again."""
+        outputs: list[tuple[Request, RequestOutput]] = []
+        if result.prompt_logprobs:
+            self._take_prompt_logprobs(plan, result, plan.prompt_starts)
+        live = set(self.core.live_entries(plan.packed))
+        now = time.monotonic()
+        logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
+        offset = 0
+        for index, count in enumerate(result.num_sampled_tokens):
+            if not count:
+                continue
+            request = plan.requests[index]
+            token_ids = result.sampled_token_ids[offset:offset + count]
+            offset += count
+            entries = None
+            if request.logprobs is not None:
+                entries = logprobs.take(token_ids, request.logprobs)
+            if index not in live or index not in plan.placeholders:
+                continue
+            output = self._take_tokens(request, token_ids, entries, now,
+                                       placeholder=plan.placeholders[index])
+            if output is not None:
+                outputs.append((request, output))
+        self.core.cache_blocks(plan.packed)
+        return outputs
+
+    def _take_prompt_logprobs(self, plan: StepPlan, result: StepResult,
+                              starts: Optional[dict[int, int]] = None) -> None:
         """Files the step's prompt logprobs under their requests (before advance() moves the
         computed counts: an entry's position follows from the count at planning time)."""
         reader = LogprobReader(result.prompt_logprobs, result.prompt_logprob_token_ids)
@@ -512,7 +585,8 @@ class Scheduler:
             if request.prompt_logprobs is None or request.index:
                 continue
             num_prompt = len(request.prompt_token_ids)
-            start = request.num_computed_tokens  # position of the chunk's first token
+            # Position of the chunk's first token (recorded at commit when the plan ran ahead).
+            start = request.num_computed_tokens if starts is None else starts[index]
             end = min(start + plan.num_scheduled_tokens[index], num_prompt - 1)
             if end <= start:
                 continue

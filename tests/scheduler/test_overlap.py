@@ -1,0 +1,157 @@
+"""Overlap (Scheduler.commit / reconcile) against lockstep (schedule / update), driven by a
+simulated model service that, like the real one, keeps each slot's tokens and feeds its own
+samples to the next step: every request must get exactly the same tokens and finish the same
+way, with stops, EOS, preemption, aborts and parallel samples in the mix, and no block left."""
+import collections
+import random
+
+import pytest
+
+from factories import EOS, ShadowEngine, make_request, make_scheduler
+from scheduler_service.plan import StepResult
+
+
+class ModelSim:
+    """The model service's slot bookkeeping with a deterministic 'model': the next token is a
+    function of the whole sequence, so a recomputed sequence samples the same token again."""
+
+    def __init__(self, eos_every: int):
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.eos_every = eos_every
+        self.max_tokens_seen = 0
+
+    def next_token(self, tokens: list[int]) -> int:
+        h = (sum(t * (i + 7) for i, t in enumerate(tokens)) * 2654435761) % 1000003
+        return EOS if self.eos_every and h % self.eos_every == 0 else 2 + h % 150
+
+    def execute(self, plan) -> StepResult:
+        for slot in plan.finished_slots + plan.preempted_slots + plan.aborted_slots:
+            del self.tokens[slot], self.computed[slot]
+        for seq in plan.new_sequences:
+            assert seq.slot not in self.tokens
+            self.tokens[seq.slot], self.computed[seq.slot] = list(seq.token_ids), seq.num_computed_tokens
+        counts, sampled = [], []
+        for slot, n in zip(plan.slots, plan.num_scheduled_tokens):
+            self.computed[slot] += n
+            tokens = self.tokens[slot]
+            assert self.computed[slot] <= len(tokens), "scheduled past the known tokens"
+            if self.computed[slot] == len(tokens):
+                tokens.append(self.next_token(tokens))
+                self.max_tokens_seen = max(self.max_tokens_seen, len(tokens))
+                counts.append(1), sampled.append(tokens[-1])
+            else:
+                counts.append(0)
+        return StepResult(step_id=plan.step_id, num_sampled_tokens=counts, sampled_token_ids=sampled,
+                          forward_ns=0, sample_ns=0, total_ns=0)
+
+
+def _workload(seed: int):
+    rng = random.Random(seed)
+    arrivals = collections.defaultdict(list)
+    for index in range(40):
+        arrivals[rng.randrange(0, 60)].append(dict(
+            num_prompt_tokens=rng.randrange(1, 40), max_new_tokens=rng.randrange(1, 30),
+            stop_token_ids=(rng.randrange(2, 152),) if rng.random() < 0.3 else (),
+            n=2 if rng.random() < 0.15 else 1, request_id=f"q{index}"))
+    arrived_at = {spec["request_id"]: step for step, specs in arrivals.items() for spec in specs}
+    # A few requests aborted a few steps after they arrive (usually mid-generation).
+    aborts = {arrived_at[f"q{i}"] + rng.randrange(2, 6): f"q{i}" for i in rng.sample(range(40), 5)}
+    return arrivals, aborts
+
+
+def _run(overlap: bool, seed: int, eos_every: int, num_blocks: int, with_aborts: bool = False):
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=24, max_num_seqs=8)
+    model, shadow = ModelSim(eos_every), ShadowEngine(4)
+    arrivals, aborts = _workload(seed)
+    if not with_aborts:  # an abort lands at a loop iteration: its effect depends on timing
+        aborts = {}
+    tokens = collections.defaultdict(list)
+    finished = {}
+    in_flight = collections.deque()
+    step = 0
+
+    def take(outputs):
+        for request, output in outputs:
+            key = (request.public_id, output.index)
+            tokens[key].extend(output.token_ids)
+            if output.finish_reason is not None:
+                finished[key] = output.finish_reason
+
+    max_in_flight = 0
+    while step <= 60 or scheduler.has_work() or in_flight:
+        assert step < 5000, "did not drain"
+        for spec in arrivals.get(step, []):
+            scheduler.add_request(make_request(**spec))
+        if step in aborts:
+            scheduler.abort_request(aborts[step])
+        step += 1
+        if not overlap:
+            plan = scheduler.schedule()
+            take(scheduler.take_early_outputs())
+            shadow.apply(plan)
+            take(scheduler.update(plan, model.execute(plan)))
+            continue
+        if len(in_flight) < 2 and scheduler.has_work():
+            plan = scheduler.schedule()
+            take(scheduler.take_early_outputs())
+            if not plan.is_empty:
+                scheduler.commit(plan)
+                shadow.apply(plan)
+                in_flight.append((plan, model.execute(plan)))  # computed now, read later
+                max_in_flight = max(max_in_flight, len(in_flight))
+                if len(in_flight) < 2:
+                    continue
+        if in_flight:
+            plan, result = in_flight.popleft()
+            take(scheduler.reconcile(plan, result))
+    kv = scheduler.kv
+    assert kv.num_free_blocks == kv.num_usable_blocks, "blocks leaked"
+    assert not scheduler.requests
+    every = {(spec["request_id"], i) for specs in arrivals.values() for spec in specs for i in range(spec["n"])}
+    assert set(finished) == every, "a sample ended without its last chunk"
+    return dict(tokens), finished, scheduler.num_preemptions_total, max_in_flight
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_blocks", [24, 200])  # 24: preemptions; 200: prefix-cache hits
+def test_overlap_gives_exactly_the_lockstep_outputs(seed, num_blocks):
+    lockstep_tokens, lockstep_finished, _, _ = _run(False, seed, eos_every=23, num_blocks=num_blocks)
+    tokens, finished, preemptions, max_in_flight = _run(True, seed, eos_every=23, num_blocks=num_blocks)
+    assert max_in_flight == 2
+    assert finished == lockstep_finished
+    assert tokens == lockstep_tokens
+
+
+def test_the_small_pool_does_preempt_under_overlap():
+    assert any(_run(True, seed, eos_every=23, num_blocks=24)[2] for seed in range(6))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_aborts_while_plans_are_in_flight_end_every_request_and_leak_nothing(seed):
+    _, finished, _, _ = _run(True, seed, eos_every=23, num_blocks=24, with_aborts=True)
+    assert 4 in finished.values()  # FinishReason.CANCELLED: some abort hit a live request
+
+
+def test_a_request_that_stops_while_its_next_step_is_in_flight_gets_no_extra_token():
+    scheduler = make_scheduler()
+    model = ModelSim(eos_every=0)
+    request = make_request(num_prompt_tokens=5, max_new_tokens=3)
+    scheduler.add_request(request)
+    plans, outputs = [], []
+    while scheduler.has_work() or plans:
+        if len(plans) < 2 and scheduler.has_work():
+            plan = scheduler.schedule()
+            if not plan.is_empty:
+                scheduler.commit(plan)
+                plans.append((plan, model.execute(plan)))
+                if len(plans) < 2:
+                    continue
+        plan, result = plans.pop(0)
+        outputs += scheduler.reconcile(plan, result)
+    generated = [t for _, o in outputs for t in o.token_ids]
+    assert len(generated) == 3 and outputs[-1][1].finish_reason is not None
+    # The model service did compute a fourth token (planned before the stop was known): the
+    # slot's tokens there ran one past what the client got, and were dropped with the slot.
+    assert model.max_tokens_seen == 5 + 4
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
