@@ -340,13 +340,16 @@ class ReplicaSet:
         self._update_serving()
 
     async def _remove(self, replica: Replica) -> None:
-        """A replica that left (its address no longer resolves): stop it, move its requests."""
+        """A replica that left (its address no longer resolves): stop it, move its requests.
+        Kept while no other replica serves: its requests would have nowhere to go."""
+        if not any(r.up for r in self.replicas if r is not replica):
+            return
         await replica.loop.stop()
         replica.scheduler.reset_engine(replica.scheduler.facts)  # every sequence back to waiting
         self.replicas.remove(replica)
-        self._drain(replica, force=True)
-        if replica.scheduler.requests:  # nowhere to go: keep serving them from the list's head
-            log.error("replica_removed_with_requests", replica=replica.name, num=len(replica.scheduler.requests))
+        # Up replicas first; if they all went down during the stop, any other one (the
+        # maintenance pass moves requests off a down replica once one is up).
+        self._drain(replica, force=True, targets=[r for r in self.replicas if r.up] or list(self.replicas))
         await replica.client.close()
         self.up_gauge.remove(replica.name)
         log.info("replica_removed", replica=replica.name, num_replicas=len(self.replicas))
@@ -366,11 +369,12 @@ class ReplicaSet:
             self._serving = serving
             self._on_serving(serving)
 
-    def _drain(self, replica: Replica, force: bool = False) -> None:
+    def _drain(self, replica: Replica, force: bool = False, targets: Optional[list[Replica]] = None) -> None:
         """Move every request of a replica whose engine is down to the replicas that are up."""
         if replica.up and not force:
             return  # it came back meanwhile
-        targets = [r for r in self.replicas if r.up and r is not replica]
+        if targets is None:
+            targets = [r for r in self.replicas if r.up and r is not replica]
         src = replica.scheduler
         if not targets or not src.requests:
             return
