@@ -134,6 +134,7 @@ class _Common(BaseModel):
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None  # vLLM's EBNF grammars: refused, never ignored
 
 
 class CompletionRequest(_Common):
@@ -195,6 +196,9 @@ def _structured_param(body: _Common) -> Optional[str]:
 
 
 def _structured_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
+    if body.guided_grammar is not None:
+        raise ApiError(400, "guided_grammar: not supported (use guided_json, guided_regex or "
+                       "guided_choice)", param="guided_grammar")
     param = _structured_param(body)
     if param is None:
         return

@@ -252,6 +252,10 @@ async def test_openai_bad_grammar_names_the_param(tiny_server, client):
             model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
             response_format={"type": "json_schema", "json_schema": {"name": "x"}})
     assert error.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.completions.create(model=model, prompt="x", max_tokens=4,
+                                        extra_body={"guided_grammar": "root ::= \"a\""})
+    assert error.value.body["param"] == "guided_grammar"
 
 
 # ---- a real model ---------------------------------------------------------------------------
