@@ -161,7 +161,10 @@ def token_bytes(tokenizer_json: str) -> tuple[dict[int, bytes], set[int]]:
     token's spelling ("Ġthe") must be turned back into its bytes (b" the"); a SentencePiece
     token's "▁" is a space and "<0x0A>" a raw byte."""
     document = json.loads(tokenizer_json)
-    vocab: dict[str, int] = dict(document.get("model", {}).get("vocab") or {})
+    model_vocab = document.get("model", {}).get("vocab") or {}
+    if isinstance(model_vocab, list):  # Unigram: [[piece, score], ...], ids by position
+        model_vocab = {piece: index for index, (piece, _score) in enumerate(model_vocab)}
+    vocab: dict[str, int] = dict(model_vocab)
     special = set()
     for added in document.get("added_tokens", []) or []:
         vocab.setdefault(added["content"], added["id"])

@@ -93,6 +93,12 @@ def test_sentencepiece_tokens_become_their_bytes():
     by_id, special = token_bytes(tokenizer.to_str())
     assert (by_id[2], by_id[3], by_id[4]) == (b" hello", b"\n", b"world")
     assert special == {1}
+    unigram = tokenizers.Tokenizer(models.Unigram(
+        [("<unk>", 0.0), ("▁a", -1.0), ("<0x41>", -2.0), ("bc", -3.0)], unk_id=0,
+        byte_fallback=True))
+    unigram.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    by_id, _ = token_bytes(unigram.to_str())
+    assert (by_id[1], by_id[2], by_id[3]) == (b" a", b"A", b"bc")
 
 
 def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2_vocab):
