@@ -113,6 +113,12 @@ async def _stream(stub, request, tokens: list[int]):
     return chunks
 
 
+async def _chunks(stub, request, chunks: list):
+    async for chunk in stub.Generate(request):
+        chunks.append(chunk)
+    return chunks
+
+
 async def test_killing_a_replica_mid_run_loses_no_request():
     engines = [EngineProcess(*ENGINE_ARGS) for _ in range(2)]
     server = await start_scheduler(",".join(e.address for e in engines), max_num_batched_tokens=512,
@@ -123,11 +129,18 @@ async def test_killing_a_replica_mid_run_loses_no_request():
         requests = [greedy_ids_request(p, 120) for p in prompts]
         reference = [await complete(stub, r) for r in requests]  # undisturbed, one at a time
 
+        # A request with two parallel samples (greedy: both equal the n=1 output); its samples
+        # move together with their group.
+        two_samples = greedy_ids_request(prompts[0], 120, n=2, request_id="two-samples")
+        samples_reference = reference[0].token_ids
         streamed: list[list[int]] = [[] for _ in requests]
         tasks = [asyncio.ensure_future(_stream(stub, r, streamed[i])) for i, r in enumerate(requests)]
-        while min(len(t) for t in streamed) < 5:
+        sample_chunks: list = []
+        samples = asyncio.ensure_future(_chunks(stub, two_samples, sample_chunks))
+        while min(len(t) for t in streamed) < 5 or len(sample_chunks) < 10:
             await asyncio.sleep(0.005)
-        victim = next(r for r in server.loop.replicas if r.scheduler.running)
+        # The replica holding the two samples (both forked and decoding by now) is the one killed.
+        victim = next(r for r in server.loop.replicas if r.scheduler.find("two-samples") is not None)
         held = len(victim.scheduler.requests)
         engines[[e.address for e in engines].index(victim.name)].process.send_signal(signal.SIGKILL)
         assert held > 0 and not all(t.done() for t in tasks)
@@ -137,6 +150,10 @@ async def test_killing_a_replica_mid_run_loses_no_request():
             assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
             assert tokens == ref.token_ids  # the undisturbed greedy output: nothing lost or repeated
             assert "".join(c.text for c in chunks) == ref.text
+        by_sample = {0: [], 1: []}
+        for chunk in await samples:
+            by_sample[chunk.index].extend(chunk.token_ids)
+        assert by_sample[0] == by_sample[1] == samples_reference  # both samples of the n=2 request
         assert server.loop.drained.labels(victim.name)._value.get() >= 1
         status = await stub.GetServerStatus(generate_pb2.GetServerStatusRequest())
         assert {r.address: r.serving for r in status.replicas} == {
