@@ -169,3 +169,20 @@ async def test_bad_surface_fields_are_rejected_and_nothing_leaks(tiny_server, mu
     assert message in error.value.details()
     await wait_until_idle(tiny_server)
     assert_no_leaked_blocks(tiny_server)
+
+
+async def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch_of_eight_others(tiny_server):
+    import asyncio
+
+    def seeded(prompt, seed):
+        request = greedy_ids_request(prompt, 24)
+        request.sampling.temperature = 0.9
+        request.sampling.top_p = 0.95
+        request.sampling.seed = seed
+        return complete(stub_for(tiny_server), request)
+
+    alone = await seeded(PROMPT, 1234)
+    others = [seeded(list(range(600 + 40 * i, 600 + 40 * i + 10 + 5 * i)), i) for i in range(8)]
+    together = await asyncio.gather(seeded(PROMPT, 1234), *others)
+    assert together[0].token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in together}) == 9  # the others really sampled
