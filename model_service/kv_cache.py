@@ -110,8 +110,26 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_cache_budget_bytes(memory_bytes: int, memory_fraction: float | None, device: torch.device) -> int:
-    """The KV budget: memory_fraction of the device's free memory when set, else memory_bytes."""
+def kv_cache_budget_bytes(memory_bytes: int, memory_fraction: float | None, device: torch.device,
+                          num_ranks: int = 1) -> int:
+    """The KV budget: memory_fraction of the device's free memory when set, else memory_bytes.
+    Tensor-parallel ranks on the CPU share the host's memory: each takes 1/num_ranks of it."""
     if memory_fraction is None:
         return memory_bytes
-    return int(available_memory_bytes(device) * memory_fraction)
+    free = available_memory_bytes(device)
+    if device.type != "cuda":
+        free //= num_ranks
+    return int(free * memory_fraction)
+
+
+def agree_on_num_blocks(num_blocks: int, device: torch.device) -> int:
+    """Tensor-parallel ranks each measured their free memory: all take the smallest count, so that
+    every block id the scheduler hands out exists on every rank. A collective over the default
+    group: every rank calls it at the same point (building its runner)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return num_blocks
+    count = torch.tensor([num_blocks], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    return int(count.item())

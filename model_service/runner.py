@@ -37,7 +37,7 @@ from cython_ext.mapping import StepInputBuilder
 from model_service.attention import build_attention_metadata
 from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
 from model_service.config import ModelServiceConfig
-from model_service.kv_cache import KVCache, kv_block_bytes, kv_cache_budget_bytes
+from model_service.kv_cache import KVCache, agree_on_num_blocks, kv_block_bytes, kv_cache_budget_bytes
 from model_service.loader import LoadedModel
 from model_service.request_cache import RequestCache
 from model_service.logits import apply_masks, apply_processing, gather_logprobs, prompt_logprob_rows
@@ -85,8 +85,11 @@ class ModelRunner:
             num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else loaded.num_kv_blocks
         else:
             per_block = kv_block_bytes(arch.num_hidden_layers, self.block_size, loaded.num_kv_heads_per_rank, arch.head_dim, self.dtype)
-            budget = kv_cache_budget_bytes(config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.device)
+            budget = kv_cache_budget_bytes(config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.device,
+                                           loaded.tensor_parallel_size)
             num_blocks = budget // per_block
+            if config.kv_cache_memory_fraction is not None and loaded.tensor_parallel_size > 1:
+                num_blocks = agree_on_num_blocks(num_blocks, self.device)  # free memory differs per rank
             if num_blocks < 2:
                 field = "kv_cache_memory_bytes" if config.kv_cache_memory_fraction is None else "kv_cache_memory_fraction"
                 raise ValueError(f"{field}: a budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; need >= 2")

@@ -191,3 +191,38 @@ def test_memory_flags_parse_into_the_config():
     assert (config.kv_cache_memory_bytes, config.swap_space_bytes) == (800 << 10, 80 << 10)
     assert (config.kv_cache_memory_fraction, config.served_model_name, config.max_model_len) == (0.25, "x", 256)
     assert parse_args(["--kv-cache-memory-bytes", "4096"]).kv_cache_memory_bytes == 4096
+
+
+def _rank_num_blocks(rank, world_size, init_method, fraction, results):
+    import torch.distributed as dist
+
+    from model_service.tp_worker import setup_rank
+
+    config = tiny_config(num_kv_blocks=None, kv_cache_memory_fraction=fraction, tensor_parallel_size=world_size)
+    runner, _group = setup_rank(config, rank, world_size, init_method)
+    results.put((rank, runner.describe_facts().num_kv_blocks, runner.kv_cache.k.shape[1]))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_agree_on_the_block_count():
+    """Each rank measures free memory at its own moment (the other rank is allocating): they must
+    all take the same count, or rank 0 would hand out block ids another rank does not have. On
+    the CPU the ranks share the host's memory, so each budgets 1/world_size of it."""
+    import multiprocessing
+
+    from model_service.tp_worker import free_tcp_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+    fraction = 0.002
+    ranks = [context.Process(target=_rank_num_blocks, args=(rank, 2, init_method, fraction, results)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    counts = sorted(results.get(timeout=300) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    assert counts[0][1:] == counts[1][1:], counts
+    per_rank_block = TINY_BLOCK_BYTES_FP32 // 2  # one of the two KV heads per rank
+    expected = available_memory_bytes(torch.device("cpu")) / 2 * fraction / per_rank_block
+    assert abs(counts[0][1] - expected) <= 0.2 * expected, (counts, expected)
