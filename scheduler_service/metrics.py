@@ -70,8 +70,27 @@ class Metrics:
                                      buckets=_LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("planserve_e2e_request_latency_seconds", "Arrival to last chunk.",
                              buckets=_LATENCY_BUCKETS, registry=registry)
+        # Faults and overload (docs/operations.md).
+        self.engine_up = Gauge("planserve_engine_up", "1 while the model service computes, 0 "
+                               "while it is down and the scheduler reconnects.",
+                               registry=registry)
+        self.engine_up.set(1)
+        self.engine_recoveries = Counter("planserve_engine_recoveries", "Times the model "
+                                         "service came back and every sequence in flight was "
+                                         "recomputed.", registry=registry)
+        self.rejected = Counter("planserve_requests_rejected", "Requests refused or cut for "
+                                "overload, by reason.", ["reason"], registry=registry)
         self._last_token_time: dict[int, float] = {}  # by id(request)
         self._http = None
+
+    def on_engine_up(self, up: bool) -> None:
+        self.engine_up.set(1 if up else 0)
+        if up:
+            self.engine_recoveries.inc()
+
+    def on_rejected(self, reason: str) -> None:
+        """reason: queue_full, stream_buffer_full or draining."""
+        self.rejected.labels(reason).inc()
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics; returns the bound port (port 0 picks a free one)."""

@@ -72,6 +72,12 @@ class Serving:
     grammars: Optional[structured.GrammarCompiler] = None
 
 
+def _count_rejection(serving: Serving, reason: str) -> None:
+    metrics = getattr(serving.loop, "metrics", None)
+    if metrics is not None:
+        metrics.on_rejected(reason)
+
+
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: SchedulerConfig):
         self._config = config
@@ -87,6 +93,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     def _accept(self, serving: Serving, pb: generate_pb2.GenerateRequest) -> Request:
         """Validates and queues a request; `Rejected` says which status it gets instead."""
         if self.draining:
+            _count_rejection(serving, "draining")
             raise Rejected(grpc.StatusCode.UNAVAILABLE,
                            "the server is draining (shutting down): send the request elsewhere")
         scheduler = serving.loop.scheduler
@@ -117,6 +124,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         else:
             return
         retry_after_ms = overload.retry_after_ms(waiting_tokens, serving.loop.tokens_per_s)
+        _count_rejection(serving, "queue_full")
         raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"{why}; retry after {retry_after_ms} ms", retry_after_ms)
 
@@ -151,6 +159,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             while samples_left:
                 output = await req.outputs.get()
                 if isinstance(output, overload.Overflowed):
+                    _count_rejection(serving, "stream_buffer_full")
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, output.message)
                 yield outputs.to_pb(req, output)
                 if output.finish_reason is not None:
@@ -211,6 +220,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 if item is done_reading:
                     reading = False
                 elif isinstance(item, overload.Overflowed):
+                    _count_rejection(serving, "stream_buffer_full")
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, item.message)
                 elif isinstance(item, generate_pb2.SessionResponse):
                     yield item

@@ -78,6 +78,9 @@ async def test_sigkill_of_the_model_service_mid_generation_loses_nothing():
             assert tokens == ref.token_ids  # identical greedy output, no token twice
             assert "".join(c.text for c in chunks) == ref.text
         assert server.loop.num_engine_recoveries == 1
+        registry = server.metrics.registry
+        assert registry.get_sample_value("planserve_engine_recoveries_total") == 1
+        assert registry.get_sample_value("planserve_engine_up") == 1
         await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
         await wait_until_idle(server)
         assert_no_leaked_blocks(server)

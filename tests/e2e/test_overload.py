@@ -85,6 +85,8 @@ async def test_queue_full_by_requests_answers_resource_exhausted_with_a_retry_hi
     assert f"{MAX_QUEUE_LEN} requests waiting (max_queue_len {MAX_QUEUE_LEN})" in \
         error.value.details()
     assert int(dict(error.value.trailing_metadata())[RETRY_AFTER_KEY]) >= 100
+    assert server.metrics.registry.get_sample_value(
+        "planserve_requests_rejected_total", {"reason": "queue_full"}) >= 1
     running.cancel()
     assert [len(c.token_ids) for c in await asyncio.gather(*waiting)] == [2] * MAX_QUEUE_LEN
     await wait_until_idle(server)
@@ -111,6 +113,8 @@ async def test_client_that_stops_reading_is_aborted_at_the_bound_and_others_go_o
             assert chunk is not grpc.aio.EOF, "the slow stream ended without a status"
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"max_stream_buffer_chunks {MAX_STREAM_BUFFER_CHUNKS}" in error.value.details()
+    assert server.metrics.registry.get_sample_value(
+        "planserve_requests_rejected_total", {"reason": "stream_buffer_full"}) >= 1
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)
 
