@@ -160,6 +160,7 @@ class EngineLoop:
         scheduler = self.scheduler
         if len(self._in_flight) < 2 and scheduler.has_work():
             plan = scheduler.schedule()
+            structlog.contextvars.bind_contextvars(step_id=plan.step_id)
             self._deliver(scheduler.take_early_outputs())
             if not plan.is_empty:
                 scheduler.commit(plan)
