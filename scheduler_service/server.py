@@ -320,14 +320,17 @@ class SchedulerServer:
                                       interceptors=security.interceptors(config))
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.servicer = GenerationServicer(config)
-        self.client = EngineClient(config.engine_address,
-                                   security.engine_channel_credentials(config),
-                                   security.engine_channel_options(config))
+        self.client = self._engine_client(config.engine_address)
         self.metrics = Metrics()
         self.port = 0
         self.metrics_port: int | None = None
         self.http: HttpServer | None = None
         self.http_port: int | None = None  # the OpenAI-compatible API's bound port, if served
+
+    def _engine_client(self, address: str) -> EngineClient:
+        """A client of one model service, with the engine TLS settings (--engine-tls-*)."""
+        return EngineClient(address, security.engine_channel_credentials(self.config),
+                            security.engine_channel_options(self.config))
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -361,7 +364,8 @@ class SchedulerServer:
         if is_replicated(self.config.engine_address):
             # Several model services: one scheduler + engine loop per replica, a router in front
             # (scheduler_service/replicas.py); the servicer talks to the set as to one loop.
-            loop = ReplicaSet(self.config, self.metrics, on_serving=self._on_engine_up)
+            loop = ReplicaSet(self.config, self.metrics, on_serving=self._on_engine_up,
+                              make_client=self._engine_client)
             facts = await loop.connect()
             tokenizer = loop.tokenizer
             engine_down = None

@@ -172,6 +172,27 @@ async def test_scheduler_without_the_engine_client_certificate_cannot_use_the_en
         await server.stop(grace_s=0)
 
 
+async def test_replica_router_reaches_mtls_engines(pki):
+    """`--engine a,b` (one engine loop per replica) uses the same engine TLS settings."""
+    engines = [EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64",
+                             "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+                             "--tls-client-ca", pki.ca) for _ in range(2)]
+    server = await start_scheduler(
+        ",".join(e.address for e in engines), engine_tls_ca=pki.ca,
+        engine_tls_cert=pki.client_cert, engine_tls_key=pki.client_key)
+    try:
+        assert len(server.loop.replicas) == 2
+        stub = generate_pb2_grpc.GenerationServiceStub(
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
+        done = await asyncio.gather(*(complete(stub, greedy_ids_request(PROMPT, 6))
+                                      for _ in range(4)))
+        assert all(len(c.token_ids) == 6 for c in done)
+    finally:
+        await server.stop(grace_s=1)
+        for engine in engines:
+            engine.stop()
+
+
 # ---- bearer token -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),),
