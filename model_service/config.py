@@ -138,6 +138,8 @@ class ModelServiceConfig:
             raise ValueError(f"speculative_method: {self.speculative_method!r} is not one of {_SPECULATIVE_METHODS}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens: {self.num_speculative_tokens} must be in [1, 16]")
+        if self.speculative_method != "none" and self.tensor_parallel_size != 1:
+            raise ValueError("speculative_method: needs tensor_parallel_size 1 (drafting runs on one rank)")
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("draft_model: needed with speculative_method 'draft'")
         if not 1 <= self.ngram_max <= 8:
