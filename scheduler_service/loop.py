@@ -143,16 +143,7 @@ class EngineLoop:
         self.num_steps += 1
         self._recoveries_without_progress = 0
         self._deliver(self.scheduler.update(plan, result))
-        if self.metrics is not None:
-            scheduler = self.scheduler
-            usable = scheduler.kv.num_usable_blocks
-            preemptions = scheduler.num_preemptions_total - self._num_preemptions_seen
-            self._num_preemptions_seen = scheduler.num_preemptions_total
-            self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
-                                 (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
-            if result.num_draft_tokens:
-                self.metrics.on_speculation(result.num_draft_tokens,
-                                            result.num_accepted_draft_tokens)
+        self._after_step(result)
 
     async def _overlapped_step(self) -> None:
         """Keeps the pipeline full: plan and send the next step while one is in flight, then
@@ -197,6 +188,9 @@ class EngineLoop:
             self._num_preemptions_seen = scheduler.num_preemptions_total
             self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
                                  (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
+            if result.num_draft_tokens:
+                self.metrics.on_speculation(result.num_draft_tokens,
+                                            result.num_accepted_draft_tokens)
 
     def _note_rate(self, num_tokens: int, seconds: float) -> None:
         if seconds > 0:
