@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
     parser.add_argument("--quantization", default=defaults.quantization, choices=["none", "int8"],
                         help="int8: weight-only int8, per-output-channel scales (~3.9x less weight memory than float32)")
     parser.add_argument("--device", default=defaults.device, help='"auto", "cpu", "cuda" or "cuda:N"')
-    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--host", default=defaults.host,
+                        help="interface to bind (loopback by default: the engine trusts its plans), or unix:/PATH for a Unix socket")
     parser.add_argument("--port", type=int, default=defaults.port, help="0 binds a free port and prints it")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=defaults.num_kv_blocks, help="default: from --kv-cache-memory-bytes")

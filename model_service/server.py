@@ -135,7 +135,9 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # The engine trusts its plans: loopback by default (config.host), TLS/mTLS when credentials are given.
-    address = f"{config.host}:{config.port}"
+    # `--host unix:/path/engine.sock` binds a Unix socket instead (port unused; the scheduler's
+    # --engine takes the same unix:/path).
+    address = config.host if config.host.startswith("unix:") else f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"port: could not bind {config.host}:{config.port}")

@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model-service", help="the model service alone")
     _add_model_flags(model)
     model.add_argument("--host", default="127.0.0.1",
-                       help="interface to bind: loopback by default, the engine trusts its plans")
+                       help="interface to bind: loopback by default (the engine trusts its "
+                            "plans), or unix:/PATH for a Unix socket")
     model.add_argument("--port", type=int, default=50052)
     model.add_argument("--tls-cert", default="", help="PEM certificate: serve over TLS")
     model.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")

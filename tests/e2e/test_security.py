@@ -283,6 +283,32 @@ def test_model_service_binds_loopback_by_default():
     assert build_parser().parse_args(["model-service"]).host == "127.0.0.1"
 
 
+async def test_model_service_on_a_unix_socket(tmp_path):
+    socket_path = f"unix:{tmp_path}/engine.sock"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "model_service", "--model", "tiny", "--dtype", "float32",
+         "--num-kv-blocks", "64", "--host", socket_path],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
+    try:
+        for line in process.stdout:
+            if line.startswith("PLANSERVE_ENGINE_PORT="):
+                break
+        else:
+            raise AssertionError(f"model service exited with {process.wait()}")
+        assert os.path.exists(f"{tmp_path}/engine.sock")
+        server = await start_scheduler(socket_path)
+        try:
+            stub = generate_pb2_grpc.GenerationServiceStub(
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.port}"))
+            done = await complete(stub, greedy_ids_request(PROMPT, 5))
+            assert len(done.token_ids) == 5
+        finally:
+            await server.stop(grace_s=1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 async def test_no_prompt_or_output_in_the_logs_at_info_level():
     """A real scheduler process at --log-level info serves a text prompt; its logs name the
     request but hold neither the prompt's text nor its token ids nor the output text."""
