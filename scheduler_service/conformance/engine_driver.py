@@ -74,6 +74,7 @@ class ExecuteStream:
         self.blocks = Blocks(facts.num_kv_blocks)
         self.slots: dict[int, Slot] = {}
         self.next_step_id = 1  # any strictly increasing ids will do; not starting at 0 on purpose
+        self.last_step_id: Optional[int] = None  # of the last plan sent
 
     # -- building plans ----------------------------------------------------------------------
 
@@ -118,6 +119,7 @@ class ExecuteStream:
 
     async def send(self, plan: engine_pb2.BatchPlan) -> dict[int, int]:
         """Runs one plan; returns {slot: sampled token} for the slots that sampled."""
+        self.last_step_id = plan.step_id
         try:
             await self.call.write(engine_pb2.ExecuteRequest(plan=plan))
             response = await self.call.read()
@@ -172,14 +174,14 @@ class ExecuteStream:
         """Registers a slot and computes its prompt (in chunks of `chunk`); the first token."""
         plan = self.plan()
         self.register(plan, slot, token_ids, **sampling)
-        sampled: dict[int, int] = {}
-        while slot not in sampled:
+        while True:
             seq = self.slots[slot]
             left = len(seq.tokens) - seq.num_computed_tokens
             self.schedule(plan, slot, min(left, chunk or left))
             sampled = await self.send(plan)
+            if slot in sampled:
+                return sampled[slot]
             plan = self.plan()
-        return sampled[slot]
 
     async def decode(self, slots: list[int], steps: int) -> None:
         """`steps` one-token steps of every slot in `slots`, batched, in that order."""

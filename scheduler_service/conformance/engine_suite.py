@@ -461,6 +461,16 @@ async def _(ctx, s):
     return plan
 
 
+@_bad_plan("step_id_not_increasing", "a step_id equal to the previous one (step ids strictly increase)",
+           ("step_id",))
+async def _(ctx, s):
+    await s.prefill(0, ctx.prompt(1))
+    plan = s.plan()
+    plan.step_id = s.last_step_id  # the prefill's own step_id
+    s.schedule(plan, 0, 1)
+    return plan
+
+
 @check(CHECKS, "recovers", "after the bad plans, a new stream serves the reference again")
 async def check_recovers(ctx: EngineContext) -> None:
     reference = await ctx.reference(ctx.prompt(1))
