@@ -29,9 +29,9 @@ async def _run(*argv: str, env: dict | None = None) -> tuple[int, str]:
 
 
 async def test_node_client_against_the_live_scheduler(tiny_server):
-    node, npm = _tool("node"), _tool("npm")
+    node = _tool("node")
     if not (NODE_DIR / "node_modules/@grpc/grpc-js").exists():  # `make install-test` runs it too
-        code, output = await _run(npm, "ci", "--no-audit", "--no-fund")
+        code, output = await _run(_tool("npm"), "ci", "--no-audit", "--no-fund")
         assert code == 0, f"npm ci failed:\n{output}"
     env = dict(os.environ, PLANSERVE_ADDRESS=f"127.0.0.1:{tiny_server.port}")
     code, output = await _run(node, "--test", "--test-reporter=tap", "client.test.mjs", env=env)
