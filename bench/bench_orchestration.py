@@ -29,6 +29,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,6 +154,7 @@ async def measure_system(num_streams: int, stream_interval: int, new_tokens: int
          "--http-port", "-1", "--metrics-port", "-1", "--max-num-seqs", str(max(num_streams, 1)),
          "--max-num-batched-tokens", "8192"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    # Read stdout to the end in the background: a full pipe would block the server.
     try:
         for line in server.stdout:
             if line.startswith("PLANSERVE_PORT="):
@@ -160,6 +162,7 @@ async def measure_system(num_streams: int, stream_interval: int, new_tokens: int
                 break
         else:
             raise RuntimeError("planserve serve exited")
+        threading.Thread(target=server.stdout.read, daemon=True).start()
         engine_pid = _engine_child(server.pid)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = generate_pb2_grpc.GenerationServiceStub(channel)

@@ -137,8 +137,10 @@ class OpenAIBackend:
 
 
 async def run_workload(backend, requests: list[BenchRequest], rate: float = math.inf, progress: bool = True,
-                       max_concurrency: Optional[int] = None, label: str = "") -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival time; returns the results and the run's wall time."""
+                       max_concurrency: Optional[int] = None, label: str = "",
+                       request_timeout_s: Optional[float] = None) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time; returns the results and the run's wall time. A request
+    still running after request_timeout_s is cancelled and recorded as failed ("timeout")."""
     results = [RequestResult(r.id, len(r.prompt_ids), r.max_new_tokens) for r in requests]
     bar = None
     if progress:
@@ -156,10 +158,13 @@ async def run_workload(backend, requests: list[BenchRequest], rate: float = math
             await asyncio.sleep(wait)
         try:
             if limit is None:
-                await backend.send(request, results[index], start, index)
+                await asyncio.wait_for(backend.send(request, results[index], start, index), request_timeout_s)
             else:
                 async with limit:
-                    await backend.send(request, results[index], start, index)
+                    await asyncio.wait_for(backend.send(request, results[index], start, index), request_timeout_s)
+        except asyncio.TimeoutError:
+            results[index].error = f"timeout after {request_timeout_s} s"
+            results[index].end_s = time.perf_counter() - start
         except Exception as error:  # recorded, reported as a failed request
             results[index].error = repr(error)[:500]
             results[index].end_s = time.perf_counter() - start

@@ -28,9 +28,11 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -41,7 +43,7 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORK = os.path.join(ROOT, "bench", "peers", ".work")
 RESULTS = os.path.join(ROOT, "bench", "results", "peers")
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
-ENGINES = ("planserve", "transformers-bf16", "transformers-fp32", "vllm", "llamacpp")
+ENGINES = ("planserve", "planserve-fp32", "transformers-bf16", "transformers-fp32", "vllm", "llamacpp")
 SERVERS = ("planserve", "vllm", "llamacpp")
 HF_FOLDER = os.path.join(WORK, "smollm2-hf")
 VLLM_VENV = os.path.join(WORK, "vllm-venv")
@@ -49,6 +51,7 @@ LLAMA_SERVER = os.path.join(WORK, "llamacpp", "llama_cpp_python-0.3.36", "vendor
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 ONLINE_RATES = (0.5, 1.0, 2.0)
 ONLINE_REQUESTS = 48
+ONLINE_TIMEOUT_S = 240.0
 PORT = 18411
 
 
@@ -102,12 +105,23 @@ class Planserve(Server):
     name = "planserve"
     note = "planserve serve (defaults: dtype auto = bf16 on this AMX CPU), gRPC, stream_interval 1"
 
+    def __init__(self, root: str = ROOT, dtype: str = "auto") -> None:
+        self.root = root  # the checkout to run (a clean export of a commit: --planserve-root)
+        self.dtype = dtype
+        if dtype != "auto":
+            self.name = f"planserve-{dtype.replace('float32', 'fp32')}"
+            self.note = f"planserve serve --dtype {dtype}, gRPC, stream_interval 1"
+
     def start(self, log) -> None:
         argv = [_python(), "-m", "scheduler_service.cli", "serve", "--port", str(PORT), "--engine-port", "0",
-                "--http-port", "-1", "--metrics-port", "-1"]
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=_env(), start_new_session=True)
+                "--http-port", "-1", "--metrics-port", "-1", "--dtype", self.dtype]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(self.root, "protos"), self.root]))
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=self.root,
+                                        start_new_session=True)
         for line in self.process.stdout:
             if line.startswith("PLANSERVE_PORT="):
+                # Keep reading stdout into the log: a full pipe would block the server.
+                threading.Thread(target=shutil.copyfileobj, args=(self.process.stdout, log), daemon=True).start()
                 return
         raise RuntimeError(f"planserve serve exited with {self.process.wait()}")
 
@@ -186,8 +200,10 @@ async def _bench_server(server: Server, online: bool, log) -> dict:
             if online:
                 for rate in ONLINE_RATES:
                     results, elapsed = await run_workload(backend, online_requests, rate=rate, progress=True,
-                                                          label=f"{server.name} online {rate}/s")
+                                                          label=f"{server.name} online {rate}/s", request_timeout_s=ONLINE_TIMEOUT_S)
                     runs.append(report.summarize(results, elapsed, request_rate=rate, workload=f"online[:{ONLINE_REQUESTS}]"))
+                    if runs[-1]["failed"]:
+                        break  # a stalled server would stall every later rate too
     finally:
         server.stop()
     return {"engine": server.name, "note": server.note, "startup_s": round(startup_s, 1), "runs": runs, "machine": _machine(before)}
@@ -209,10 +225,11 @@ def _bench_transformers(dtype: str, log) -> dict:
     return result
 
 
-def run(engines: list[str], online: bool) -> None:
+def run(engines: list[str], online: bool, planserve_root: str = ROOT, offline_only: tuple = ()) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     os.makedirs(os.path.join(WORK, "logs"), exist_ok=True)
-    servers = {"planserve": Planserve(), "vllm": VLLM(), "llamacpp": LlamaCpp()}
+    servers = {"planserve": Planserve(planserve_root), "planserve-fp32": Planserve(planserve_root, "float32"),
+               "vllm": VLLM(), "llamacpp": LlamaCpp()}
     for name in engines:
         path = os.path.join(RESULTS, f"{name}.json")
         with open(os.path.join(WORK, "logs", f"{name}.log"), "w") as log:
@@ -221,9 +238,10 @@ def run(engines: list[str], online: bool) -> None:
                     why = servers[name].missing()
                     if why:
                         raise RuntimeError(why)
-                    result = asyncio.run(_bench_server(servers[name], online, log))
+                    result = asyncio.run(_bench_server(servers[name], online and name not in offline_only, log))
                 else:
                     result = _bench_transformers(name.split("-", 1)[1].replace("fp32", "float32").replace("bf16", "bfloat16"), log)
+                    result["engine"] = name
             except Exception as error:  # recorded in the doc as what failed
                 result = {"engine": name, "error": repr(error)[:2000], "machine": report.machine_note()}
         report.write_json(result, path)
@@ -302,6 +320,7 @@ def write_doc() -> None:
                              f"{_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'])} | "
                              f"{_fmt(r['itl_ms']['p50'], 1)} / {_fmt(r['itl_ms']['p99'], 1)} | {_fmt(r['e2e_ms']['p50'])} |")
         lines += ["", "![online sweep](../bench/results/peers/online-sweep.png)"]
+    lines += _orchestration_section()
     if failures:
         lines += ["", "## Engines that did not run", ""]
         lines += [f"- **{f['engine']}**: `{f['error']}`" for f in failures]
@@ -315,14 +334,47 @@ def write_doc() -> None:
     print(f"wrote {DOC}")
 
 
+def _orchestration_section() -> list[str]:
+    """The null-model table from bench/results/orchestration.json (bench/bench_orchestration.py)."""
+    path = os.path.join(ROOT, "bench", "results", "orchestration.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    lines = ["", "## Orchestration alone (`--model null`)", "",
+             "`PYTHONPATH=protos:. .venv/bin/python bench/bench_orchestration.py`: medians per decode step with N",
+             "running decode sequences; the round trip includes the model service's own time (`engine`).", "",
+             "| N | schedule + encode ms | round trip ms (engine) | decode + update ms | plan bytes / decode seq |",
+             "|---:|---:|---:|---:|---:|"]
+    for p in data["parts"]:
+        lines.append(f"| {p['running_decodes']} | {p['schedule_encode_ms']['median']:.3f} | {p['round_trip_ms']['median']:.3f} "
+                     f"({p['engine_ms']['median']:.3f}) | {p['decode_update_ms']['median']:.3f} | {p['plan_bytes_per_decode_seq']} |")
+    lines += ["", "The whole system (`planserve serve --model null`, clients in a third process), per decode step:", "",
+              "| streams | stream_interval | step ms | output tok/s | chunks / stream | fan-out ms (by subtraction) | CPU ms / step: scheduler, model service, clients |",
+              "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in data["system"]:
+        cpu = r["cpu_ms_per_step"]
+        lines.append(f"| {r['streams']} | {r['stream_interval']} | {r['step_ms_tpot_median']:.3f} | {r['output_tokens_per_s']} | "
+                     f"{r['chunks_per_stream']} | {r['fanout_by_subtraction_ms']:.3f} | "
+                     f"{cpu['scheduler_process']}, {cpu['model_service_process']}, {cpu['client_process']} |")
+    threads = data.get("threads", {})
+    lines += ["", f"Threads: the model service runs torch with {threads.get('model_service_torch')} threads (torch's default on",
+              "this 2-core machine); the scheduler process never loads torch (checked from /proc/PID/maps)."]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--skip-online", action="store_true", help="the peer workload only")
+    parser.add_argument("--offline-only", nargs="*", default=[], choices=ENGINES, help="these engines: the peer workload only")
     parser.add_argument("--docs-only", action="store_true", help="rewrite docs/benchmarks.md from stored results")
+    parser.add_argument("--planserve-root", default=ROOT,
+                        help="the planserve checkout to serve (e.g. `git archive HEAD` unpacked, with built extensions)")
     args = parser.parse_args(argv)
     if not args.docs_only:
-        run(args.engines, online=not args.skip_online)
+        run(args.engines, online=not args.skip_online, planserve_root=os.path.abspath(args.planserve_root),
+            offline_only=tuple(args.offline_only))
     write_doc()
 
 
