@@ -390,14 +390,17 @@ class Scheduler:
         known = self._pending_forks.pop(slot, None) is None
         if known:
             plan.preempted_slots.append(slot)
-        num_swap_blocks = cdiv(request.num_computed_tokens, self.kv.block_size)
         # A sequence whose token is still in flight (overlap) has computed all its known tokens:
-        # that token will never reach it, so it must recompute to sample it again.
-        by_swap = (known and request.num_computed_tokens < request.num_tokens
-                   and self.swap.can_swap_out(num_swap_blocks))
+        # that token will never reach it, so its last known position is computed again on
+        # resume, to sample it again; the KV before it is kept (plans run in order, so the one
+        # in flight has written it before this plan's swap-out reads it).
+        num_kept = min(request.num_computed_tokens, request.num_tokens - 1)
+        num_swap_blocks = cdiv(num_kept, self.kv.block_size)
+        by_swap = known and self.swap.can_swap_out(num_swap_blocks)
         if by_swap:
             plan.swap_out_src.extend(self.core.block_ids(slot)[:num_swap_blocks])
             plan.swap_out_dst.extend(self.swap.swap_out(request, num_swap_blocks))
+            request.num_computed_tokens = num_kept
         self.running.remove(request)
         self._free_blocks(request)
         self.slots.free(slot)

@@ -14,6 +14,7 @@ import random
 import pytest
 
 from factories import EOS, fake_result, make_request, make_scheduler
+from scheduler_service.plan import StepResult
 from scheduler_service.swap import SwapSpace
 
 
@@ -295,3 +296,79 @@ def test_random_workloads_keep_the_kv_right():
     admitting), where reusing the swap-in's host blocks in the same plan would corrupt it."""
     plans = [plan for seed in range(80) for plan in _random_run(seed)]
     assert sum(1 for p in plans if p.swap_in_src and p.swap_out_src) > 0
+
+
+class KVModel(KVShadow):
+    """KVShadow that also samples, like the model service: the next token is a function of the
+    whole sequence, appended to the slot's own tokens (overlap feeds it to the next step)."""
+
+    def execute(self, plan):
+        self.apply(plan)
+        counts, sampled = [], []
+        for slot in plan.slots:
+            tokens = self.tokens[slot]
+            if self.computed[slot] == len(tokens):
+                h = sum(t * (i + 7) for i, t in enumerate(tokens)) * 2654435761 % 1000003
+                tokens.append(2 + h % 150)
+                counts.append(1), sampled.append(tokens[-1])
+            else:
+                counts.append(0)
+        return StepResult(step_id=plan.step_id, num_sampled_tokens=counts, sampled_token_ids=sampled,
+                          forward_ns=0, sample_ns=0, total_ns=0)
+
+
+def _run_model(scheduler, requests, num_swap_blocks: int, overlap: bool):
+    model = KVModel(scheduler.kv.pool.num_blocks, num_swap_blocks, scheduler.kv.block_size)
+    for request in requests:
+        scheduler.add_request(request)
+    outputs = collections.defaultdict(list)
+    in_flight = collections.deque()
+    plans = []
+
+    def take(pairs):
+        for request, output in pairs:
+            outputs[request.request_id].extend(output.token_ids)
+
+    while scheduler.has_work() or in_flight:
+        assert len(plans) < 5000, "did not drain"
+        if not overlap:
+            plan = scheduler.schedule()
+            plans.append(plan)
+            take(scheduler.take_early_outputs())
+            take(scheduler.update(plan, model.execute(plan)))
+            continue
+        if len(in_flight) < 2 and scheduler.has_work():
+            plan = scheduler.schedule()
+            take(scheduler.take_early_outputs())
+            if not plan.is_empty:
+                plans.append(plan)
+                scheduler.commit(plan)
+                in_flight.append((plan, model.execute(plan)))  # computed now, read later
+                if len(in_flight) < 2:
+                    continue
+        if in_flight:
+            plan, result = in_flight.popleft()
+            take(scheduler.reconcile(plan, result))
+    return dict(outputs), plans
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlap_swaps_decodes_whose_token_is_in_flight(seed):
+    """With two plans in flight a decoding victim has computed all its known tokens (its next
+    one is still coming): it is swapped out all the same, keeping every position but its last,
+    which it computes again on resume to sample that token again. Tokens equal lockstep's."""
+    def requests():
+        rng = random.Random(seed)
+        return [make_request(max_new_tokens=rng.randint(8, 24), request_id=f"o{i}",
+                             prompt_token_ids=[2 + rng.randrange(140) for _ in range(rng.randint(4, 20))])
+                for i in range(8)]
+
+    lockstep, _ = _run_model(make_swap_scheduler(64, num_blocks=21, max_num_batched_tokens=16), requests(), 64, False)
+    scheduler = make_swap_scheduler(64, num_blocks=21, max_num_batched_tokens=16)
+    overlapped, plans = _run_model(scheduler, requests(), 64, True)
+    assert overlapped == lockstep
+    assert scheduler.swap.num_swap_outs > 0 and scheduler.swap.num_free == 64
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+    # Some swapped-out sequence was decoding: resumed one position short of its known tokens.
+    resumed = [s for p in plans if p.swap_in_src for s in p.new_sequences if s.num_computed_tokens > 0]
+    assert any(s.num_computed_tokens == len(s.token_ids) - 1 for s in resumed)
