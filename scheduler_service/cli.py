@@ -196,7 +196,16 @@ async def _run_until_signal(server: SchedulerServer, sample_prompt: Optional[str
     log.info("stopping")
     # Drain: NOT_SERVING and UNAVAILABLE for new requests, running ones finish within the
     # grace period (keep k8s terminationGracePeriodSeconds above it); then exit 0.
-    drained = await server.drain(server.config.drain_grace_s)
+    # A second signal during the drain stops at once.
+    stop.clear()
+    drain = asyncio.ensure_future(server.drain(server.config.drain_grace_s))
+    again = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({drain, again}, return_when=asyncio.FIRST_COMPLETED)
+    drained = drain.done() and drain.result()
+    if not drain.done():
+        log.info("second_signal_stopping_now")
+        drain.cancel()
+    again.cancel()
     # Past the grace period the streams still open are cut (UNAVAILABLE/CANCELLED) at once.
     await server.stop(grace_s=5.0 if drained else 0.0)
 

@@ -110,3 +110,27 @@ async def test_drain_grace_expiry_ends_running_requests_and_exits_0(slow_engine)
         await scheduler.channel.close()
         if scheduler.process.poll() is None:
             scheduler.process.kill()
+
+
+async def test_a_second_sigterm_during_the_drain_stops_at_once(slow_engine):
+    scheduler = SchedulerProcess(slow_engine, drain_grace_s=600)
+    try:
+        running = scheduler.stub.Generate(greedy_ids_request([1, 2, 3], 2000))  # 20 s at least
+        await running.read()
+        scheduler.process.send_signal(signal.SIGTERM)
+
+        async def not_serving() -> bool:
+            return await scheduler.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        await _until(not_serving)
+        scheduler.process.send_signal(signal.SIGTERM)
+        num_tokens = 0
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while (chunk := await running.read()) is not grpc.aio.EOF:
+                num_tokens += len(chunk.token_ids)
+        assert ended.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert num_tokens < 2000
+        assert await scheduler.wait_exit() == 0
+    finally:
+        await scheduler.channel.close()
+        if scheduler.process.poll() is None:
+            scheduler.process.kill()
