@@ -12,12 +12,30 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+
 from scheduler_service.request import RequestStatus
 
 # Trailing metadata key of the retry hint on RESOURCE_EXHAUSTED (milliseconds, decimal).
 RETRY_AFTER_KEY = "retry-after-ms"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
 MIN_RETRY_AFTER_MS = 100
 MAX_RETRY_AFTER_MS = 30_000
+
+
+def retry_trailing_metadata(code, message: str, retry_after_ms: int) -> tuple:
+    """The retry hint twice: `retry-after-ms` for any client, and the standard rich status
+    (`grpc-status-details-bin`: a google.rpc.Status with a google.rpc.RetryInfo) that
+    `grpc_status.rpc_status.from_call` and Google's client libraries read. The rich status
+    repeats the call's code and message, as gRPC requires."""
+    info = error_details_pb2.RetryInfo()
+    info.retry_delay.FromMilliseconds(retry_after_ms)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    return ((RETRY_AFTER_KEY, str(retry_after_ms)),
+            (STATUS_DETAILS_KEY, status.SerializeToString()))
 
 
 def num_waiting_tokens(scheduler) -> int:

@@ -46,7 +46,7 @@ class Rejected(Exception):
     def trailing_metadata(self) -> tuple:
         if self.retry_after_ms is None:
             return ()
-        return ((overload.RETRY_AFTER_KEY, str(self.retry_after_ms)),)
+        return overload.retry_trailing_metadata(self.code, self.message, self.retry_after_ms)
 
 
 class _Tagged:

@@ -9,6 +9,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, wait_until_idle
 from conftest import EngineProcess, start_scheduler
 from planserve.v1 import generate_pb2, generate_pb2_grpc
@@ -62,6 +65,13 @@ async def test_queue_full_by_tokens_answers_resource_exhausted_with_a_retry_hint
     hint = dict(error.value.trailing_metadata())[RETRY_AFTER_KEY]
     assert 100 <= int(hint) <= 30_000
     assert f"retry after {hint} ms" in error.value.details()
+    # The same hint as the standard rich status: google.rpc.RetryInfo.
+    status = rpc_status.from_call(error.value)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    [detail] = status.details
+    info = error_details_pb2.RetryInfo()
+    assert detail.Unpack(info)
+    assert info.retry_delay.ToMilliseconds() == int(hint)
     # A smaller request still fits (60 + 40 = 100), and everyone is served.
     small = await asyncio.gather(complete(stub, greedy_ids_request(list(range(1, 41)), 4)),
                                  waiting)
