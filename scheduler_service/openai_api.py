@@ -71,12 +71,17 @@ def finish_reason_name(reason: Optional[FinishReason]) -> Optional[str]:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 retry_after_ms: Optional[int] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type_, param, code)
+        self.retry_after_ms = retry_after_ms
 
     def response(self, headers: Optional[dict] = None) -> JSONResponse:
+        if self.retry_after_ms is not None:
+            # HTTP's Retry-After counts whole seconds; round up so a client never comes too early.
+            headers = dict(headers or {}, **{"Retry-After": str(-(-self.retry_after_ms // 1000))})
         return JSONResponse(status_code=self.status, headers=headers, content={"error": {
             "message": self.message, "type": self.type, "param": self.param,
             "code": self.code}})
@@ -617,7 +622,8 @@ def _rejected_error(rejected, chat: bool, body: Optional[_Common] = None) -> Api
         else:
             param, path = _openai_param(field, chat)
             message = path + ":" + rest
-    return ApiError(status, message, type_, param=param, code=rejected.code.name.lower())
+    return ApiError(status, message, type_, param=param, code=rejected.code.name.lower(),
+                    retry_after_ms=getattr(rejected, "retry_after_ms", None))
 
 
 async def _disconnected(http: HttpRequest) -> None:

@@ -251,13 +251,15 @@ async def test_not_ready_is_503_and_a_full_queue_is_429():
 
     serving = types.SimpleNamespace(facts=types.SimpleNamespace(model_name="m",
                                                                  max_model_len=64))
-    full = Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 3 requests waiting")
+    full = Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 3 requests waiting",
+                    retry_after_ms=1500)
     server, client = await _fake_door(_FakeServicer(serving, full))
     try:
         with pytest.raises(openai.RateLimitError) as caught:
             await client.completions.create(model="m", prompt="Hi")
         assert caught.value.status_code == 429
         assert caught.value.body["message"].startswith("queue full")
+        assert caught.value.response.headers["retry-after"] == "2"  # 1.5 s, rounded up
     finally:
         await server.stop(grace_s=1)
 
