@@ -8,8 +8,7 @@ tokens). A plain script, not a test; a few minutes on 2 CPU cores.
 Reports per run: wall time, tokens the model computed (prompt + decode positions, summed over the
 plans: recomputation shows up here), preemptions, swap-outs and blocks swapped, and whether the
 tokens equal the reference run's (float32: they do; in bfloat16 a different batch composition
-rounds differently and near-ties flip). Writes bench/results/swap.json. A decoding sequence whose
-token is in flight when preempted (overlapped steps) is recomputed even with swap space.
+rounds differently and near-ties flip). Writes bench/results/swap.json.
 """
 from __future__ import annotations
 
