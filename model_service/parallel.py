@@ -8,7 +8,13 @@ Every rank holds, per decoder layer, its share of the attention heads and of the
     o_proj                   row-parallel: the input columns of those heads, then all_reduce(sum)
     gate_proj, up_proj       column-parallel: rows [r*I/N, (r+1)*I/N)
     down_proj                row-parallel: the same columns, then all_reduce(sum)
-    embedding, norms, lm_head  replicated (every rank computes identical logits)
+    embedding                vocab-parallel: rows [r*V/N, (r+1)*V/N); a token outside them looks up
+                             zeros, then all_reduce(sum) (exactly one rank holds each row)
+    lm_head                  vocab-parallel: the same rows (shared when tied), then all_gather of
+                             the [R, V/N] logits: every rank has all R x V logits and samples alike
+    norms                    replicated
+The embedding and lm_head stay replicated when N does not divide V, or with int8 quantization
+(its tied Int8Weight is made for the whole matrix).
 
 So a layer costs two all_reduces of [T, hidden] per step, and each rank's paged KV cache holds only
 its KVH/N heads: with the same memory per rank, N ranks hold N times the blocks of one.
@@ -25,6 +31,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from model_service.models.llama import LlamaArchConfig
@@ -99,6 +106,42 @@ class RowParallelLinear(nn.Module):
         return out
 
 
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding; ids outside them read zeros, summed over the ranks."""
+
+    def __init__(self, weight: torch.Tensor, first_row: int, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        self.first_row = first_row
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first_row
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[:, None], 0.0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelLMHead(nn.Module):
+    """Logits of this rank's vocabulary rows, gathered from every rank into [R, V] in rank order."""
+
+    def __init__(self, weight: nn.Parameter, world_size: int, group) -> None:
+        super().__init__()
+        self.weight = weight  # shared with VocabParallelEmbedding when the embeddings are tied
+        self.world_size = world_size
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight)
+        if local.shape[0] == 0:  # no row sampled this step (same on every rank): nothing to gather
+            return local.new_empty((0, local.shape[1] * self.world_size))
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
 def _linear(weight: torch.Tensor) -> nn.Linear:
     with torch.device("meta"):
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
@@ -107,9 +150,18 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return layer
 
 
-def shard_llama_(model: nn.Module, rank: int, world_size: int, group) -> nn.Module:
-    """Keep, in place, rank's share of every decoder layer (see the module docstring)."""
+def shard_llama_(model: nn.Module, rank: int, world_size: int, group, vocab_parallel: bool = True) -> nn.Module:
+    """Keep, in place, rank's share of every decoder layer, and of the embedding and lm_head when
+    vocab_parallel and N divides the vocabulary (see the module docstring)."""
     arch: LlamaArchConfig = model.arch
+    if vocab_parallel and arch.vocab_size % world_size == 0:
+        rows_per_rank = arch.vocab_size // world_size
+        rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+        embedding = VocabParallelEmbedding(model.model.embed_tokens.weight[rows], rank * rows_per_rank, group)
+        lm_weight = (embedding.weight if arch.tie_word_embeddings
+                     else nn.Parameter(model.lm_head.weight[rows].clone(), requires_grad=False))
+        model.model.embed_tokens = embedding
+        model.lm_head = VocabParallelLMHead(lm_weight, world_size, group)
     check_divisible(arch, world_size)
     d = arch.head_dim
     heads, kv_heads = arch.num_attention_heads // world_size, arch.num_key_value_heads // world_size

@@ -63,7 +63,9 @@ def setup_rank(config: ModelServiceConfig, rank: int, world_size: int, init_meth
         # N ranks on C cores: C // N threads each, or they fight over the cores.
         torch.set_num_threads(threads_per_rank(world_size))
     group = init_group(rank, world_size, config.device, init_method)
-    loaded = load_model(config, shard=lambda model: shard_llama_(model, rank, world_size, group.compute),
+    # int8 quantizes the tied embedding / lm_head as one whole matrix: they stay replicated then.
+    vocab_parallel = config.quantization == "none"
+    loaded = load_model(config, shard=lambda model: shard_llama_(model, rank, world_size, group.compute, vocab_parallel),
                         tensor_parallel_size=world_size)
     runner = ModelRunner(loaded, config)
     log.info("tensor_parallel_rank_ready", rank=rank, world_size=world_size, device=config.device,
