@@ -118,6 +118,17 @@ async def test_tiny_under_torchrun_equals_tp1(tiny_server, tiny_hf):
     _check_equal_to_tp1(launched, tp1, references, "tiny torchrun x2")
 
 
+async def test_tiny_tp2_int8_equals_tp1_int8():
+    """--quantization int8 keeps the embedding / lm_head replicated (one Int8Weight for the tied
+    matrix) and quantizes each rank's share in blocks of 32 input columns, which never straddle
+    two ranks: the tokens equal tensor parallel 1's exactly."""
+    prompts = [list(range(400, 407)), list(range(1200, 1230)), list(range(2400, 2480))]
+    args = ["--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64", "--quantization", "int8"]
+    tp1 = await _tp_outputs(args, prompts)
+    tp2 = await _tp_outputs(args + ["--tensor-parallel-size", "2"], prompts)
+    assert tp2 == tp1
+
+
 @pytest.mark.slow
 async def test_smollm2_tp3_greedy_equals_tp1(smollm2_server):
     import torch
