@@ -15,10 +15,45 @@ import pytest
 import pytest_asyncio
 
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
-from conftest import EngineProcess, start_scheduler
 from planserve.v1 import generate_pb2
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.server import SchedulerServer
 
 ENGINE_ARGS = ("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "256")
+
+
+class EngineProcess:
+    """`python -m model_service --port 0 ...`, its address read from the port line. (Defined here,
+    not imported from tests/conftest.py: `conftest` names another module when tests/model_service
+    is collected first.)"""
+
+    def __init__(self, *args: str):
+        import os
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen([sys.executable, "-m", "model_service", "--port", "0", *args],
+                                        stdout=subprocess.PIPE, text=True,
+                                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PLANSERVE_LOG_JSON="1"))
+        port = next((line.split("=", 1)[1].strip() for line in self.process.stdout
+                     if line.startswith("PLANSERVE_ENGINE_PORT=")), None)
+        if port is None:
+            raise RuntimeError(f"model service exited with {self.process.wait()}")
+        self.address = f"127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+            self.process.kill()
+
+
+async def start_scheduler(engine_address: str, **overrides) -> SchedulerServer:
+    server = SchedulerServer(SchedulerConfig(port=0, engine_address=engine_address, **overrides))
+    await server.start()
+    await server.connect_engine()
+    return server
 
 
 @pytest.fixture(scope="module")
