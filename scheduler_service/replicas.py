@@ -127,6 +127,12 @@ class _ReplicaMetrics:
             self._replicas.cached_tokens.labels(self._name).inc(output.usage.cached_tokens)
         self._metrics.on_output(request, output)
 
+    def on_engine_up(self, up: bool) -> None:
+        # The unlabelled engine-up gauge means "some replica serves" (ReplicaSet sets it); a
+        # replica's own state is planserve_replica_up. Recoveries still count.
+        if up and hasattr(self._metrics, "engine_recoveries"):
+            self._metrics.engine_recoveries.inc()
+
     def __getattr__(self, name: str):
         return getattr(self._metrics, name)
 
@@ -365,6 +371,9 @@ class ReplicaSet:
 
     def _update_serving(self) -> None:
         serving = any(r.up for r in self.replicas)
+        gauge = getattr(self.metrics, "engine_up", None)
+        if gauge is not None:
+            gauge.set(1 if serving else 0)
         if serving != self._serving:
             self._serving = serving
             self._on_serving(serving)

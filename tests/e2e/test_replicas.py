@@ -190,6 +190,10 @@ async def test_killing_a_replica_mid_run_loses_no_request():
             by_sample[chunk.index].extend(chunk.token_ids)
         assert by_sample[0] == by_sample[1] == samples_reference  # both samples of the n=2 request
         assert server.loop.drained.labels(victim.name)._value.get() >= 1
+        from prometheus_client import generate_latest
+        exported = generate_latest(server.metrics.registry).decode()
+        assert f'planserve_replica_up{{replica="{victim.name}"}} 0.0' in exported
+        assert "\nplanserve_engine_up 1.0" in exported  # the set still serves
         status = await stub.GetServerStatus(generate_pb2.GetServerStatusRequest())
         assert {r.address: r.serving for r in status.replicas} == {
             r.name: r is not victim for r in server.loop.replicas}
