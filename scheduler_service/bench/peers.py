@@ -312,11 +312,12 @@ def write_doc() -> None:
         lines += ["", "## Online: throughput vs latency", "",
                   f"The first {ONLINE_REQUESTS} requests of `bench/workloads/online.jsonl` (prompts 64..512 tokens, 32..256 new",
                   "tokens) with Poisson arrivals at each rate; one point per rate.", "",
-                  "| engine | rate req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| engine | rate req/s | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for engine, runs in curves.items():
             for r in runs:
-                lines.append(f"| {engine} | {r['request_rate']} | {_fmt(r['output_tokens_per_s'], 1)} | "
+                done = f"{r['completed']}/{r['num_requests']}" + (f" ({r['errors'][0]})" if r.get("errors") else "")
+                lines.append(f"| {engine} | {r['request_rate']} | {done} | {_fmt(r['output_tokens_per_s'], 1)} | "
                              f"{_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'])} | "
                              f"{_fmt(r['itl_ms']['p50'], 1)} / {_fmt(r['itl_ms']['p99'], 1)} | {_fmt(r['e2e_ms']['p50'])} |")
         lines += ["", "![online sweep](../bench/results/peers/online-sweep.png)"]

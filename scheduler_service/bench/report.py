@@ -125,6 +125,7 @@ def plot_rate_sweep(curves: dict[str, list[dict]], path: str, title: str) -> Non
             axis.plot(x, [r[key][field] for r in runs], "o-", label=name)
             axis.set_xlabel("output tokens/s")
             axis.set_ylabel(label)
+            axis.set_yscale("log")  # engines differ by orders of magnitude under overload
     axes[0].legend()
     fig.suptitle(title)
     fig.tight_layout()
