@@ -177,7 +177,7 @@ def _processing(field: str, msg, num_tokens: int, limits: PlanLimits) -> LogitsP
         if msg.HasField(name) and getattr(msg, name) > MAX_TOP_LOGPROBS:
             raise PlanError(f"{field}.{name}", f"{getattr(msg, name)} exceeds {MAX_TOP_LOGPROBS}")
     repetition_penalty = _bounded(f"{field}.sampling.repetition_penalty", s.repetition_penalty, 1e-6, 2.0) if s.HasField("repetition_penalty") else 1.0
-    processing = LogitsProcessing(
+    return LogitsProcessing(
         num_prompt_tokens=msg.num_prompt_tokens or num_tokens,
         min_p=_bounded(f"{field}.sampling.min_p", s.min_p, 0.0, 1.0),
         repetition_penalty=repetition_penalty,
@@ -189,7 +189,6 @@ def _processing(field: str, msg, num_tokens: int, limits: PlanLimits) -> LogitsP
         num_logprobs=msg.num_logprobs if msg.HasField("num_logprobs") else -1,
         num_prompt_logprobs=msg.num_prompt_logprobs if msg.HasField("num_prompt_logprobs") else -1,
     )
-    return processing if processing != NO_PROCESSING else NO_PROCESSING
 
 
 def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> StepPlan:

@@ -5,6 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_config
+from model_service.batch import NewSequenceData, StepPlan
+from model_service.runner import ModelRunner
 from model_service.sampler import draw
 from model_service.speculative import Draft, NgramDrafter, uniforms, verify, verify_greedy
 
@@ -119,11 +122,6 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 
 
 # ---- the runner with drafts: acceptance, rejection and bonus on the real tiny model ----------
-
-from model_service.batch import NewSequenceData, StepPlan  # noqa: E402
-from model_service.runner import ModelRunner  # noqa: E402
-
-from conftest import tiny_config  # noqa: E402
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
