@@ -358,9 +358,11 @@ def _orchestration_section() -> list[str]:
         lines.append(f"| {r['streams']} | {r['stream_interval']} | {r['step_ms_tpot_median']:.3f} | {r['output_tokens_per_s']} | "
                      f"{r['chunks_per_stream']} | {r['fanout_by_subtraction_ms']:.3f} | "
                      f"{cpu['scheduler_process']}, {cpu['model_service_process']}, {cpu['client_process']} |")
-    threads = data.get("threads", {})
-    lines += ["", f"Threads: the model service runs torch with {threads.get('model_service_torch')} threads (torch's default on",
-              "this 2-core machine); the scheduler process never loads torch (checked from /proc/PID/maps)."]
+    torch_threads = data.get("threads", {}).get("model_service_torch", {})
+    lines += ["", f"Threads: the model service runs torch with {torch_threads.get('intra_op')} intra-op and "
+                  f"{torch_threads.get('inter_op')} inter-op threads (torch's defaults on this 2-core machine); the",
+              "scheduler process never loads torch (checked from /proc/PID/maps). Load average at the start: "
+              f"{data.get('machine', {}).get('loadavg_before')}."]
     return lines
 
 
