@@ -63,7 +63,7 @@ async def _one(stub, index: int, new_tokens: int) -> list[int]:
 
 
 async def _measure(name: str, extra: list[str], concurrency: list[int], new_tokens: int) -> dict:
-    process, address = _start_engine(extra)
+    process, address = _start_engine(extra + _DTYPE)
     server = SchedulerServer(SchedulerConfig(port=0, engine_address=address))
     try:
         await server.start()
@@ -100,7 +100,10 @@ async def main_async(args) -> dict:
     for result in results:
         for run in result["runs"]:
             run["tokens_equal_to_" + results[0]["config"]] = run.pop("outputs") == baseline[run["concurrency"]]
-    return {"model": "smollm2 (default dtype)", "new_tokens": args.new_tokens, "results": results}
+    return {"model": "smollm2", "dtype": args.dtype, "new_tokens": args.new_tokens, "results": results}
+
+
+_DTYPE: list[str] = []
 
 
 def main() -> None:
@@ -108,8 +111,10 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    _DTYPE[:] = ["--dtype", args.dtype]
     report = asyncio.run(main_async(args))
     text = json.dumps(report, indent=1)
     print(text)
