@@ -79,6 +79,7 @@ cdef class StepCore:
     cdef object _on_scheduled            # policy.on_scheduled, or None when it is the no-op
 
     cdef SlotState* _state(self, int32_t slot) except NULL
+    cdef bint _is_live(self, PackedPlan packed, Py_ssize_t i)
     cdef int _reserve_slot_buffers(self, SlotState* s, int32_t num_blocks,
                                    int64_t num_tokens) except -1
     cdef int64_t _chunk(self, int64_t num_tokens_to_compute) noexcept nogil

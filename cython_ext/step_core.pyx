@@ -152,6 +152,12 @@ cdef class StepCore:
 
     # ---- helpers ------------------------------------------------------------------------------
 
+    cdef bint _is_live(self, PackedPlan packed, Py_ssize_t i):
+        # Entry i's sequence still holds its slot: not released since the plan was built (a
+        # release bumps the epoch, so a new sequence in the same slot does not match either).
+        cdef uint32_t slot = packed.slots[i]
+        return self._slots[slot].epoch == packed.epochs[i] and self._requests[slot] is not None
+
     cdef SlotState* _state(self, int32_t slot) except NULL:
         if slot < 0 or slot >= self.max_num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.max_num_slots})")
@@ -569,7 +575,7 @@ cdef class StepCore:
             num_sampled = num_sampled_tokens[i]
             slot = packed.slots[i]
             s = &self._slots[slot]
-            if s.epoch == packed.epochs[i] and self._requests[slot] is not None:
+            if self._is_live(packed, i):
                 if num_sampled > 0 and s.num_tokens - s.num_computed_tokens == 1:
                     # A decode: with speculation it computed its accepted drafts and one more
                     # (num_sampled tokens came back), not everything it was granted.
@@ -602,10 +608,7 @@ cdef class StepCore:
     def live_entries(self, PackedPlan packed not None):
         """Indices of the entries whose sequence still holds its slot (not released since)."""
         cdef Py_ssize_t i
-        cdef uint32_t slot
-        return [i for i in range(packed.num_entries)
-                if self._slots[packed.slots[i]].epoch == packed.epochs[i]
-                and self._requests[packed.slots[i]] is not None]
+        return [i for i in range(packed.num_entries) if self._is_live(packed, i)]
 
     def set_token(self, int32_t slot, int64_t index, uint32_t token_id):
         """Overwrites token `index` of the slot's sequence (a placeholder appended by overlap's
@@ -619,13 +622,11 @@ cdef class StepCore:
         """The prefix-cache registration advance() skipped, for the entries still live; call once
         every token of their computed blocks is real."""
         cdef Py_ssize_t i
-        cdef SlotState* s
         if not self.enable_prefix_caching:
             return
         for i in range(packed.num_entries):
-            s = &self._slots[packed.slots[i]]
-            if s.epoch == packed.epochs[i] and self._requests[packed.slots[i]] is not None:
-                self._cache_full_blocks(s)
+            if self._is_live(packed, i):
+                self._cache_full_blocks(&self._slots[packed.slots[i]])
 
     # ---- inspection -----------------------------------------------------------------------------
 
