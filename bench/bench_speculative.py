@@ -63,7 +63,7 @@ async def _one(stub, index: int, new_tokens: int) -> list[int]:
 
 
 async def _measure(name: str, extra: list[str], concurrency: list[int], new_tokens: int) -> dict:
-    process, address = _start_engine(extra + _DTYPE)
+    process, address = _start_engine(extra)
     server = SchedulerServer(SchedulerConfig(port=0, engine_address=address))
     try:
         await server.start()
@@ -95,15 +95,13 @@ async def _measure(name: str, extra: list[str], concurrency: list[int], new_toke
 
 
 async def main_async(args) -> dict:
-    results = [await _measure(name, CONFIGS[name], args.concurrency, args.new_tokens) for name in args.configs]
+    dtype = ["--dtype", args.dtype]
+    results = [await _measure(name, CONFIGS[name] + dtype, args.concurrency, args.new_tokens) for name in args.configs]
     baseline = {r["concurrency"]: r["outputs"] for r in results[0]["runs"]}
     for result in results:
         for run in result["runs"]:
             run["tokens_equal_to_" + results[0]["config"]] = run.pop("outputs") == baseline[run["concurrency"]]
     return {"model": "smollm2", "dtype": args.dtype, "new_tokens": args.new_tokens, "results": results}
-
-
-_DTYPE: list[str] = []
 
 
 def main() -> None:
@@ -114,7 +112,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    _DTYPE[:] = ["--dtype", args.dtype]
     report = asyncio.run(main_async(args))
     text = json.dumps(report, indent=1)
     print(text)

@@ -129,21 +129,11 @@ class EngineLoop:
         structlog.contextvars.bind_contextvars(step_id=plan.step_id)
         self._deliver(self.scheduler.take_early_outputs())
         if plan.is_empty:
-            # Nothing could be scheduled: wait for news (an arrival, an abort) instead of
-            # spinning; the timeout only guards against a missed wake-up.
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=0.05)
-            except asyncio.TimeoutError:
-                pass
+            await self._wait_for_news()
             return
         started = time.perf_counter()
         result = await self.client.execute(plan)
-        self._note_rate(plan.total_scheduled_tokens, time.perf_counter() - started)
-        self.num_steps += 1
-        self._recoveries_without_progress = 0
-        self._deliver(self.scheduler.update(plan, result))
-        self._after_step(result)
+        self._finish(plan, result, started, self.scheduler.update)
 
     async def _overlapped_step(self) -> None:
         """Keeps the pipeline full: plan and send the next step while one is in flight, then
@@ -161,11 +151,7 @@ class EngineLoop:
                 if len(self._in_flight) < 2:
                     return  # plan the next one before waiting
             elif not self._in_flight:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
-                except asyncio.TimeoutError:
-                    pass
+                await self._wait_for_news()
                 return
         if self._in_flight:
             await self._finish_oldest()
@@ -174,10 +160,24 @@ class EngineLoop:
         plan, sent = self._in_flight[0]
         result = await self.client.receive(plan)
         self._in_flight.popleft()
+        self._finish(plan, result, sent, self.scheduler.reconcile)
+
+    async def _wait_for_news(self) -> None:
+        """Nothing could be scheduled: wait for news (an arrival, an abort) instead of spinning;
+        the timeout only guards against a missed wake-up."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+        except asyncio.TimeoutError:
+            pass
+
+    def _finish(self, plan, result, sent: float, apply) -> None:
+        """A step's result is in: `apply` (Scheduler.update in lockstep, reconcile under overlap)
+        turns it into outputs, which are delivered; rate and metrics follow."""
         self._note_rate(plan.total_scheduled_tokens, time.perf_counter() - sent)
         self.num_steps += 1
         self._recoveries_without_progress = 0
-        self._deliver(self.scheduler.reconcile(plan, result))
+        self._deliver(apply(plan, result))
         self._after_step(result)
 
     def _after_step(self, result) -> None:
