@@ -2,12 +2,20 @@
 
 Compiler directives live here, in one place. PLANSERVE_CYTHON_DEBUG=1 builds with bounds and
 initialisation checks on, for chasing a memory bug in a test run.
+
+The paged attention kernel (cython_ext/paged_attention.pyx over cython_ext/csrc/) is C++ with
+OpenMP. Its portable path and dispatcher are built with no ISA flags; each vector path is its own
+translation unit built with its own flags (below) and chosen at run time by CPU features, so one
+wheel runs on any x86-64 CPU (and the portable path alone on other architectures). OpenMP links
+libgomp.so.1, the soname torch's wheel ships too: one OpenMP runtime in the model service.
 """
 import glob
 import os
+import platform
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("PLANSERVE_CYTHON_DEBUG") == "1"
 
@@ -19,14 +27,54 @@ DIRECTIVES = {
     "cdivision": True,
     "embedsignature": True,
 }
+OPT = ["-O3"] if not DEBUG else ["-O0", "-g"]
+CSRC = "cython_ext/csrc"
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+# Vector paths of the paged attention kernel: source -> its own ISA flags (x86-64 only).
+ATTENTION_ISA_SOURCES = {
+    f"{CSRC}/paged_attention_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    f"{CSRC}/paged_attention_avx512_bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                                                "-mavx512bf16"],
+} if X86_64 else {}
+# -Wno-maybe-uninitialized: GCC 12's own AVX-512 intrinsic headers trip it (masked loads).
+CXX_FLAGS = OPT + ["-std=c++17", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized"]
+
+
+class BuildExt(build_ext):
+    """Compiles each ISA source of an extension with its own flags, then links it in."""
+
+    def build_extension(self, ext):
+        isa_sources = ISA_SOURCES_OF.get(ext.name, {})
+        if isa_sources:
+            objects = []
+            for source, flags in isa_sources.items():
+                objects += self.compiler.compile(
+                    [source], output_dir=self.build_temp, include_dirs=ext.include_dirs,
+                    macros=ext.define_macros, extra_postargs=CXX_FLAGS + flags, depends=ext.depends)
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extension(ext)
+
 
 extensions = [
     Extension(
         "cython_ext." + os.path.splitext(os.path.basename(path))[0],
         [path],
-        extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
+        extra_compile_args=OPT,
     )
     for path in sorted(glob.glob("cython_ext/*.pyx"))
+    if not path.endswith("paged_attention.pyx")
 ]
+attention = Extension(
+    "cython_ext.paged_attention",
+    ["cython_ext/paged_attention.pyx", f"{CSRC}/paged_attention_dispatch.cpp", f"{CSRC}/paged_attention_portable.cpp"],
+    language="c++",
+    include_dirs=["cython_ext"],
+    define_macros=[("PLANSERVE_PA_AVX512", "1")] if X86_64 else [],
+    extra_compile_args=CXX_FLAGS,
+    extra_link_args=["-fopenmp"],
+    depends=sorted(glob.glob(f"{CSRC}/*")),
+)
+extensions.append(attention)
+ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES}  # cythonize() copies Extensions: by name
 
-setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES))
+setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES), cmdclass={"build_ext": BuildExt})

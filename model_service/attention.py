@@ -1,58 +1,88 @@
-"""Paged attention over a packed mixed batch (prefill chunks and decodes together).
+"""Paged attention over a packed mixed batch (prompt chunks and decodes together).
 
-Every layer does the same two things:
+One call per layer does two things:
 
 1. write this step's K/V rows into the layer's paged cache at `slot_mapping`
-   (flat index = block_id * block_size + offset inside the block);
-2. gather each sequence's whole context (cached prefix + this step's tokens) through its block
-   table, padded to the longest context of the batch, and run ONE
-   `scaled_dot_product_attention` call for the whole batch.
+   (slot = block_id * block_size + offset inside the block);
+2. attend every query row in place through its sequence's block table: no context is gathered,
+   padded or copied. Decode rows and prompt-chunk rows go through the same kernel.
 
-Index tables built once per step (shared by all layers), B sequences, T packed tokens,
-Q = longest chunk, C = longest context:
+Layouts (B sequences, T packed query rows, H query heads, KVH KV heads, D head dim, G = H / KVH):
 
-    packed tokens   [ seq0 chunk | seq1 chunk | ... ]              T rows
-    query_index     [B, Q]  packed row of query q of sequence b     (0 where padding)
-    query_valid     [B, Q]  q < num_scheduled_tokens[b]
-    kv_index        [B, C]  flat cache slot of context position c   (block_table[b, c // bs] * bs + c % bs)
-    mask            [B, 1, Q, C]  c <= position of query q
+    q, out        [T, H, D]          rows of seq b: query_start[b] .. + num_scheduled[b]
+    k, v          [T, KVH, D]        this step's K/V rows
+    k/v cache     [NB, KVH, BS, D]   one layer; block 0 is reserved (never in a live table)
+    block_tables  [B, MB]  int64     block ids of seq b's context; column c covers positions
+                                     c * BS .. c * BS + BS - 1
+    context_lens  [B]      int64     cached prefix + num_scheduled[b]
 
-A mixed step (decodes beside prompt chunks) is attended in two groups, decodes (Q = 1) and
-chunks, each padded only to its own longest query and context: one padded call would give every
-decode Q query rows (a 512-token chunk beside 16 decodes made 16 x 512 padded rows per layer).
-Each group's rows go back to their packed positions.
+    query row r of seq b:  position p = context_lens[b] - num_scheduled[b] + r
+                           attends positions 0 .. p (causal inside its chunk, the whole prefix)
 
-The mask is causal inside the chunk and full over the cached prefix, because the position of query
-q is `num_computed_tokens + q` and every cached position is below it. Padded context columns point
-into block 0 (reserved, zero-filled) or past the context end and are masked out; padded query rows
-see at least column 0, so softmax never gets an all-masked row (no NaN), and are dropped afterwards.
+    cache[block_tables[b, c], h, i, :]  =  K/V of position c * BS + i of seq b, KV head h
+    query heads h * G .. h * G + G - 1 share KV head h and are computed together.
+
+On the CPU the kernel is native (cython_ext/paged_attention.pyx over cython_ext/csrc/): online
+softmax with float32 accumulation, the context cut into KV splits at fixed positions
+(KV_SPLIT_POSITIONS) folded in order, work spread over (sequence, KV head, row tile, split). A row's
+result depends only on its own query, context and position: never on the other rows of the call,
+on padding, or on whether it is a decode or inside a chunk (batch invariance by construction).
+The ISA path is the fastest the CPU runs, or the one PLANSERVE_ATTENTION_ISA names (portable,
+avx512, avx512_bf16). Other devices use `_torch_attention` (gather + SDPA) until a device kernel
+lands there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
 
+from cython_ext import paged_attention as native
 
-@dataclasses.dataclass
-class AttentionGroup:
-    """Index tensors of one group of sequences attended in one call."""
+# KV split length in positions: fixed, never chosen from the batch's shape (see the docstring).
+# 256 gives a batch-1 decode at context ~300 six items (2 splits x 3 KV heads) for two cores.
+KV_SPLIT_POSITIONS = 256
+ISA_ENV = "PLANSERVE_ATTENTION_ISA"
+_DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
 
-    query_index: torch.Tensor  # [B, Q] int64
-    query_valid: torch.Tensor  # [B, Q] bool
-    kv_index: torch.Tensor  # [B, C] int64
-    mask: torch.Tensor  # [B, 1, Q, C] bool
-    rows: torch.Tensor | None = None  # packed rows of the valid queries, when not all of them
+
+def resolve_isa(name: str | None = None) -> str:
+    """The ISA path to run: `name`, else $PLANSERVE_ATTENTION_ISA, else the best this CPU runs."""
+    name = name or os.environ.get(ISA_ENV, "auto")
+    if name == "auto":
+        return native.best_isa()
+    if name not in native.ISAS:
+        raise ValueError(f"{ISA_ENV}: {name!r} is not one of auto, {', '.join(native.ISAS)}")
+    if not native.isa_supported(name):
+        raise ValueError(f"{ISA_ENV}: {name!r} is not supported by this CPU or build (best: {native.best_isa()})")
+    return name
+
+
+ATTENTION_ISA = resolve_isa()
+
+
+def split_positions(block_size: int) -> int:
+    """KV_SPLIT_POSITIONS rounded up to whole blocks."""
+    return -(-KV_SPLIT_POSITIONS // block_size) * block_size
 
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Per-step index tensors, on the model's device, shared by every layer."""
+    """Per-step indices, shared by every layer (layouts in the module docstring)."""
 
-    slot_mapping: torch.Tensor  # [T] int64, KV write slot of each packed token
-    groups: list[AttentionGroup]
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start: torch.Tensor  # [B] int64
+    num_scheduled: torch.Tensor  # [B] int64
+    context_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, MB] int64
+    block_size: int
+    max_query_len: int
+    max_context_len: int
+    native_step: native.AttentionStep | None = None  # CPU: the kernel's view of the indices
+    num_threads: int = 1
 
 
 def build_attention_metadata(
@@ -67,40 +97,22 @@ def build_attention_metadata(
     host_num_scheduled=None,
     host_context_lens=None,
 ) -> AttentionMetadata:
-    """Build the step's index tables on the device of the inputs.
+    """The step's indices on the device of the inputs.
 
     `query_start[b]` is the packed row of sequence b's first token, `context_lens[b]` its
-    computed + scheduled tokens, `block_tables[b]` its block ids padded with 0 to at least
-    ceil(max_context_len / block_size) columns. The host passes the two maxima so that no
-    device-to-host sync is needed here; with the host copies of num_scheduled_tokens and
-    context_lens (numpy), a step mixing decodes and chunks is split into two groups.
+    computed + scheduled tokens, `block_tables[b]` its block ids (padding beyond its context is
+    never read). The two maxima come from the host, so no device-to-host sync is needed.
+    `host_num_scheduled` / `host_context_lens` are accepted for callers that have them; the kernel
+    needs neither.
     """
-    args = (query_start, num_scheduled_tokens, context_lens, block_tables, block_size)
-    if host_num_scheduled is not None and 1 < int(host_num_scheduled.max()) and (host_num_scheduled == 1).any():
-        decodes = host_num_scheduled == 1
-        groups = []
-        for members in (decodes.nonzero()[0], (~decodes).nonzero()[0]):
-            index = torch.from_numpy(members).to(slot_mapping.device)
-            group = _group(*(t[index] for t in args[:4]), block_size,
-                           int(host_num_scheduled[members].max()), int(host_context_lens[members].max()))
-            group.rows = group.query_index[group.query_valid]
-            groups.append(group)
-        return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=[_group(*args, max_query_len, max_context_len)])
-
-
-def _group(query_start, num_scheduled_tokens, context_lens, block_tables, block_size: int,
-           max_query_len: int, max_context_len: int) -> AttentionGroup:
-    device = query_start.device
-    q_off = torch.arange(max_query_len, device=device)
-    query_valid = q_off[None, :] < num_scheduled_tokens[:, None]
-    query_index = torch.where(query_valid, query_start[:, None] + q_off[None, :], 0)
-    query_pos = (context_lens - num_scheduled_tokens)[:, None] + q_off[None, :]  # [B, Q]
-
-    c = torch.arange(max_context_len, device=device)
-    kv_index = block_tables[:, c // block_size] * block_size + (c % block_size)[None, :]
-    mask = c[None, None, :] <= query_pos[:, :, None]
-    return AttentionGroup(query_index=query_index, query_valid=query_valid, kv_index=kv_index, mask=mask[:, None, :, :])
+    meta = AttentionMetadata(slot_mapping, query_start, num_scheduled_tokens, context_lens, block_tables, block_size,
+                             max_query_len, max_context_len)
+    if slot_mapping.device.type == "cpu":
+        meta.native_step = native.AttentionStep(
+            slot_mapping.numpy(), query_start.numpy(), num_scheduled_tokens.numpy(), context_lens.numpy(),
+            block_tables.numpy())
+        meta.num_threads = torch.get_num_threads()
+    return meta
 
 
 def paged_attention(
@@ -110,51 +122,52 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    isa: str | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H * D]."""
-    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-
-    if len(meta.groups) == 1:
-        return _attend(q, k_flat, v_flat, meta.groups[0]).reshape(q.shape[0], -1)
-    out = q.new_empty(q.shape[0], q.shape[1], head_dim)
-    for group in meta.groups:
-        out[group.rows] = _attend(q, k_flat, v_flat, group)
-    return out.reshape(out.shape[0], -1)
-
-
-def _attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """One group's attention; returns its valid queries' outputs [rows, H, D] in packed order."""
-    num_kv_heads = k_flat.shape[-2]
-    keys = k_flat[group.kv_index].transpose(1, 2)  # [B, KVH, C, D]
-    values = v_flat[group.kv_index].transpose(1, 2)
-    queries = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
-    if queries.shape[2] == 1 and queries.dtype != torch.float32:
-        out = decode_attention(queries, keys, values, group.mask)
-    else:
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.mask, enable_gqa=queries.shape[1] != num_kv_heads
-        )
-    # Back to packed rows: boolean indexing walks (b, q) in row-major order, which is exactly the
-    # packed order because each sequence's chunk is contiguous and sequences follow plan order.
-    return out.transpose(1, 2)[group.query_valid]  # [rows, H, D]
+    """q [T, H, D], k/v [T, KVH, D]; caches [NB, KVH, BS, D]. Writes k/v into the caches at
+    meta.slot_mapping and returns the attention output [T, H * D] in q's dtype. `isa` forces a
+    CPU path (tests); None runs ATTENTION_ISA."""
+    if meta.native_step is None:
+        return _torch_attention(q, k, v, k_cache, v_cache, meta)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    dtype = _DTYPES.get(q.dtype)
+    if dtype is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"paged_attention: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}; float32 or bfloat16, all alike")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention: the KV caches must be contiguous [num_blocks, kv_heads, block_size, head_dim]")
+    q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+    out = torch.empty_like(q)
+    meta.native_step.run(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
+        split_positions=split_positions(block_size), scale=head_dim**-0.5, dtype=dtype,
+        isa=native.ISAS.index(isa or ATTENTION_ISA), num_threads=meta.num_threads,
+    )
+    return out.view(num_tokens, num_heads * head_dim)
 
 
-def decode_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of one query per sequence, as two batched matmuls with the softmax in float32.
+def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    """Gather + SDPA in plain torch, for devices without a native kernel here (CUDA: the real
+    paged kernel is the forward-speed part 3's). Same layouts and semantics as the CPU kernel."""
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    width = -(-meta.max_context_len // block_size)
+    tables = meta.block_tables[:, :width]
+    b = tables.shape[0]
+    # [B, MB, KVH, BS, D] -> [B, KVH, MB * BS, D]
+    keys = k_cache[tables].permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, width * block_size, head_dim)
+    values = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, width * block_size, head_dim)
+    q_off = torch.arange(meta.max_query_len, device=q.device)
+    valid = q_off[None, :] < meta.num_scheduled[:, None]
+    rows = torch.where(valid, meta.query_start[:, None] + q_off[None, :], 0)
+    positions = (meta.context_lens - meta.num_scheduled)[:, None] + q_off[None, :]
+    mask = torch.arange(width * block_size, device=q.device)[None, None, :] <= positions[:, :, None]
+    out = F.scaled_dot_product_attention(q[rows].transpose(1, 2), keys, values, attn_mask=mask[:, None],
+                                         enable_gqa=q.shape[1] != num_kv_heads)
+    result = q.new_empty(q.shape)
+    result[rows[valid]] = out.transpose(1, 2)[valid]
+    return result.reshape(q.shape[0], -1)
 
-    queries [B, H, 1, D], keys/values [B, KVH, C, D], mask [B, 1, 1, C]; returns [B, H, 1, D]. The
-    H / KVH query heads of one KV head are stacked as rows (head h uses KV head h // (H / KVH), as
-    SDPA's enable_gqa), so no KV head is repeated. Used for all-decode steps in reduced precision:
-    CPU SDPA (flash kernel) took 15.8 ms at B=128, C=256 in bfloat16 against 2.6 ms here (4.3 vs
-    5.3 ms in float32, which keeps SDPA).
-    """
-    b, h, _, d = queries.shape
-    kvh, c = keys.shape[1], keys.shape[2]
-    grouped = queries.reshape(b, kvh, h // kvh, d)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * d**-0.5  # [B, KVH, H/KVH, C]
-    probs = scores.masked_fill(~mask.view(b, 1, 1, c), float("-inf")).softmax(-1)
-    return torch.matmul(probs.to(values.dtype), values).reshape(b, h, 1, d)

@@ -1,7 +1,8 @@
 """The paged KV cache: preallocated once, addressed by block id.
 
-One K and one V tensor of shape [num_layers, num_blocks, block_size, kv_heads, head_dim]; layer l
-uses the views k[l], v[l]. Block 0 is reserved: the scheduler never hands it out, and padded
+One K and one V tensor of shape [num_layers, num_blocks, kv_heads, block_size, head_dim]; layer l
+uses the views k[l], v[l]. Within a block each KV head's positions are contiguous, so the attention
+kernel reads a block of one head as one [block_size, head_dim] tile (model_service/attention.py). Block 0 is reserved: the scheduler never hands it out, and padded
 block-table entries point to it, so it must stay finite (it is zero-filled and never written).
 
 Swap space: the same shape again with num_swap_blocks in host memory (pinned on CUDA, so copies
@@ -42,7 +43,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         # zeros, not empty: masked attention weights are exactly 0, and 0 * NaN garbage is NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

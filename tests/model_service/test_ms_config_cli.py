@@ -94,14 +94,3 @@ def test_int8_tiny_runs_and_rows_match_dequantized(dtype):
         torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_sdpa(dtype):
-    import torch.nn.functional as F
-
-    from model_service.attention import decode_attention
-
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=generator).to(dtype) for shape in ((5, 6, 1, 16), (5, 2, 40, 16), (5, 2, 40, 16)))
-    mask = torch.arange(40)[None, None, None, :] < torch.tensor([1, 7, 16, 33, 40])[:, None, None, None]
-    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(decode_attention(q, k, v, mask).float(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
