@@ -48,50 +48,191 @@ static inline __m512 load_bf16_as_f32(const uint16_t* src, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-struct Ops {
-#ifdef PA_AVX512_BF16
-    static constexpr bool kScoresFromRawK = true;
-#else
-    static constexpr bool kScoresFromRawK = false;
-#endif
+// In-register transpose of a 16 x 16 tile of 32-bit elements (rows r[0..15] become columns).
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: elements k of rows 4i .. 4i+3 in u[4i + k]
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int k = 0; k < 4; ++k) {  // gather lane L of the four row groups: column 4L + k
+        const __m512 v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), v2 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+        const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), w2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+        r[k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+        r[4 + k] = _mm512_shuffle_f32x4(v2, w2, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+    }
+}
 
+// K of a block, key-minor: for each group of 16 keys, [columns][16 keys] (float32 values, or
+// bf16 pairs as 32-bit columns). Rows past n are zero. `load(j, c, mask)` reads row j's 16
+// 32-bit columns from c.
+template <class Load>
+static inline void transpose_keys(int64_t n, int64_t columns, float* out, Load load) {
+    for (int64_t g = 0; g * 16 < n; ++g) {
+        const int64_t keys = n - g * 16 < 16 ? n - g * 16 : 16;
+        for (int64_t c = 0; c < columns; c += 16) {
+            const __mmask16 mask = tail_mask(columns - c);
+            __m512 r[16];
+            for (int64_t i = 0; i < 16; ++i) r[i] = i < keys ? load(g * 16 + i, c, mask) : _mm512_setzero_ps();
+            transpose16(r);
+            const int64_t width = columns - c < 16 ? columns - c : 16;
+            for (int64_t i = 0; i < width; ++i) _mm512_storeu_ps(out + (g * columns + c + i) * 16, r[i]);
+        }
+    }
+}
+
+// acc[0 .. 16 NV) = acc * alpha + sum_j p_j v_j[0 .. 16 NV), j ascending, in registers.
+#define PA_INLINE inline __attribute__((always_inline))
+
+// acc_r[0 .. 16 NV) = acc_r * alpha_r + sum_j p_r[j] v_j[0 .. 16 NV) for R rows, j ascending:
+// each V vector is loaded once for the R rows; every (row, vector) is one FMA chain.
+template <int NV, int R>
+static PA_INLINE void axpy_block(float* acc, int64_t acc_stride, const float* alpha, const float* p, int64_t p_stride,
+                                 const float* v, int64_t n, int64_t d) {
+    __m512 a[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) {
+            a[r][k] = _mm512_loadu_ps(acc + r * acc_stride + 16 * k);
+            if (alpha[r] != 1.0f) a[r][k] = _mm512_mul_ps(a[r][k], _mm512_set1_ps(alpha[r]));
+        }
+    for (int64_t j = 0; j < n; ++j) {
+        __m512 vj[NV];
+        for (int k = 0; k < NV; ++k) vj[k] = _mm512_loadu_ps(v + j * d + 16 * k);
+        for (int r = 0; r < R; ++r) {
+            const __m512 pj = _mm512_set1_ps(p[r * p_stride + j]);
+            for (int k = 0; k < NV; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + r * acc_stride + 16 * k, a[r][k]);
+}
+
+template <int NV>
+static PA_INLINE void axpy_rows_nv(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows,
+                                   const float* v, int64_t n, int64_t d) {
+    constexpr int R = NV <= 4 ? 4 : 2;  // R * NV accumulators + NV V vectors within 32 registers
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) axpy_block<NV, R>(acc + r * d, d, alpha + r, p + r * p_stride, p_stride, v, n, d);
+    for (; r < rows; ++r) axpy_block<NV, 1>(acc + r * d, d, alpha + r, p + r * p_stride, p_stride, v, n, d);
+}
+
+// s_r[16 g .. 16 g + 16) = (q_r . k_j) * scale for R rows against key group g (key-minor K of
+// `columns` columns): one FMA (or VDPBF16PS) chain per row over the columns in order; the K
+// column is loaded once for the R rows.
+template <int R, bool BF16>
+static PA_INLINE void scores_block(const float* q, int64_t q_stride, const float* kg, int64_t columns, float scale, float* s,
+                                   int64_t s_stride) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < columns; ++c) {
+        const __m512 kc = _mm512_loadu_ps(kg + c * 16);
+        for (int r = 0; r < R; ++r) {
+#ifdef PA_AVX512_BF16
+            if (BF16) {
+                const int32_t pair = ((const int32_t*)(q + r * q_stride))[c];
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)_mm512_castps_si512(kc));
+                continue;
+            }
+#endif
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * q_stride + c]), kc, acc[r]);
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(acc[r], sv));
+}
+
+template <bool BF16>
+static PA_INLINE void scores_rows_impl(const float* q, int64_t q_stride, int64_t rows, const float* k, int64_t n, int64_t columns,
+                                       float scale, float* s, int64_t s_stride) {
+    for (int64_t g = 0; g * 16 < n; ++g) {
+        const float* kg = k + g * columns * 16;
+        int64_t r = 0;
+        for (; r + 8 <= rows; r += 8) scores_block<8, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride);
+        switch (rows - r) {
+            case 7: scores_block<7, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride); break;
+            case 6: scores_block<6, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride); break;
+            case 5: scores_block<5, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride); break;
+            case 4: scores_block<4, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride); break;
+            case 3: scores_block<3, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride); break;
+            case 2: scores_block<2, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride); break;
+            case 1: scores_block<1, BF16>(q + r * q_stride, q_stride, kg, columns, scale, s + r * s_stride + g * 16, s_stride); break;
+            default: break;
+        }
+    }
+}
+
+struct Ops {
+    // Query rows: float32 [D], or with VDPBF16PS the raw bf16 row (D / 2 pairs).
+    static inline void prepare_query(const float* q, float* out, int64_t d) {
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 mask = tail_mask(d - i);
+            _mm512_mask_storeu_ps(out + i, mask, _mm512_maskz_loadu_ps(mask, q + i));
+        }
+    }
+    static inline void prepare_query(const uint16_t* q, float* out, int64_t d) {
+#ifdef PA_AVX512_BF16
+        for (int64_t i = 0; i < d; i += 32) {
+            const int64_t left = d - i;
+            const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+            _mm512_mask_storeu_epi16((uint16_t*)out + i, mask, _mm512_maskz_loadu_epi16(mask, q + i));
+        }
+#else
+        to_float(q, out, d);
+#endif
+    }
+    // K transposed key-minor into kbuf; V rows in place (float32) or converted into vbuf.
+    static inline const float* prepare_block(const float* kb, const float* vb, int64_t n, int64_t d, float* kbuf, float*,
+                                             const float** k) {
+        transpose_keys(n, d, kbuf, [&](int64_t j, int64_t c, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, kb + j * d + c); });
+        *k = kbuf;
+        return vb;
+    }
+    static inline const float* prepare_block(const uint16_t* kb, const uint16_t* vb, int64_t n, int64_t d, float* kbuf, float* vbuf,
+                                             const float** k) {
+#ifdef PA_AVX512_BF16
+        // bf16 pairs (dims 2i, 2i+1) as 32-bit columns: d / 2 of them.
+        const uint32_t* pairs = (const uint32_t*)kb;
+        transpose_keys(n, d / 2, kbuf, [&](int64_t j, int64_t c, __mmask16 mask) {
+            return _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, pairs + j * (d / 2) + c));
+        });
+#else
+        transpose_keys(n, d, kbuf, [&](int64_t j, int64_t c, __mmask16 mask) { return load_bf16_as_f32(kb + j * d + c, mask); });
+#endif
+        to_float(vb, vbuf, n * d);
+        *k = kbuf;
+        return vbuf;
+    }
     static inline void to_float(const uint16_t* src, float* dst, int64_t n) {
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 mask = tail_mask(n - i);
             _mm512_mask_storeu_ps(dst + i, mask, load_bf16_as_f32(src + i, mask));
         }
     }
-    // s[j] = (q . k_j) * scale: 16 lanes of FMAs over the head dimension, then one lane sum.
-    static inline void scores(const float* q, const float* k, int64_t n, int64_t d, float scale, float* s) {
-        for (int64_t j = 0; j < n; ++j) {
-            const float* kj = k + j * d;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t i = 0; i < d; i += 16) {
-                const __mmask16 mask = tail_mask(d - i);
-                acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, q + i), _mm512_maskz_loadu_ps(mask, kj + i), acc);
-            }
-            s[j] = _mm512_reduce_add_ps(acc) * scale;
-        }
-    }
+    // Scores of `rows` query rows (stride d floats) against a block's n keys, every lane of
+    // each 16-key group (lanes past n see zero keys).
+    template <class T>
+    static PA_INLINE void scores_rows(const float* q, int64_t rows, const float* k, int64_t n, int64_t d, float scale, float* s,
+                                      int64_t s_stride) {
 #ifdef PA_AVX512_BF16
-    // The same on bf16 rows: VDPBF16PS takes 32 bf16 pairs per instruction into 16 float lanes.
-    static inline void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t n, int64_t d, float scale, float* s) {
-        for (int64_t j = 0; j < n; ++j) {
-            const uint16_t* kj = k + j * d;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t i = 0; i < d; i += 32) {
-                const int64_t left = d - i;
-                const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
-                const __m512i qv = _mm512_maskz_loadu_epi16(mask, q + i);
-                const __m512i kv = _mm512_maskz_loadu_epi16(mask, kj + i);
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)qv, (__m512bh)kv);
-            }
-            s[j] = _mm512_reduce_add_ps(acc) * scale;
-        }
-    }
-#else
-    static inline void scores_bf16(const uint16_t*, const uint16_t*, int64_t, int64_t, float, float*) {}
+        if (sizeof(T) == 2) return scores_rows_impl<true>(q, d, rows, k, n, d / 2, scale, s, s_stride);
 #endif
+        scores_rows_impl<false>(q, d, rows, k, n, d, scale, s, s_stride);
+    }
+    static inline float max(const float* s, int64_t n) {
+        __m512 m = _mm512_set1_ps(-__builtin_inff());
+        for (int64_t j = 0; j < n; j += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - j), s + j));
+        return _mm512_reduce_max_ps(m);
+    }
     static inline float exp1(float x) {
         return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x)));
     }
@@ -106,14 +247,26 @@ struct Ops {
         }
         return sum;
     }
-    static inline void scale_axpy(float* acc, float alpha, const float* p, const float* v, int64_t n, int64_t d) {
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int64_t i = 0; i < d; i += 16) {
+    static PA_INLINE void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const float* v,
+                                    int64_t n, int64_t d) {
+        int64_t i = 0;
+        for (; i + 64 <= d; i += 64) axpy_rows_nv<4>(acc + i, alpha, p, p_stride, rows, v + i, n, d);
+        switch ((d - i) / 16) {
+            case 3: axpy_rows_nv<3>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
+            case 2: axpy_rows_nv<2>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
+            case 1: axpy_rows_nv<1>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
+            default: break;
+        }
+        i += (d - i) / 16 * 16;
+        if (i < d) {  // a head dim that is not a multiple of 16: the last lanes, masked
             const __mmask16 mask = tail_mask(d - i);
-            __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, acc + i), av);
-            for (int64_t j = 0; j < n; ++j)
-                a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(mask, v + j * d + i), a);
-            _mm512_mask_storeu_ps(acc + i, mask, a);
+            for (int64_t r = 0; r < rows; ++r) {
+                __m512 a = _mm512_maskz_loadu_ps(mask, acc + r * d + i);
+                if (alpha[r] != 1.0f) a = _mm512_mul_ps(a, _mm512_set1_ps(alpha[r]));
+                for (int64_t j = 0; j < n; ++j)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + j]), _mm512_maskz_loadu_ps(mask, v + j * d + i), a);
+                _mm512_mask_storeu_ps(acc + r * d + i, mask, a);
+            }
         }
     }
 };

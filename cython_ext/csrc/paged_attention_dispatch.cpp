@@ -44,7 +44,7 @@ void write_kv(const pa_args* a) {
 }
 
 int check(const pa_args* a) {
-    if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || a->head_dim <= 0 ||
+    if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || a->head_dim <= 0 || a->head_dim % 2 ||
         a->block_size <= 0 || a->split_positions <= 0 || a->split_positions % a->block_size || a->num_threads <= 0)
         return PA_BAD_SHAPE;
     const int64_t capacity = a->num_blocks * a->block_size;
@@ -139,7 +139,7 @@ int pa_isa_supported(int isa) { return cpu_has(isa) ? 1 : 0; }
 const char* pa_error_message(int code) {
     switch (code) {
         case PA_OK: return "ok";
-        case PA_BAD_SHAPE: return "heads, head_dim, block_size or split_positions out of range";
+        case PA_BAD_SHAPE: return "heads, head_dim (even), block_size or split_positions out of range";
         case PA_BAD_SLOT: return "slot_mapping entry outside the cache";
         case PA_BAD_BLOCK: return "block_tables entry outside the cache";
         case PA_BAD_SEQUENCE: return "num_scheduled, context_lens or query_start inconsistent";

@@ -1,6 +1,9 @@
 // The paged attention algorithm, written once and compiled once per ISA: each
 // paged_attention_<isa>.cpp defines `struct Ops` (its vector primitives) inside its own namespace
-// and then includes this file there. No C++ standard library here: an inline std:: template
+// and then includes this file there. Ops prepares a query row (prepare_query: into D floats of
+// scratch, in whatever form its scores() reads), a K/V block (prepare_block: K in the form its
+// scores() reads, V as float32 rows [n, D]; either in the scratch given or in place) and computes scores, exp and the weighted sum of V rows.
+// No C++ standard library here: an inline std:: template
 // compiled with AVX-512 flags could be merged by the linker into the portable path.
 //
 // Per work item (sequence b, KV head h, query rows [r0, r1), KV splits [s0, s1)), G = H / KVH
@@ -21,6 +24,12 @@ static inline T* pa_cache_block(void* cache, int64_t block_id, int64_t kv_head, 
     return static_cast<T*>(cache) + ((block_id * a->num_kv_heads + kv_head) * a->block_size) * a->head_dim;
 }
 
+// Keys of block `blk` that the row at `position` attends (it starts at or before the position).
+static inline int64_t keys_of_row(int64_t position, int64_t blk, int64_t block_size, int64_t in_block) {
+    const int64_t n = position - blk * block_size + 1;
+    return n < in_block ? n : in_block;
+}
+
 template <class T>
 static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
     const int64_t D = a->head_dim, BS = a->block_size, H = a->num_heads, KVH = a->num_kv_heads;
@@ -28,14 +37,18 @@ static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t nu
     const int64_t max_rows = PA_MAX_TILE_ROWS;
     const float neg_inf = -__builtin_inff();
     constexpr bool is_bf16 = sizeof(T) == 2;
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "float32 or bfloat16 (as uint16_t)");
 
 #pragma omp parallel num_threads(a->num_threads)
     {
-        // Per-thread scratch, once per call.
+        // Per-thread scratch, once per call. A block's K/V are prepared once per item and block
+        // (converted, transposed or packed as the ISA's Ops likes them) and shared by the rows.
+        const int64_t keys_padded = (BS + 15) / 16 * 16;
         float* qf = (float*)malloc(sizeof(float) * max_rows * G * D);
-        float* kf = (float*)malloc(sizeof(float) * BS * D);
-        float* vf = (float*)malloc(sizeof(float) * BS * D);
-        float* s = (float*)malloc(sizeof(float) * BS);
+        float* kbuf = (float*)malloc(sizeof(float) * keys_padded * (D + 1));
+        float* vbuf = (float*)malloc(sizeof(float) * BS * D);
+        float* s = (float*)malloc(sizeof(float) * max_rows * G * keys_padded);
+        float* alpha = (float*)malloc(sizeof(float) * max_rows * G);
         float* m = (float*)malloc(sizeof(float) * max_rows * G);
         float* l = (float*)malloc(sizeof(float) * max_rows * G);
         float* acc = (float*)malloc(sizeof(float) * max_rows * G * D);
@@ -56,11 +69,9 @@ static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t nu
             const int64_t* table = a->block_tables + b * a->max_blocks_per_seq;
             const T* q = static_cast<const T*>(a->q);
 
-            if (is_bf16 && !Ops::kScoresFromRawK) {
-                for (int64_t r = 0; r < nrows; ++r)
-                    for (int64_t g = 0; g < G; ++g)
-                        Ops::to_float((const uint16_t*)(q + ((row0 + r0 + r) * H + h * G + g) * D), qf + (r * G + g) * D, D);
-            }
+            for (int64_t r = 0; r < nrows; ++r)
+                for (int64_t g = 0; g < G; ++g)
+                    Ops::prepare_query(q + ((row0 + r0 + r) * H + h * G + g) * D, qf + (r * G + g) * D, D);
             for (int64_t i = 0; i < nrows * G; ++i) folded[i] = 0;
 
             for (int64_t split = item.split_begin; split < item.split_end; ++split) {
@@ -72,42 +83,39 @@ static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t nu
                 if (blk_end > last_pos / BS + 1) blk_end = last_pos / BS + 1;
                 for (int64_t blk = split * blocks_per_split; blk < blk_end; ++blk) {
                     const int64_t block_id = table[blk];
-                    const T* kb = pa_cache_block<T>(a->k_cache, block_id, h, a);
-                    const T* vb = pa_cache_block<T>(a->v_cache, block_id, h, a);
                     int64_t in_block = ctx - blk * BS;
                     if (in_block > BS) in_block = BS;
-                    const float* kblock = (const float*)kb;
-                    const float* vblock = (const float*)vb;
-                    if constexpr (is_bf16) {
-                        if (!Ops::kScoresFromRawK) { Ops::to_float((const uint16_t*)kb, kf, in_block * D); kblock = kf; }
-                        Ops::to_float((const uint16_t*)vb, vf, in_block * D);
-                        vblock = vf;
-                    }
-                    for (int64_t r = 0; r < nrows; ++r) {
-                        const int64_t limit = first_pos + r0 + r;  // the row's own position
-                        if (blk * BS > limit) continue;
-                        int64_t n = limit - blk * BS + 1;
-                        if (n > in_block) n = in_block;
+                    const float* k;
+                    const float* v = Ops::prepare_block(pa_cache_block<T>(a->k_cache, block_id, h, a),
+                                                        pa_cache_block<T>(a->v_cache, block_id, h, a), in_block, D, kbuf, vbuf, &k);
+                    // Three passes over the tile's (row, head) pairs: scores, softmax update, weighted V
+                    // sum. Ops may compute several pairs at once (sharing each K/V load); a pair's own
+                    // arithmetic is the same whichever pairs share the pass.
+                    int64_t first_row = 0;  // rows before it end before this block
+                    while (first_row < nrows && blk * BS > first_pos + r0 + first_row) ++first_row;
+                    Ops::template scores_rows<T>(qf + first_row * G * D, (nrows - first_row) * G, k, in_block, D, a->scale,
+                                                 s + first_row * G * keys_padded, keys_padded);
+                    for (int64_t r = first_row; r < nrows; ++r) {
+                        const int64_t n = keys_of_row(first_pos + r0 + r, blk, BS, in_block);
                         for (int64_t g = 0; g < G; ++g) {
                             const int64_t rg = r * G + g;
-                            if constexpr (is_bf16) {
-                                if (Ops::kScoresFromRawK)
-                                    Ops::scores_bf16((const uint16_t*)(q + ((row0 + r0 + r) * H + h * G + g) * D), (const uint16_t*)kb, n, D, a->scale, s);
-                                else
-                                    Ops::scores(qf + rg * D, kblock, n, D, a->scale, s);
-                            } else {
-                                Ops::scores((const float*)(q + ((row0 + r0 + r) * H + h * G + g) * D), kblock, n, D, a->scale, s);
-                            }
-                            float block_max = s[0];
-                            for (int64_t j = 1; j < n; ++j) block_max = s[j] > block_max ? s[j] : block_max;
+                            float* sr = s + rg * keys_padded;
+                            const float block_max = Ops::max(sr, n);
                             const float m_old = m[rg];
                             const float m_new = block_max > m_old ? block_max : m_old;
-                            const float alpha = Ops::exp1(m_old - m_new);
-                            const float sum = Ops::exp_shifted(s, n, m_new);
+                            // exp(0) is exactly 1 in every path's exp, so skipping it changes no bit.
+                            alpha[rg] = m_new == m_old ? 1.0f : Ops::exp1(m_old - m_new);
+                            const float sum = Ops::exp_shifted(sr, n, m_new);
                             m[rg] = m_new;
-                            l[rg] = l[rg] * alpha + sum;
-                            Ops::scale_axpy(acc + rg * D, alpha, s, vblock, n, D);
+                            l[rg] = l[rg] * alpha[rg] + sum;
                         }
+                    }
+                    for (int64_t r = first_row; r < nrows;) {  // runs of rows that see the same keys
+                        const int64_t n = keys_of_row(first_pos + r0 + r, blk, BS, in_block);
+                        int64_t run_end = r + 1;
+                        while (run_end < nrows && keys_of_row(first_pos + r0 + run_end, blk, BS, in_block) == n) ++run_end;
+                        Ops::axpy_rows(acc + r * G * D, alpha + r * G, s + r * G * keys_padded, keys_padded, (run_end - r) * G, v, n, D);
+                        r = run_end;
                     }
                 }
                 // The split is done: hand it on (its own item) or fold it (a tile running its splits).
@@ -145,7 +153,7 @@ static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t nu
                     }
             }
         }
-        free(qf); free(kf); free(vf); free(s); free(m); free(l); free(acc); free(fm); free(fl); free(facc); free(folded);
+        free(qf); free(kbuf); free(vbuf); free(s); free(alpha); free(m); free(l); free(acc); free(fm); free(fl); free(facc); free(folded);
     }
 }
 
