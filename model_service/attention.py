@@ -28,8 +28,8 @@ softmax with float32 accumulation, the context cut into KV splits at fixed posit
 result depends only on its own query, context and position: never on the other rows of the call,
 on padding, or on whether it is a decode or inside a chunk (batch invariance by construction).
 The ISA path is the fastest the CPU runs, or the one PLANSERVE_ATTENTION_ISA names (portable,
-avx512, avx512_bf16). Other devices use `_torch_attention` (gather + SDPA) until a device kernel
-lands there.
+avx512, avx512_bf16; `torch` runs the plain-torch path below instead, for A/B checks). Other
+devices use `_torch_attention` (gather + SDPA) until a device kernel lands there.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from cython_ext import paged_attention as native
 # 256 gives a batch-1 decode at context ~300 six items (2 splits x 3 KV heads) for two cores.
 KV_SPLIT_POSITIONS = 256
 ISA_ENV = "PLANSERVE_ATTENTION_ISA"
+TORCH_PATH = "torch"  # the gather + SDPA path, selectable on the CPU for comparisons
 _DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
 
 
@@ -54,8 +55,10 @@ def resolve_isa(name: str | None = None) -> str:
     name = name or os.environ.get(ISA_ENV, "auto")
     if name == "auto":
         return native.best_isa()
+    if name == TORCH_PATH:
+        return name
     if name not in native.ISAS:
-        raise ValueError(f"{ISA_ENV}: {name!r} is not one of auto, {', '.join(native.ISAS)}")
+        raise ValueError(f"{ISA_ENV}: {name!r} is not one of auto, {TORCH_PATH}, {', '.join(native.ISAS)}")
     if not native.isa_supported(name):
         raise ValueError(f"{ISA_ENV}: {name!r} is not supported by this CPU or build (best: {native.best_isa()})")
     return name
@@ -127,7 +130,8 @@ def paged_attention(
     """q [T, H, D], k/v [T, KVH, D]; caches [NB, KVH, BS, D]. Writes k/v into the caches at
     meta.slot_mapping and returns the attention output [T, H * D] in q's dtype. `isa` forces a
     CPU path (tests); None runs ATTENTION_ISA."""
-    if meta.native_step is None:
+    isa = isa or ATTENTION_ISA
+    if meta.native_step is None or isa == TORCH_PATH:
         return _torch_attention(q, k, v, k_cache, v_cache, meta)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
@@ -142,7 +146,7 @@ def paged_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
         split_positions=split_positions(block_size), scale=head_dim**-0.5, dtype=dtype,
-        isa=native.ISAS.index(isa or ATTENTION_ISA), num_threads=meta.num_threads,
+        isa=native.ISAS.index(isa), num_threads=meta.num_threads,
     )
     return out.view(num_tokens, num_heads * head_dim)
 

@@ -33,7 +33,7 @@ def test_isa_paths_of_this_machine(capsys):
 
 def test_unknown_isa_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("PLANSERVE_ATTENTION_ISA", "sse9")
-    with pytest.raises(ValueError, match="PLANSERVE_ATTENTION_ISA: 'sse9' is not one of auto, portable"):
+    with pytest.raises(ValueError, match="PLANSERVE_ATTENTION_ISA: 'sse9' is not one of auto, torch, portable"):
         resolve_isa()
 
 
