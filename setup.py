@@ -32,12 +32,15 @@ CSRC = "cython_ext/csrc"
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 # Vector paths of the paged attention kernel: source -> its own ISA flags (x86-64 only).
 ATTENTION_ISA_SOURCES = {
+    f"{CSRC}/paged_attention_avx2.cpp": ["-mavx2", "-mfma"],
     f"{CSRC}/paged_attention_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     f"{CSRC}/paged_attention_avx512_bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                                                 "-mavx512bf16"],
 } if X86_64 else {}
-# -Wno-maybe-uninitialized: GCC 12's own AVX-512 intrinsic headers trip it (masked loads).
-CXX_FLAGS = OPT + ["-std=c++17", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized"]
+# -fno-trapping-math lets the compiler vectorize the selects of the portable exp (no result
+# changes: nothing reads FP exception flags). -Wno-maybe-uninitialized: GCC 12's own AVX-512
+# intrinsic headers trip it (masked loads).
+CXX_FLAGS = OPT + ["-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-maybe-uninitialized"]
 
 
 class BuildExt(build_ext):
@@ -69,7 +72,7 @@ attention = Extension(
     ["cython_ext/paged_attention.pyx", f"{CSRC}/paged_attention_dispatch.cpp", f"{CSRC}/paged_attention_portable.cpp"],
     language="c++",
     include_dirs=["cython_ext"],
-    define_macros=[("PLANSERVE_PA_AVX512", "1")] if X86_64 else [],
+    define_macros=[("PLANSERVE_PA_X86", "1")] if X86_64 else [],
     extra_compile_args=CXX_FLAGS,
     extra_link_args=["-fopenmp"],
     depends=sorted(glob.glob(f"{CSRC}/*")),

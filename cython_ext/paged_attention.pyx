@@ -10,7 +10,7 @@ from libc.stdint cimport int64_t, uintptr_t
 
 import numpy as np
 
-ISAS = ("portable", "avx512", "avx512_bf16")
+ISAS = ("portable", "avx2", "avx512", "avx512_bf16")  # pa_isa order: by preference
 DTYPES = ("float32", "bfloat16")
 
 

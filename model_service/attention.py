@@ -28,7 +28,7 @@ softmax with float32 accumulation, the context cut into KV splits at fixed posit
 result depends only on its own query, context and position: never on the other rows of the call,
 on padding, or on whether it is a decode or inside a chunk (batch invariance by construction).
 The ISA path is the fastest the CPU runs, or the one PLANSERVE_ATTENTION_ISA names (portable,
-avx512, avx512_bf16; `torch` runs the plain-torch path below instead, for A/B checks). Other
+avx2, avx512, avx512_bf16; `torch` runs the plain-torch path below instead, for A/B checks). Other
 devices use `_torch_attention` (gather + SDPA) until a device kernel lands there.
 """
 

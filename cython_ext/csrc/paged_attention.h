@@ -28,7 +28,8 @@ extern "C" {
 #endif
 
 enum pa_dtype { PA_FLOAT32 = 0, PA_BFLOAT16 = 1 };
-enum pa_isa { PA_ISA_PORTABLE = 0, PA_ISA_AVX512 = 1, PA_ISA_AVX512_BF16 = 2 };
+// In order of preference: the last one a CPU runs is the default.
+enum pa_isa { PA_ISA_PORTABLE = 0, PA_ISA_AVX2 = 1, PA_ISA_AVX512 = 2, PA_ISA_AVX512_BF16 = 3 };
 
 typedef struct pa_args {
     const void* q;
@@ -97,6 +98,7 @@ void pa_fold_split(float* m, float* l, float* acc, float m_s, float l_s, const f
 
 // The ISA kernels: process the items (each TU compiled with its own ISA flags).
 void pa_run_items_portable(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
+void pa_run_items_avx2(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
 void pa_run_items_avx512(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
 void pa_run_items_avx512_bf16(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
 

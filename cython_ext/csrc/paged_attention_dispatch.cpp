@@ -111,8 +111,9 @@ void combine(const pa_args* a, const std::vector<SplitSeq>& split_seqs, const fl
 }
 
 bool cpu_has(int isa) {
-#if defined(__x86_64__) && defined(PLANSERVE_PA_AVX512)
+#if defined(__x86_64__) && defined(PLANSERVE_PA_X86)
     __builtin_cpu_init();
+    if (isa == PA_ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                         __builtin_cpu_supports("fma");
@@ -183,7 +184,8 @@ int pa_paged_attention(const pa_args* a, int isa) {
     std::vector<float> partials(partial_floats);
     switch (isa) {
         case PA_ISA_PORTABLE: pa_run_items_portable(a, items.data(), (int64_t)items.size(), partials.data()); break;
-#if defined(PLANSERVE_PA_AVX512)
+#if defined(PLANSERVE_PA_X86)
+        case PA_ISA_AVX2: pa_run_items_avx2(a, items.data(), (int64_t)items.size(), partials.data()); break;
         case PA_ISA_AVX512: pa_run_items_avx512(a, items.data(), (int64_t)items.size(), partials.data()); break;
         case PA_ISA_AVX512_BF16: pa_run_items_avx512_bf16(a, items.data(), (int64_t)items.size(), partials.data()); break;
 #endif

@@ -222,17 +222,24 @@ def test_split_length_is_whole_blocks():
     assert split_positions(16) == 256 and split_positions(12) == 264 and split_positions(1) == 256
 
 
-def test_portable_path_has_no_avx512_code():
-    """The portable path and the dispatcher are built without ISA flags: no zmm register in
-    their object code (the vector paths, in their own namespaces, use them)."""
+def _functions_of(listing: str, namespace: str) -> list[str]:
+    functions = re.split(r"\n(?=[0-9a-f]+ <)", listing)
+    return [f for f in functions if f"{namespace}::" in f.split("\n", 1)[0]]
+
+
+def test_object_code_of_each_path_stays_within_its_isa():
+    """The portable path is built without ISA flags: no AVX (ymm) or AVX-512 (zmm) register in
+    its object code, nor in the dispatcher's; the AVX2 path has no zmm; the AVX-512 paths do use
+    zmm (they were built with their flags)."""
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", native.__file__], check=True,
                              capture_output=True, text=True).stdout
-    functions = re.split(r"\n(?=[0-9a-f]+ <)", listing)
-    portable = [f for f in functions if "planserve_pa_portable::" in f.split("\n", 1)[0]
-                or re.match(r"[0-9a-f]+ <(pa_paged_attention|pa_fold_split|pa_run_items_portable)", f)]
-    vector = [f for f in functions if "planserve_pa_avx512" in f.split("\n", 1)[0]]
-    assert len(portable) >= 3
-    offenders = [f.split("\n", 1)[0] for f in portable if "zmm" in f]
-    assert not offenders, f"AVX-512 registers in the portable path: {offenders}"
-    if "avx512" in SUPPORTED:
-        assert any("zmm" in f for f in vector), "the AVX-512 path was built without AVX-512 code"
+    dispatcher = [f for f in re.split(r"\n(?=[0-9a-f]+ <)", listing)
+                  if re.match(r"[0-9a-f]+ <(pa_paged_attention|pa_fold_split|pa_run_items_portable)\b", f)]
+    portable = _functions_of(listing, "planserve_pa_portable") + dispatcher
+    assert len(portable) >= 4
+    offenders = [f.split("\n", 1)[0] for f in portable if "ymm" in f or "zmm" in f]
+    assert not offenders, f"AVX or AVX-512 registers in the portable path: {offenders}"
+    avx2 = _functions_of(listing, "planserve_pa_avx2")
+    assert avx2 and not [f.split("\n", 1)[0] for f in avx2 if "zmm" in f]
+    assert any("ymm" in f for f in avx2), "the AVX2 path was built without AVX code"
+    assert any("zmm" in f for f in _functions_of(listing, "planserve_pa_avx512")), "the AVX-512 path has no AVX-512 code"
