@@ -294,7 +294,9 @@ def test_block_hash_agrees(parent, tokens, salt):
     salt=st.integers(0, 2),
 )
 def test_match_prefix_agrees(prompts, query, block_size, salt):
-    pools = [cy.BlockPool(64), oracle.OracleBlockPool(64)]
+    # Room for every prompt at block size 1 (6 x 12 blocks + the reserved block 0): with 64 the
+    # pool ran out on a rare draw and hypothesis reported MemoryError, not a disagreement.
+    pools = [cy.BlockPool(128), oracle.OracleBlockPool(128)]
     for pool in pools:
         for p in prompts:
             blocks = pool.allocate(-(-len(p) // block_size))
