@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder
-from model_service.attention import build_attention_metadata
+from model_service.attention import ATTENTION_ISA, build_attention_metadata
 from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
 from model_service.config import ModelServiceConfig
 from model_service.kv_cache import KVCache, agree_on_num_blocks, kv_block_bytes, kv_cache_budget_bytes
@@ -118,7 +118,8 @@ class ModelRunner:
             self.num_speculative_tokens = config.num_speculative_tokens
         # execute() runs in a worker thread; reset() may come from the event loop when a stream ends.
         self._lock = threading.Lock()
-        log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.resolved_dtype(), num_kv_blocks=num_blocks)
+        log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.resolved_dtype(), num_kv_blocks=num_blocks,
+                 attention=ATTENTION_ISA if self.device.type == "cpu" else "torch")
 
     def describe_facts(self) -> EngineFacts:
         lm = self.loaded

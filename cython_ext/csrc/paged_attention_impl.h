@@ -2,9 +2,9 @@
 // paged_attention_<isa>.cpp defines `struct Ops` (its vector primitives) inside its own namespace
 // and then includes this file there. Ops prepares a query row (prepare_query: into D floats of
 // scratch, in whatever form its scores() reads), a K/V block (prepare_block: K in the form its
-// scores() reads, V as float32 rows [n, D]; either in the scratch given or in place) and computes scores, exp and the weighted sum of V rows.
-// No C++ standard library here: an inline std:: template
-// compiled with AVX-512 flags could be merged by the linker into the portable path.
+// scores() reads, V as float32 rows [n, D]; either in the scratch given or in place) and computes
+// scores, exp and the weighted sum of V rows. No C++ standard library here: an inline std::
+// template compiled with AVX-512 flags could be merged by the linker into the portable path.
 //
 // Per work item (sequence b, KV head h, query rows [r0, r1), KV splits [s0, s1)), G = H / KVH
 // query heads share KV head h and are processed together, so each K/V block is read once per
@@ -19,9 +19,58 @@
 // and each split's (m, l, acc) is folded in split order by pa_fold_split. The result of a row
 // depends on nothing but its own query, its context and its position.
 
+// Per-thread scratch, allocated once per call. Pairs (row r of the tile, head g) are indexed
+// rg = r * G + g.
+struct Scratch {
+    int64_t keys_padded;  // block_size rounded up to whole 16-key groups
+    float* qf;            // [rows * G, D]   the tile's queries, as Ops::prepare_query left them
+    float* kbuf;          // one block's K as Ops::prepare_block left it
+    float* vbuf;          // one block's V as float32 rows (when not read in place)
+    float* s;             // [rows * G, keys_padded]  scores, then probabilities
+    float* alpha;         // [rows * G]  this block's rescale of the running state
+    float* m;             // [rows * G]  running max of the current split
+    float* l;             // [rows * G]  running sum of exp of the current split
+    float* acc;           // [rows * G, D]  running weighted V sum of the current split
+    float* fm;            // [rows * G]  the splits folded so far (a tile running its splits)
+    float* fl;
+    float* facc;
+    char* folded;         // [rows * G]  whether any split was folded yet
+
+    Scratch(const pa_args* a) {
+        const int64_t D = a->head_dim, pairs = PA_MAX_TILE_ROWS * (a->num_heads / a->num_kv_heads);
+        keys_padded = (a->block_size + 15) / 16 * 16;
+        qf = alloc(pairs * D);
+        kbuf = alloc(keys_padded * (D + 1));
+        vbuf = alloc(a->block_size * D);
+        s = alloc(pairs * keys_padded);
+        alpha = alloc(pairs);
+        m = alloc(pairs);
+        l = alloc(pairs);
+        acc = alloc(pairs * D);
+        fm = alloc(pairs);
+        fl = alloc(pairs);
+        facc = alloc(pairs * D);
+        folded = (char*)malloc(pairs);
+    }
+    ~Scratch() {
+        free(qf); free(kbuf); free(vbuf); free(s); free(alpha); free(m); free(l); free(acc);
+        free(fm); free(fl); free(facc); free(folded);
+    }
+    static float* alloc(int64_t n) { return (float*)malloc(sizeof(float) * n); }
+};
+
+// The rows of one work item: query rows [r0, r1) of sequence b, KV head h.
+struct Tile {
+    int64_t b, h, r0, nrows;
+    int64_t first_pos;  // position of the sequence's first query row this step
+    int64_t row0;       // packed row of the sequence's first query row
+    int64_t ctx;        // context length of the sequence
+    int64_t position(int64_t r) const { return first_pos + r0 + r; }  // of tile row r
+};
+
 template <class T>
-static inline T* pa_cache_block(void* cache, int64_t block_id, int64_t kv_head, const pa_args* a) {
-    return static_cast<T*>(cache) + ((block_id * a->num_kv_heads + kv_head) * a->block_size) * a->head_dim;
+static inline const T* pa_cache_block(const void* cache, int64_t block_id, int64_t kv_head, const pa_args* a) {
+    return static_cast<const T*>(cache) + ((block_id * a->num_kv_heads + kv_head) * a->block_size) * a->head_dim;
 }
 
 // Keys of block `blk` that the row at `position` attends (it starts at or before the position).
@@ -30,130 +79,118 @@ static inline int64_t keys_of_row(int64_t position, int64_t blk, int64_t block_s
     return n < in_block ? n : in_block;
 }
 
+// One KV block into the running state of every (row, head) pair that reaches it, in three passes
+// (scores, softmax update, weighted V sum). Ops may compute several pairs at once, sharing each
+// K/V load; a pair's own arithmetic is the same whichever pairs share the pass.
 template <class T>
-static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
-    const int64_t D = a->head_dim, BS = a->block_size, H = a->num_heads, KVH = a->num_kv_heads;
-    const int64_t G = H / KVH, blocks_per_split = a->split_positions / BS;
-    const int64_t max_rows = PA_MAX_TILE_ROWS;
-    const float neg_inf = -__builtin_inff();
-    constexpr bool is_bf16 = sizeof(T) == 2;
-    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "float32 or bfloat16 (as uint16_t)");
+static inline __attribute__((always_inline)) void pa_attend_block(const pa_args* a, const Tile& t, int64_t blk, Scratch& w) {
+    const int64_t D = a->head_dim, BS = a->block_size, G = a->num_heads / a->num_kv_heads, KP = w.keys_padded;
+    // Local copies: stores through the float buffers could otherwise alias the Scratch fields.
+    float* const s = w.s;
+    float* const m = w.m;
+    float* const l = w.l;
+    float* const alpha = w.alpha;
+    const int64_t block_id = a->block_tables[t.b * a->max_blocks_per_seq + blk];
+    const int64_t in_block = t.ctx - blk * BS < BS ? t.ctx - blk * BS : BS;
+    const float* k;
+    const float* v = Ops::prepare_block(pa_cache_block<T>(a->k_cache, block_id, t.h, a), pa_cache_block<T>(a->v_cache, block_id, t.h, a),
+                                        in_block, D, w.kbuf, w.vbuf, &k);
+    int64_t first = 0;  // tile rows before it end before this block
+    while (first < t.nrows && blk * BS > t.position(first)) ++first;
+    Ops::template scores_rows<T>(w.qf + first * G * D, (t.nrows - first) * G, k, in_block, D, a->scale, s + first * G * KP, KP);
+    for (int64_t r = first; r < t.nrows; ++r) {
+        const int64_t n = keys_of_row(t.position(r), blk, BS, in_block);
+        for (int64_t rg = r * G; rg < (r + 1) * G; ++rg) {
+            float* sr = s + rg * KP;
+            const float block_max = Ops::max(sr, n);
+            const float m_old = m[rg];
+            const float m_new = block_max > m_old ? block_max : m_old;
+            // exp(0) is exactly 1 in every path's exp, so skipping it changes no bit.
+            alpha[rg] = m_new == m_old ? 1.0f : Ops::exp1(m_old - m_new);
+            const float sum = Ops::exp_shifted(sr, n, m_new);
+            m[rg] = m_new;
+            l[rg] = l[rg] * alpha[rg] + sum;
+        }
+    }
+    float* const acc = w.acc;
+    for (int64_t r = first; r < t.nrows;) {  // runs of rows that see the same keys
+        const int64_t n = keys_of_row(t.position(r), blk, BS, in_block);
+        int64_t end = r + 1;
+        while (end < t.nrows && keys_of_row(t.position(end), blk, BS, in_block) == n) ++end;
+        Ops::axpy_rows(acc + r * G * D, alpha + r * G, s + r * G * KP, KP, (end - r) * G, v, n, D);
+        r = end;
+    }
+}
 
-#pragma omp parallel num_threads(a->num_threads)
-    {
-        // Per-thread scratch, once per call. A block's K/V are prepared once per item and block
-        // (converted, transposed or packed as the ISA's Ops likes them) and shared by the rows.
-        const int64_t keys_padded = (BS + 15) / 16 * 16;
-        float* qf = (float*)malloc(sizeof(float) * max_rows * G * D);
-        float* kbuf = (float*)malloc(sizeof(float) * keys_padded * (D + 1));
-        float* vbuf = (float*)malloc(sizeof(float) * BS * D);
-        float* s = (float*)malloc(sizeof(float) * max_rows * G * keys_padded);
-        float* alpha = (float*)malloc(sizeof(float) * max_rows * G);
-        float* m = (float*)malloc(sizeof(float) * max_rows * G);
-        float* l = (float*)malloc(sizeof(float) * max_rows * G);
-        float* acc = (float*)malloc(sizeof(float) * max_rows * G * D);
-        float* fm = (float*)malloc(sizeof(float) * max_rows * G);
-        float* fl = (float*)malloc(sizeof(float) * max_rows * G);
-        float* facc = (float*)malloc(sizeof(float) * max_rows * G * D);
-        char* folded = (char*)malloc(max_rows * G);
-
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < num_items; ++it) {
-            const pa_item item = items[it];
-            const int64_t b = item.seq, h = item.kv_head, r0 = item.row_begin, r1 = item.row_end;
-            const int64_t nrows = r1 - r0;
-            const int64_t ctx = a->context_lens[b];
-            const int64_t first_pos = ctx - a->num_scheduled[b];
-            const int64_t row0 = a->query_start[b];
-            const int64_t last_pos = first_pos + r1 - 1;
-            const int64_t* table = a->block_tables + b * a->max_blocks_per_seq;
-            const T* q = static_cast<const T*>(a->q);
-
-            for (int64_t r = 0; r < nrows; ++r)
-                for (int64_t g = 0; g < G; ++g)
-                    Ops::prepare_query(q + ((row0 + r0 + r) * H + h * G + g) * D, qf + (r * G + g) * D, D);
-            for (int64_t i = 0; i < nrows * G; ++i) folded[i] = 0;
-
-            for (int64_t split = item.split_begin; split < item.split_end; ++split) {
-                const int64_t split_first = split * a->split_positions;
-                if (split_first > last_pos) break;
-                for (int64_t i = 0; i < nrows * G; ++i) { m[i] = neg_inf; l[i] = 0.0f; }
-                for (int64_t i = 0; i < nrows * G * D; ++i) acc[i] = 0.0f;
-                int64_t blk_end = (split + 1) * blocks_per_split;
-                if (blk_end > last_pos / BS + 1) blk_end = last_pos / BS + 1;
-                for (int64_t blk = split * blocks_per_split; blk < blk_end; ++blk) {
-                    const int64_t block_id = table[blk];
-                    int64_t in_block = ctx - blk * BS;
-                    if (in_block > BS) in_block = BS;
-                    const float* k;
-                    const float* v = Ops::prepare_block(pa_cache_block<T>(a->k_cache, block_id, h, a),
-                                                        pa_cache_block<T>(a->v_cache, block_id, h, a), in_block, D, kbuf, vbuf, &k);
-                    // Three passes over the tile's (row, head) pairs: scores, softmax update, weighted V
-                    // sum. Ops may compute several pairs at once (sharing each K/V load); a pair's own
-                    // arithmetic is the same whichever pairs share the pass.
-                    int64_t first_row = 0;  // rows before it end before this block
-                    while (first_row < nrows && blk * BS > first_pos + r0 + first_row) ++first_row;
-                    Ops::template scores_rows<T>(qf + first_row * G * D, (nrows - first_row) * G, k, in_block, D, a->scale,
-                                                 s + first_row * G * keys_padded, keys_padded);
-                    for (int64_t r = first_row; r < nrows; ++r) {
-                        const int64_t n = keys_of_row(first_pos + r0 + r, blk, BS, in_block);
-                        for (int64_t g = 0; g < G; ++g) {
-                            const int64_t rg = r * G + g;
-                            float* sr = s + rg * keys_padded;
-                            const float block_max = Ops::max(sr, n);
-                            const float m_old = m[rg];
-                            const float m_new = block_max > m_old ? block_max : m_old;
-                            // exp(0) is exactly 1 in every path's exp, so skipping it changes no bit.
-                            alpha[rg] = m_new == m_old ? 1.0f : Ops::exp1(m_old - m_new);
-                            const float sum = Ops::exp_shifted(sr, n, m_new);
-                            m[rg] = m_new;
-                            l[rg] = l[rg] * alpha[rg] + sum;
-                        }
-                    }
-                    for (int64_t r = first_row; r < nrows;) {  // runs of rows that see the same keys
-                        const int64_t n = keys_of_row(first_pos + r0 + r, blk, BS, in_block);
-                        int64_t run_end = r + 1;
-                        while (run_end < nrows && keys_of_row(first_pos + r0 + run_end, blk, BS, in_block) == n) ++run_end;
-                        Ops::axpy_rows(acc + r * G * D, alpha + r * G, s + r * G * keys_padded, keys_padded, (run_end - r) * G, v, n, D);
-                        r = run_end;
-                    }
-                }
-                // The split is done: hand it on (its own item) or fold it (a tile running its splits).
-                for (int64_t r = 0; r < nrows; ++r) {
-                    if (split_first > first_pos + r0 + r) continue;  // the row ends before this split
-                    for (int64_t g = 0; g < G; ++g) {
-                        const int64_t rg = r * G + g;
-                        if (item.partial_offset >= 0) {
-                            float* p = partials + item.partial_offset + rg * PA_PARTIAL_FLOATS(D);
-                            p[0] = m[rg];
-                            p[1] = l[rg];
-                            for (int64_t d = 0; d < D; ++d) p[2 + d] = acc[rg * D + d];
-                        } else {
-                            if (!folded[rg]) {
-                                fm[rg] = m[rg];
-                                fl[rg] = l[rg];
-                                for (int64_t d = 0; d < D; ++d) facc[rg * D + d] = acc[rg * D + d];
-                                folded[rg] = 1;
-                            } else {
-                                pa_fold_split(fm + rg, fl + rg, facc + rg * D, m[rg], l[rg], acc + rg * D, D);
-                            }
-                        }
-                    }
-                }
-            }
-            if (item.partial_offset < 0) {
-                for (int64_t r = 0; r < nrows; ++r)
-                    for (int64_t g = 0; g < G; ++g) {
-                        const int64_t rg = r * G + g;
-                        T* o = static_cast<T*>(a->out) + ((row0 + r0 + r) * H + h * G + g) * D;
-                        if constexpr (is_bf16)
-                            pa_store_row_bf16(facc + rg * D, fl[rg], (uint16_t*)o, D);
-                        else
-                            pa_store_row_f32(facc + rg * D, fl[rg], (float*)o, D);
-                    }
+// A split is done: its state goes to the partials (the split is its own item) or is folded into
+// the tile's running fold (the tile runs all its splits). Rows that end before the split skip it.
+static void pa_finish_split(const pa_args* a, const Tile& t, const pa_item& item, int64_t split_first, Scratch& w, float* partials) {
+    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads;
+    for (int64_t r = 0; r < t.nrows; ++r) {
+        if (split_first > t.position(r)) continue;
+        for (int64_t rg = r * G; rg < (r + 1) * G; ++rg) {
+            if (item.partial_offset >= 0) {
+                float* p = partials + item.partial_offset + rg * PA_PARTIAL_FLOATS(D);
+                p[0] = w.m[rg];
+                p[1] = w.l[rg];
+                for (int64_t d = 0; d < D; ++d) p[2 + d] = w.acc[rg * D + d];
+            } else if (!w.folded[rg]) {
+                w.fm[rg] = w.m[rg];
+                w.fl[rg] = w.l[rg];
+                for (int64_t d = 0; d < D; ++d) w.facc[rg * D + d] = w.acc[rg * D + d];
+                w.folded[rg] = 1;
+            } else {
+                pa_fold_split(w.fm + rg, w.fl + rg, w.facc + rg * D, w.m[rg], w.l[rg], w.acc + rg * D, D);
             }
         }
-        free(qf); free(kbuf); free(vbuf); free(s); free(alpha); free(m); free(l); free(acc); free(fm); free(fl); free(facc); free(folded);
+    }
+}
+
+template <class T>
+static void pa_run_item(const pa_args* a, const pa_item& item, Scratch& w, float* partials) {
+    const int64_t D = a->head_dim, BS = a->block_size, H = a->num_heads, G = H / a->num_kv_heads;
+    const int64_t ctx = a->context_lens[item.seq];
+    const Tile t{item.seq, item.kv_head, item.row_begin, item.row_end - item.row_begin, ctx - a->num_scheduled[item.seq],
+                 a->query_start[item.seq], ctx};
+    const int64_t last_pos = t.position(t.nrows - 1), blocks_per_split = a->split_positions / BS;
+    const T* q = static_cast<const T*>(a->q);
+    for (int64_t r = 0; r < t.nrows; ++r)
+        for (int64_t g = 0; g < G; ++g)
+            Ops::prepare_query(q + ((t.row0 + t.r0 + r) * H + t.h * G + g) * D, w.qf + (r * G + g) * D, D);
+    for (int64_t rg = 0; rg < t.nrows * G; ++rg) w.folded[rg] = 0;
+
+    for (int64_t split = item.split_begin; split < item.split_end; ++split) {
+        const int64_t split_first = split * a->split_positions;
+        if (split_first > last_pos) break;
+        for (int64_t rg = 0; rg < t.nrows * G; ++rg) {
+            w.m[rg] = -__builtin_inff();
+            w.l[rg] = 0.0f;
+        }
+        for (int64_t i = 0; i < t.nrows * G * D; ++i) w.acc[i] = 0.0f;
+        const int64_t blk_end = (split + 1) * blocks_per_split < last_pos / BS + 1 ? (split + 1) * blocks_per_split : last_pos / BS + 1;
+        for (int64_t blk = split * blocks_per_split; blk < blk_end; ++blk) pa_attend_block<T>(a, t, blk, w);
+        pa_finish_split(a, t, item, split_first, w, partials);
+    }
+    if (item.partial_offset >= 0) return;
+    for (int64_t r = 0; r < t.nrows; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t rg = r * G + g;
+            T* out = static_cast<T*>(a->out) + ((t.row0 + t.r0 + r) * H + t.h * G + g) * D;
+            if constexpr (sizeof(T) == 2)
+                pa_store_row_bf16(w.facc + rg * D, w.fl[rg], (uint16_t*)out, D);
+            else
+                pa_store_row_f32(w.facc + rg * D, w.fl[rg], (float*)out, D);
+        }
+}
+
+template <class T>
+static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "float32 or bfloat16 (as uint16_t)");
+#pragma omp parallel num_threads(a->num_threads)
+    {
+        Scratch w(a);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < num_items; ++it) pa_run_item<T>(a, items[it], w, partials);
     }
 }
 
