@@ -33,10 +33,13 @@ cdef extern from "csrc/paged_attention.h" nogil:
         int num_threads
 
     int pa_paged_attention(const pa_args* a, int isa)
+    int pa_check_indices(const pa_args* a)
     const char* pa_error_message(int code)
     int pa_isa_supported(int isa)
 
 
 cdef class AttentionStep:
     cdef pa_args args
+    cdef int64_t checked_blocks      # the cache shape the indices were checked against (-1: none)
+    cdef int64_t checked_block_size
     cdef object _keep  # the index arrays whose memory args points into

@@ -54,6 +54,8 @@ cdef class AttentionStep:
         self.args.num_tokens = arrays[0].shape[0]
         self.args.num_seqs = arrays[1].shape[0]
         self.args.max_blocks_per_seq = tables.shape[1]
+        self.checked_blocks = -1
+        self.checked_block_size = -1
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +66,8 @@ cdef class AttentionStep:
             int64_t num_blocks, int split_positions, float scale, int dtype, int isa, int num_threads):
         """One layer: addresses of q/out [T, H, D], k_new/v_new [T, KVH, D] (0: write nothing),
         k_cache/v_cache [NB, KVH, BS, D], all C-contiguous; dtype an index into DTYPES, isa into
-        ISAS."""
+        ISAS. The indices are checked against the cache on the first call (and whenever the
+        cache's shape differs), not on every layer."""
         cdef pa_args a = self.args
         cdef int code
         a.q = <const void*>q
@@ -83,6 +86,12 @@ cdef class AttentionStep:
         a.dtype = dtype
         a.num_threads = num_threads
         with nogil:
-            code = pa_paged_attention(&a, isa)
+            code = 0
+            if a.num_blocks != self.checked_blocks or a.block_size != self.checked_block_size:
+                code = pa_check_indices(&a)
+                if code == 0:
+                    self.checked_blocks, self.checked_block_size = a.num_blocks, a.block_size
+            if code == 0:
+                code = pa_paged_attention(&a, isa)
         if code != 0:
             raise ValueError(f"paged attention: {pa_error_message(code).decode()}")

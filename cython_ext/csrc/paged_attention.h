@@ -102,8 +102,11 @@ void pa_run_items_avx2(const pa_args* a, const pa_item* items, int64_t num_items
 void pa_run_items_avx512(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
 void pa_run_items_avx512_bf16(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
 
-// The entry point: 0 on success, else a negative code (pa_error_message says which).
+// The entry point: 0 on success, else a negative code (pa_error_message says which). It trusts
+// the indices: pa_check_indices must have passed for them and the same cache shape.
 int pa_paged_attention(const pa_args* a, int isa);
+// Every slot, block id and sequence range inside the cache and the packed rows: 0, or the code.
+int pa_check_indices(const pa_args* a);
 const char* pa_error_message(int code);
 // 1 when this build has the ISA's code and the CPU runs it.
 int pa_isa_supported(int isa);

@@ -43,10 +43,18 @@ void write_kv(const pa_args* a) {
     }
 }
 
-int check(const pa_args* a) {
+int check_shape(const pa_args* a) {
     if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || a->head_dim <= 0 || a->head_dim % 2 ||
         a->block_size <= 0 || a->split_positions <= 0 || a->split_positions % a->block_size || a->num_threads <= 0)
         return PA_BAD_SHAPE;
+    return PA_OK;
+}
+
+}  // namespace
+
+extern "C" int pa_check_indices(const pa_args* a) {
+    const int err = check_shape(a);
+    if (err) return err;
     const int64_t capacity = a->num_blocks * a->block_size;
     for (int64_t t = 0; t < a->num_tokens; ++t)
         if (a->slot_mapping[t] < 0 || a->slot_mapping[t] >= capacity) return PA_BAD_SLOT;
@@ -64,6 +72,8 @@ int check(const pa_args* a) {
     }
     return rows <= a->num_tokens ? PA_OK : PA_BAD_SEQUENCE;
 }
+
+namespace {
 
 struct SplitSeq {  // a sequence whose splits are separate items, and where its partials start
     int64_t seq;
@@ -151,7 +161,7 @@ const char* pa_error_message(int code) {
 
 int pa_paged_attention(const pa_args* a, int isa) {
     if (!cpu_has(isa)) return PA_ISA_UNAVAILABLE;
-    const int err = check(a);
+    const int err = check_shape(a);  // the indices: pa_check_indices, once per step
     if (err) return err;
     if (a->num_tokens == 0) return PA_OK;
     if (a->k_new != nullptr) {
