@@ -228,24 +228,64 @@ struct Ops {
 #endif
         scores_rows_impl<false>(q, d, rows, k, n, d, scale, s, s_stride);
     }
-    static inline float max(const float* s, int64_t n) {
-        __m512 m = _mm512_set1_ps(-__builtin_inff());
-        for (int64_t j = 0; j < n; j += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - j), s + j));
-        return _mm512_reduce_max_ps(m);
+    // The softmax update of `pairs` (row, head) pairs, pair i seeing keys[i] keys of the block:
+    //     m' = max(m, max_j s_j), alpha = exp(m - m'), p_j = exp(s_j - m'), l = fma(l, alpha, sum)
+    // with sum = p_0 + p_1 + ... in key order. Runs of 8 or more pairs are done 16 at a time with
+    // pairs in the lanes (one transpose in, one out); the rest one pair at a time with keys in
+    // the lanes. Every lane sees the same operations in the same order either way.
+    static PA_INLINE void softmax_rows(float* s, int64_t s_stride, int64_t pairs, const int32_t* keys, float* m, float* l, float* alpha) {
+        int64_t i = 0;
+        for (; i + 8 <= pairs; i += 16) softmax_lanes(s + i * s_stride, s_stride, pairs - i < 16 ? pairs - i : 16, keys + i, m + i, l + i, alpha + i);
+        for (; i < pairs; ++i) softmax_one(s + i * s_stride, keys[i], m + i, l + i, alpha + i);
     }
-    static inline float exp1(float x) {
-        return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x)));
-    }
-    static inline float exp_shifted(float* s, int64_t n, float m) {
-        const __m512 mv = _mm512_set1_ps(m);
+    static PA_INLINE void softmax_one(float* s, int64_t n, float* m, float* l, float* alpha) {
+        __m512 mx = _mm512_set1_ps(-__builtin_inff());
+        for (int64_t j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - j), s + j));
+        const __m512 m_old = _mm512_set1_ps(*m);
+        const __m512 m_new = _mm512_max_ps(m_old, _mm512_set1_ps(_mm512_reduce_max_ps(mx)));
+        const __m512 a = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
         float sum = 0.0f;
         for (int64_t j = 0; j < n; j += 16) {
             const __mmask16 mask = tail_mask(n - j);
-            const __m512 p = _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), mv)));
-            _mm512_mask_storeu_ps(s + j, mask, p);
-            sum += _mm512_reduce_add_ps(p);
+            float p[16];
+            _mm512_storeu_ps(p, _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m_new))));
+            _mm512_mask_storeu_ps(s + j, mask, _mm512_loadu_ps(p));
+            for (int64_t t = 0; t < 16 && j + t < n; ++t) sum += p[t];
         }
-        return sum;
+        *m = _mm512_cvtss_f32(m_new);
+        *alpha = _mm512_cvtss_f32(a);
+        *l = _mm512_cvtss_f32(_mm512_fmadd_ps(_mm512_set1_ps(*l), a, _mm512_set1_ps(sum)));
+    }
+    static PA_INLINE void softmax_lanes(float* s, int64_t s_stride, int64_t pairs, const int32_t* keys, float* m, float* l, float* alpha) {
+        const __mmask16 lanes = tail_mask(pairs);
+        const __m512i n = _mm512_maskz_loadu_epi32(lanes, keys);
+        const int64_t max_keys = _mm512_reduce_max_epi32(n);
+        __m512 r[16];
+        __m512 mx = _mm512_set1_ps(-__builtin_inff());
+        for (int64_t g = 0; g < max_keys; g += 16) {
+            for (int64_t i = 0; i < 16; ++i) r[i] = i < pairs ? _mm512_loadu_ps(s + i * s_stride + g) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int64_t j = 0; j < 16 && g + j < max_keys; ++j)
+                mx = _mm512_mask_max_ps(mx, _mm512_cmpgt_epi32_mask(n, _mm512_set1_epi32((int)(g + j))), mx, r[j]);
+        }
+        const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m);
+        const __m512 m_new = _mm512_max_ps(m_old, mx);
+        const __m512 a = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t g = 0; g < max_keys; g += 16) {
+            for (int64_t i = 0; i < 16; ++i) r[i] = i < pairs ? _mm512_loadu_ps(s + i * s_stride + g) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int64_t j = 0; j < 16; ++j) {
+                const __mmask16 valid = _mm512_cmpgt_epi32_mask(n, _mm512_set1_epi32((int)(g + j)));
+                r[j] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(r[j], m_new)));
+                sum = _mm512_mask_add_ps(sum, valid, sum, r[j]);
+            }
+            transpose16(r);
+            for (int64_t i = 0; i < pairs; ++i) _mm512_storeu_ps(s + i * s_stride + g, r[i]);
+        }
+        _mm512_mask_storeu_ps(m, lanes, m_new);
+        _mm512_mask_storeu_ps(alpha, lanes, a);
+        _mm512_mask_storeu_ps(l, lanes, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l), a, sum));
     }
     static PA_INLINE void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const float* v,
                                     int64_t n, int64_t d) {

@@ -35,6 +35,7 @@ struct Scratch {
     float* fl;
     float* facc;
     char* folded;         // [rows * G]  whether any split was folded yet
+    int32_t* keys;        // [rows * G]  keys of the current block each pair attends
 
     Scratch(const pa_args* a) {
         const int64_t D = a->head_dim, pairs = PA_MAX_TILE_ROWS * (a->num_heads / a->num_kv_heads);
@@ -51,10 +52,11 @@ struct Scratch {
         fl = alloc(pairs);
         facc = alloc(pairs * D);
         folded = (char*)malloc(pairs);
+        keys = (int32_t*)malloc(sizeof(int32_t) * pairs);
     }
     ~Scratch() {
         free(qf); free(kbuf); free(vbuf); free(s); free(alpha); free(m); free(l); free(acc);
-        free(fm); free(fl); free(facc); free(folded);
+        free(fm); free(fl); free(facc); free(folded); free(keys);
     }
     static float* alloc(int64_t n) { return (float*)malloc(sizeof(float) * n); }
 };
@@ -80,7 +82,8 @@ static inline int64_t keys_of_row(int64_t position, int64_t blk, int64_t block_s
 }
 
 // One KV block into the running state of every (row, head) pair that reaches it, in three passes
-// (scores, softmax update, weighted V sum). Ops may compute several pairs at once, sharing each
+// (scores; softmax update: m' = max(m, block max), alpha = exp(m - m'), p_j = exp(s_j - m'),
+// l = l * alpha + sum_j p_j with the sum in key order; weighted V sum). Ops may compute several pairs at once, sharing each
 // K/V load; a pair's own arithmetic is the same whichever pairs share the pass.
 template <class T>
 static inline __attribute__((always_inline)) void pa_attend_block(const pa_args* a, const Tile& t, int64_t blk, Scratch& w) {
@@ -98,20 +101,10 @@ static inline __attribute__((always_inline)) void pa_attend_block(const pa_args*
     int64_t first = 0;  // tile rows before it end before this block
     while (first < t.nrows && blk * BS > t.position(first)) ++first;
     Ops::template scores_rows<T>(w.qf + first * G * D, (t.nrows - first) * G, k, in_block, D, a->scale, s + first * G * KP, KP);
-    for (int64_t r = first; r < t.nrows; ++r) {
-        const int64_t n = keys_of_row(t.position(r), blk, BS, in_block);
-        for (int64_t rg = r * G; rg < (r + 1) * G; ++rg) {
-            float* sr = s + rg * KP;
-            const float block_max = Ops::max(sr, n);
-            const float m_old = m[rg];
-            const float m_new = block_max > m_old ? block_max : m_old;
-            // exp(0) is exactly 1 in every path's exp, so skipping it changes no bit.
-            alpha[rg] = m_new == m_old ? 1.0f : Ops::exp1(m_old - m_new);
-            const float sum = Ops::exp_shifted(sr, n, m_new);
-            m[rg] = m_new;
-            l[rg] = l[rg] * alpha[rg] + sum;
-        }
-    }
+    int32_t* const keys = w.keys;
+    for (int64_t r = first; r < t.nrows; ++r)
+        for (int64_t rg = r * G; rg < (r + 1) * G; ++rg) keys[rg] = (int32_t)keys_of_row(t.position(r), blk, BS, in_block);
+    Ops::softmax_rows(s + first * G * KP, KP, (t.nrows - first) * G, keys + first * G, m + first * G, l + first * G, alpha + first * G);
     float* const acc = w.acc;
     for (int64_t r = first; r < t.nrows;) {  // runs of rows that see the same keys
         const int64_t n = keys_of_row(t.position(r), blk, BS, in_block);

@@ -136,6 +136,19 @@ struct Ops {
         for (int64_t j = 0; j < n; ++j) sum += s[j];
         return sum;
     }
+    // The softmax update of `pairs` (row, head) pairs, pair i seeing keys[i] keys of the block.
+    static inline void softmax_rows(float* s, int64_t s_stride, int64_t pairs, const int32_t* keys, float* m, float* l, float* alpha) {
+        for (int64_t i = 0; i < pairs; ++i) {
+            float* si = s + i * s_stride;
+            const float block_max = max(si, keys[i]);
+            const float m_new = block_max > m[i] ? block_max : m[i];
+            // exp(0) is exactly 1 in every path's exp, so skipping it changes no bit.
+            alpha[i] = m_new == m[i] ? 1.0f : exp1(m[i] - m_new);
+            const float sum = exp_shifted(si, keys[i], m_new);
+            m[i] = m_new;
+            l[i] = l[i] * alpha[i] + sum;
+        }
+    }
     // acc_r = acc_r * alpha_r + sum_j p_r[j] v_j, j ascending, 8 vectors of the head dim at a time
     // kept in registers across j (then one vector, then single lanes for what is left).
     template <int NV>
