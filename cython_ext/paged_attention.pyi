@@ -17,8 +17,6 @@ class AttentionStep:
         context_lens: npt.NDArray[np.int64],
         block_tables: npt.NDArray[np.int64],
     ) -> None: ...
-    @property
-    def num_tokens(self) -> int: ...
     def run(
         self, q: int, k_new: int, v_new: int, k_cache: int, v_cache: int, out: int, *,
         num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,

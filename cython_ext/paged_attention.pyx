@@ -57,10 +57,6 @@ cdef class AttentionStep:
         self.checked_blocks = -1
         self.checked_block_size = -1
 
-    @property
-    def num_tokens(self) -> int:
-        return self.args.num_tokens
-
     def run(self, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t k_cache, uintptr_t v_cache,
             uintptr_t out, *, int num_heads, int num_kv_heads, int head_dim, int block_size,
             int64_t num_blocks, int split_positions, float scale, int dtype, int isa, int num_threads):

@@ -77,46 +77,43 @@ namespace {
 
 struct SplitSeq {  // a sequence whose splits are separate items, and where its partials start
     int64_t seq;
-    int64_t num_splits;
     int64_t offset;
 };
 
+// Folds each split sequence's partials, in split order, into its output rows.
 template <class T>
 void combine(const pa_args* a, const std::vector<SplitSeq>& split_seqs, const float* partials) {
-    const int64_t D = a->head_dim, H = a->num_heads, PF = PA_PARTIAL_FLOATS(D);
-    // Flatten (sequence, row, head) so that the loop parallelizes evenly.
-    std::vector<int64_t> first_row(split_seqs.size() + 1, 0);
-    for (size_t i = 0; i < split_seqs.size(); ++i)
-        first_row[i + 1] = first_row[i] + a->num_scheduled[split_seqs[i].seq];
-    const int64_t total = first_row.back() * H;
-#pragma omp parallel for num_threads(a->num_threads) if (total > 64)
-    for (int64_t flat = 0; flat < total; ++flat) {
-        const int64_t global_row = flat / H, head = flat % H;
-        size_t i = 0;
-        while (first_row[i + 1] <= global_row) ++i;
-        const SplitSeq& ss = split_seqs[i];
-        const int64_t b = ss.seq, nq = a->num_scheduled[b], r = global_row - first_row[i];
-        const int64_t pos = a->context_lens[b] - nq + r;
-        const int64_t last_split = pos / a->split_positions;
-        const int64_t G = H / a->num_kv_heads, h = head / G, g = head % G;
-        float m = 0, l = 0;
+    const int64_t D = a->head_dim, H = a->num_heads, KVH = a->num_kv_heads, G = H / KVH, PF = PA_PARTIAL_FLOATS(D);
+    const int64_t total = (int64_t)split_seqs.size() * H;
+#pragma omp parallel num_threads(a->num_threads) if (total > 64)
+    {
         std::vector<float> acc(D);
-        for (int64_t s = 0; s <= last_split; ++s) {
-            // Item (b, h, s) holds rows [0, nq) x G heads: (r * G + g) inside it.
-            const float* p = partials + ss.offset + ((s * a->num_kv_heads + h) * nq * G + r * G + g) * PF;
-            if (s == 0) {
-                m = p[0];
-                l = p[1];
-                memcpy(acc.data(), p + 2, D * sizeof(float));
-            } else {
-                pa_fold_split(&m, &l, acc.data(), p[0], p[1], p + 2, D);
+#pragma omp for
+        for (int64_t flat = 0; flat < total; ++flat) {
+            const SplitSeq& ss = split_seqs[flat / H];
+            const int64_t head = flat % H, h = head / G, g = head % G;
+            const int64_t b = ss.seq, nq = a->num_scheduled[b];
+            for (int64_t r = 0; r < nq; ++r) {
+                const int64_t last_split = (a->context_lens[b] - nq + r) / a->split_positions;
+                float m = 0, l = 0;
+                for (int64_t s = 0; s <= last_split; ++s) {
+                    // Item (b, h, s) holds rows [0, nq) x G heads: (r * G + g) inside it.
+                    const float* p = partials + ss.offset + ((s * KVH + h) * nq * G + r * G + g) * PF;
+                    if (s == 0) {
+                        m = p[0];
+                        l = p[1];
+                        memcpy(acc.data(), p + 2, D * sizeof(float));
+                    } else {
+                        pa_fold_split(&m, &l, acc.data(), p[0], p[1], p + 2, D);
+                    }
+                }
+                T* out = static_cast<T*>(a->out) + ((a->query_start[b] + r) * H + head) * D;
+                if (sizeof(T) == 2)
+                    pa_store_row_bf16(acc.data(), l, (uint16_t*)out, D);
+                else
+                    pa_store_row_f32(acc.data(), l, (float*)out, D);
             }
         }
-        T* out = static_cast<T*>(a->out) + ((a->query_start[b] + r) * H + head) * D;
-        if (sizeof(T) == 2)
-            pa_store_row_bf16(acc.data(), l, (uint16_t*)out, D);
-        else
-            pa_store_row_f32(acc.data(), l, (float*)out, D);
     }
 }
 
@@ -176,7 +173,7 @@ int pa_paged_attention(const pa_args* a, int isa) {
         const int64_t nq = a->num_scheduled[b], ctx = a->context_lens[b];
         const int64_t num_splits = (ctx + a->split_positions - 1) / a->split_positions;
         if (nq <= kSplitItemsMaxRows && num_splits > 1) {
-            split_seqs.push_back({b, num_splits, partial_floats});
+            split_seqs.push_back({b, partial_floats});
             for (int64_t s = 0; s < num_splits; ++s)
                 for (int64_t h = 0; h < a->num_kv_heads; ++h) {
                     items.push_back({(int32_t)b, (int32_t)h, 0, (int32_t)nq, (int32_t)s, (int32_t)(s + 1), partial_floats});
