@@ -88,9 +88,11 @@ class Step:
         slots = np.array([tables[b, p // BLOCK] * BLOCK + p % BLOCK for b, p in rows], dtype=np.int64)
         query_start = np.concatenate(([0], np.cumsum(scheduled)[:-1])).astype(np.int64)
         t = torch.from_numpy
+        # Older trees split mixed steps into groups from the host copies; pass them where accepted.
+        host = {"host_num_scheduled": scheduled, "host_context_lens": context} \
+            if "host_num_scheduled" in inspect.signature(attention.build_attention_metadata).parameters else {}
         self.build = lambda: attention.build_attention_metadata(  # noqa: E731
-            t(slots), t(query_start), t(scheduled), t(context), t(tables), BLOCK, int(scheduled.max()), int(context.max()),
-            host_num_scheduled=scheduled, host_context_lens=context)
+            t(slots), t(query_start), t(scheduled), t(context), t(tables), BLOCK, int(scheduled.max()), int(context.max()), **host)
         self.kv = KVCache(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, "cpu")
         self.kv.k.normal_(), self.kv.v.normal_()
         self.kv.k[:, 0] = self.kv.v[:, 0] = 0

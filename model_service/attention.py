@@ -97,16 +97,12 @@ def build_attention_metadata(
     block_size: int,
     max_query_len: int,
     max_context_len: int,
-    host_num_scheduled=None,
-    host_context_lens=None,
 ) -> AttentionMetadata:
     """The step's indices on the device of the inputs.
 
     `query_start[b]` is the packed row of sequence b's first token, `context_lens[b]` its
     computed + scheduled tokens, `block_tables[b]` its block ids (padding beyond its context is
     never read). The two maxima come from the host, so no device-to-host sync is needed.
-    `host_num_scheduled` / `host_context_lens` are accepted for callers that have them; the kernel
-    needs neither.
     """
     meta = AttentionMetadata(slot_mapping, query_start, num_scheduled_tokens, context_lens, block_tables, block_size,
                              max_query_len, max_context_len)

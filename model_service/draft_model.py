@@ -68,7 +68,7 @@ class DraftModelDrafter:
         x = self.inputs.build(c.tokens, c.block_table, self.num_computed, num_tokens, slots, n)
         meta = build_attention_metadata(
             self._dev(x.slot_mapping), self._dev(x.query_start), self._dev(n), self._dev(x.context_lens), self._dev(x.block_tables),
-            self.block_size, x.max_query_len, x.max_context_len, host_num_scheduled=n, host_context_lens=x.context_lens,
+            self.block_size, x.max_query_len, x.max_context_len,
         )
         logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(x.logits_indices))
         self.num_computed[slots] += n

@@ -243,7 +243,7 @@ class ModelRunner:
         start = time.perf_counter_ns()
         meta = build_attention_metadata(
             self._dev(x.slot_mapping), self._dev(x.query_start), self._dev(n), self._dev(x.context_lens), self._dev(x.block_tables),
-            bs, x.max_query_len, x.max_context_len, host_num_scheduled=n, host_context_lens=x.context_lens,
+            bs, x.max_query_len, x.max_context_len,
         )
         # Prompt logprobs (rare) need the logits of prompt rows too: they ride after the sample rows.
         prompt_rows, prompt_targets, prompt_counts = prompt_logprob_rows(slots, n, x.query_start, c)
