@@ -26,82 +26,32 @@ import argparse
 import inspect
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench import measure  # noqa: E402
+from bench.measure import median_seconds  # noqa: E402
 from model_service import attention  # noqa: E402
-from model_service.kv_cache import KVCache  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 DECODE_BATCHES = (1, 16, 64)
 PREFILL, CHUNK = 2048, 512
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention.json")
 
 
-def median_seconds(fn, min_reps: int = 10, min_seconds: float = 0.5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start < min_seconds and len(times) < 200):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of a read of 1 GiB by torch's threads (a sum: one pass, no writes)."""
-    data = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
-    return data.numel() * 4 / median_seconds(lambda: data.sum(), min_reps=5, min_seconds=0.0, warmup=1)
-
-
-def gemm_rate(dtype: torch.dtype) -> float:
-    """FLOP/s of SmolLM2's MLP-shaped GEMM, [2048, 576] x [576, 1536]."""
-    a, b = torch.randn(2048, 576).to(dtype), torch.randn(576, 1536).to(dtype)
-    return 2 * 2048 * 576 * 1536 / median_seconds(lambda: a @ b, min_reps=5)
-
-
-class Step:
-    """One step's sequences on shuffled private blocks: (computed, scheduled) per sequence."""
+class Step(measure.Step):
+    """A one-layer step with SmolLM2's attention shapes, plus its q, k, v rows."""
 
     def __init__(self, seqs, dtype, spare_factor: int = 4, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        computed = np.array([c for c, _ in seqs], dtype=np.int64)
-        scheduled = np.array([n for _, n in seqs], dtype=np.int64)
-        context = computed + scheduled
-        blocks_per_seq = -(-context // BLOCK)
-        num_blocks = 1 + int(blocks_per_seq.sum()) * spare_factor
-        ids = rng.permutation(np.arange(1, num_blocks))
-        tables = np.zeros((len(seqs), int(blocks_per_seq.max())), dtype=np.int64)
-        first = 0
-        for b, count in enumerate(blocks_per_seq):
-            tables[b, :count] = ids[first : first + count]
-            first += count
-        rows = [(b, p) for b in range(len(seqs)) for p in range(computed[b], context[b])]
-        slots = np.array([tables[b, p // BLOCK] * BLOCK + p % BLOCK for b, p in rows], dtype=np.int64)
-        query_start = np.concatenate(([0], np.cumsum(scheduled)[:-1])).astype(np.int64)
-        t = torch.from_numpy
-        # Older trees split mixed steps into groups from the host copies; pass them where accepted.
-        host = {"host_num_scheduled": scheduled, "host_context_lens": context} \
-            if "host_num_scheduled" in inspect.signature(attention.build_attention_metadata).parameters else {}
-        self.build = lambda: attention.build_attention_metadata(  # noqa: E731
-            t(slots), t(query_start), t(scheduled), t(context), t(tables), BLOCK, int(scheduled.max()), int(context.max()), **host)
-        self.kv = KVCache(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, "cpu")
-        self.kv.k.normal_(), self.kv.v.normal_()
-        self.kv.k[:, 0] = self.kv.v[:, 0] = 0
+        super().__init__(seqs, dtype, 1, KV_HEADS, HEAD_DIM, spare_factor, seed)
         gen = torch.Generator().manual_seed(seed)
-        self.q = torch.randn(len(rows), HEADS, HEAD_DIM, generator=gen).to(dtype)
-        self.k = torch.randn(len(rows), KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        self.v = torch.randn(len(rows), KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        self.attended = int(sum(c * n + n * (n + 1) // 2 for c, n in seqs))  # (query, key) pairs
-        self.kv_bytes = int(context.sum()) * KV_HEADS * HEAD_DIM * 2 * self.kv.k.element_size()
+        self.q = torch.randn(self.num_rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        self.k = torch.randn(self.num_rows, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        self.v = torch.randn(self.num_rows, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
 
 
 def attention_case(step: Step, isa: str | None) -> float:
@@ -142,7 +92,8 @@ def forward_cases(isa: str | None, bandwidth: float, rates: dict) -> dict:
                  f"prefill {PREFILL} in chunks of {CHUNK}": [[(s, CHUNK)] for s in range(0, PREFILL, CHUNK)]}
         out = {}
         for name, chunks in cases.items():
-            steps = [_ForwardStep(chunk, arch, dtype) for chunk in chunks]
+            steps = [measure.Step(chunk, dtype, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, spare_factor=2)
+                     for chunk in chunks]
             with torch.inference_mode():
                 seconds = median_seconds(lambda: [model(*s.args()) for s in steps], min_reps=10 if len(steps) == 1 else 5)
             tokens = sum(n for chunk in chunks for _, n in chunk)
@@ -150,7 +101,7 @@ def forward_cases(isa: str | None, bandwidth: float, rates: dict) -> dict:
             attended = sum(c * n + n * (n + 1) // 2 for chunk in chunks for c, n in chunk)
             flops = 2 * layer_params * tokens + 2 * arch.vocab_size * arch.hidden_size * sampled \
                 + 4 * attended * arch.hidden_size * arch.num_hidden_layers
-            kv_bytes = sum(s.kv_read_bytes for s in steps)
+            kv_bytes = sum(s.kv_bytes for s in steps)
             memory_floor = (weight_bytes * len(steps) + kv_bytes) / bandwidth
             compute_floor = flops / rates[dtype_name]
             out[name] = {"ms": seconds * 1e3, "memory_floor_ms": memory_floor * 1e3, "compute_floor_ms": compute_floor * 1e3,
@@ -162,25 +113,6 @@ def forward_cases(isa: str | None, bandwidth: float, rates: dict) -> dict:
     return results
 
 
-class _ForwardStep:
-    def __init__(self, seqs, arch, dtype):
-        step = Step(seqs, dtype, spare_factor=2)
-        self.meta = step.build()
-        num_blocks = step.kv.num_blocks
-        self.kv = KVCache(arch.num_hidden_layers, num_blocks, BLOCK, arch.num_key_value_heads, arch.head_dim, dtype, "cpu")
-        self.kv.k.normal_(), self.kv.v.normal_()
-        self.kv.k[:, 0] = self.kv.v[:, 0] = 0
-        positions = np.concatenate([np.arange(c, c + n) for c, n in seqs])
-        self.positions = torch.from_numpy(positions.astype(np.int64))
-        self.input_ids = torch.randint(100, 40000, (len(positions),), generator=torch.Generator().manual_seed(0))
-        ends = np.cumsum([n for _, n in seqs]) - 1
-        self.logits_indices = torch.from_numpy(ends.astype(np.int64))
-        self.kv_read_bytes = step.kv_bytes * arch.num_hidden_layers
-
-    def args(self):
-        return self.input_ids, self.positions, self.meta, self.kv, self.logits_indices
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--isa", action="append", help="ISA paths to time (default: the one this tree runs)")
@@ -190,8 +122,8 @@ def main() -> None:
     args = parser.parse_args()
     isas = args.isa or [getattr(attention, "ATTENTION_ISA", None)]
     load_before = os.getloadavg()
-    bandwidth = read_bandwidth()
-    rates = {"bfloat16": gemm_rate(torch.bfloat16), "float32": gemm_rate(torch.float32)}
+    bandwidth = measure.read_bandwidth()
+    rates = {"bfloat16": measure.gemm_rate(torch.bfloat16), "float32": measure.gemm_rate(torch.float32)}
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, GEMM bf16 {rates['bfloat16'] / 1e9:.0f} / "
           f"float32 {rates['float32'] / 1e9:.0f} GFLOP/s", file=sys.stderr)
     run = {"attention_per_layer": {}}
@@ -211,8 +143,7 @@ def main() -> None:
                       f"(floor {max(memory_floor, compute_floor) * 1e3:.3f})", file=sys.stderr, flush=True)
     if not args.no_forward:
         run["forward"] = forward_cases(isas[0], bandwidth, rates)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    run["machine"] = {"cpu": cpu, "torch_threads": torch.get_num_threads(), "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
+    run["machine"] = {"cpu": measure.cpu_model(), **measure.thread_settings(),
                       "read_bandwidth_gb_s": bandwidth / 1e9, "gemm_gflops": {k: v / 1e9 for k, v in rates.items()},
                       "load_avg_before_after": [load_before[0], os.getloadavg()[0]], "torch": torch.__version__}
     results = json.load(open(args.out)) if os.path.exists(args.out) else {}

@@ -1,157 +1,140 @@
-"""Forward time per step of SmolLM2-135M: decode batches of 1, 8, 32, 128 (context 256 each) and one
-2,048-token prefill, for float32, bfloat16 and int8 (weight-only, bfloat16 compute), against the
-roofline of the measured matmul rate. A plain script, not a test; ~2-3 minutes on 2 CPU cores.
+"""SmolLM2-135M's forward per step beside its floors, in bf16, float32 and int8 (weight-only, bf16
+compute). A plain script, not a test; ~4-6 minutes on 2 cores.
 
-    cd /work/main && PYTHONPATH=protos:. .venv/bin/python bench/bench_forward.py [THREADS]
+    PYTHONPATH=protos:. .venv/bin/python bench/bench_forward.py [--label TEXT] [--out PATH]
+        [--threads N] [--no-profile]
 
-Writes bench/results/forward.json and prints a table. The forward is the model call alone
-(attention metadata, all layers, lm_head on the sampled rows), as ModelRunner times it in forward_ns.
-Decode sequences share one set of KV blocks (reads only matter for time; writes go to a scratch
-block), so the KV cache stays small.
+Cases: decode at batch 1, 16 and 64 (each sequence's context drawn from 280..320) and a 2,048-token
+prompt prefilled in one chunk. The forward is the model call alone (all layers, the norm and
+lm_head of the sampled rows), as ModelRunner times it in StepResult's forward_ns; the attention
+metadata is built once per step outside the timing, as the runner builds it once per plan.
 
-Roofline per step:
-    flops  = 2 * (layer matmul params) * tokens + 2 * (lm_head params) * sampled rows
-             + 4 * (query positions) * (attended context) * hidden * layers    (QK^T and PV)
-    bound  = flops / (measured dense matmul rate of that dtype; int8 computes in bfloat16)
+Honest by construction (bench/measure.py): every sequence has its own KV blocks, shuffled across a
+cache twice the size the step reads; every figure is the median of at least 10 steps after two
+warm-up steps; the floors are measured in the same run:
+    memory floor  = (weight bytes + KV bytes the step reads) / read bandwidth of 1 GiB
+    compute floor = FLOPs / the dtype's GEMM rate at the model's MLP shape (int8 computes in bf16)
+    FLOPs         = 2 * layer params * tokens + 2 * lm_head params * sampled rows
+                    + 4 * hidden * layers * attended (query, key) pairs
+A per-op profile of one batch-16 bf16 decode step (torch.profiler, top ops by self CPU time) is
+written beside the results as <out>.profile.<label>.txt (native kernels are no torch ops: their
+time is the step's minus the ops').
+
+The script only uses the model API (load_model, KVCache, build_attention_metadata), so it runs
+unchanged on older trees: that is how the "before" figures were taken.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import platform
 import sys
-import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from model_service.attention import build_attention_metadata  # noqa: E402
+from bench import measure  # noqa: E402
 from model_service.config import ModelServiceConfig  # noqa: E402
-from model_service.kv_cache import KVCache  # noqa: E402
 from model_service.loader import load_model  # noqa: E402
 from model_service.quant import weight_bytes  # noqa: E402
 
-CONTEXT = 256
-DECODE_BATCHES = (1, 8, 32, 128)
+DECODE_BATCHES = (1, 16, 64)
 PREFILL = 2048
-BLOCK = 16
-VARIANTS = (("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"), ("int8", "bfloat16", "int8"))
+VARIANTS = (("bfloat16", "bfloat16", "none"), ("float32", "float32", "none"), ("int8", "bfloat16", "int8"))
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "forward.json")
+PROFILE_ROWS = 25
 
 
-def timed(fn, min_seconds: float = 1.0, min_reps: int = 3, max_reps: int = 50) -> float:
-    """Best seconds per call after one warm-up call. Best, not median: on a shared 2-core machine a
-    2-thread op whose second thread is descheduled waits a scheduler tick (~4-8 ms), which swamps
-    a decode step; the best call is the one that ran undisturbed."""
-    fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start < min_seconds and len(times) < max_reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def cases():
+    rng = np.random.default_rng(1)
+    for b in DECODE_BATCHES:
+        yield f"decode b={b}", [(int(c), 1) for c in rng.integers(280, 321, size=b)]
+    yield f"prefill {PREFILL}", [(0, PREFILL)]
 
 
-def matmul_rate(dtype: torch.dtype) -> float:
-    """FLOP/s of a dense [2048, 576] x [576, 1536] matmul (SmolLM2's MLP shape)."""
-    a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
-    return 2 * 2048 * 576 * 1536 / timed(lambda: a @ b, min_seconds=0.5)
-
-
-def step_inputs(num_seqs: int, query_len: int, context: int, device: str = "cpu"):
-    """Packed inputs of num_seqs sequences, each computing query_len new tokens ending at `context`.
-
-    KV blocks: 1 .. context/BLOCK hold every sequence's context (shared); the block after them is
-    the scratch block that all writes of a decode batch land in (a prefill writes its own blocks).
-    """
-    blocks_per_seq = -(-context // BLOCK)
-    table = torch.arange(1, blocks_per_seq + 1, dtype=torch.int64)
-    positions = torch.arange(context - query_len, context, dtype=torch.int64).repeat(num_seqs)
-    if query_len == context:  # prefill: writes go where they belong
-        slot_mapping = table[positions // BLOCK] * BLOCK + positions % BLOCK
-    else:
-        slot_mapping = (blocks_per_seq + 1) * BLOCK + torch.arange(num_seqs * query_len) % BLOCK
-    meta = build_attention_metadata(
-        slot_mapping,
-        torch.arange(num_seqs, dtype=torch.int64) * query_len,
-        torch.full((num_seqs,), query_len, dtype=torch.int64),
-        torch.full((num_seqs,), context, dtype=torch.int64),
-        table.repeat(num_seqs, 1),
-        BLOCK, query_len, context,
-    )
-    input_ids = torch.randint(100, 40000, (num_seqs * query_len,), generator=torch.Generator().manual_seed(0))
-    logits_indices = torch.arange(num_seqs, dtype=torch.int64) * query_len + query_len - 1
-    return input_ids, positions, meta, logits_indices, blocks_per_seq + 2
-
-
-def step_flops(arch, tokens: int, sampled: int, attended: int) -> float:
+def step_flops(arch, seqs) -> float:
     h, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
-    layer = h * h * 2 + h * kv * 2 + 3 * h * arch.intermediate_size  # q, o, k, v, gate, up, down
-    return 2.0 * layer * arch.num_hidden_layers * tokens + 2.0 * arch.vocab_size * h * sampled \
-        + 4.0 * attended * h * arch.num_hidden_layers
+    layer_params = h * h * 2 + h * kv * 2 + 3 * h * arch.intermediate_size  # q, o, k, v, gate, up, down
+    tokens = sum(n for _, n in seqs)
+    attended = sum(c * n + n * (n + 1) // 2 for c, n in seqs)
+    return 2.0 * layer_params * arch.num_hidden_layers * tokens + 2.0 * arch.vocab_size * h * len(seqs) \
+        + 4.0 * h * arch.num_hidden_layers * attended
+
+
+def profile_decode(model, step, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        for _ in range(3):
+            model(*step.args())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(*step.args())
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
+    count = sum(event.count for event in prof.key_averages())
+    with open(path, "w") as f:
+        f.write(f"SmolLM2 bf16 decode b=16 (contexts 280..320), one step; {count} profiled op calls; "
+                f"{measure.cpu_model()}; {measure.thread_settings()}\n\n{table}\n")
+    print(f"wrote {os.path.relpath(path)} ({count} op calls)", file=sys.stderr)
+
+
+def _slug(label: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in label.lower()).split())
 
 
 def main() -> None:
-    if len(sys.argv) > 1:  # optional: torch threads
-        torch.set_num_threads(int(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--label", default="after", help="key of this run in the results file")
+    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    load_before = os.getloadavg()
-    rates = {"float32": matmul_rate(torch.float32), "bfloat16": matmul_rate(torch.bfloat16)}
-    rows, results = [], {}
-    for label, dtype, quant in VARIANTS:
-        config = ModelServiceConfig(model="smollm2", dtype=dtype, quantization=quant, device="cpu")
-        loaded = load_model(config)
-        model, arch = loaded.model, loaded.arch
-        tdtype = getattr(torch, dtype)
-        params = sum(p.numel() for p in loaded.model.parameters()) if quant == "none" else None
-        cases = [(f"decode b={b}", b, 1, CONTEXT) for b in DECODE_BATCHES] + [(f"prefill {PREFILL}", 1, PREFILL, PREFILL)]
-        results[label] = {"weight_bytes": weight_bytes(model), "compute_dtype": dtype, "steps": {}}
-        if params:
-            results[label]["params"] = params
-        for name, num_seqs, query_len, context in cases:
-            input_ids, positions, meta, logits_indices, num_blocks = step_inputs(num_seqs, query_len, context)
-            kv = KVCache(arch.num_hidden_layers, num_blocks, BLOCK, arch.num_key_value_heads, arch.head_dim, tdtype, "cpu")
+    load_before = os.getloadavg()[0]
+    bandwidth = measure.read_bandwidth()
+    rates = {"bfloat16": measure.gemm_rate(torch.bfloat16), "float32": measure.gemm_rate(torch.float32)}
+    print(f"{measure.cpu_model()}: read {bandwidth / 1e9:.1f} GB/s, GEMM bf16 {rates['bfloat16'] / 1e9:.0f} / "
+          f"float32 {rates['float32'] / 1e9:.0f} GFLOP/s", file=sys.stderr)
+    run = {"variants": {}}
+    for label, dtype_name, quant in VARIANTS:
+        loaded = load_model(ModelServiceConfig(model="smollm2", dtype=dtype_name, quantization=quant, device="cpu"))
+        model, arch, dtype = loaded.model, loaded.arch, getattr(torch, dtype_name)
+        weights = weight_bytes(model)
+        out = run["variants"][label] = {"weight_bytes": weights, "steps": {}}
+        for name, seqs in cases():
+            step = measure.Step(seqs, dtype, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, spare_factor=2)
             with torch.inference_mode():
-                seconds = timed(lambda: model(input_ids, positions, meta, kv, logits_indices),
-                                min_seconds=1.5 if query_len == 1 else 0.0, min_reps=5 if query_len == 1 else 2)
-            tokens = num_seqs * query_len
-            # Attended (query, key) pairs: each decode query sees `context` keys; a causal prefill ~T^2/2.
-            attended = num_seqs * context if query_len == 1 else query_len * (query_len + 1) // 2
-            flops = step_flops(arch, tokens, num_seqs, attended)
-            bound = flops / rates[dtype]
-            results[label]["steps"][name] = {
-                "ms_per_step": seconds * 1e3, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                "gflop": flops / 1e9, "achieved_gflops": flops / seconds / 1e9, "roofline_ms": bound * 1e3,
-                "fraction_of_roofline": bound / seconds,
-            }
-            rows.append((label, name, seconds * 1e3, tokens / seconds, flops / seconds / 1e9, bound * 1e3, bound / seconds))
-            print(f"{label:9s} {name:13s} {seconds * 1e3:9.1f} ms", file=sys.stderr, flush=True)
+                seconds = measure.median_seconds(lambda: model(*step.args()), min_reps=10, min_seconds=1.0 if len(seqs) > 1 or seqs[0][1] == 1 else 0.0)
+            flops = step_flops(arch, seqs)
+            memory_floor = (weights + step.kv_bytes) / bandwidth
+            compute_floor = flops / rates[dtype_name]
+            floor = max(memory_floor, compute_floor)
+            out["steps"][name] = {"ms": seconds * 1e3, "memory_floor_ms": memory_floor * 1e3, "compute_floor_ms": compute_floor * 1e3,
+                                  "x_of_floor": seconds / floor, "tokens_per_s": sum(n for _, n in seqs) / seconds, "gflop": flops / 1e9}
+            print(f"{label:9s} {name:14s} {seconds * 1e3:8.1f} ms  floor {floor * 1e3:6.1f} ms "
+                  f"({'memory' if memory_floor > compute_floor else 'compute'})  {seconds / floor:5.1f}x", file=sys.stderr, flush=True)
+            if label == "bfloat16" and name == "decode b=16" and not args.no_profile:
+                profile_decode(model, step, f"{os.path.splitext(args.out)[0]}.profile.{_slug(args.label)}.txt")
+            del step
         del model, loaded
-    params = results["float32"]["params"]
-    first = results["float32"]["steps"][f"decode b={DECODE_BATCHES[0]}"]
-    summary = {
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)",
-        "context_per_decode": CONTEXT,
-        "params": params,
-        "flops_per_token_decode": first["gflop"] * 1e9 / first["tokens"],
-        "matmul_gflops_measured": {k: v / 1e9 for k, v in rates.items()},
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(), "load_avg_before_after": [load_before, os.getloadavg()],
-        "timing": "best of >= 5 calls (decode, >= 1.5 s) or 2 calls (prefill) after a warm-up",
-        "variants": results,
-    }
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(summary, f, indent=2)
-    print(f"matmul rate: float32 {rates['float32'] / 1e9:.0f} GFLOP/s, bfloat16 {rates['bfloat16'] / 1e9:.0f} GFLOP/s; "
-          f"params {params / 1e6:.1f}M; decode FLOPs/token at context {CONTEXT}: {summary['flops_per_token_decode'] / 1e6:.0f}M "
-          f"(2 x params = {2 * params / 1e6:.0f}M)")
-    print("weight bytes: " + ", ".join(f"{k} {v['weight_bytes'] / 2**20:.0f} MiB" for k, v in results.items()))
-    print(f"{'variant':9s} {'step':13s} {'ms/step':>9s} {'tok/s':>9s} {'GFLOP/s':>8s} {'roof ms':>8s} {'of roof':>7s}")
-    for label, name, ms, tps, gflops, roof_ms, frac in rows:
-        print(f"{label:9s} {name:13s} {ms:9.1f} {tps:9.0f} {gflops:8.0f} {roof_ms:8.1f} {frac:7.0%}")
-    print(f"wrote {os.path.relpath(OUT)}")
+    run["machine"] = {"cpu": measure.cpu_model(), **measure.thread_settings(), "read_bandwidth_gb_s": bandwidth / 1e9,
+                      "gemm_gflops": {k: v / 1e9 for k, v in rates.items()}, "load_avg_before_after": [load_before, os.getloadavg()[0]],
+                      "torch": torch.__version__}
+    results = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            results = json.load(f)
+        if "variants" in results:  # the old single-run layout (best-of timings, shared blocks): not comparable
+            results = {}
+    results[args.label] = run
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    print(f"wrote {os.path.relpath(args.out)} [{args.label}]", file=sys.stderr)
 
 
 if __name__ == "__main__":
