@@ -19,6 +19,9 @@ cdef extern from "csrc/paged_attention.h" nogil:
         const int64_t* num_scheduled
         const int64_t* context_lens
         const int64_t* block_tables
+        int64_t q_row_stride
+        int64_t k_new_row_stride
+        int64_t v_new_row_stride
         int64_t num_tokens
         int64_t num_seqs
         int64_t num_heads

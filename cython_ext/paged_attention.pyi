@@ -21,4 +21,5 @@ class AttentionStep:
         self, q: int, k_new: int, v_new: int, k_cache: int, v_cache: int, out: int, *,
         num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
         split_positions: int, scale: float, dtype: int, isa: int, num_threads: int,
+        q_row_stride: int = 0, k_new_row_stride: int = 0, v_new_row_stride: int = 0,
     ) -> None: ...

@@ -59,9 +59,12 @@ cdef class AttentionStep:
 
     def run(self, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t k_cache, uintptr_t v_cache,
             uintptr_t out, *, int num_heads, int num_kv_heads, int head_dim, int block_size,
-            int64_t num_blocks, int split_positions, float scale, int dtype, int isa, int num_threads):
+            int64_t num_blocks, int split_positions, float scale, int dtype, int isa, int num_threads,
+            int64_t q_row_stride=0, int64_t k_new_row_stride=0, int64_t v_new_row_stride=0):
         """One layer: addresses of q/out [T, H, D], k_new/v_new [T, KVH, D] (0: write nothing),
-        k_cache/v_cache [NB, KVH, BS, D], all C-contiguous; dtype an index into DTYPES, isa into
+        k_cache/v_cache [NB, KVH, BS, D], all C-contiguous except that q, k_new and v_new rows may
+        lie *_row_stride elements apart (0: contiguous; views of a fused QKV output are not);
+        dtype an index into DTYPES, isa into
         ISAS. The indices are checked against the cache on the first call (and whenever the
         cache's shape differs), not on every layer."""
         cdef pa_args a = self.args
@@ -81,6 +84,9 @@ cdef class AttentionStep:
         a.scale = scale
         a.dtype = dtype
         a.num_threads = num_threads
+        a.q_row_stride = q_row_stride or num_heads * head_dim
+        a.k_new_row_stride = k_new_row_stride or num_kv_heads * head_dim
+        a.v_new_row_stride = v_new_row_stride or num_kv_heads * head_dim
         with nogil:
             code = 0
             if a.num_blocks != self.checked_blocks or a.block_size != self.checked_block_size:

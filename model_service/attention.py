@@ -136,15 +136,25 @@ def paged_attention(
         raise ValueError(f"paged_attention: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}; float32 or bfloat16, all alike")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: the KV caches must be contiguous [num_blocks, kv_heads, block_size, head_dim]")
-    q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
-    out = torch.empty_like(q)
+    # Rows may lie apart (views of a fused QKV output); within a row, heads and dims are dense.
+    q, k, v = (_dense_rows(t.to(q.dtype)) for t in (q, k, v))
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     meta.native_step.run(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
         split_positions=split_positions(block_size), scale=head_dim**-0.5, dtype=dtype,
         isa=native.ISAS.index(isa), num_threads=meta.num_threads,
+        q_row_stride=q.stride(0), k_new_row_stride=k.stride(0), v_new_row_stride=v.stride(0),
     )
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with each row's heads and dims dense (a copy only when they are not)."""
+    heads, dim = x.shape[1:]
+    if x.stride(2) == 1 and (x.stride(1) == dim or heads == 1) and x.stride(0) >= heads * dim:
+        return x
+    return x.contiguous()
 
 
 def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

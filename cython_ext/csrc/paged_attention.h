@@ -43,6 +43,9 @@ typedef struct pa_args {
     const int64_t* num_scheduled;
     const int64_t* context_lens;
     const int64_t* block_tables;
+    int64_t q_row_stride;        // elements between q rows (H * D when contiguous)
+    int64_t k_new_row_stride;    // elements between k_new rows (KVH * D when contiguous)
+    int64_t v_new_row_stride;    // elements between v_new rows
     int64_t num_tokens;          // T
     int64_t num_seqs;            // B
     int64_t num_heads;           // H
@@ -74,6 +77,10 @@ typedef struct pa_item {
 #define PA_PARTIAL_FLOATS(d) ((d) + 2)
 // Query rows of one work item at most (a tile shares each K/V block read among its rows).
 #define PA_MAX_TILE_ROWS 16
+// KV blocks requested ahead of the one being attended (pa_prefetch_block).
+#ifndef PA_PREFETCH_BLOCKS
+#define PA_PREFETCH_BLOCKS 2
+#endif
 
 // out[d] = acc[d] / l, rounded to the output dtype (bfloat16: round to nearest even). Division,
 // not a multiply by 1/l: IEEE division rounds the same in every ISA, so the split-item path and

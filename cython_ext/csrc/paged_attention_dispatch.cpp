@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "cpu_features.h"
 #include "paged_attention.h"
 
 namespace {
@@ -36,16 +37,18 @@ void write_kv(const pa_args* a) {
     for (int64_t t = 0; t < a->num_tokens; ++t) {
         const int64_t slot = a->slot_mapping[t], block = slot / BS, offset = slot % BS;
         for (int64_t h = 0; h < KVH; ++h) {
-            const int64_t dst = ((block * KVH + h) * BS + offset) * D, src = (t * KVH + h) * D;
-            memcpy(kc + dst, k_new + src, D * sizeof(T));
-            memcpy(vc + dst, v_new + src, D * sizeof(T));
+            const int64_t dst = ((block * KVH + h) * BS + offset) * D;
+            memcpy(kc + dst, k_new + t * a->k_new_row_stride + h * D, D * sizeof(T));
+            memcpy(vc + dst, v_new + t * a->v_new_row_stride + h * D, D * sizeof(T));
         }
     }
 }
 
 int check_shape(const pa_args* a) {
     if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads || a->head_dim <= 0 || a->head_dim % 2 ||
-        a->block_size <= 0 || a->split_positions <= 0 || a->split_positions % a->block_size || a->num_threads <= 0)
+        a->block_size <= 0 || a->split_positions <= 0 || a->split_positions % a->block_size || a->num_threads <= 0 ||
+        a->q_row_stride < a->num_heads * a->head_dim || a->k_new_row_stride < a->num_kv_heads * a->head_dim ||
+        a->v_new_row_stride < a->num_kv_heads * a->head_dim)
         return PA_BAD_SHAPE;
     return PA_OK;
 }
@@ -118,16 +121,13 @@ void combine(const pa_args* a, const std::vector<SplitSeq>& split_seqs, const fl
 }
 
 bool cpu_has(int isa) {
-#if defined(__x86_64__) && defined(PLANSERVE_PA_X86)
-    __builtin_cpu_init();
-    if (isa == PA_ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                        __builtin_cpu_supports("fma");
-    if (isa == PA_ISA_AVX512) return avx512;
-    if (isa == PA_ISA_AVX512_BF16) return avx512 && __builtin_cpu_supports("avx512bf16");
-#endif
-    return isa == PA_ISA_PORTABLE;
+    switch (isa) {
+        case PA_ISA_PORTABLE: return true;
+        case PA_ISA_AVX2: return planserve_cpu_avx2();
+        case PA_ISA_AVX512: return planserve_cpu_avx512();
+        case PA_ISA_AVX512_BF16: return planserve_cpu_avx512_bf16();
+    }
+    return false;
 }
 
 }  // namespace
@@ -147,7 +147,7 @@ int pa_isa_supported(int isa) { return cpu_has(isa) ? 1 : 0; }
 const char* pa_error_message(int code) {
     switch (code) {
         case PA_OK: return "ok";
-        case PA_BAD_SHAPE: return "heads, head_dim (even), block_size or split_positions out of range";
+        case PA_BAD_SHAPE: return "heads, head_dim (even), block_size, split_positions or a row stride out of range";
         case PA_BAD_SLOT: return "slot_mapping entry outside the cache";
         case PA_BAD_BLOCK: return "block_tables entry outside the cache";
         case PA_BAD_SEQUENCE: return "num_scheduled, context_lens or query_start inconsistent";
