@@ -129,6 +129,22 @@ def test_kernel_matches_float64_reference(isa, dtype, heads, kv_heads, head_dim)
 
 
 @pytest.mark.parametrize("isa", SUPPORTED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_views_of_a_fused_qkv_row_give_the_same_bits(isa, dtype):
+    """q, k, v as column views of one [T, (H + 2 KVH) * D] QKV output (rows wider than each part,
+    as the fused layers pass them) give the bits of contiguous copies: same output, same cache."""
+    batch = Batch(**MIXED, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    out, k_cache, v_cache = batch.run(isa)
+    qkv = torch.cat([t.flatten(1) for t in (batch.q, batch.k, batch.v)], dim=1)
+    q, k, v = (part.unflatten(1, (-1, 64)) for part in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1))
+    assert q.stride(0) == qkv.shape[1] and not q.is_contiguous()
+    strided_k, strided_v = batch.k_cache.clone(), batch.v_cache.clone()
+    strided = paged_attention(q, k, v, strided_k, strided_v, batch.meta(), isa=isa)
+    assert torch.equal(strided.view(out.shape), out)
+    assert torch.equal(strided_k, k_cache) and torch.equal(strided_v, v_cache)
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
 @pytest.mark.parametrize("block_size, head_dim", [(1, 64), (8, 80), (32, 128)])
 def test_odd_block_sizes_and_head_dims(isa, block_size, head_dim):
     """Blocks smaller and larger than a vector, head dims that leave a vector tail."""
