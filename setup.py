@@ -3,10 +3,11 @@
 Compiler directives live here, in one place. PLANSERVE_CYTHON_DEBUG=1 builds with bounds and
 initialisation checks on, for chasing a memory bug in a test run.
 
-The paged attention kernel (cython_ext/paged_attention.pyx over cython_ext/csrc/) is C++ with
-OpenMP. Its portable path and dispatcher are built with no ISA flags; each vector path is its own
-translation unit built with its own flags (below) and chosen at run time by CPU features, so one
-wheel runs on any x86-64 CPU (and the portable path alone on other architectures). OpenMP links
+The paged attention kernel (cython_ext/paged_attention.pyx) and the layer operations
+(cython_ext/layer_ops.pyx), both over cython_ext/csrc/, are C++ with OpenMP. Their portable paths
+and dispatchers are built with no ISA flags; each vector path is its own translation unit built
+with its own flags (below) and chosen at run time by CPU features, so one wheel runs on any x86-64
+CPU (and the portable paths alone on other architectures). OpenMP links
 libgomp.so.1, the soname torch's wheel ships too: one OpenMP runtime in the model service.
 """
 import glob
@@ -37,10 +38,18 @@ ATTENTION_ISA_SOURCES = {
     f"{CSRC}/paged_attention_avx512_bf16.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                                                 "-mavx512bf16"],
 } if X86_64 else {}
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# Vector paths of the layer operations. -ffp-contract=off on all of them (CXX_FLAGS_LAYER_OPS):
+# RoPE rounds each product before the sum, as torch's eager ops do, so no path fuses them.
+LAYER_OPS_ISA_SOURCES = {
+    f"{CSRC}/layer_ops_avx2.cpp": ["-mavx2", "-mfma"],
+    f"{CSRC}/layer_ops_avx512.cpp": AVX512_FLAGS,
+} if X86_64 else {}
 # -fno-trapping-math lets the compiler vectorize the selects of the portable exp (no result
 # changes: nothing reads FP exception flags). -Wno-maybe-uninitialized: GCC 12's own AVX-512
 # intrinsic headers trip it (masked loads).
 CXX_FLAGS = OPT + ["-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-maybe-uninitialized"]
+CXX_FLAGS_LAYER_OPS = CXX_FLAGS + ["-ffp-contract=off"]
 
 
 class BuildExt(build_ext):
@@ -53,7 +62,7 @@ class BuildExt(build_ext):
             for source, flags in isa_sources.items():
                 objects += self.compiler.compile(
                     [source], output_dir=self.build_temp, include_dirs=ext.include_dirs,
-                    macros=ext.define_macros, extra_postargs=CXX_FLAGS + flags, depends=ext.depends)
+                    macros=ext.define_macros, extra_postargs=ext.extra_compile_args + flags, depends=ext.depends)
             ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extension(ext)
 
@@ -65,7 +74,7 @@ extensions = [
         extra_compile_args=OPT,
     )
     for path in sorted(glob.glob("cython_ext/*.pyx"))
-    if not path.endswith("paged_attention.pyx")
+    if not path.endswith(("paged_attention.pyx", "layer_ops.pyx"))
 ]
 attention = Extension(
     "cython_ext.paged_attention",
@@ -77,7 +86,18 @@ attention = Extension(
     extra_link_args=["-fopenmp"],
     depends=sorted(glob.glob(f"{CSRC}/*")),
 )
-extensions.append(attention)
-ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES}  # cythonize() copies Extensions: by name
+layer_ops = Extension(
+    "cython_ext.layer_ops",
+    ["cython_ext/layer_ops.pyx", f"{CSRC}/layer_ops_dispatch.cpp", f"{CSRC}/layer_ops_portable.cpp"],
+    language="c++",
+    include_dirs=["cython_ext"],
+    define_macros=[("PLANSERVE_PA_X86", "1")] if X86_64 else [],
+    extra_compile_args=CXX_FLAGS_LAYER_OPS,
+    extra_link_args=["-fopenmp"],
+    depends=sorted(glob.glob(f"{CSRC}/*")),
+)
+extensions += [attention, layer_ops]
+# cythonize() copies Extensions: found by name
+ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES, layer_ops.name: LAYER_OPS_ISA_SOURCES}
 
 setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES), cmdclass={"build_ext": BuildExt})

@@ -22,7 +22,7 @@ from torch import nn
 from model_service.config import ModelServiceConfig
 from model_service.gguf_file import load_gguf, load_gguf_tokenizer
 from model_service.hf_folder import is_hf_folder, load_hf_folder
-from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
+from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM, fuse_hf_state_dict
 from model_service.quant import quantize_int8_, weight_bytes
 
 log = structlog.get_logger(__name__)
@@ -67,7 +67,8 @@ class LoadedModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weights in Hugging Face Llama naming (lm_head.weight shares the embedding when tied)."""
-        return self.model.state_dict()
+        hf_state_dict = getattr(self.model, "hf_state_dict", None)  # the null model has no fused layers
+        return hf_state_dict() if hf_state_dict is not None else self.model.state_dict()
 
 
 def smollm2_path() -> str:
@@ -91,6 +92,7 @@ def _build(
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
     state = {k: v for k, v in state.items() if not (arch.tie_word_embeddings and k == "lm_head.weight")}
+    state = fuse_hf_state_dict(state, arch)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
@@ -106,7 +108,7 @@ def _build(
 def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -> dict[str, torch.Tensor]:
     """Deterministic random weights: a seeded CPU generator, parameters drawn in name order."""
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(arch).state_dict().items() if k != "lm_head.weight"}
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(arch).hf_state_dict().items() if k != "lm_head.weight"}
     generator = torch.Generator().manual_seed(0)
     state = {}
     for name in sorted(shapes):

@@ -2,11 +2,12 @@
 
 Every rank holds, per decoder layer, its share of the attention heads and of the MLP columns:
 
-    q_proj, k_proj, v_proj   column-parallel: rank r keeps query heads [r*H/N, (r+1)*H/N) and KV
-                             heads [r*KVH/N, (r+1)*KVH/N) (GQA groups stay whole: query head h
-                             uses KV head h // (H/KVH) on every rank alike)
+    qkv_proj                 column-parallel: rank r keeps query heads [r*H/N, (r+1)*H/N) and KV
+                             heads [r*KVH/N, (r+1)*KVH/N) of each of q, k and v, fused again
+                             as [q | k | v] (GQA groups stay whole: query head h uses KV head
+                             h // (H/KVH) on every rank alike)
     o_proj                   row-parallel: the input columns of those heads, then all_reduce(sum)
-    gate_proj, up_proj       column-parallel: rows [r*I/N, (r+1)*I/N)
+    gate_up_proj             column-parallel: rows [r*I/N, (r+1)*I/N) of gate and of up, fused again
     down_proj                row-parallel: the same columns, then all_reduce(sum)
     embedding                vocab-parallel: rows [r*V/N, (r+1)*V/N); a token outside them looks up
                              zeros, then all_reduce(sum) (exactly one rank holds each row)
@@ -169,14 +170,14 @@ def shard_llama_(model: nn.Module, rank: int, world_size: int, group, vocab_para
     q_rows = slice(rank * heads * d, (rank + 1) * heads * d)
     kv_rows = slice(rank * kv_heads * d, (rank + 1) * kv_heads * d)
     mlp_rows = slice(rank * columns, (rank + 1) * columns)
+    q_size, kv_size = arch.num_attention_heads * d, arch.num_key_value_heads * d
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = _linear(attn.q_proj.weight[q_rows])
-        attn.k_proj = _linear(attn.k_proj.weight[kv_rows])
-        attn.v_proj = _linear(attn.v_proj.weight[kv_rows])
+        q, k, v = attn.qkv_proj.weight.split([q_size, kv_size, kv_size], dim=0)
+        attn.qkv_proj = _linear(torch.cat([q[q_rows], k[kv_rows], v[kv_rows]]))
         attn.o_proj = RowParallelLinear(_linear(attn.o_proj.weight[:, q_rows]), group)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
-        mlp.gate_proj = _linear(mlp.gate_proj.weight[mlp_rows])
-        mlp.up_proj = _linear(mlp.up_proj.weight[mlp_rows])
+        gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
+        mlp.gate_up_proj = _linear(torch.cat([gate[mlp_rows], up[mlp_rows]]))
         mlp.down_proj = RowParallelLinear(_linear(mlp.down_proj.weight[:, mlp_rows]), group)
     return model

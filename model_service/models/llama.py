@@ -1,9 +1,24 @@
 """Llama forward over a packed mixed batch with a paged KV cache.
 
-Module and parameter names follow Hugging Face's `LlamaForCausalLM` (`model.embed_tokens.weight`,
-`model.layers.N.self_attn.q_proj.weight`, ...), so a state dict moves between the two unchanged
-and token parity can be checked against transformers. The numerics follow transformers too:
-RMSNorm in float32, rotate-half RoPE with inv_freq computed the same way, SwiGLU MLP.
+Checkpoints arrive in Hugging Face's `LlamaForCausalLM` naming (`model.layers.N.self_attn.q_proj.weight`,
+...). At load, `fuse_hf_state_dict` concatenates q/k/v into one `qkv_proj` and gate/up into one
+`gate_up_proj`, so a layer runs two fewer GEMMs; `hf_state_dict` hands the HF names back (views
+into the fused weights) for parity checks against transformers.
+
+One decoder layer per step, every token row of the step packed together:
+
+    x = add_rms_norm_(residual, delta)        residual += previous sublayer's output; normed
+    qkv = qkv_proj(x)                          [T, (H + 2 KVH) * D]
+    rope_(qkv, positions)                      q and k heads rotated in place (float32 table)
+    delta = o_proj(paged_attention(q, k, v))   q, k, v: views of qkv, no copies
+    x = add_rms_norm_(residual, delta)
+    delta = down_proj(silu_mul(gate_up_proj(x)))
+
+The residual add is folded into the next norm (model_service/layer_ops.py), the norm and lm_head
+run only on the rows that get sampled. Numerics follow transformers: RMSNorm in float32 with the
+same roundings, rotate-half RoPE with inv_freq computed the same way, SwiGLU MLP. Every row-wise
+operation is batch-invariant by construction (layer_ops.py); the GEMMs are torch's, through
+layer_ops.linear, which keeps them batch-invariant too.
 """
 
 from __future__ import annotations
@@ -11,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from model_service import layer_ops
 from model_service.attention import AttentionMetadata, paged_attention
 from model_service.kv_cache import KVCache
 
@@ -44,30 +59,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim] for rotate-half RoPE, computed in float32 as transformers does."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """residual += delta in place (when given), then the normed residual as a new tensor."""
+        return layer_ops.add_rms_norm_(residual, delta, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -75,28 +69,27 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
-        self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * d, bias=False)
+        self.qkv_proj = nn.Linear(arch.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, arch.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
+    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = layer_ops.linear(self.qkv_proj, x)
+        layer_ops.rope_(qkv, positions, rope, self.num_heads + self.num_kv_heads, self.head_dim)
+        d, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        out = paged_attention(q.unflatten(1, (heads, d)), k.unflatten(1, (kv_heads, d)), v.unflatten(1, (kv_heads, d)),
+                              k_cache, v_cache, meta)
+        return layer_ops.linear(self.o_proj, out)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, arch: LlamaArchConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return layer_ops.linear(self.down_proj, layer_ops.silu_mul(layer_ops.linear(self.gate_up_proj, x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -107,9 +100,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, delta, residual, positions, rope, k_cache, v_cache, meta) -> torch.Tensor:
+        """Adds the previous layer's output `delta` (None on layer 0) into `residual` in place and
+        returns this layer's output, to be added by the next layer (or the final norm)."""
+        x = self.input_layernorm(residual, delta)
+        x = self.post_attention_layernorm(residual, self.self_attn(x, positions, rope, k_cache, v_cache, meta))
+        return self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -121,7 +117,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Hugging Face names, our forward: packed tokens in, logits of the sampled rows out."""
+    """Fused weights, our forward: packed tokens in, logits of the sampled rows out."""
 
     def __init__(self, arch: LlamaArchConfig) -> None:
         super().__init__()
@@ -129,10 +125,18 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.tie_weights()
+        self._rope: torch.Tensor | None = None  # made on the first forward, on the model's device
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope_table(self, device: torch.device) -> torch.Tensor:
+        """float32 cos/sin of every position (layer_ops.rope_table), made once per device."""
+        if self._rope is None or self._rope.device != device:
+            self._rope = layer_ops.rope_table(self.arch.max_position_embeddings, self.arch.head_dim, self.arch.rope_theta,
+                                              device)
+        return self._rope
 
     def forward(
         self,
@@ -143,11 +147,56 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids/positions [T]; returns float32 logits [R, vocab] for packed rows logits_indices [R]."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta, x.dtype)
+        residual = self.model.embed_tokens(input_ids).contiguous()
+        rope = self.rope_table(residual.device)
+        delta = None
         for index, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv_cache.layer(index)
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        # Norm and lm_head only for the rows that get sampled: a prefill chunk needs none.
-        x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()
+            delta = layer(delta, residual, positions, rope, k_cache, v_cache, meta)
+        # The last add, the norm and lm_head only for the rows that get sampled: a prefill chunk needs none.
+        x = self.model.norm(residual.index_select(0, logits_indices), delta.index_select(0, logits_indices))
+        return layer_ops.linear(self.lm_head, x).float()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights in Hugging Face naming: views into the fused matrices (int8 ones too, split by
+        rows), lm_head.weight the embedding's when tied."""
+        return split_fused_state_dict(self.state_dict(), self.model.layers[0].self_attn if len(self.model.layers) else None)
+
+
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_hf_state_dict(state: dict[str, torch.Tensor], arch: LlamaArchConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours: each layer's q/k/v rows concatenated into qkv_proj, gate/up into
+    gate_up_proj (in that order; the forward splits them back by head counts). Other keys pass."""
+    out = dict(state)
+    for layer in range(arch.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        for fused, parts in _FUSED.items():
+            names = [f"{prefix}{part}.weight" for part in parts]
+            if all(name in out for name in names):
+                out[f"{prefix}{fused}.weight"] = torch.cat([out.pop(name) for name in names], dim=0)
+    return out
+
+
+def split_fused_state_dict(state: dict[str, torch.Tensor], attention: LlamaAttention | None) -> dict[str, torch.Tensor]:
+    """Ours -> Hugging Face names, for every tensor of a fused module (weight, or int8 qweight and
+    scale): rows split by the head counts of `attention` (this rank's) and halves for gate/up."""
+    out = {}
+    for name, tensor in state.items():
+        fused = next((f for f in _FUSED if f".{f}." in name), None)
+        if fused is None:
+            out[name] = tensor
+            continue
+        head, _, tail = name.partition(f".{fused}.")
+        if fused == "self_attn.qkv_proj":
+            d = attention.head_dim
+            sizes = [attention.num_heads * d, attention.num_kv_heads * d, attention.num_kv_heads * d]
+        else:
+            sizes = [tensor.shape[0] // 2] * 2
+        # Tensors that are not row-indexed (int8's zero-size dtype carrier) go to every part as they are.
+        pieces = tensor.split(sizes, dim=0) if tensor.dim() and tensor.shape[0] == sum(sizes) else [tensor] * len(sizes)
+        for part, piece in zip(_FUSED[fused], pieces):
+            out[f"{head}.{part}.{tail}"] = piece
+    return out

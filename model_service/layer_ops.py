@@ -1,0 +1,153 @@
+"""The decoder's row-wise operations: residual add + RMSNorm, RoPE in place, SiLU x up.
+
+Each runs as one native call on the CPU (cython_ext/layer_ops.pyx over cython_ext/csrc/layer_ops*),
+in place of the 6-14 eager torch ops it replaces per layer; other devices, and the CPU with
+PLANSERVE_LAYER_OPS_ISA=torch (for A/B checks), run the same arithmetic in torch (`torch_*`).
+
+Every operation computes each token row by itself, in a fixed order: a row's bits never depend on
+the other rows of the step, so a row computes the same alone or in a batch of 64, and a prompt
+row the same as a decode row (the batch-invariance rule, tests/model_service/test_ms_layer_ops.py).
+Numerics follow Hugging Face's Llama: float32 arithmetic; in bfloat16 the residual sum, the
+normalized row and the norm's weight product are each rounded, as transformers rounds them; RoPE
+and SiLU x up round once at the end (transformers rounds their partial products too: ours are
+closer to float32). The RoPE table holds float32 cos and sin per position, computed once per model
+as transformers computes them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from cython_ext import layer_ops as native
+
+ISA_ENV = "PLANSERVE_LAYER_OPS_ISA"
+TORCH_PATH = "torch"
+FLOAT32_GEMM_MIN_ROWS = 16
+_DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
+
+
+def resolve_isa(name: str | None = None) -> str:
+    """The path to run: `name`, else $PLANSERVE_LAYER_OPS_ISA, else the best this CPU runs."""
+    name = name or os.environ.get(ISA_ENV, "auto")
+    if name == "auto":
+        return native.best_isa()
+    if name == TORCH_PATH:
+        return name
+    if name not in native.ISAS:
+        raise ValueError(f"{ISA_ENV}: {name!r} is not one of auto, {TORCH_PATH}, {', '.join(native.ISAS)}")
+    if not native.isa_supported(name):
+        raise ValueError(f"{ISA_ENV}: {name!r} is not supported by this CPU or build (best: {native.best_isa()})")
+    return name
+
+
+LAYER_OPS_ISA = resolve_isa()
+
+
+def _native_isa(x: torch.Tensor, isa: str | None) -> int | None:
+    """The native path's index for tensor x, or None where torch runs it."""
+    isa = isa or LAYER_OPS_ISA
+    if x.device.type != "cpu" or isa == TORCH_PATH or x.dtype not in _DTYPES:
+        return None
+    return native.ISAS.index(isa)
+
+
+def rope_table(positions: int, head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [positions, head_dim]: cos of each position's head_dim / 2 frequencies, then sin,
+    computed as transformers' LlamaRotaryEmbedding computes them (inv_freq from int64 exponents)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = torch.arange(positions, dtype=torch.int64, device=device).to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+
+def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  isa: str | None = None) -> torch.Tensor:
+    """residual [T, hidden] += delta (in place; none when delta is None), then return
+    RMSNorm(residual) * weight as a new [T, hidden] tensor."""
+    index = _native_isa(residual, isa)
+    if index is None:
+        return torch_add_rms_norm_(residual, delta, weight, eps)
+    rows, hidden = residual.shape
+    _check_dense("residual", residual, (rows, hidden))
+    _check_dense("weight", weight, (hidden,), residual.dtype)
+    if delta is not None:
+        _check_dense("delta", delta, (rows, hidden), residual.dtype)
+    out = torch.empty_like(residual)
+    native.add_rms_norm(residual.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                        rows, hidden, eps, _DTYPES[residual.dtype], index, torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, num_heads: int, head_dim: int,
+          isa: str | None = None) -> None:
+    """Rotate-half RoPE in place on the first num_heads heads (head_dim each) of x's rows [T, >=
+    num_heads * head_dim], rows may lie apart; positions [T] int64 index the table's rows."""
+    index = _native_isa(x, isa)
+    if index is None:
+        return torch_rope_(x, positions, table, num_heads, head_dim)
+    rows = x.shape[0]
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
+        raise ValueError(f"rope: x must be [T, >= {num_heads * head_dim}] with dense rows, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    _check_dense("positions", positions, (rows,), torch.int64)
+    _check_dense("table", table, (table.shape[0], head_dim), torch.float32)
+    native.rope(x.data_ptr(), rows, x.stride(0), num_heads, head_dim, positions.data_ptr(), table.data_ptr(),
+                table.shape[0], _DTYPES[x.dtype], index, torch.get_num_threads())
+
+
+def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """[T, 2 * I] (gate columns, then up columns) -> silu(gate) * up, [T, I]."""
+    index = _native_isa(gate_up, isa)
+    if index is None:
+        return torch_silu_mul(gate_up)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    _check_dense("gate_up", gate_up, (rows, 2 * width))
+    out = gate_up.new_empty((rows, width))
+    native.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, _DTYPES[gate_up.dtype], index, torch.get_num_threads())
+    return out
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for a linear layer, batch-invariant: torch's float32 CPU GEMM (MKL) picks another
+    kernel, with another summation order, below FLOAT32_GEMM_MIN_ROWS rows (measured: 1-3, 5-7 and
+    9-11 rows differ in the last bits from the same rows inside 16 or 2,048), so fewer rows are
+    padded with zeros up to it. bfloat16 (oneDNN) gave the same bits at every row count from 1 to
+    2,048 and runs as is."""
+    rows = x.shape[0]
+    if x.dtype == torch.float32 and x.device.type == "cpu" and 0 < rows < FLOAT32_GEMM_MIN_ROWS:
+        return module(F.pad(x, (0, 0, 0, FLOAT32_GEMM_MIN_ROWS - rows)))[:rows]
+    return module(x)
+
+
+def _check_dense(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
+    if tuple(t.shape) != tuple(shape) or not t.is_contiguous() or (dtype is not None and t.dtype != dtype) \
+            or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a contiguous CPU tensor {list(shape)}"
+                         f"{f' of {dtype}' if dtype is not None else ''}, got {list(t.shape)} {t.dtype} on {t.device}"
+                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+# The same operations in torch: other devices, and PLANSERVE_LAYER_OPS_ISA=torch on the CPU.
+
+def torch_add_rms_norm_(residual, delta, weight, eps):
+    if delta is not None:
+        residual.add_(delta)
+    x = residual.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(residual.dtype)
+
+
+def torch_rope_(x, positions, table, num_heads, head_dim):
+    half = head_dim // 2
+    heads = x[:, : num_heads * head_dim].unflatten(1, (num_heads, head_dim))
+    cos, sin = table[positions, None, :half], table[positions, None, half:]
+    x1, x2 = heads[..., :half].to(torch.float32), heads[..., half:].to(torch.float32)
+    heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def torch_silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate_up.dtype)
