@@ -7,20 +7,24 @@ printed to stdout (flushed): the scheduler CLI and the tests read the port from 
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import dataclasses
-import logging
-import os
-import signal
-import sys
+from model_service import threads
 
-import grpc
-import structlog
+threads.configure()  # first: libgomp reads its environment when torch loads it
 
-from model_service.config import ModelServiceConfig, parse_bytes
-from model_service.server import serve, shutdown, tls_credentials
-from model_service.tp_worker import run_torchrun_worker, torchrun_rank
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+import grpc  # noqa: E402
+import structlog  # noqa: E402
+
+from model_service.config import ModelServiceConfig, parse_bytes  # noqa: E402
+from model_service.server import serve, shutdown, tls_credentials  # noqa: E402
+from model_service.tp_worker import run_torchrun_worker, torchrun_rank  # noqa: E402
 
 PORT_LINE = "PLANSERVE_ENGINE_PORT="
 

@@ -315,6 +315,7 @@ def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
         ),
         num_swap_blocks=getattr(facts, "num_swap_blocks", 0),
         num_speculative_tokens=getattr(facts, "num_speculative_tokens", 0),
+        compute=getattr(facts, "compute", {}),
     )
     if facts.bos_token_id is not None:
         response.bos_token_id = facts.bos_token_id

@@ -37,7 +37,9 @@ from cython_ext.mapping import StepInputBuilder
 from model_service.attention import ATTENTION_ISA, build_attention_metadata
 from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
 from model_service.config import ModelServiceConfig
+from model_service import threads
 from model_service.kv_cache import KVCache, agree_on_num_blocks, kv_block_bytes, kv_cache_budget_bytes
+from model_service.layer_ops import LAYER_OPS_ISA
 from model_service.loader import LoadedModel
 from model_service.request_cache import RequestCache
 from model_service.logits import apply_masks, apply_processing, gather_logprobs, prompt_logprob_rows
@@ -69,6 +71,7 @@ class EngineFacts:
     block_copy: bool = True
     num_swap_blocks: int = 0
     num_speculative_tokens: int = 0  # > 0: speculation on, this many drafts per decode at most
+    compute: dict[str, str] = dataclasses.field(default_factory=dict)  # threads and kernel paths (threads.py)
 
 
 class ModelRunner:
@@ -118,8 +121,11 @@ class ModelRunner:
             self.num_speculative_tokens = config.num_speculative_tokens
         # execute() runs in a worker thread; reset() may come from the event loop when a stream ends.
         self._lock = threading.Lock()
+        on_cpu = self.device.type == "cpu"
+        self.compute = {**threads.settings(), "attention": ATTENTION_ISA if on_cpu else "torch",
+                        "layer_ops": LAYER_OPS_ISA if on_cpu else "torch"}
         log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.resolved_dtype(), num_kv_blocks=num_blocks,
-                 attention=ATTENTION_ISA if self.device.type == "cpu" else "torch")
+                 **self.compute)
 
     def describe_facts(self) -> EngineFacts:
         lm = self.loaded
@@ -140,6 +146,7 @@ class ModelRunner:
             special_tokens=dict(lm.special_tokens),
             num_swap_blocks=self.limits.num_swap_blocks,
             num_speculative_tokens=self.num_speculative_tokens,
+            compute=self.compute,
         )
 
     def reset(self) -> None:

@@ -188,6 +188,7 @@ class EngineLoop:
             self._num_preemptions_seen = scheduler.num_preemptions_total
             self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
                                  (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
+            self.metrics.on_forward(result.forward_ns)
             if result.num_draft_tokens:
                 self.metrics.on_speculation(result.num_draft_tokens,
                                             result.num_accepted_draft_tokens)

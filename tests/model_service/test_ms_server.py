@@ -5,9 +5,11 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import tiny_config
+from model_service import attention, layer_ops
 from model_service.runner import ModelRunner
 from model_service.server import serve, shutdown
 from planserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -37,6 +39,9 @@ async def test_describe_and_health(engine):
     assert facts.tokenizer_json.startswith("{") and "<|im_start|>" in facts.chat_template
     assert facts.special_tokens["eos_token"] == "<|im_end|>"
     assert facts.device == "cpu" and facts.dtype == "float32" and facts.architecture == "llama"
+    assert facts.compute["torch_threads"] == str(torch.get_num_threads())
+    assert facts.compute["attention"] == attention.ATTENTION_ISA and facts.compute["layer_ops"] == layer_ops.LAYER_OPS_ISA
+    assert {"omp_wait_policy", "gomp_spincount", "omp_num_threads"} <= facts.compute.keys()
     health = health_pb2_grpc.HealthStub(engine)
     reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING

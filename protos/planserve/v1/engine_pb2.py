@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from planserve.v1 import common_pb2 as planserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19planserve/v1/engine.proto\x12\x0cplanserve.v1\x1a\x19planserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"`\n\x0e\x45ngineFeatures\x12\x17\n\x0f\x63hunked_prefill\x18\x01 \x01(\x08\x12\x12\n\nblock_copy\x18\x02 \x01(\x08\x12\x0c\n\x04swap\x18\x03 \x01(\x08\x12\x13\n\x0bspeculation\x18\x04 \x01(\x08\"\xd8\x04\n\x10\x44\x65scribeResponse\x12\x18\n\x10\x63ontract_version\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x15\n\rmax_num_slots\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0etokenizer_json\x18\r \x01(\t\x12\x15\n\rchat_template\x18\x0e \x01(\t\x12I\n\x0especial_tokens\x18\x0f \x03(\x0b\x32\x31.planserve.v1.DescribeResponse.SpecialTokensEntry\x12.\n\x08\x66\x65\x61tures\x18\x10 \x01(\x0b\x32\x1c.planserve.v1.EngineFeatures\x12\x17\n\x0fnum_swap_blocks\x18\x11 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x12 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x13 \x01(\r\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_bos_token_id\"\xca\x02\n\x0bNewSequence\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.planserve.v1.SamplingParams\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12!\n\x19min_tokens_suppressed_ids\x18\x07 \x03(\r\x12\x19\n\x0cnum_logprobs\x18\x08 \x01(\rH\x00\x88\x01\x01\x12 \n\x13num_prompt_logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x11\n\tspeculate\x18\n \x01(\x08\x42\x0f\n\r_num_logprobsB\x16\n\x14_num_prompt_logprobs\"\xb4\x03\n\tBatchPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x19.planserve.v1.NewSequence\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66inished_slots\x18\x07 \x03(\r\x12\x17\n\x0fpreempted_slots\x18\x08 \x03(\r\x12\x15\n\raborted_slots\x18\t \x03(\r\x12\x10\n\x08\x63opy_src\x18\n \x03(\r\x12\x10\n\x08\x63opy_dst\x18\x0b \x03(\r\x12\x14\n\x0cswap_out_src\x18\x0c \x03(\r\x12\x14\n\x0cswap_out_dst\x18\r \x03(\r\x12\x13\n\x0bswap_in_src\x18\x0e \x03(\r\x12\x11\n\textension\x18\x0f \x01(\x0c\x12\x13\n\x0bswap_in_dst\x18\x10 \x03(\r\x12\x14\n\x0cmasked_slots\x18\x11 \x03(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x12 \x01(\x0c\"7\n\x0e\x45xecuteRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.planserve.v1.BatchPlan\"\xb2\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1a\n\x12num_sampled_tokens\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x19\n\x11logprob_token_ids\x18\x05 \x03(\r\x12\x12\n\nforward_ns\x18\x06 \x01(\x04\x12\x11\n\tsample_ns\x18\x07 \x01(\x04\x12\x10\n\x08total_ns\x18\x08 \x01(\x04\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12 \n\x18prompt_logprob_token_ids\x18\n \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x0b \x01(\r\x12!\n\x19num_accepted_draft_tokens\x18\x0c \x01(\r\";\n\x0f\x45xecuteResponse\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.planserve.v1.StepResult2\xa6\x01\n\rEngineService\x12I\n\x08\x44\x65scribe\x12\x1d.planserve.v1.DescribeRequest\x1a\x1e.planserve.v1.DescribeResponse\x12J\n\x07\x45xecute\x12\x1c.planserve.v1.ExecuteRequest\x1a\x1d.planserve.v1.ExecuteResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19planserve/v1/engine.proto\x12\x0cplanserve.v1\x1a\x19planserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"`\n\x0e\x45ngineFeatures\x12\x17\n\x0f\x63hunked_prefill\x18\x01 \x01(\x08\x12\x12\n\nblock_copy\x18\x02 \x01(\x08\x12\x0c\n\x04swap\x18\x03 \x01(\x08\x12\x13\n\x0bspeculation\x18\x04 \x01(\x08\"\xc6\x05\n\x10\x44\x65scribeResponse\x12\x18\n\x10\x63ontract_version\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x15\n\rmax_num_slots\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0etokenizer_json\x18\r \x01(\t\x12\x15\n\rchat_template\x18\x0e \x01(\t\x12I\n\x0especial_tokens\x18\x0f \x03(\x0b\x32\x31.planserve.v1.DescribeResponse.SpecialTokensEntry\x12.\n\x08\x66\x65\x61tures\x18\x10 \x01(\x0b\x32\x1c.planserve.v1.EngineFeatures\x12\x17\n\x0fnum_swap_blocks\x18\x11 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x12 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x13 \x01(\r\x12<\n\x07\x63ompute\x18\x14 \x03(\x0b\x32+.planserve.v1.DescribeResponse.ComputeEntry\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0c\x43omputeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_bos_token_id\"\xca\x02\n\x0bNewSequence\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.planserve.v1.SamplingParams\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12!\n\x19min_tokens_suppressed_ids\x18\x07 \x03(\r\x12\x19\n\x0cnum_logprobs\x18\x08 \x01(\rH\x00\x88\x01\x01\x12 \n\x13num_prompt_logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x11\n\tspeculate\x18\n \x01(\x08\x42\x0f\n\r_num_logprobsB\x16\n\x14_num_prompt_logprobs\"\xb4\x03\n\tBatchPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x19.planserve.v1.NewSequence\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66inished_slots\x18\x07 \x03(\r\x12\x17\n\x0fpreempted_slots\x18\x08 \x03(\r\x12\x15\n\raborted_slots\x18\t \x03(\r\x12\x10\n\x08\x63opy_src\x18\n \x03(\r\x12\x10\n\x08\x63opy_dst\x18\x0b \x03(\r\x12\x14\n\x0cswap_out_src\x18\x0c \x03(\r\x12\x14\n\x0cswap_out_dst\x18\r \x03(\r\x12\x13\n\x0bswap_in_src\x18\x0e \x03(\r\x12\x11\n\textension\x18\x0f \x01(\x0c\x12\x13\n\x0bswap_in_dst\x18\x10 \x03(\r\x12\x14\n\x0cmasked_slots\x18\x11 \x03(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x12 \x01(\x0c\"7\n\x0e\x45xecuteRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.planserve.v1.BatchPlan\"\xb2\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1a\n\x12num_sampled_tokens\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x19\n\x11logprob_token_ids\x18\x05 \x03(\r\x12\x12\n\nforward_ns\x18\x06 \x01(\x04\x12\x11\n\tsample_ns\x18\x07 \x01(\x04\x12\x10\n\x08total_ns\x18\x08 \x01(\x04\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12 \n\x18prompt_logprob_token_ids\x18\n \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x0b \x01(\r\x12!\n\x19num_accepted_draft_tokens\x18\x0c \x01(\r\";\n\x0f\x45xecuteResponse\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.planserve.v1.StepResult2\xa6\x01\n\rEngineService\x12I\n\x08\x44\x65scribe\x12\x1d.planserve.v1.DescribeRequest\x1a\x1e.planserve.v1.DescribeResponse\x12J\n\x07\x45xecute\x12\x1c.planserve.v1.ExecuteRequest\x1a\x1d.planserve.v1.ExecuteResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DESCRIBERESPONSE_SPECIALTOKENSENTRY']._loaded_options = None
   _globals['_DESCRIBERESPONSE_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
+  _globals['_DESCRIBERESPONSE_COMPUTEENTRY']._loaded_options = None
+  _globals['_DESCRIBERESPONSE_COMPUTEENTRY']._serialized_options = b'8\001'
   _globals['_DESCRIBEREQUEST']._serialized_start=70
   _globals['_DESCRIBEREQUEST']._serialized_end=87
   _globals['_ENGINEFEATURES']._serialized_start=89
   _globals['_ENGINEFEATURES']._serialized_end=185
   _globals['_DESCRIBERESPONSE']._serialized_start=188
-  _globals['_DESCRIBERESPONSE']._serialized_end=788
-  _globals['_DESCRIBERESPONSE_SPECIALTOKENSENTRY']._serialized_start=719
-  _globals['_DESCRIBERESPONSE_SPECIALTOKENSENTRY']._serialized_end=771
-  _globals['_NEWSEQUENCE']._serialized_start=791
-  _globals['_NEWSEQUENCE']._serialized_end=1121
-  _globals['_BATCHPLAN']._serialized_start=1124
-  _globals['_BATCHPLAN']._serialized_end=1560
-  _globals['_EXECUTEREQUEST']._serialized_start=1562
-  _globals['_EXECUTEREQUEST']._serialized_end=1617
-  _globals['_STEPRESULT']._serialized_start=1620
-  _globals['_STEPRESULT']._serialized_end=1926
-  _globals['_EXECUTERESPONSE']._serialized_start=1928
-  _globals['_EXECUTERESPONSE']._serialized_end=1987
-  _globals['_ENGINESERVICE']._serialized_start=1990
-  _globals['_ENGINESERVICE']._serialized_end=2156
+  _globals['_DESCRIBERESPONSE']._serialized_end=898
+  _globals['_DESCRIBERESPONSE_SPECIALTOKENSENTRY']._serialized_start=781
+  _globals['_DESCRIBERESPONSE_SPECIALTOKENSENTRY']._serialized_end=833
+  _globals['_DESCRIBERESPONSE_COMPUTEENTRY']._serialized_start=835
+  _globals['_DESCRIBERESPONSE_COMPUTEENTRY']._serialized_end=881
+  _globals['_NEWSEQUENCE']._serialized_start=901
+  _globals['_NEWSEQUENCE']._serialized_end=1231
+  _globals['_BATCHPLAN']._serialized_start=1234
+  _globals['_BATCHPLAN']._serialized_end=1670
+  _globals['_EXECUTEREQUEST']._serialized_start=1672
+  _globals['_EXECUTEREQUEST']._serialized_end=1727
+  _globals['_STEPRESULT']._serialized_start=1730
+  _globals['_STEPRESULT']._serialized_end=2036
+  _globals['_EXECUTERESPONSE']._serialized_start=2038
+  _globals['_EXECUTERESPONSE']._serialized_end=2097
+  _globals['_ENGINESERVICE']._serialized_start=2100
+  _globals['_ENGINESERVICE']._serialized_end=2266
 # @@protoc_insertion_point(module_scope)
