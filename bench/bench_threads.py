@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--label", default="after")
     args = parser.parse_args()
     run = {"machine": {"cpu": measure.cpu_model(), "cores": os.cpu_count()}, "runs": []}
-    log = open(os.path.join(ROOT, "bench", "results", ".threads.log"), "w")
+    log = open(os.path.join(tempfile.gettempdir(), "planserve-bench-threads.log"), "w")  # the servers' stderr
     for machine in args.machines:
         for name in args.settings:
             if machine == "quiet":

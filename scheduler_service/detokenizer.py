@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(len(self._token_ids) - _CONTEXT_TOKENS, 0)
         self._read_offset = len(self._token_ids)
         self._stop_strings = tuple(s for s in stop_strings if s)
+        self._longest_stop = max((len(s) for s in self._stop_strings), default=0)
         self.text = ""  # all text produced so far (stop match excluded once found)
         self._num_chars_sent = 0
 
@@ -39,12 +40,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
 
-        search_from = max(len(self.text) - self._longest_stop() + 1, 0)
+        if not self._stop_strings:  # most requests: nothing to search or hold back
+            self.text += delta
+            return None
+        search_from = max(len(self.text) - self._longest_stop + 1, 0)
         self.text += delta
         return self._find_stop(search_from)
-
-    def _longest_stop(self) -> int:
-        return max((len(s) for s in self._stop_strings), default=0)
 
     def _find_stop(self, search_from: int) -> Optional[str]:
         best_index, best_stop = None, None
@@ -58,7 +59,7 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is the start of some stop string."""
-        for length in range(min(len(self.text), self._longest_stop() - 1), 0, -1):
+        for length in range(min(len(self.text), self._longest_stop - 1), 0, -1):
             tail = self.text[-length:]
             if any(stop.startswith(tail) for stop in self._stop_strings):
                 return length
@@ -66,7 +67,7 @@ class IncrementalDetokenizer:
 
     def take_text(self, final: bool = False) -> str:
         """The text not sent yet; the held-back tail too when the request is over."""
-        end = len(self.text) if final else len(self.text) - self._held_back()
+        end = len(self.text) if final or not self._stop_strings else len(self.text) - self._held_back()
         if end <= self._num_chars_sent:
             return ""
         chunk = self.text[self._num_chars_sent:end]
