@@ -131,6 +131,28 @@ def test_native_attention_gives_the_gather_paths_greedy_tokens(smollm2, monkeypa
     assert native_path == torch_path
 
 
+def test_native_layer_ops_give_the_eager_paths_greedy_tokens(smollm2, monkeypatch):
+    """float32: the native norm / RoPE / SiLU kernels and the same operations as eager torch ops
+    (the path of other devices, PLANSERVE_LAYER_OPS_ISA=torch; transformers' formulas) give the
+    same greedy tokens on a mixed batch with chunked prefill and a join. float32 because the two
+    round differently in bf16; bf16 is checked against float64 in test_ms_layer_ops.py."""
+    from model_service import layer_ops
+
+    loaded, config = smollm2
+    tok = Tokenizer.from_str(loaded.tokenizer_json)
+    prompts = [tok.encode(_render(loaded.chat_template, MESSAGES[0])).ids, tok.encode(TEXTS[1]).ids, tok.encode(TEXTS[0]).ids]
+    outputs = {}
+    for isa in (layer_ops.TORCH_PATH, layer_ops.resolve_isa("auto")):
+        monkeypatch.setattr(layer_ops, "LAYER_OPS_ISA", isa)
+        driver = Driver(ModelRunner(loaded, config))
+        driver.add(0, prompts[0])
+        driver.add(1, prompts[1])
+        outputs[isa] = driver.run_to_completion(NEW_TOKENS, chunk=16, joins={2: [(2, prompts[2])]})
+    eager, native = outputs.values()
+    assert all(len(native[slot]) == NEW_TOKENS for slot in range(3))
+    assert native == eager
+
+
 def test_int8_greedy_matches_float32_and_weights_shrink(smollm2):
     from model_service.quant import weight_bytes
 
