@@ -76,26 +76,23 @@ extensions = [
     for path in sorted(glob.glob("cython_ext/*.pyx"))
     if not path.endswith(("paged_attention.pyx", "layer_ops.pyx"))
 ]
-attention = Extension(
-    "cython_ext.paged_attention",
-    ["cython_ext/paged_attention.pyx", f"{CSRC}/paged_attention_dispatch.cpp", f"{CSRC}/paged_attention_portable.cpp"],
-    language="c++",
-    include_dirs=["cython_ext"],
-    define_macros=[("PLANSERVE_PA_X86", "1")] if X86_64 else [],
-    extra_compile_args=CXX_FLAGS,
-    extra_link_args=["-fopenmp"],
-    depends=sorted(glob.glob(f"{CSRC}/*")),
-)
-layer_ops = Extension(
-    "cython_ext.layer_ops",
-    ["cython_ext/layer_ops.pyx", f"{CSRC}/layer_ops_dispatch.cpp", f"{CSRC}/layer_ops_portable.cpp"],
-    language="c++",
-    include_dirs=["cython_ext"],
-    define_macros=[("PLANSERVE_PA_X86", "1")] if X86_64 else [],
-    extra_compile_args=CXX_FLAGS_LAYER_OPS,
-    extra_link_args=["-fopenmp"],
-    depends=sorted(glob.glob(f"{CSRC}/*")),
-)
+def native_kernel(name: str, compile_args: list[str]) -> Extension:
+    """cython_ext/NAME.pyx over csrc/NAME_dispatch.cpp and csrc/NAME_portable.cpp (C++, OpenMP);
+    its vector paths come in through ISA_SOURCES_OF."""
+    return Extension(
+        f"cython_ext.{name}",
+        [f"cython_ext/{name}.pyx", f"{CSRC}/{name}_dispatch.cpp", f"{CSRC}/{name}_portable.cpp"],
+        language="c++",
+        include_dirs=["cython_ext"],
+        define_macros=[("PLANSERVE_PA_X86", "1")] if X86_64 else [],
+        extra_compile_args=compile_args,
+        extra_link_args=["-fopenmp"],
+        depends=sorted(glob.glob(f"{CSRC}/*")),
+    )
+
+
+attention = native_kernel("paged_attention", CXX_FLAGS)
+layer_ops = native_kernel("layer_ops", CXX_FLAGS_LAYER_OPS)
 extensions += [attention, layer_ops]
 # cythonize() copies Extensions: found by name
 ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES, layer_ops.name: LAYER_OPS_ISA_SOURCES}

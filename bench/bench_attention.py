@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import sys
 
@@ -146,12 +145,7 @@ def main() -> None:
     run["machine"] = {"cpu": measure.cpu_model(), **measure.thread_settings(),
                       "read_bandwidth_gb_s": bandwidth / 1e9, "gemm_gflops": {k: v / 1e9 for k, v in rates.items()},
                       "load_avg_before_after": [load_before[0], os.getloadavg()[0]], "torch": torch.__version__}
-    results = json.load(open(args.out)) if os.path.exists(args.out) else {}
-    results[args.label] = run
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
+    measure.save_run(args.out, args.label, run)
     print(f"wrote {args.out} [{args.label}]", file=sys.stderr)
 
 

@@ -26,7 +26,6 @@ unchanged on older trees: that is how the "before" figures were taken.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -123,17 +122,7 @@ def main() -> None:
     run["machine"] = {"cpu": measure.cpu_model(), **measure.thread_settings(), "read_bandwidth_gb_s": bandwidth / 1e9,
                       "gemm_gflops": {k: v / 1e9 for k, v in rates.items()}, "load_avg_before_after": [load_before, os.getloadavg()[0]],
                       "torch": torch.__version__}
-    results = {}
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            results = json.load(f)
-        if "variants" in results:  # the old single-run layout (best-of timings, shared blocks): not comparable
-            results = {}
-    results[args.label] = run
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
+    measure.save_run(args.out, args.label, run)
     print(f"wrote {os.path.relpath(args.out)} [{args.label}]", file=sys.stderr)
 
 

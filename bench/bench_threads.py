@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -138,11 +137,7 @@ def main() -> None:
             print(f"{machine:6s} {name:24s} {result['output_tok_s']:7.1f} tok/s  ITL p50 {result['itl_p50_ms']:6.1f} ms  "
                   f"forward p50 {result['forward_p50_ms'] or 0:6.1f} ms  (load {load:.2f})", file=sys.stderr, flush=True)
             time.sleep(5)  # let the load average settle a little between runs
-    results = json.load(open(OUT)) if os.path.exists(OUT) else {}
-    results[args.label] = run
-    with open(OUT, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
+    measure.save_run(OUT, args.label, run)
     print(f"wrote {os.path.relpath(OUT)} [{args.label}]", file=sys.stderr)
 
 

@@ -13,6 +13,7 @@ than the step reads, so no sequence finds its KV in a cache another sequence war
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import platform
 import statistics
@@ -62,6 +63,19 @@ def thread_settings() -> dict:
     """torch's thread count and every OpenMP variable this process runs under."""
     return {"torch_threads": torch.get_num_threads(),
             "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))}}
+
+
+def save_run(path: str, label: str, run: dict) -> None:
+    """Stores `run` under `label` in the JSON results file at `path` (other labels kept)."""
+    results = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    results[label] = run
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
 
 
 class Step:

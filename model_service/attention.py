@@ -35,33 +35,24 @@ devices use `_torch_attention` (gather + SDPA) until a device kernel lands there
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
 
 from cython_ext import paged_attention as native
+from model_service import kernel_isa
 
 # KV split length in positions: fixed, never chosen from the batch's shape (see the docstring).
 # 256 gives a batch-1 decode at context ~300 six items (2 splits x 3 KV heads) for two cores.
 KV_SPLIT_POSITIONS = 256
 ISA_ENV = "PLANSERVE_ATTENTION_ISA"
-TORCH_PATH = "torch"  # the gather + SDPA path, selectable on the CPU for comparisons
+TORCH_PATH = kernel_isa.TORCH_PATH  # the gather + SDPA path, selectable on the CPU for comparisons
 _DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
 
 
 def resolve_isa(name: str | None = None) -> str:
     """The ISA path to run: `name`, else $PLANSERVE_ATTENTION_ISA, else the best this CPU runs."""
-    name = name or os.environ.get(ISA_ENV, "auto")
-    if name == "auto":
-        return native.best_isa()
-    if name == TORCH_PATH:
-        return name
-    if name not in native.ISAS:
-        raise ValueError(f"{ISA_ENV}: {name!r} is not one of auto, {TORCH_PATH}, {', '.join(native.ISAS)}")
-    if not native.isa_supported(name):
-        raise ValueError(f"{ISA_ENV}: {name!r} is not supported by this CPU or build (best: {native.best_isa()})")
-    return name
+    return kernel_isa.resolve_isa(native, ISA_ENV, name)
 
 
 ATTENTION_ISA = resolve_isa()

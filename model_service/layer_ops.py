@@ -16,31 +16,21 @@ as transformers computes them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from cython_ext import layer_ops as native
+from model_service import kernel_isa
 
 ISA_ENV = "PLANSERVE_LAYER_OPS_ISA"
-TORCH_PATH = "torch"
+TORCH_PATH = kernel_isa.TORCH_PATH
 FLOAT32_GEMM_MIN_ROWS = 16
 _DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
 
 
 def resolve_isa(name: str | None = None) -> str:
     """The path to run: `name`, else $PLANSERVE_LAYER_OPS_ISA, else the best this CPU runs."""
-    name = name or os.environ.get(ISA_ENV, "auto")
-    if name == "auto":
-        return native.best_isa()
-    if name == TORCH_PATH:
-        return name
-    if name not in native.ISAS:
-        raise ValueError(f"{ISA_ENV}: {name!r} is not one of auto, {TORCH_PATH}, {', '.join(native.ISAS)}")
-    if not native.isa_supported(name):
-        raise ValueError(f"{ISA_ENV}: {name!r} is not supported by this CPU or build (best: {native.best_isa()})")
-    return name
+    return kernel_isa.resolve_isa(native, ISA_ENV, name)
 
 
 LAYER_OPS_ISA = resolve_isa()

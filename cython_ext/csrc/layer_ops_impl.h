@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "layer_ops.h"
+#include "vector_exp.h"
 
 namespace LO_NS {
 
@@ -58,22 +59,11 @@ static LO_INLINE float round1(const uint16_t*, float x) {
     return load1(&h);
 }
 
-// exp(x), Cephes' expf polynomial after x = n ln2 + r (n rounded by adding and subtracting
-// 1.5 * 2^23), 2^n from its exponent bits; x clamped to [-87.3, 88] so 2^n stays a normal float.
+// exp(x) with x clamped to [-87.3, 88] (vector_exp.h).
 static LO_INLINE vf exp_clamped(vf x) {
     x = x < -87.3f ? vf{} - 87.3f : x;
     x = x > 88.0f ? vf{} + 88.0f : x;
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = vf{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return cephes_exp<vf, vi>(x);
 }
 static LO_INLINE float exp1(float x) { return exp_clamped(vf{} + x)[0]; }
 

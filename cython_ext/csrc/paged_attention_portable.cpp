@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "paged_attention.h"
+#include "vector_exp.h"
 
 #ifdef PA_PORTABLE_AVX2
 #define PA_NS planserve_pa_avx2
@@ -44,24 +45,11 @@ static inline void bf16_to_float(const uint16_t* __restrict src, float* __restri
     for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, (uint32_t)src[i] << 16);
 }
 
-// exp(x) for x <= 0, as the AVX-512 path computes it (Cephes' expf polynomial after
-// x = n ln2 + r; 0 below -87.3), lane-wise: n is rounded by adding and subtracting 1.5 * 2^23,
-// and 2^n is built from its exponent bits.
+// exp(x) for x <= 0, as the AVX-512 path computes it (vector_exp.h; 0 below -87.3).
 static PA_INLINE vf exp_nonpositive(vf x) {
     const vf floor_value = vf{} - 87.3f;
     const vf clamped = x < floor_value ? floor_value : x;
-    const vf n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    vf r = clamped - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = vf{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    const vf scale = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
-    return x < floor_value ? vf{} : p * scale;
+    return x < floor_value ? vf{} : cephes_exp<vf, vi>(clamped);
 }
 
 struct Ops {

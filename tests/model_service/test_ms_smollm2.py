@@ -109,6 +109,23 @@ def test_greedy_parity_mixed_batch(smollm2, hf_gguf_model):
         assert COMPARED[name] >= 32, name
 
 
+def _greedy_on_each_path(smollm2, monkeypatch, module, attribute: str, paths, messages, texts):
+    """Greedy tokens of a chat prompt and a text prompt prefilled in chunks of 16, a second text
+    prompt joining at step 3, with module.attribute set to each of `paths` in turn."""
+    loaded, config = smollm2
+    tok = Tokenizer.from_str(loaded.tokenizer_json)
+    prompts = [tok.encode(_render(loaded.chat_template, messages)).ids, tok.encode(texts[0]).ids, tok.encode(texts[1]).ids]
+    outputs = []
+    for path in paths:
+        monkeypatch.setattr(module, attribute, path)
+        driver = Driver(ModelRunner(loaded, config))
+        driver.add(0, prompts[0])
+        driver.add(1, prompts[1])
+        outputs.append(driver.run_to_completion(NEW_TOKENS, chunk=16, joins={2: [(2, prompts[2])]}))
+        assert all(len(outputs[-1][slot]) == NEW_TOKENS for slot in range(3))
+    return outputs
+
+
 def test_native_attention_gives_the_gather_paths_greedy_tokens(smollm2, monkeypatch):
     """float32: the in-place attention kernel and the previous gather + SDPA path (still the
     path of other devices, selectable as "torch") give the same greedy tokens on a mixed batch
@@ -116,40 +133,20 @@ def test_native_attention_gives_the_gather_paths_greedy_tokens(smollm2, monkeypa
     bf16 is checked against the float64 reference and for invariance in test_ms_attention.py."""
     from model_service import attention
 
-    loaded, config = smollm2
-    tok = Tokenizer.from_str(loaded.tokenizer_json)
-    prompts = [tok.encode(_render(loaded.chat_template, MESSAGES[1])).ids, tok.encode(TEXTS[0]).ids, tok.encode(TEXTS[1]).ids]
-    outputs = {}
-    for isa in (attention.TORCH_PATH, attention.resolve_isa("auto")):
-        monkeypatch.setattr(attention, "ATTENTION_ISA", isa)
-        driver = Driver(ModelRunner(loaded, config))
-        driver.add(0, prompts[0])
-        driver.add(1, prompts[1])
-        outputs[isa] = driver.run_to_completion(NEW_TOKENS, chunk=16, joins={2: [(2, prompts[2])]})
-    torch_path, native_path = outputs.values()
-    assert all(len(native_path[slot]) == NEW_TOKENS for slot in range(3))
-    assert native_path == torch_path
+    gather, native = _greedy_on_each_path(smollm2, monkeypatch, attention, "ATTENTION_ISA",
+                                          (attention.TORCH_PATH, attention.resolve_isa("auto")), MESSAGES[1], TEXTS)
+    assert native == gather
 
 
 def test_native_layer_ops_give_the_eager_paths_greedy_tokens(smollm2, monkeypatch):
     """float32: the native norm / RoPE / SiLU kernels and the same operations as eager torch ops
     (the path of other devices, PLANSERVE_LAYER_OPS_ISA=torch; transformers' formulas) give the
-    same greedy tokens on a mixed batch with chunked prefill and a join. float32 because the two
-    round differently in bf16; bf16 is checked against float64 in test_ms_layer_ops.py."""
+    same greedy tokens. float32 because the two round differently in bf16; bf16 is checked against
+    float64 in test_ms_layer_ops.py."""
     from model_service import layer_ops
 
-    loaded, config = smollm2
-    tok = Tokenizer.from_str(loaded.tokenizer_json)
-    prompts = [tok.encode(_render(loaded.chat_template, MESSAGES[0])).ids, tok.encode(TEXTS[1]).ids, tok.encode(TEXTS[0]).ids]
-    outputs = {}
-    for isa in (layer_ops.TORCH_PATH, layer_ops.resolve_isa("auto")):
-        monkeypatch.setattr(layer_ops, "LAYER_OPS_ISA", isa)
-        driver = Driver(ModelRunner(loaded, config))
-        driver.add(0, prompts[0])
-        driver.add(1, prompts[1])
-        outputs[isa] = driver.run_to_completion(NEW_TOKENS, chunk=16, joins={2: [(2, prompts[2])]})
-    eager, native = outputs.values()
-    assert all(len(native[slot]) == NEW_TOKENS for slot in range(3))
+    eager, native = _greedy_on_each_path(smollm2, monkeypatch, layer_ops, "LAYER_OPS_ISA",
+                                         (layer_ops.TORCH_PATH, layer_ops.resolve_isa("auto")), MESSAGES[0], TEXTS[::-1])
     assert native == eager
 
 
