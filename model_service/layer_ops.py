@@ -24,7 +24,7 @@ from model_service import kernel_isa
 
 ISA_ENV = "PLANSERVE_LAYER_OPS_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH
-FLOAT32_GEMM_MIN_ROWS = 16
+GEMM_MIN_ROWS = {torch.float32: 16, torch.bfloat16: 2}  # see linear()
 _DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
 
 
@@ -101,14 +101,17 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for a linear layer, batch-invariant: torch's float32 CPU GEMM (MKL) picks another
-    kernel, with another summation order, below FLOAT32_GEMM_MIN_ROWS rows (measured: 1-3, 5-7 and
-    9-11 rows differ in the last bits from the same rows inside 16 or 2,048), so fewer rows are
-    padded with zeros up to it. bfloat16 (oneDNN) gave the same bits at every row count from 1 to
-    2,048 and runs as is."""
+    """module(x) for a linear layer, batch-invariant: torch's CPU GEMMs pick other kernels, with
+    another summation order, for few rows, so fewer than GEMM_MIN_ROWS rows are padded with zero
+    rows up to it. Measured (AMD EPYC Zen 5, torch 2.13): float32 (MKL) rows differ in the last
+    bits at 1-3, 5-7 and 9-11 rows from the same rows inside 16 or 2,048; bfloat16 (oneDNN) at
+    one row with 1,536 input columns (SmolLM2's down_proj: ~10% of rows, one element off by an
+    ulp), and at no other count. Padding one bf16 row to two costs nothing measurable (60 vs 52
+    us); float32's 16 rows cost its one-row GEMV (85 vs 378 us at the MLP shape)."""
     rows = x.shape[0]
-    if x.dtype == torch.float32 and x.device.type == "cpu" and 0 < rows < FLOAT32_GEMM_MIN_ROWS:
-        return module(F.pad(x, (0, 0, 0, FLOAT32_GEMM_MIN_ROWS - rows)))[:rows]
+    minimum = GEMM_MIN_ROWS.get(x.dtype, 0)
+    if x.device.type == "cpu" and 0 < rows < minimum:
+        return module(F.pad(x, (0, 0, 0, minimum - rows)))[:rows]
     return module(x)
 
 
