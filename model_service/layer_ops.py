@@ -12,6 +12,9 @@ normalized row and the norm's weight product are each rounded, as transformers r
 and SiLU x up round once at the end (transformers rounds their partial products too: ours are
 closer to float32). The RoPE table holds float32 cos and sin per position, computed once per model
 as transformers computes them.
+
+`linear` is how the decoder calls its GEMMs (torch's): with the few-row padding that keeps them
+batch-invariant too (docs/design-notes.md, "Batch invariance").
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ every logprob exactly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 
 import numpy as np
@@ -52,20 +53,24 @@ async def _run(server, requests) -> list:
     return done
 
 
-async def _complete_with_logprobs(stub, request):
-    logprobs = []
-    token_ids = []
-    usage = None
-    async for chunk in stub.Generate(request):
-        token_ids.extend(chunk.token_ids)
-        logprobs.extend(entry.logprob for entry in chunk.logprobs)
-        usage = chunk.usage if chunk.HasField("usage") else usage
-    return _Done(token_ids, logprobs, usage)
-
-
+@dataclasses.dataclass
 class _Done:
-    def __init__(self, token_ids, logprobs, usage):
-        self.token_ids, self.logprobs, self.usage = token_ids, logprobs, usage
+    token_ids: list[int]
+    logprobs: list[float]
+    usage: generate_pb2.Usage | None
+
+
+async def _complete_with_logprobs(stub, request, progress: list[int] | None = None) -> _Done:
+    """The request's tokens and logprobs; `progress` gets the tokens as they stream in."""
+    done = _Done([], [], None)
+    async for chunk in stub.Generate(request):
+        done.token_ids.extend(chunk.token_ids)
+        done.logprobs.extend(entry.logprob for entry in chunk.logprobs)
+        if progress is not None:
+            progress.extend(chunk.token_ids)
+        if chunk.HasField("usage"):
+            done.usage = chunk.usage
+    return done
 
 
 def _same(a, b) -> None:
@@ -168,17 +173,8 @@ async def test_after_the_model_service_is_killed_and_started_again(model_engine)
     engine = _Engine(model_engine.dtype, "--num-kv-blocks", "256", model=model_engine.model)
     server = await start_scheduler(engine.address, max_num_batched_tokens=64, max_num_seqs=16, enable_prefix_caching=False)
     try:
-        stub = stub_for(server)
         streamed: list[int] = []
-
-        async def stream():
-            chunks = []
-            async for chunk in stub.Generate(_request(PROMPT)):
-                streamed.extend(chunk.token_ids)
-                chunks.append(chunk)
-            return _Done([t for c in chunks for t in c.token_ids], [e.logprob for c in chunks for e in c.logprobs], None)
-
-        task = asyncio.ensure_future(stream())
+        task = asyncio.ensure_future(_complete_with_logprobs(stub_for(server), _request(PROMPT), streamed))
         while len(streamed) < 10:
             await asyncio.sleep(0.002)
         engine.process.process.send_signal(signal.SIGKILL)
