@@ -41,6 +41,10 @@ async def test_metrics_follow_the_load(tiny_server):
     assert _delta(busy, before, "planserve_prefix_cache_hit_tokens_total") == 6 * 64
     assert _delta(busy, before, "planserve_time_to_first_token_seconds_count") == 7
     assert _delta(busy, before, "planserve_inter_token_latency_seconds_count") >= 7 * 4
+    # One forward time per step, each under the model's own step (a few ms for the tiny model).
+    steps = _delta(busy, before, "planserve_steps_total")
+    assert steps > 0 and _delta(busy, before, "planserve_model_forward_seconds_count") == steps
+    assert 0 < _delta(busy, before, "planserve_model_forward_seconds_sum") < steps * 1.0
     call.cancel()
     await wait_until_idle(tiny_server)
     await asyncio.sleep(0.05)
