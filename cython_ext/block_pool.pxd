@@ -10,10 +10,18 @@ from libcpp.unordered_map cimport unordered_map
 # libcpp.unordered_map: a module that cimports this one must build as C++ too.
 
 
-# The chained, salted 64-bit block hash (xxHash64-style rounds, see block_pool.pyx).
-cdef uint64_t hash_seed(uint64_t parent_hash, uint64_t salt) noexcept nogil
-cdef uint64_t hash_round(uint64_t acc, uint64_t value) noexcept nogil
-cdef uint64_t hash_finish(uint64_t acc, uint64_t num_tokens) noexcept nogil
+# The block hash: SHA-256 over (salt, parent digest, token ids), each field tagged; see
+# block_pool.pyx "block hash" for the byte layout. A digest is 32 bytes, as SHA-256 writes them.
+cdef struct Digest:
+    uint8_t b[32]
+
+# parent NULL: the first block (all-zero parent); salt NULL: no salt (all zeros). out may be
+# parent or salt: both are read in full before out is written.
+cdef void hash_block(const Digest* parent, const Digest* salt, const uint32_t* token_ids,
+                     Py_ssize_t num_tokens, Digest* out) noexcept nogil
+# Python sees a digest or a salt as an int in [0, 2**256) (big-endian); OverflowError names `name`.
+cdef int digest_from_int(object value, Digest* out, str name) except -1
+cdef object digest_to_int(const Digest* d)
 
 
 cdef class BlockPool:
@@ -23,9 +31,12 @@ cdef class BlockPool:
     cdef int32_t* _ref                 # [num_blocks] ref count; block 0 is pinned at 1
     cdef int32_t* _prev                # [num_blocks + 1] free-queue links; index num_blocks is the
     cdef int32_t* _next                #   sentinel; -1 = not in the queue
-    cdef uint64_t* _hash               # [num_blocks] the block's hash, valid where _has_hash[b]
-    cdef uint8_t* _has_hash            # [num_blocks] 1 iff _hash_to_block[_hash[b]] == b
-    cdef unordered_map[uint64_t, int32_t] _hash_to_block
+    cdef Digest* _digest               # [num_blocks] the block's digest, valid where _has_hash[b]
+    cdef uint8_t* _has_hash            # [num_blocks] 1 iff _key_to_block[key(_digest[b])] == b
+    cdef unordered_map[uint64_t, int32_t] _key_to_block  # index: digest key -> block
+    cdef int _key_shift                # 64 - key bits; 0 except in tests (set_key_bits_for_tests)
+    cdef uint32_t* _scratch            # token ids of one block being hashed (Python callers)
+    cdef Py_ssize_t _scratch_cap
 
     # Free queue (O(1) each).
     cdef void _push_tail(self, int32_t block_id) noexcept nogil
@@ -34,8 +45,9 @@ cdef class BlockPool:
 
     # Hash map.
     cdef void _evict_hash(self, int32_t block_id) noexcept nogil
-    cdef int32_t _lookup(self, uint64_t block_hash) noexcept nogil
-    cdef int _register_hash(self, int32_t block_id, uint64_t block_hash) except -1
+    cdef int32_t _lookup(self, const Digest* digest) noexcept nogil   # full-digest hit, or -1
+    cdef int _cache(self, int32_t block_id, const Digest* digest) except -1  # 1 cached, 0 not
+    cdef uint32_t* _tokens_of(self, object token_ids, Py_ssize_t start, Py_ssize_t n) except NULL
 
     # Ref counts; ids are already validated.
     cdef int32_t _take_head(self) noexcept nogil

@@ -1,12 +1,21 @@
 """Python view of cython_ext/block_pool.pyx (the C contract is block_pool.pxd)."""
 from collections.abc import Iterable, Sequence
 
+def sha256(data: bytes) -> bytes:
+    """The vendored SHA-256 (csrc/sha256.h, FIPS 180-4) of data: 32 bytes. For tests."""
+
 def block_hash(parent_hash: int, token_ids: Iterable[int], salt: int = 0) -> int:
-    """Deterministic 64-bit hash of one full block, chained on `parent_hash` (0 for the first
-    block) and salted. Token ids must fit uint32, hashes and salts uint64 (else OverflowError)."""
+    """SHA-256 digest, as an int in [0, 2**256), of one full block: chained on `parent_hash`
+    (0 for the first block) and salted (block_pool.pyx "block hash" gives the tagged message).
+    Token ids must fit uint32, digests and salts [0, 2**256) (else OverflowError)."""
+
+def set_key_bits_for_tests(bits: int) -> None:
+    """TEST ONLY: pools built afterwards index digests by their first `bits` bits (1..64;
+    production 64), so that unrelated blocks collide in the index. Hits still need the full
+    256-bit digest to be equal. ValueError outside [1, 64]."""
 
 class BlockPool:
-    """Ref-counted KV blocks with an LRU free queue and a prefix-hash map. Not thread safe.
+    """Ref-counted KV blocks with an LRU free queue and a prefix-cache index. Not thread safe.
 
     Block 0 is reserved: its ref count is pinned at 1, it is never handed out, freed or shared.
     Every block with ref count 0 sits in the free queue, cached (still hashed) or not.
@@ -24,7 +33,10 @@ class BlockPool:
         """num_blocks - 1: every block but the reserved block 0."""
     @property
     def num_cached(self) -> int:
-        """Blocks registered in the hash map (held or free)."""
+        """Blocks registered in the prefix-cache index (held or free)."""
+    @property
+    def key_bits(self) -> int:
+        """Bits of a digest the index keys on: 64 unless set_key_bits_for_tests changed it."""
     def can_allocate(self, n: int) -> bool: ...
     def allocate(self, n: int) -> list[int]:
         """Take n blocks from the head of the free queue (least recently freed first), each with
@@ -46,16 +58,17 @@ class BlockPool:
         ValueError if the block is not held; MemoryError, with nothing changed, if no block is
         free."""
     def cache_block(self, block_id: int, block_hash: int) -> bool:
-        """Register a held, FULL block under its hash. True if the block is now the one cached for
-        the hash (also when it already was); False, with nothing changed, when another block
-        already holds that hash. ValueError if the block is not held or is already cached under a
-        different hash."""
+        """Register a held, FULL block under its digest. True if the block is now the one cached
+        for the digest (also when it already was); False, with nothing changed, when another
+        block already holds that digest or its index key. ValueError if the block is not held or
+        is already cached under a different digest."""
     def lookup(self, block_hash: int) -> int:
-        """The block cached under the hash, or -1."""
+        """The block cached under exactly this digest (all 256 bits compared), or -1."""
     def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
-        """Block ids of the longest chain of cached full blocks matching the start of token_ids.
-        Does not incref: the caller increfs what it keeps. Stops hashing at the first miss."""
+        """Block ids of the longest chain of cached full blocks matching the start of token_ids
+        (every digest compared in full). Does not incref: the caller increfs what it keeps.
+        Stops hashing at the first miss."""
     def block_hashes(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
-        """The chained hashes of every full block of token_ids (what cache_block wants)."""
+        """The chained digests of every full block of token_ids (what cache_block wants)."""
     def free_queue(self) -> list[int]:
         """The free queue, head (next to be allocated) first. O(num_free): for tests and debugging."""

@@ -18,78 +18,160 @@ block whose ref count is 0, cached (still has a hash) or not, least recently fre
               blocks are evicted last.
     incref    of a ref-0 block (a prefix hit on a cached block) unlinks it from the middle.
 
-Prefix cache: every full block may carry a 64-bit hash chained on its parent's hash and salted
-(block_hash). `_hash_to_block` maps hash -> block; a block has a hash iff the map points back at it,
-so evicting (allocate reusing the block) erases exactly one entry.
+Prefix cache: every full block may carry a 256-bit digest (block hash, below) that commits to its
+salt, its whole prefix and its tokens. `_key_to_block` is an index: it maps the digest's first 64
+bits (the key) to the block; a lookup compares the full 256-bit digest before it answers, so two
+blocks share KV only if their digests are equal. A block has a digest iff the index points back at
+it, so evicting (allocate reusing the block) erases exactly one entry. Two digests with the same
+key (by chance 2**-64; on purpose a 64-bit second preimage of SHA-256) cannot both be cached: the
+first keeps the key and the second stays uncached, which costs a cache miss, never a wrong hit.
 """
 from cython.operator cimport dereference as deref
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.number cimport PyNumber_Index
 from libc.stdint cimport INT32_MAX, int32_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free as c_free, malloc
+from libc.stdlib cimport calloc, free as c_free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
 from libcpp.unordered_map cimport unordered_map
 from libcpp.utility cimport pair
 
-# The block hash: xxHash64's primes and round, folded over (salt, parent hash, token ids, count) in
-# one accumulator, then xxHash64's avalanche. Not XXH64 itself (one lane, no length prefix), and not
-# collision resistant against an adversary; the salt keeps tenants apart. The oracle repeats it in
-# Python with explicit 64-bit masking, so both must change together.
+# ---- block hash -----------------------------------------------------------------------------------
+#
+# SHA-256 (FIPS 180-4; csrc/sha256.h, written for planserve from the standard) over one message per
+# block. Every field starts with its own tag byte and has a fixed or stated length, so no two
+# different (salt, parent, tokens) can produce the same message, and a future key (a LoRA id, an
+# image hash) gets a new tag rather than sharing bytes with an old one:
+#
+#     offset   0      1 .. 32     33     34 .. 65      66     67 .. 70          71 ..
+#     field    'S'    salt        'P'    parent        'T'    n (uint32 LE)     n token ids (uint32 LE)
+#
+# parent is the digest of the previous block, all zeros for the first. salt is 256 bits: 0 for the
+# global cache, else SHA-256 of the request's cache_salt and (scope "tenant") tenant, made by
+# scheduler_service/kv_blocks.py. A block of 16 tokens is 135 bytes: 3 SHA-256 compressions.
+# tests/scheduler/block_pool_oracle.py repeats this with hashlib.sha256; both must change together.
+cdef extern from "csrc/sha256.h" nogil:
+    ctypedef struct ps_sha256_ctx:
+        pass
+    void ps_sha256_init(ps_sha256_ctx* ctx)
+    void ps_sha256_update(ps_sha256_ctx* ctx, const void* data, size_t len)
+    void ps_sha256_final(ps_sha256_ctx* ctx, uint8_t* out)
+
 cdef extern from *:
     """
-    static const uint64_t PS_P1 = 0x9E3779B185EBCA87ULL;
-    static const uint64_t PS_P2 = 0xC2B2AE3D27D4EB4FULL;
-    static const uint64_t PS_P3 = 0x165667B19E3779F9ULL;
-    static const uint64_t PS_P5 = 0x27D4EB2F165667C5ULL;
+    /* Token ids go in as little-endian uint32: straight from the array on a little-endian host. */
+    static void ps_hash_tokens_le(ps_sha256_ctx* ctx, const uint32_t* tokens, size_t n) {
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        ps_sha256_update(ctx, tokens, 4 * n);
+    #else
+        uint8_t le[4];
+        size_t i;
+        for (i = 0; i < n; i++) {
+            le[0] = (uint8_t)tokens[i]; le[1] = (uint8_t)(tokens[i] >> 8);
+            le[2] = (uint8_t)(tokens[i] >> 16); le[3] = (uint8_t)(tokens[i] >> 24);
+            ps_sha256_update(ctx, le, 4);
+        }
+    #endif
+    }
     """
-    const uint64_t P1 "PS_P1"
-    const uint64_t P2 "PS_P2"
-    const uint64_t P3 "PS_P3"
-    const uint64_t P5 "PS_P5"
+    void ps_hash_tokens_le(ps_sha256_ctx* ctx, const uint32_t* tokens, size_t n) nogil
+
+cdef Digest _ZERO  # static storage: all zeros (no parent, no salt)
 
 
-cdef inline uint64_t _rotl31(uint64_t x) noexcept nogil:
-    return (x << 31) | (x >> 33)
+cdef void hash_block(const Digest* parent, const Digest* salt, const uint32_t* token_ids,
+                     Py_ssize_t num_tokens, Digest* out) noexcept nogil:
+    cdef ps_sha256_ctx ctx
+    cdef uint8_t tag
+    cdef uint8_t n_le[4]
+    cdef uint32_t n = <uint32_t>num_tokens
+    if parent == NULL:
+        parent = &_ZERO
+    if salt == NULL:
+        salt = &_ZERO
+    ps_sha256_init(&ctx)
+    tag = 0x53  # 'S'
+    ps_sha256_update(&ctx, &tag, 1)
+    ps_sha256_update(&ctx, salt.b, 32)
+    tag = 0x50  # 'P'
+    ps_sha256_update(&ctx, &tag, 1)
+    ps_sha256_update(&ctx, parent.b, 32)
+    tag = 0x54  # 'T'
+    ps_sha256_update(&ctx, &tag, 1)
+    n_le[0] = <uint8_t>n
+    n_le[1] = <uint8_t>(n >> 8)
+    n_le[2] = <uint8_t>(n >> 16)
+    n_le[3] = <uint8_t>(n >> 24)
+    ps_sha256_update(&ctx, n_le, 4)
+    ps_hash_tokens_le(&ctx, token_ids, <size_t>num_tokens)
+    ps_sha256_final(&ctx, out.b)
 
 
-cdef uint64_t hash_round(uint64_t acc, uint64_t value) noexcept nogil:
-    return _rotl31(acc + value * P2) * P1
-
-
-cdef uint64_t hash_seed(uint64_t parent_hash, uint64_t salt) noexcept nogil:
-    return hash_round(hash_round(P5, salt), parent_hash)
-
-
-cdef uint64_t hash_finish(uint64_t acc, uint64_t num_tokens) noexcept nogil:
-    acc = hash_round(acc, num_tokens)
-    acc ^= acc >> 33
-    acc *= P2
-    acc ^= acc >> 29
-    acc *= P3
-    acc ^= acc >> 32
-    return acc
-
-
-def block_hash(uint64_t parent_hash, token_ids, uint64_t salt=0):
-    """Hash of one full block: chained on `parent_hash` (0 for the first block) and salted."""
-    cdef uint64_t acc = hash_seed(parent_hash, salt)
-    cdef uint64_t n = 0
-    cdef uint32_t tok
-    for t in token_ids:
-        tok = t
-        acc = hash_round(acc, tok)
-        n += 1
-    return hash_finish(acc, n)
-
-
-cdef int _hash_slice(object token_ids, Py_ssize_t start, Py_ssize_t block_size,
-                     uint64_t parent_hash, uint64_t salt, uint64_t* out) except -1:
-    # The hash of token_ids[start : start + block_size]; the slice is never materialised.
-    cdef uint64_t acc = hash_seed(parent_hash, salt)
-    cdef uint32_t tok
-    cdef Py_ssize_t j
-    for j in range(start, start + block_size):
-        tok = token_ids[j]
-        acc = hash_round(acc, tok)
-    out[0] = hash_finish(acc, <uint64_t>block_size)
+cdef int digest_from_int(object value, Digest* out, str name) except -1:
+    # Python's view of a digest (or salt) is an int in [0, 2**256), big-endian bytes.
+    cdef bytes raw
+    try:
+        raw = PyNumber_Index(value).to_bytes(32, "big")  # TypeError for a non-integer
+    except OverflowError:
+        raise OverflowError(f"{name} must be in [0, 2**256), got {value}") from None
+    memcpy(out.b, PyBytes_AS_STRING(raw), 32)
     return 0
+
+
+cdef object digest_to_int(const Digest* d):
+    return int.from_bytes(PyBytes_FromStringAndSize(<const char*>d.b, 32), "big")
+
+
+cdef inline uint64_t _digest_key(const Digest* d, int shift) noexcept nogil:
+    # The first 64 bits, big-endian, shifted down when tests truncate the key.
+    cdef uint64_t k = 0
+    cdef int i
+    for i in range(8):
+        k = (k << 8) | d.b[i]
+    return k >> shift
+
+
+# Test-only: pools built after set_key_bits_for_tests(bits) index digests by their first `bits`
+# bits, so unrelated blocks collide in the index and tests can show a collision never shares KV.
+cdef int _new_pool_key_bits = 64
+
+
+def set_key_bits_for_tests(int bits):
+    """TEST ONLY. Index key width for pools built from now on (production: 64, the default)."""
+    global _new_pool_key_bits
+    if not 1 <= bits <= 64:
+        raise ValueError(f"key bits must be in [1, 64], got {bits}")
+    _new_pool_key_bits = bits
+
+
+def sha256(const uint8_t[::1] data not None):
+    """The vendored SHA-256 of `data` (bytes): exposed so tests hold it to FIPS 180-4's examples."""
+    cdef ps_sha256_ctx ctx
+    cdef Digest out
+    ps_sha256_init(&ctx)
+    if data.shape[0]:
+        ps_sha256_update(&ctx, &data[0], data.shape[0])
+    ps_sha256_final(&ctx, out.b)
+    return PyBytes_FromStringAndSize(<const char*>out.b, 32)
+
+
+def block_hash(parent_hash, token_ids, salt=0):
+    """SHA-256 digest (as an int) of one full block: chained on `parent_hash` (0 for the first
+    block) and salted."""
+    cdef Digest parent, s, out
+    digest_from_int(parent_hash, &parent, "parent_hash")
+    digest_from_int(salt, &s, "salt")
+    cdef list toks = list(token_ids)
+    cdef Py_ssize_t i, n = len(toks)
+    cdef uint32_t* buf = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
+    if buf == NULL:
+        raise MemoryError("cannot allocate a token buffer")
+    try:
+        for i in range(n):
+            buf[i] = toks[i]
+        hash_block(&parent, &s, buf, n, &out)
+    finally:
+        c_free(buf)
+    return digest_to_int(&out)
 
 
 cdef class BlockPool:
@@ -106,9 +188,12 @@ cdef class BlockPool:
         self._ref = <int32_t*>calloc(n, sizeof(int32_t))
         self._prev = <int32_t*>malloc((n + 1) * sizeof(int32_t))
         self._next = <int32_t*>malloc((n + 1) * sizeof(int32_t))
-        self._hash = <uint64_t*>calloc(n, sizeof(uint64_t))
+        self._digest = <Digest*>calloc(n, sizeof(Digest))
         self._has_hash = <uint8_t*>calloc(n, sizeof(uint8_t))
-        if not (self._ref and self._prev and self._next and self._hash and self._has_hash):
+        self._key_shift = 64 - _new_pool_key_bits
+        self._scratch = NULL
+        self._scratch_cap = 0
+        if not (self._ref and self._prev and self._next and self._digest and self._has_hash):
             raise MemoryError(f"cannot allocate block pool arrays for {n} blocks")
         self._prev[sentinel] = sentinel
         self._next[sentinel] = sentinel
@@ -122,8 +207,9 @@ cdef class BlockPool:
         c_free(self._ref)
         c_free(self._prev)
         c_free(self._next)
-        c_free(self._hash)
+        c_free(self._digest)
         c_free(self._has_hash)
+        c_free(self._scratch)
 
     # ---- free queue -------------------------------------------------------------------------------
 
@@ -155,22 +241,52 @@ cdef class BlockPool:
 
     cdef void _evict_hash(self, int32_t block_id) noexcept nogil:
         if self._has_hash[block_id]:
-            self._hash_to_block.erase(self._hash[block_id])
+            self._key_to_block.erase(_digest_key(&self._digest[block_id], self._key_shift))
             self._has_hash[block_id] = 0
 
-    cdef int32_t _lookup(self, uint64_t block_hash) noexcept nogil:
+    cdef int32_t _lookup(self, const Digest* digest) noexcept nogil:
+        # The index finds a candidate by key; only an equal 256-bit digest makes it a hit.
         cdef unordered_map[uint64_t, int32_t].iterator it
-        it = self._hash_to_block.find(block_hash)
-        if it == self._hash_to_block.end():
+        cdef int32_t b
+        it = self._key_to_block.find(_digest_key(digest, self._key_shift))
+        if it == self._key_to_block.end():
             return -1
-        return deref(it).second
+        b = deref(it).second
+        if memcmp(self._digest[b].b, digest.b, 32) != 0:
+            return -1
+        return b
 
-    cdef int _register_hash(self, int32_t block_id, uint64_t block_hash) except -1:
-        # insert may throw std::bad_alloc (declared except +): it becomes a MemoryError here.
-        self._hash_to_block.insert(pair[uint64_t, int32_t](block_hash, block_id))
-        self._hash[block_id] = block_hash
+    cdef int _cache(self, int32_t block_id, const Digest* digest) except -1:
+        # The block is held and full. First block to register a digest (or a key) wins: a second
+        # block with the same content (two requests filled it at once), or a different digest
+        # whose key is taken, stays uncached (returns 0).
+        if self._has_hash[block_id]:
+            if memcmp(self._digest[block_id].b, digest.b, 32) == 0:
+                return 1
+            raise ValueError(f"block {block_id} is already cached under another hash")
+        cdef uint64_t key = _digest_key(digest, self._key_shift)
+        if self._key_to_block.count(key):
+            return 0
+        # insert may throw std::bad_alloc: Cython turns it into a MemoryError here.
+        self._key_to_block.insert(pair[uint64_t, int32_t](key, block_id))
+        self._digest[block_id] = digest[0]
         self._has_hash[block_id] = 1
-        return 0
+        return 1
+
+    cdef uint32_t* _tokens_of(self, object token_ids, Py_ssize_t start,
+                              Py_ssize_t n) except NULL:
+        # token_ids[start : start + n] as uint32 in a scratch buffer the pool keeps.
+        cdef void* p
+        cdef Py_ssize_t j
+        if n > self._scratch_cap:
+            p = realloc(self._scratch, n * sizeof(uint32_t))
+            if p == NULL:
+                raise MemoryError("cannot grow the block pool's token buffer")
+            self._scratch = <uint32_t*>p
+            self._scratch_cap = n
+        for j in range(n):
+            self._scratch[j] = token_ids[start + j]
+        return self._scratch
 
     # ---- ref counts -------------------------------------------------------------------------------
 
@@ -213,7 +329,11 @@ cdef class BlockPool:
 
     @property
     def num_cached(self):
-        return self._hash_to_block.size()
+        return self._key_to_block.size()
+
+    @property
+    def key_bits(self):
+        return 64 - self._key_shift
 
     def can_allocate(self, Py_ssize_t n):
         return 0 <= n <= self.num_free
@@ -272,49 +392,51 @@ cdef class BlockPool:
         self._ref[b] -= 1  # still >= 1: it stays out of the free queue
         return fresh
 
-    def cache_block(self, block_id, uint64_t block_hash):
-        # First block to register a hash wins: a second block with the same content (two requests
-        # filled it at once) stays uncached and returns False.
+    def cache_block(self, block_id, block_hash):
+        cdef Digest d
+        digest_from_int(block_hash, &d, "block_hash")
         cdef int32_t b = self._check_id(block_id)
         if self._ref[b] == 0:
             raise ValueError(f"cache_block of block {b}, which is not held (ref count 0)")
-        if self._has_hash[b]:
-            if self._hash[b] == block_hash:
-                return True
-            raise ValueError(f"block {b} is already cached under another hash")
-        if self._lookup(block_hash) >= 0:
-            return False
-        self._register_hash(b, block_hash)
-        return True
+        return self._cache(b, &d) == 1
 
-    def lookup(self, uint64_t block_hash):
-        return self._lookup(block_hash)
+    def lookup(self, block_hash):
+        cdef Digest d
+        digest_from_int(block_hash, &d, "block_hash")
+        return self._lookup(&d)
 
-    def match_prefix(self, token_ids, Py_ssize_t block_size, uint64_t salt=0):
+    def match_prefix(self, token_ids, Py_ssize_t block_size, salt=0):
+        cdef Digest s, h, parent
+        digest_from_int(salt, &s, "salt")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         cdef Py_ssize_t i, num_full = len(token_ids) // block_size
-        cdef uint64_t parent = 0, h
         cdef int32_t b
+        cdef uint32_t* toks
         cdef list out = []
         for i in range(num_full):
-            _hash_slice(token_ids, i * block_size, block_size, parent, salt, &h)
-            b = self._lookup(h)
+            toks = self._tokens_of(token_ids, i * block_size, block_size)
+            hash_block(&parent if i > 0 else NULL, &s, toks, block_size, &h)
+            b = self._lookup(&h)
             if b < 0:
                 break
             out.append(b)
             parent = h
         return out
 
-    def block_hashes(self, token_ids, Py_ssize_t block_size, uint64_t salt=0):
+    def block_hashes(self, token_ids, Py_ssize_t block_size, salt=0):
+        cdef Digest s, h, parent
+        digest_from_int(salt, &s, "salt")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         cdef Py_ssize_t i, num_full = len(token_ids) // block_size
-        cdef uint64_t parent = 0
+        cdef uint32_t* toks
         cdef list out = []
         for i in range(num_full):
-            _hash_slice(token_ids, i * block_size, block_size, parent, salt, &parent)
-            out.append(parent)
+            toks = self._tokens_of(token_ids, i * block_size, block_size)
+            hash_block(&parent if i > 0 else NULL, &s, toks, block_size, &h)
+            out.append(digest_to_int(&h))
+            parent = h
         return out
 
     def free_queue(self):

@@ -7,7 +7,7 @@ decisions. Built as C++ because it cimports block_pool (libcpp.unordered_map).
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
-from cython_ext.block_pool cimport BlockPool
+from cython_ext.block_pool cimport BlockPool, Digest
 
 
 # What one running sequence needs per step, indexed by its slot. The buffers (block table, hashes,
@@ -17,7 +17,7 @@ cdef struct SlotState:
     int64_t num_computed_tokens     # tokens with their KV computed (advanced by update)
     int64_t max_num_tokens          # prompt + max_new_tokens: the most it will ever hold
     int32_t num_lookahead           # speculation: draft tokens granted to each of its decodes
-    uint64_t salt                   # prefix-cache salt of its cache_salt (0: none)
+    Digest salt                     # prefix-cache salt (kv_blocks.salt_of; all zeros: none)
     uint32_t epoch                  # bumped on release: plans built before no longer match
     int64_t scheduled_step          # step_id of the last step that scheduled it
     int64_t num_scheduled_tokens    # tokens scheduled in that step
@@ -26,7 +26,7 @@ cdef struct SlotState:
     int32_t num_hashed              # block_hashes[0:num_hashed]: leading full blocks, hashed
     int32_t blocks_cap
     int32_t* block_ids
-    uint64_t* block_hashes          # same capacity as block_ids
+    Digest* block_hashes            # same capacity as block_ids: SHA-256 block digests
     int64_t tokens_cap
     uint32_t* token_ids             # token_ids[0:num_tokens]
 

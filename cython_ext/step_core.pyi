@@ -51,7 +51,8 @@ class StepCore:
               hits: Sequence[int], max_num_tokens: int, salt: int,
               num_lookahead: int = 0) -> None:
         """Starts `request` in `slot` (appended to the running order), sharing the prefix-cache
-        hit blocks (increfed here). ValueError if the slot is taken or a hit id is invalid."""
+        hit blocks (increfed here). `salt`: the 256-bit prefix-cache salt (kv_blocks.salt_of).
+        ValueError if the slot is taken or a hit id is invalid."""
     def fork(self, parent_slot: int, slot: int, request: Any, num_prompt_tokens: int,
              max_num_tokens: int) -> Optional[tuple[int, int]]:
         """Starts `request` in `slot` as a parallel sample sharing the parent's computed prompt
@@ -95,6 +96,7 @@ class StepCore:
     # Inspection.
     def running_slots(self) -> list[int]: ...
     def block_ids(self, slot: int) -> list[int]: ...
-    def block_hashes(self, slot: int) -> list[int]: ...
+    def block_hashes(self, slot: int) -> list[int]:
+        """SHA-256 digests (ints) of the slot's leading full blocks, as BlockPool.block_hashes."""
     def num_computed_tokens(self, slot: int) -> int: ...
     def num_tokens(self, slot: int) -> int: ...

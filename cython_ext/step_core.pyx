@@ -32,7 +32,7 @@ from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_
 from libc.stdlib cimport calloc, free as c_free, malloc, realloc
 from libc.string cimport memcpy, memmove
 
-from cython_ext.block_pool cimport BlockPool, hash_finish, hash_round, hash_seed
+from cython_ext.block_pool cimport BlockPool, Digest, digest_from_int, digest_to_int, hash_block
 
 PHASE_ALL = 0        # every running sequence (interleaved)
 PHASE_PREFILLS = 1   # only those with more than one token to compute
@@ -174,10 +174,10 @@ cdef class StepCore:
             if p == NULL:
                 raise MemoryError("cannot grow a block table")
             s.block_ids = <int32_t*>p
-            p = realloc(s.block_hashes, cap * sizeof(uint64_t))
+            p = realloc(s.block_hashes, cap * sizeof(Digest))
             if p == NULL:
                 raise MemoryError("cannot grow a block hash table")
-            s.block_hashes = <uint64_t*>p
+            s.block_hashes = <Digest*>p
             s.blocks_cap = cap
         if num_tokens > s.tokens_cap:
             tcap = s.tokens_cap * 2 if s.tokens_cap * 2 > num_tokens else num_tokens + 64
@@ -259,25 +259,14 @@ cdef class StepCore:
         # cache_block rule: the first block to register a hash keeps it).
         # Tokens computed but not yet appended (accepted drafts, until append_tokens) wait.
         cdef int64_t num_full = _min(s.num_computed_tokens, s.num_tokens) // self.block_size
-        cdef int64_t index, j, start
-        cdef uint64_t parent, acc
-        cdef int32_t b
+        cdef int64_t index
         if num_full <= s.num_hashed:
             return 0
-        parent = s.block_hashes[s.num_hashed - 1] if s.num_hashed > 0 else 0
         for index in range(s.num_hashed, num_full):
-            start = index * self.block_size
-            acc = hash_seed(parent, s.salt)
-            for j in range(start, start + self.block_size):
-                acc = hash_round(acc, s.token_ids[j])
-            parent = hash_finish(acc, <uint64_t>self.block_size)
-            b = s.block_ids[index]
-            if self.pool._has_hash[b]:
-                if self.pool._hash[b] != parent:
-                    raise ValueError(f"block {b} is already cached under another hash")
-            elif self.pool._lookup(parent) < 0:
-                self.pool._register_hash(b, parent)
-            s.block_hashes[index] = parent
+            hash_block(&s.block_hashes[index - 1] if index > 0 else NULL, &s.salt,
+                       &s.token_ids[index * self.block_size], self.block_size,
+                       &s.block_hashes[index])
+            self.pool._cache(s.block_ids[index], &s.block_hashes[index])
         s.num_hashed = <int32_t>num_full
         return 0
 
@@ -309,7 +298,7 @@ cdef class StepCore:
     # ---- sequences in and out -------------------------------------------------------------------
 
     def admit(self, int32_t slot, request, token_ids, int64_t num_computed_tokens, hits,
-              int64_t max_num_tokens, uint64_t salt, int32_t num_lookahead=0):
+              int64_t max_num_tokens, salt, int32_t num_lookahead=0):
         """Starts the running sequence `request` in `slot`: its tokens, the prefix-cache hit blocks
         it shares (increfed here, their hashes computed), appended to the running order.
         num_lookahead > 0: each of its decodes is granted that many draft tokens (speculation)."""
@@ -318,8 +307,8 @@ cdef class StepCore:
             raise ValueError(f"slot {slot} is already running a sequence")
         cdef Py_ssize_t i, n = len(token_ids), num_hits = len(hits)
         cdef int32_t b
-        cdef uint64_t parent = 0, acc
-        cdef int64_t j
+        cdef Digest salt_digest
+        digest_from_int(salt, &salt_digest, "salt")
         self._reserve_slot_buffers(s, <int32_t>num_hits, n)
         for i in range(n):
             s.token_ids[i] = token_ids[i]
@@ -329,7 +318,7 @@ cdef class StepCore:
         s.num_computed_tokens = num_computed_tokens
         s.max_num_tokens = max_num_tokens
         s.num_lookahead = num_lookahead
-        s.salt = salt
+        s.salt = salt_digest
         s.num_blocks = 0
         s.num_hashed = 0
         s.scheduled_step = -1
@@ -337,11 +326,8 @@ cdef class StepCore:
             b = hits[i]
             self.pool._incref_one(b)
             s.block_ids[i] = b
-            acc = hash_seed(parent, salt)
-            for j in range(i * self.block_size, (i + 1) * self.block_size):
-                acc = hash_round(acc, s.token_ids[j])
-            parent = hash_finish(acc, <uint64_t>self.block_size)
-            s.block_hashes[i] = parent
+            hash_block(&s.block_hashes[i - 1] if i > 0 else NULL, &s.salt,
+                       &s.token_ids[i * self.block_size], self.block_size, &s.block_hashes[i])
         s.num_blocks = <int32_t>num_hits
         s.num_blocks_sent = 0
         s.num_hashed = <int32_t>num_hits
@@ -379,7 +365,7 @@ cdef class StepCore:
             self.pool._incref_one(parent.block_ids[j])
             s.block_ids[j] = parent.block_ids[j]
         memcpy(s.block_hashes, parent.block_hashes,
-               _min(num_full, parent.num_hashed) * sizeof(uint64_t))
+               _min(num_full, parent.num_hashed) * sizeof(Digest))
         s.num_blocks = num_full
         if copy:
             src = parent.block_ids[num_full]
@@ -639,7 +625,7 @@ cdef class StepCore:
 
     def block_hashes(self, int32_t slot):
         cdef SlotState* s = self._state(slot)
-        return [s.block_hashes[i] for i in range(s.num_hashed)]
+        return [digest_to_int(&s.block_hashes[i]) for i in range(s.num_hashed)]
 
     def num_computed_tokens(self, int32_t slot):
         return self._state(slot).num_computed_tokens

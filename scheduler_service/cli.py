@@ -24,7 +24,8 @@ from planserve.v1 import generate_pb2
 from scheduler_service import conformance, logs, policies
 from scheduler_service.bench import cli as bench_cli
 from scheduler_service.client import build_request, stream_generate
-from scheduler_service.config import CHUNKING_MODES, PREEMPTION_MODES, SchedulerConfig
+from scheduler_service.config import (CHUNKING_MODES, PREEMPTION_MODES, PREFIX_CACHE_SCOPES,
+                                      SchedulerConfig)
 from scheduler_service.server import SchedulerServer
 
 log = structlog.get_logger("planserve.cli")
@@ -94,6 +95,10 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                         help="most prompt tokens of one sequence per step (0: the budget)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off")
+    parser.add_argument("--prefix-cache-scope", default=defaults.prefix_cache_scope,
+                        choices=PREFIX_CACHE_SCOPES,
+                        help="who shares cached prefixes: 'global' (default): requests with the "
+                             "same cache_salt; 'tenant': also the same tenant (docs/operations.md)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="one step at a time: plan step N+1 only after step N's result "
                              "(default: plan and send it while the model computes step N)")
@@ -140,6 +145,7 @@ def _scheduler_config(args: argparse.Namespace, engine_address: str) -> Schedule
         http_port=args.http_port, policy=args.policy,
         chunking_mode=args.chunking_mode, max_prefill_chunk=args.max_prefill_chunk,
         enable_prefix_caching=not args.no_prefix_caching,
+        prefix_cache_scope=args.prefix_cache_scope,
         max_queue_tokens=args.max_queue_tokens,
         max_stream_buffer_chunks=args.max_stream_buffer_chunks,
         drain_grace_s=args.drain_grace_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,

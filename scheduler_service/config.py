@@ -11,6 +11,7 @@ from scheduler_service import policies
 
 CHUNKING_MODES = ("interleaved", "prefill-first", "decode-priority")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+PREFIX_CACHE_SCOPES = ("global", "tenant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +77,20 @@ class SchedulerConfig:
     that admission does not cause preemption a few steps later (SGLang's PrefillAdder rule)."""
 
     enable_prefix_caching: bool = True
+    """Reuse the KV of cached full blocks shared with earlier requests (same salt: see
+    prefix_cache_scope)."""
+
+    prefix_cache_scope: str = "global"
+    """Which requests may share cached prefix blocks. `global`: those with the same cache_salt
+    (no cache_salt: every such request); `tenant`: only those of the same tenant with the same
+    cache_salt (the tenant joins the salt). A hit is faster than a miss, so requests sharing a
+    cache can learn by timing whether others sent a prefix (docs/operations.md "Prefix cache")."""
 
     preemption_mode: str = "auto"
     """How a running sequence makes room when KV blocks run out: `swap` copies its computed KV
     to the model service's host swap space and resumes it from there; `recompute` frees it and
     recomputes its tokens on resume; `auto` (default) swaps when the model service has swap
     space (--swap-space). Swap falls back to recompute for a sequence that does not fit."""
-    """Reuse the KV of cached full blocks shared with earlier requests (same cache_salt)."""
 
     max_queue_len: int = 1024
     """Most requests waiting for admission; beyond it new requests get RESOURCE_EXHAUSTED."""
@@ -162,6 +170,9 @@ class SchedulerConfig:
         if self.chunking_mode not in CHUNKING_MODES:
             raise ValueError(f"chunking_mode must be one of {', '.join(CHUNKING_MODES)}, "
                              f"got {self.chunking_mode!r}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
+                             f"got {self.prefix_cache_scope!r}")
         if self.max_prefill_chunk < 0:
             raise ValueError(f"max_prefill_chunk must be >= 0, got {self.max_prefill_chunk}")
         if self.decode_reserve_tokens < 0:

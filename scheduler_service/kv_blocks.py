@@ -3,15 +3,18 @@
 A running request holds ceil(num_computed_tokens / block_size) blocks after each step; its table
 lives in cython_ext/step_core.pyx (per slot, mirrored to Request.block_ids), is append-only while
 it runs and released whole when it finishes, is aborted or is preempted. Every block that fills up
-is registered (by step_core, in update) under a hash chained on its parent and salted by the
-request's cache_salt; released blocks stay in the pool's LRU free queue with their hash, so a
-later request (or the same one, resumed after preemption) starting with the same tokens picks
-them up instead of computing them again. This module answers the questions asked before a
-request runs: which cached blocks would it start with.
+is registered (by step_core, in update) under a SHA-256 digest chained on its parent and salted
+(salt_of: the request's cache_salt, and its tenant when the scope is "tenant"); released blocks
+stay in the pool's LRU free queue with their digest, so a later request (or the same one, resumed
+after preemption) starting with the same tokens and salt picks them up instead of computing them
+again. This module answers the questions asked before a request runs: which cached blocks would
+it start with.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import struct
 
 from cython_ext.block_pool import BlockPool
 from scheduler_service.request import Request
@@ -21,18 +24,36 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def salt_of(cache_salt: str) -> int:
-    """The 64-bit salt of a cache_salt string; 0 (shared by every unsalted request) for ""."""
-    if not cache_salt:
+@functools.lru_cache(maxsize=4096)
+def salt_of(cache_salt: str, tenant: str | None = None) -> int:
+    """The 256-bit prefix-cache salt (what BlockPool and StepCore take) of a request's cache_salt,
+    and of its tenant when the cache is tenant-scoped (tenant not None).
+
+    0, shared by every such request, for no cache_salt in the global scope; otherwise SHA-256 of
+    the tagged, length-prefixed strings, so ("ab", "c") and ("a", "bc") differ and a tenant-scoped
+    salt never equals a global one:  b"C" len(uint32 LE) cache_salt  [b"N" len tenant]  (UTF-8).
+    """
+    if not cache_salt and tenant is None:
         return 0
-    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+    message = b"C" + struct.pack("<I", len(cache_salt.encode())) + cache_salt.encode()
+    if tenant is not None:
+        message += b"N" + struct.pack("<I", len(tenant.encode())) + tenant.encode()
+    return int.from_bytes(hashlib.sha256(message).digest(), "big")
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefix_cache_scope: str = "global"):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_scope = prefix_cache_scope
+
+    def salt(self, request: Request) -> int:
+        """The request's prefix-cache salt under this manager's scope (see salt_of)."""
+        if self.prefix_cache_scope == "tenant":
+            return salt_of(request.cache_salt, request.tenant)
+        return salt_of(request.cache_salt)
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,7 +82,7 @@ class KVBlockManager:
             return [], 0
         token_ids = request.all_token_ids
         hits = self.pool.match_prefix(token_ids[:len(token_ids) - 1], self.block_size,
-                                      salt_of(request.cache_salt))
+                                      self.salt(request))
         return hits, sum(1 for block in hits if self.pool.ref_count(block) == 0)
 
     def num_cached_prefix_tokens(self, request: Request) -> int:

@@ -22,7 +22,7 @@ from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepC
 from scheduler_service import policies, structured
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine_client import EngineFacts
-from scheduler_service.kv_blocks import KVBlockManager, cdiv, salt_of
+from scheduler_service.kv_blocks import KVBlockManager, cdiv
 from scheduler_service.outputs import OutputProcessor
 from scheduler_service.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.policies.base import SchedulingPolicy
@@ -55,7 +55,7 @@ class Scheduler:
         self.facts = facts
         self.outputs = outputs
         self.kv = KVBlockManager(facts.num_kv_blocks, facts.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, config.prefix_cache_scope)
         self.slots = SlotAllocator(facts.max_num_slots)
         # Host blocks for preemption by swap (none when preempting by recompute).
         self.swap = SwapSpace(self._usable_swap_blocks(facts))
@@ -342,7 +342,7 @@ class Scheduler:
         request.block_ids = list(hits)
         self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
                         len(request.prompt_token_ids) + request.stopping.max_new_tokens,
-                        salt_of(request.cache_salt), self._lookahead(request))
+                        self.kv.salt(request), self._lookahead(request))
         self.running.append(request)
 
     def _lookahead(self, request: Request) -> int:

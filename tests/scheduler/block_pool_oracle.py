@@ -1,22 +1,20 @@
 """Pure-Python oracle for cython_ext.block_pool: the same API, the same decisions, written plainly.
 
 The free queue is an OrderedDict (insertion order = free order, head first), the prefix cache two
-dicts. The hash is the same arithmetic as block_pool.pyx with explicit 64-bit masking, so for an
-identical call sequence both give identical hashes, block ids and exceptions (types, not messages).
-Slow on purpose: clarity over speed.
+dicts and the key index. The hash is hashlib.sha256 over the same tagged message as block_pool.pyx
+(see its "block hash" table), so for an identical call sequence both give identical digests, block
+ids and exceptions (types, not messages). Slow on purpose: clarity over speed.
 """
 from __future__ import annotations
 
+import hashlib
 import operator
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-MASK64 = (1 << 64) - 1
-P1 = 0x9E3779B185EBCA87
-P2 = 0xC2B2AE3D27D4EB4F
-P3 = 0x165667B19E3779F9
-P5 = 0x27D4EB2F165667C5
 INT32_MAX = (1 << 31) - 1
+KEY_BITS = 64  # the index key: a digest's first 64 bits (tests may shorten it, as in the pool)
 
 
 def _as_uint(value: object, bits: int) -> int:
@@ -34,43 +32,32 @@ def _as_int(value: object, bits: int) -> int:
     return v
 
 
-def _round(acc: int, value: int) -> int:
-    acc = (acc + value * P2) & MASK64
-    acc = ((acc << 31) | (acc >> 33)) & MASK64
-    return (acc * P1) & MASK64
-
-
-def _finish(acc: int, num_tokens: int) -> int:
-    acc = _round(acc, num_tokens)
-    acc ^= acc >> 33
-    acc = (acc * P2) & MASK64
-    acc ^= acc >> 29
-    acc = (acc * P3) & MASK64
-    acc ^= acc >> 32
-    return acc
-
-
 def block_hash(parent_hash: int, token_ids: Iterable[int], salt: int = 0) -> int:
-    parent_hash = _as_uint(parent_hash, 64)
-    salt = _as_uint(salt, 64)
-    acc = _round(_round(P5, salt), parent_hash)
-    n = 0
-    for t in token_ids:
-        acc = _round(acc, _as_uint(t, 32))
-        n += 1
-    return _finish(acc, n)
+    """SHA-256 of b"S" salt(32, big-endian) b"P" parent(32) b"T" n(uint32 LE) tokens(uint32 LE)."""
+    parent_hash = _as_uint(parent_hash, 256)
+    salt = _as_uint(salt, 256)
+    tokens = [_as_uint(t, 32) for t in token_ids]
+    message = (b"S" + salt.to_bytes(32, "big") + b"P" + parent_hash.to_bytes(32, "big")
+               + b"T" + struct.pack("<I", len(tokens)) + struct.pack(f"<{len(tokens)}I", *tokens))
+    return int.from_bytes(hashlib.sha256(message).digest(), "big")
+
+
+def digest_key(digest: int, key_bits: int = KEY_BITS) -> int:
+    return digest >> (256 - key_bits)
 
 
 class OracleBlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, key_bits: int = KEY_BITS) -> None:
         if not 1 <= num_blocks <= INT32_MAX - 1:
             raise ValueError(f"num_blocks must be in [1, {INT32_MAX - 1}], got {num_blocks}")
         self.num_blocks = operator.index(num_blocks)
         self.ref = [0] * self.num_blocks
         self.ref[0] = 1  # reserved block, pinned
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, self.num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.key_bits = key_bits
+        self.hash_to_block: dict[int, int] = {}   # full digest -> block
         self.block_to_hash: dict[int, int] = {}
+        self.keys: set[int] = set()               # index keys in use (first key_bits of a digest)
 
     # ---- helpers ----
 
@@ -86,6 +73,7 @@ class OracleBlockPool:
         h = self.block_to_hash.pop(b, None)
         if h is not None:
             del self.hash_to_block[h]
+            self.keys.discard(digest_key(h, self.key_bits))
 
     # ---- API ----
 
@@ -153,7 +141,7 @@ class OracleBlockPool:
         return fresh
 
     def cache_block(self, block_id: int, block_hash: int) -> bool:
-        h = _as_uint(block_hash, 64)
+        h = _as_uint(block_hash, 256)
         b = self._check(block_id)
         if self.ref[b] == 0:
             raise ValueError(f"block {b} not held")
@@ -161,18 +149,19 @@ class OracleBlockPool:
             if self.block_to_hash[b] == h:
                 return True
             raise ValueError(f"block {b} already cached under another hash")
-        if h in self.hash_to_block:
-            return False
+        if digest_key(h, self.key_bits) in self.keys:
+            return False  # the digest, or another with the same key, is cached already
+        self.keys.add(digest_key(h, self.key_bits))
         self.hash_to_block[h] = b
         self.block_to_hash[b] = h
         return True
 
     def lookup(self, block_hash: int) -> int:
-        return self.hash_to_block.get(_as_uint(block_hash, 64), -1)
+        return self.hash_to_block.get(_as_uint(block_hash, 256), -1)
 
     def block_hashes(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
         block_size = _as_int(block_size, 64)
-        salt = _as_uint(salt, 64)
+        salt = _as_uint(salt, 256)
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         hashes, parent = [], 0
@@ -183,7 +172,7 @@ class OracleBlockPool:
 
     def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
         block_size = _as_int(block_size, 64)
-        salt = _as_uint(salt, 64)
+        salt = _as_uint(salt, 256)
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         out, parent = [], 0

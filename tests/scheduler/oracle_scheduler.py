@@ -36,10 +36,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 def salt_of(cache_salt: str) -> int:
-    """The 64-bit salt of a cache_salt string; 0 (shared by every unsalted request) for ""."""
+    """The global-scope 256-bit salt: 0 for no cache_salt, else SHA-256 of b"C" len cache_salt."""
     if not cache_salt:
         return 0
-    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+    raw = cache_salt.encode()
+    return int.from_bytes(hashlib.sha256(b"C" + len(raw).to_bytes(4, "little") + raw).digest(), "big")
 
 
 class OracleKVBlockManager:
