@@ -79,10 +79,12 @@ class Metrics:
                                  "Model service forward time per step (StepResult.forward_ns).",
                                  buckets=_FORWARD_BUCKETS, registry=registry)
         # Faults and overload (docs/operations.md).
+        # 0 until the model service has computed a step (the readiness probe, a one-token step):
+        # a scheduler still waiting for its model service at start is not up.
         self.engine_up = Gauge("planserve_engine_up", "1 while the model service computes, 0 "
-                               "while it is down and the scheduler reconnects.",
-                               registry=registry)
-        self.engine_up.set(1)
+                               "before its first step and while it is down and the scheduler "
+                               "reconnects.", registry=registry)
+        self.engine_up.set(0)
         self.engine_recoveries = Counter("planserve_engine_recoveries", "Times the model "
                                          "service came back and every sequence in flight was "
                                          "recomputed.", registry=registry)
@@ -91,7 +93,12 @@ class Metrics:
         self._last_token_time: dict[int, float] = {}  # by id(request)
         self._http = None
 
+    def on_engine_ready(self) -> None:
+        """The model service computed its first step (the readiness probe)."""
+        self.engine_up.set(1)
+
     def on_engine_up(self, up: bool) -> None:
+        """The engine loop lost the model service (False) or got it back after a step (True)."""
         self.engine_up.set(1 if up else 0)
         if up:
             self.engine_recoveries.inc()

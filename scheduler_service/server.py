@@ -385,6 +385,8 @@ class SchedulerServer:
             grammars=structured.GrammarCompiler(facts.tokenizer_json, facts.eos_token_ids,
                                                 facts.vocab_size))
         if engine_down is None:
+            if not is_replicated(self.config.engine_address):
+                self.metrics.on_engine_ready()  # a replica set keeps the gauge itself
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("scheduler serving" if engine_down is None else "scheduler waiting for engine", port=self.port, model=facts.model_name,
                  num_kv_blocks=facts.num_kv_blocks, block_size=facts.block_size)
