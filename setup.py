@@ -45,6 +45,10 @@ LAYER_OPS_ISA_SOURCES = {
     f"{CSRC}/layer_ops_avx2.cpp": ["-mavx2", "-mfma"],
     f"{CSRC}/layer_ops_avx512.cpp": AVX512_FLAGS,
 } if X86_64 else {}
+# Vector paths of the small-batch GEMMs.
+GEMM_ISA_SOURCES = {
+    f"{CSRC}/gemm_avx512_bf16.cpp": AVX512_FLAGS + ["-mavx512bf16"],
+} if X86_64 else {}
 # -fno-trapping-math lets the compiler vectorize the selects of the portable exp (no result
 # changes: nothing reads FP exception flags). -Wno-maybe-uninitialized: GCC 12's own AVX-512
 # intrinsic headers trip it (masked loads).
@@ -74,7 +78,7 @@ extensions = [
         extra_compile_args=OPT,
     )
     for path in sorted(glob.glob("cython_ext/*.pyx"))
-    if not path.endswith(("paged_attention.pyx", "layer_ops.pyx"))
+    if not path.endswith(("paged_attention.pyx", "layer_ops.pyx", "gemm.pyx"))
 ]
 def native_kernel(name: str, compile_args: list[str]) -> Extension:
     """cython_ext/NAME.pyx over csrc/NAME_dispatch.cpp and csrc/NAME_portable.cpp (C++, OpenMP);
@@ -93,8 +97,10 @@ def native_kernel(name: str, compile_args: list[str]) -> Extension:
 
 attention = native_kernel("paged_attention", CXX_FLAGS)
 layer_ops = native_kernel("layer_ops", CXX_FLAGS_LAYER_OPS)
-extensions += [attention, layer_ops]
+gemm = native_kernel("gemm", CXX_FLAGS)
+extensions += [attention, layer_ops, gemm]
 # cythonize() copies Extensions: found by name
-ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES, layer_ops.name: LAYER_OPS_ISA_SOURCES}
+ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES, layer_ops.name: LAYER_OPS_ISA_SOURCES,
+                  gemm.name: GEMM_ISA_SOURCES}
 
 setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES), cmdclass={"build_ext": BuildExt})

@@ -19,6 +19,7 @@ import structlog
 import torch
 from torch import nn
 
+from model_service import gemm
 from model_service.config import ModelServiceConfig
 from model_service.gguf_file import load_gguf, load_gguf_tokenizer
 from model_service.hf_folder import is_hf_folder, load_hf_folder
@@ -102,7 +103,9 @@ def _build(
         shard(model)  # tensor parallel: keep this rank's heads and columns, before quantizing them
     if quantization == "int8":
         quantize_int8_(model)  # from the float32 weights, before the cast to the compute dtype
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    gemm.pack_linears_(model, dtype)  # bfloat16 on the CPU: the native GEMMs' packed weights
+    return model
 
 
 def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -> dict[str, torch.Tensor]:

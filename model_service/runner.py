@@ -39,6 +39,7 @@ from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
 from model_service import threads
 from model_service.config import ModelServiceConfig
 from model_service.kv_cache import KVCache, agree_on_num_blocks, kv_block_bytes, kv_cache_budget_bytes
+from model_service.gemm import PackedLinear
 from model_service.layer_ops import LAYER_OPS_ISA
 from model_service.loader import LoadedModel
 from model_service.request_cache import RequestCache
@@ -123,7 +124,8 @@ class ModelRunner:
         self._lock = threading.Lock()
         on_cpu = self.device.type == "cpu"
         self.compute = {**threads.settings(), "attention": ATTENTION_ISA if on_cpu else "torch",
-                        "layer_ops": LAYER_OPS_ISA if on_cpu else "torch"}
+                        "layer_ops": LAYER_OPS_ISA if on_cpu else "torch",
+                        "gemm": next((m.isa for m in loaded.model.modules() if isinstance(m, PackedLinear)), "torch")}
         log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.resolved_dtype(), num_kv_blocks=num_blocks,
                  **self.compute)
 

@@ -187,9 +187,14 @@ def test_decoder_layer_and_logits_are_batch_invariant(tiny_loaded, dtype):
 
 
 def _tiny_in(loaded, dtype):
+    """The float32 tiny model in dtype, its linears packed as the loader packs them."""
     import copy
 
-    return copy.deepcopy(loaded.model).to(dtype)
+    from model_service import gemm
+
+    model = copy.deepcopy(loaded.model).to(dtype)
+    gemm.pack_linears_(model, dtype)
+    return model
 
 
 def _layer_out(model, layer, hidden, step):

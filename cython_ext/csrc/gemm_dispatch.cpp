@@ -1,0 +1,131 @@
+// The GEMMs' C entry points (gemm.h): packing, argument checks, then the ISA path.
+#include <string.h>
+
+#include "cpu_features.h"
+#include "gemm.h"
+
+extern "C" {
+
+#define GM_DECLARE(isa)                                                                                                  \
+    void gm_linear_bf16_##isa(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,    \
+                              uint16_t*, int64_t, int);                                                                  \
+    void gm_linear_int8_##isa(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const uint16_t*,     \
+                              uint16_t*, int64_t, int);
+GM_DECLARE(portable)
+#if defined(PLANSERVE_PA_X86)
+GM_DECLARE(avx512_bf16)
+#endif
+
+int gm_isa_supported(int isa) {
+    switch (isa) {
+        case GM_ISA_PORTABLE: return 1;
+#if defined(PLANSERVE_PA_X86)
+        case GM_ISA_AVX512_BF16: return planserve_cpu_avx512_bf16() ? 1 : 0;
+#endif
+    }
+    return 0;
+}
+
+const char* gm_error_message(int code) {
+    switch (code) {
+        case GM_OK: return "ok";
+        case GM_BAD_SHAPE:
+            return "a row count, column count or row stride out of range (input columns even; a multiple of 32 for int8)";
+        case GM_ISA_UNAVAILABLE: return "the requested ISA path is not available on this CPU or build";
+    }
+    return "unknown error";
+}
+
+static int64_t panels_of(int64_t n) { return (n + GM_PANEL - 1) / GM_PANEL; }
+
+int64_t gm_packed_bf16_elems(int64_t n, int64_t k) { return panels_of(n) * ((k + 1) / 2) * 2 * GM_PANEL; }
+
+int64_t gm_packed_int8_bytes(int64_t n, int64_t k) {
+    return panels_of(n) * (k / GM_INT8_BLOCK) * (GM_INT8_BLOCK * sizeof(float) + GM_INT8_BLOCK * GM_PANEL);
+}
+
+int gm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t ldw, uint16_t* packed) {
+    if (n <= 0 || k <= 0 || ldw < k) return GM_BAD_SHAPE;
+    const int64_t pairs = (k + 1) / 2;
+    for (int64_t panel = 0; panel < panels_of(n); ++panel)
+        for (int64_t p = 0; p < pairs; ++p)
+            for (int64_t col = 0; col < GM_PANEL; ++col)
+                for (int64_t h = 0; h < 2; ++h) {
+                    const int64_t row = panel * GM_PANEL + col, kk = 2 * p + h;
+                    *packed++ = row < n && kk < k ? w[row * ldw + kk] : 0;
+                }
+    return GM_OK;
+}
+
+int gm_unpack_bf16(const uint16_t* packed, int64_t n, int64_t k, uint16_t* w) {
+    if (n <= 0 || k <= 0) return GM_BAD_SHAPE;
+    const int64_t pairs = (k + 1) / 2;
+    for (int64_t row = 0; row < n; ++row)
+        for (int64_t kk = 0; kk < k; ++kk)
+            w[row * k + kk] = packed[((row / GM_PANEL * pairs + kk / 2) * GM_PANEL + row % GM_PANEL) * 2 + kk % 2];
+    return GM_OK;
+}
+
+static float round_to_bf16(float f) {  // nearest even, as torch rounds a float16 scale to bfloat16
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) <= 0x7F800000u) bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+int gm_pack_int8(const int8_t* q, const float* scales, int64_t n, int64_t k, uint8_t* packed) {
+    if (n <= 0 || k <= 0 || k % GM_INT8_BLOCK) return GM_BAD_SHAPE;
+    const int64_t blocks = k / GM_INT8_BLOCK;
+    for (int64_t panel = 0; panel < panels_of(n); ++panel)
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+            float* s = (float*)packed;
+            for (int64_t lane = 0; lane < 2 * GM_PANEL; ++lane) {
+                const int64_t row = panel * GM_PANEL + lane / 2;
+                s[lane] = row < n ? round_to_bf16(scales[row * blocks + blk]) : 0.0f;
+            }
+            int8_t* out = (int8_t*)(packed + 2 * GM_PANEL * sizeof(float));
+            for (int64_t p = 0; p < GM_INT8_BLOCK / 2; ++p)
+                for (int64_t col = 0; col < GM_PANEL; ++col)
+                    for (int64_t h = 0; h < 2; ++h) {
+                        const int64_t row = panel * GM_PANEL + col;
+                        *out++ = row < n ? q[row * k + blk * GM_INT8_BLOCK + 2 * p + h] : 0;
+                    }
+            packed = (uint8_t*)out;
+        }
+    return GM_OK;
+}
+
+static bool bad_call(int64_t rows, int64_t ldx, int64_t n, int64_t k, int64_t ldo, int num_threads) {
+    return rows < 0 || n <= 0 || k <= 0 || k % 2 || ldx < k || ldo < n || num_threads <= 0;
+}
+
+int gm_linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
+                   const uint16_t* bias, uint16_t* out, int64_t ldo, int isa, int num_threads) {
+    if (!gm_isa_supported(isa)) return GM_ISA_UNAVAILABLE;
+    if (bad_call(rows, ldx, n, k, ldo, num_threads)) return GM_BAD_SHAPE;
+#if defined(PLANSERVE_PA_X86)
+    if (isa == GM_ISA_AVX512_BF16) {
+        gm_linear_bf16_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+        return GM_OK;
+    }
+#endif
+    gm_linear_bf16_portable(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+    return GM_OK;
+}
+
+int gm_linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
+                   const uint16_t* bias, uint16_t* out, int64_t ldo, int isa, int num_threads) {
+    if (!gm_isa_supported(isa)) return GM_ISA_UNAVAILABLE;
+    if (bad_call(rows, ldx, n, k, ldo, num_threads) || k % GM_INT8_BLOCK) return GM_BAD_SHAPE;
+#if defined(PLANSERVE_PA_X86)
+    if (isa == GM_ISA_AVX512_BF16) {
+        gm_linear_int8_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+        return GM_OK;
+    }
+#endif
+    gm_linear_int8_portable(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+    return GM_OK;
+}
+
+}  // extern "C"

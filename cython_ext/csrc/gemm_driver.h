@@ -1,0 +1,111 @@
+// The GEMMs' loop nest, shared by every ISA path (gemm.h has the contract). Included by one
+// translation unit per path after it defines, in namespace GM_NS:
+//   template <int MR, int NR> void tile(a, lda, b, panel_stride, pairs, bias, c, ldc, cols):
+//       MR rows x NR panels of out, each element a sum over all `pairs` from zero, in order;
+//   void dequant_panel(src, blocks, dst): one int8 panel (gemm.h) -> bfloat16 pairs.
+// The nest only decides which tiles run where: tile shapes, row blocks and the thread split change
+// no element's arithmetic.
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "gemm.h"
+
+namespace GM_NS {
+
+constexpr int MR = 6;           // rows per tile: 6 x 4 accumulators + 4 weight vectors fit 32 registers
+constexpr int NR = 4;           // panels per tile (64 output columns)
+constexpr int64_t MB = 120;     // rows per block: a block of x (<= 120 x 1,536 bf16) stays in L2
+constexpr int64_t PAIR = 2 * GM_PANEL;  // elements of one pair of one panel
+
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, int64_t,
+                        int);
+
+template <int M>
+struct TileRow {
+    static constexpr TileFn fns[NR] = {tile<M, 1>, tile<M, 2>, tile<M, 3>, tile<M, 4>};
+};
+static const TileFn* const kTiles[MR] = {TileRow<1>::fns, TileRow<2>::fns, TileRow<3>::fns,
+                                         TileRow<4>::fns, TileRow<5>::fns, TileRow<6>::fns};
+
+// Rows [r0, r1) of out for panels [p0, p0 + nr), from panels b (panel_stride apart).
+static inline void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* b, int64_t panel_stride,
+                         int64_t pairs, int64_t p0, int nr, int64_t n, const uint16_t* bias, uint16_t* out, int64_t ldo) {
+    const int cols = (int)std::min<int64_t>(nr * GM_PANEL, n - p0 * GM_PANEL);
+    const uint16_t* panel_bias = bias ? bias + p0 * GM_PANEL : nullptr;
+    for (int64_t r = r0; r < r1; r += MR) {
+        const int mr = (int)std::min<int64_t>(MR, r1 - r);
+        kTiles[mr - 1][nr - 1](x + r * ldx, ldx, b, panel_stride, pairs, panel_bias, out + r * ldo + p0 * GM_PANEL, ldo,
+                               cols);
+    }
+}
+
+// Work items: (group of NR panels, block of MB rows), group-major, so a thread's static share is
+// a run of whole groups: it reads its share of the weight once and keeps it in L2 across row
+// blocks. Few items' worth of work runs on the calling thread (a parallel region costs microseconds).
+struct Plan {
+    int64_t pairs, panels, groups, row_blocks, items;
+    bool parallel;
+    Plan(int64_t rows, int64_t n, int64_t k, int num_threads) {
+        pairs = (k + 1) / 2;
+        panels = (n + GM_PANEL - 1) / GM_PANEL;
+        groups = (panels + NR - 1) / NR;
+        row_blocks = (rows + MB - 1) / MB;
+        items = groups * row_blocks;
+        parallel = num_threads > 1 && items > 1 && (n * k >= 32768 || rows * n * k >= (int64_t)1 << 20);
+    }
+};
+
+static void linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
+                        const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+    const Plan plan(rows, n, k, num_threads);
+    const int64_t panel_stride = plan.pairs * PAIR;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (plan.parallel)
+    for (int64_t item = 0; item < plan.items; ++item) {
+        const int64_t group = item / plan.row_blocks, r0 = (item % plan.row_blocks) * MB;
+        const int64_t p0 = group * NR;
+        const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
+        block(x, ldx, r0, std::min(rows, r0 + MB), packed + p0 * panel_stride, panel_stride, plan.pairs, p0, nr, n, bias,
+              out, ldo);
+    }
+}
+
+static void linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
+                        const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+    const Plan plan(rows, n, k, num_threads);
+    const int64_t blocks = k / GM_INT8_BLOCK, panel_stride = plan.pairs * PAIR;
+    const int64_t int8_panel_bytes = gm_packed_int8_bytes(GM_PANEL, k);
+#pragma omp parallel num_threads(num_threads) if (plan.parallel)
+    {
+        // This thread's group, dequantized once and reused across its row blocks.
+        std::vector<uint16_t> scratch(NR * panel_stride + 32);
+        uint16_t* b = scratch.data() + ((64 - ((uintptr_t)scratch.data() & 63)) & 63) / 2;
+        int64_t held = -1;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < plan.items; ++item) {
+            const int64_t group = item / plan.row_blocks, r0 = (item % plan.row_blocks) * MB;
+            const int64_t p0 = group * NR;
+            const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
+            if (group != held) {
+                for (int j = 0; j < nr; ++j) dequant_panel(packed + (p0 + j) * int8_panel_bytes, blocks, b + j * panel_stride);
+                held = group;
+            }
+            block(x, ldx, r0, std::min(rows, r0 + MB), b, panel_stride, plan.pairs, p0, nr, n, bias, out, ldo);
+        }
+    }
+}
+
+}  // namespace GM_NS
+
+extern "C" {
+void GM_ENTRY(linear_bf16)(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
+                           const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+    GM_NS::linear_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+}
+void GM_ENTRY(linear_int8)(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
+                           const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+    GM_NS::linear_int8(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+}
+}

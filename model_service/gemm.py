@@ -1,0 +1,127 @@
+"""The decoder's GEMMs on prepacked weights (cython_ext/gemm.pyx over cython_ext/csrc/gemm*).
+
+torch's bfloat16 GEMM (oneDNN) reads a weight at a third of the memory bandwidth when a decode step
+has few rows (bench/bench_forward.py), and picks other kernels, with another summation order, for
+other row counts. `PackedLinear` packs each weight once at load into 16-column panels of column
+pairs and multiplies it with one native kernel for every row count: each output element is one
+float32 sum from zero over the input pairs in order, rounded once (csrc/gemm.h). That makes a row's
+bits independent of the rows beside it by construction (the batch-invariance rule) and reads the
+weight once per step, whatever the batch. int8 (quant.py's blocks) packs the same way and is
+dequantized panel by panel inside the kernel, to the very bfloat16 weight the eager path makes.
+
+The path: $PLANSERVE_GEMM_ISA (auto, torch, or one of cython_ext.gemm.ISAS); auto takes
+AVX512-BF16 where the CPU has it and torch's GEMM elsewhere (and for float32, other devices, and
+tensor-parallel layers, which stay on torch with layer_ops.linear's padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cython_ext import gemm as native
+from model_service import kernel_isa
+from model_service.quant import Int8Linear
+
+ISA_ENV = "PLANSERVE_GEMM_ISA"
+TORCH_PATH = kernel_isa.TORCH_PATH
+
+
+def resolve_isa(name: str | None = None) -> str:
+    """The path to run: `name`, else $PLANSERVE_GEMM_ISA, else the best this CPU runs."""
+    return kernel_isa.resolve_isa(native, ISA_ENV, name)
+
+
+GEMM_ISA = resolve_isa()
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 or int8 linear layer (no float weight kept) whose weight is packed for the native
+    kernel. `weight` unpacks a dense copy (for checks); the state dict carries the dense weight."""
+
+    def __init__(self, source: nn.Linear | Int8Linear, isa: str) -> None:
+        super().__init__()
+        self.isa, self._isa_index = isa, native.ISAS.index(isa)
+        if isinstance(source, Int8Linear):
+            q, scale = source.w.qweight, source.w.scale.to(torch.float32).contiguous()
+            self.out_features, self.in_features = q.shape
+            self.int8 = True
+            packed = torch.empty(native.packed_int8_bytes(*q.shape), dtype=torch.uint8)
+            native.pack_int8(q.contiguous().data_ptr(), scale.data_ptr(), *q.shape, packed.data_ptr())
+            self.dtype = source.w.like.dtype
+        else:
+            weight = source.weight.detach()
+            self.out_features, self.in_features = weight.shape
+            self.int8 = False
+            packed = torch.empty(native.packed_bf16_elems(*weight.shape), dtype=torch.bfloat16)
+            native.pack_bf16(weight.data_ptr(), *weight.shape, weight.stride(0), packed.data_ptr())
+            self.dtype = weight.dtype
+        self.register_buffer("packed", packed)
+        bias = getattr(source, "bias", None)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).contiguous())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense bfloat16 weight [out, in], unpacked (bf16 only: int8 keeps no dense form)."""
+        if self.int8:
+            raise AttributeError("an int8 PackedLinear has no dense weight")
+        dense = torch.empty((self.out_features, self.in_features), dtype=torch.bfloat16)
+        native.unpack_bf16(self.packed.data_ptr(), self.out_features, self.in_features, dense.data_ptr())
+        return dense
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # What a plain nn.Linear would save, so hf_state_dict and the parity checks see HF weights.
+        if not self.int8:
+            destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1:
+            raise ValueError(f"PackedLinear: x must be bfloat16 [T, {self.in_features}] with dense rows, got "
+                             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        rows = x.shape[0]
+        out = x.new_empty((rows, self.out_features))
+        if rows:
+            call = native.linear_int8 if self.int8 else native.linear_bf16
+            call(x.data_ptr(), rows, x.stride(0), self.packed.data_ptr(), self.out_features, self.in_features,
+                 0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features, self._isa_index,
+                 torch.get_num_threads())
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8={self.int8}, isa={self.isa}"
+
+
+def packable(module: nn.Module, dtype: torch.dtype, in_features: int) -> bool:
+    """Whether the native kernel takes this layer: bfloat16 compute, an even input size (a
+    multiple of 32 for int8), on the CPU."""
+    if dtype != torch.bfloat16:
+        return False
+    if isinstance(module, Int8Linear):
+        return module.w.qweight.device.type == "cpu" and in_features % 32 == 0
+    return (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16
+            and in_features % 2 == 0)
+
+
+def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) -> int:
+    """Replace, in place, every nn.Linear / Int8Linear the kernel takes by a PackedLinear. Returns
+    how many were packed (0 where the path is torch's)."""
+    isa = isa or GEMM_ISA
+    if isa == TORCH_PATH:
+        return 0
+    count = 0
+    for name, module in list(model.named_modules()):
+        in_features = getattr(module, "in_features", None) or (module.w.qweight.shape[1]
+                                                               if isinstance(module, Int8Linear) else 0)
+        if in_features and packable(module, dtype, in_features):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(module, isa))
+            count += 1
+    return count
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float64 x @ weight^T, for checks."""
+    return F.linear(x.to(torch.float64), weight.to(torch.float64))

@@ -1,0 +1,145 @@
+"""The native GEMMs on packed weights (model_service/gemm.py over cython_ext/gemm.pyx), on every
+ISA path this machine runs: bf16 and int8 against float64 references, packing exact (one-hot rows
+read the weight back bit for bit, int8 as the eager path dequantizes it), batch invariance bitwise
+at every row count, the loader packing what users run, and errors that name the field.
+
+Tolerance against float64: one bf16 rounding of the result (2^-8 relative) plus float32
+accumulation error (far below it at these widths).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cython_ext import gemm as native
+from model_service import gemm, layer_ops
+from model_service.quant import Int8Linear, Int8Weight
+
+SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
+SHAPES = [(576, 960), (1536, 576), (64, 100), (50, 37)]  # (in, out): SmolLM2's qkv and down, the tiny model's, odd panels
+
+
+def _randn(*shape, seed=0, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _linear(in_features, out_features, bias=False, seed=1):
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(_randn(out_features, in_features, seed=seed, dtype=torch.float32) * in_features**-0.5)
+        if bias:
+            layer.bias.copy_(_randn(out_features, seed=seed + 1, dtype=torch.float32))
+    return layer.to(torch.bfloat16).requires_grad_(False)
+
+
+def _int8(in_features, out_features, seed=1):
+    weight = _randn(out_features, in_features, seed=seed, dtype=torch.float32) * in_features**-0.5
+    layer = Int8Linear(Int8Weight(weight))
+    return layer.to(torch.bfloat16)
+
+
+def _assert_near_float64(out, x, weight, bias=None):
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3 * float(expected.abs().max()))
+
+
+def test_isa_paths_of_this_machine(capsys):
+    assert "portable" in SUPPORTED
+    expected_auto = "avx512_bf16" if "avx512_bf16" in SUPPORTED else gemm.TORCH_PATH
+    assert gemm.resolve_isa("auto") == expected_auto
+    with capsys.disabled():
+        print(f"\nGEMM ISA paths run here: {', '.join(SUPPORTED)} (auto: {expected_auto})")
+
+
+def test_unknown_isa_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("PLANSERVE_GEMM_ISA", "amx9")
+    with pytest.raises(ValueError, match="PLANSERVE_GEMM_ISA: 'amx9' is not one of auto, torch, portable"):
+        gemm.resolve_isa()
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
+@pytest.mark.parametrize("in_features, out_features", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_matches_float64(isa, in_features, out_features, bias):
+    layer = _linear(in_features, out_features, bias)
+    packed = gemm.PackedLinear(layer, isa)
+    assert torch.equal(packed.weight, layer.weight)  # unpack(pack(w)) == w
+    for rows in (1, 5, 16, 130):
+        x = _randn(rows, in_features, seed=rows)
+        _assert_near_float64(packed(x), x, layer.weight, layer.bias)
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (64, 100), (1536, 40)])
+def test_int8_matches_float64_of_the_dequantized_weight(isa, in_features, out_features):
+    layer = _int8(in_features, out_features)
+    packed = gemm.PackedLinear(layer, isa)
+    weight = layer.w.dequantize(torch.bfloat16)  # the eager path's weight
+    for rows in (1, 6, 16, 130):
+        x = _randn(rows, in_features, seed=rows)
+        _assert_near_float64(packed(x), x, weight)
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
+def test_one_hot_rows_read_the_weight_back_exactly(isa):
+    """x = identity: out[k, n] = W[n, k], one exact product per element. For bf16 that is the
+    packed weight; for int8 it is q * scale rounded to bf16 exactly as the eager path rounds it."""
+    eye = torch.eye(576, dtype=torch.bfloat16)
+    layer, int8 = _linear(576, 200), _int8(576, 200)
+    assert torch.equal(gemm.PackedLinear(layer, isa)(eye), layer.weight.t())
+    assert torch.equal(gemm.PackedLinear(int8, isa)(eye), int8.w.dequantize(torch.bfloat16).t())
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 576)])  # SmolLM2's qkv_proj, down_proj
+def test_batch_invariant_at_every_row_count(isa, kind, in_features, out_features):
+    """A row's result is the same alone, in any small batch, and inside 2,048 rows, bit for bit:
+    one kernel for every row count (row blocks, tile shapes and the thread split change no sum)."""
+    layer = _linear(in_features, out_features) if kind == "bf16" else _int8(in_features, out_features)
+    packed = gemm.PackedLinear(layer, isa)
+    total = 2048 if isa != "portable" else 300  # the portable loop is slow; 300 rows span 3 row blocks
+    x = _randn(total, in_features, seed=13)
+    with torch.inference_mode():
+        full = layer_ops.linear(packed, x)
+        for first in range(0, 48, 5):
+            for rows in (1, 2, 3, 5, 7, 11):
+                assert torch.equal(layer_ops.linear(packed, x[first : first + rows]), full[first : first + rows]), (first, rows)
+        for rows in list(range(1, 18)) + [121, 250]:
+            assert torch.equal(layer_ops.linear(packed, x[:rows]), full[:rows]), rows
+
+
+def test_paths_agree_within_rounding():
+    """Every supported path gives results within one bf16 rounding of each other."""
+    layer = _linear(576, 960)
+    x = _randn(33, 576, seed=5)
+    outs = {isa: gemm.PackedLinear(layer, isa)(x).double() for isa in SUPPORTED}
+    outs["torch"] = layer(x).double()
+    for isa, out in outs.items():
+        torch.testing.assert_close(out, outs["portable"], rtol=2**-7, atol=1e-2, msg=isa)
+
+
+def test_pack_linears_packs_bf16_cpu_layers_only():
+    model = nn.Sequential(_linear(64, 32), _linear(33, 8), nn.Linear(64, 16), _int8(64, 16))
+    reference = [m.weight.clone() if isinstance(m, nn.Linear) else None for m in model]
+    packed = gemm.pack_linears_(model, torch.bfloat16, isa="portable")
+    kinds = [type(m).__name__ for m in model]
+    # odd input size: refused (kept on torch); float32 weight: kept; int8: packed
+    assert kinds == ["PackedLinear", "Linear", "Linear", "PackedLinear"] and packed == 2
+    assert torch.equal(model.state_dict()["0.weight"], reference[0])  # the dense weight, unpacked
+    assert gemm.pack_linears_(nn.Sequential(_linear(64, 32)), torch.bfloat16, isa="torch") == 0
+    assert gemm.pack_linears_(nn.Sequential(nn.Linear(64, 32)), torch.float32, isa="portable") == 0
+
+
+def test_errors_name_the_field():
+    packed = gemm.PackedLinear(_linear(64, 32), "portable")
+    with pytest.raises(ValueError, match=r"PackedLinear: x must be bfloat16 \[T, 64\]"):
+        packed(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match=r"PackedLinear: x must be bfloat16 \[T, 64\]"):
+        packed(torch.zeros(2, 63, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="linear_bf16: a row count, column count or row stride out of range"):
+        native.linear_bf16(0, 1, 63, 0, 8, 63, 0, 0, 8, 0, 1)  # odd input columns, refused before any read
+    with pytest.raises(ValueError, match="linear_int8: .*a multiple of 32 for int8"):
+        native.linear_int8(0, 1, 48, 0, 8, 48, 0, 0, 8, 0, 1)
