@@ -1,9 +1,9 @@
 """docs/grafana/planserve-dashboard.json names only metrics a running server exports.
 
 Every PromQL query of the dashboard is read for metric names (planserve_* and vllm:*); each must
-be a sample name a real scheduler (on the tiny model, /metrics on a free port) serves over HTTP,
-after one request so that the labelled series exist too. A renamed or dropped metric fails here
-instead of leaving an empty panel in production.
+be a sample name a real scheduler (the tiny model's own model service, /metrics on a free port)
+serves over HTTP after one request, so that the labelled series exist too. A renamed or dropped
+metric fails here instead of leaving an empty panel in production.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from api import complete, greedy_ids_request, stub_for
-from conftest import start_scheduler
+from conftest import EngineProcess, start_scheduler
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "grafana" / "planserve-dashboard.json"
 # A metric name in PromQL: planserve_... or vllm:... (label names and functions never start so).
@@ -53,11 +53,13 @@ def test_dashboard_is_valid_grafana_json():
         assert panel["targets"], f"panel {panel['title']!r} has no query"
 
 
-async def test_every_metric_the_dashboard_queries_is_exported(tiny_engine):
+async def test_every_metric_the_dashboard_queries_is_exported():
     dashboard = json.loads(DASHBOARD.read_text())
     wanted = {name for expr in _queries(dashboard) for name in METRIC_NAME.findall(expr)}
     assert len(wanted) >= 15  # the regex found the queries' metrics, not nothing
-    server = await start_scheduler(tiny_engine, metrics_port=0)
+    # Its own model service: a second scheduler on the shared one would take over its stream.
+    engine = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "32")
+    server = await start_scheduler(engine.address, metrics_port=0)
     try:
         await complete(stub_for(server), greedy_ids_request([11, 12, 13, 14], 4))
         with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
@@ -65,5 +67,6 @@ async def test_every_metric_the_dashboard_queries_is_exported(tiny_engine):
             exported = _exported_names(reply.read().decode())
     finally:
         await server.stop(grace_s=1)
+        engine.stop()
     missing = sorted(wanted - exported)
     assert not missing, f"the dashboard queries metrics the server does not export: {missing}"

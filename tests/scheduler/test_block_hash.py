@@ -1,0 +1,164 @@
+"""The prefix cache's block hash is SHA-256 and a hit needs the whole digest equal.
+
+- The vendored SHA-256 (cython_ext/csrc/sha256.h) gives FIPS 180-4's example digests, and
+  block_hash is SHA-256 of the tagged message block_pool.pyx documents (checked with hashlib).
+- With the index key truncated to a few bits (set_key_bits_for_tests, test only), prompts whose
+  keys collide never share a block, on the Cython pool and on the oracle alike.
+- Salts keep caches apart: kv_blocks.salt_of per cache_salt, and per tenant in the tenant scope.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+
+import pytest
+
+from cython_ext import block_pool as cy
+from scheduler_service.kv_blocks import KVBlockManager, salt_of
+from scheduler_service.request import Request
+from tests.scheduler import block_pool_oracle as oracle
+from tests.scheduler.factories import make_request
+
+# FIPS 180-4 / NIST CSRC "SHA256.pdf" examples, and the empty message.
+FIPS_VECTORS = [
+    (b"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
+    (b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+     "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"),
+    (b"", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+    (b"a" * 1000, hashlib.sha256(b"a" * 1000).hexdigest()),  # many blocks, streamed
+]
+
+
+@pytest.mark.parametrize("message,digest", FIPS_VECTORS)
+def test_vendored_sha256_gives_the_standard_digests(message, digest):
+    assert cy.sha256(message).hex() == digest
+
+
+def _message(parent: int, tokens: list[int], salt: int) -> bytes:
+    return (b"S" + salt.to_bytes(32, "big") + b"P" + parent.to_bytes(32, "big") + b"T"
+            + struct.pack("<I", len(tokens)) + struct.pack(f"<{len(tokens)}I", *tokens))
+
+
+def test_block_hash_is_sha256_of_the_tagged_message():
+    rng = random.Random(19)
+    # Lengths around the 64-byte block and padding boundaries (71 + 4n bytes).
+    for n in list(range(0, 40)) + [64, 128, 256]:
+        tokens = [rng.randrange(2**32) for _ in range(n)]
+        parent, salt = rng.randrange(2**256), rng.randrange(2**256)
+        expected = int.from_bytes(hashlib.sha256(_message(parent, tokens, salt)).digest(), "big")
+        assert cy.block_hash(parent, tokens, salt) == expected
+    # A known value: the first block of [1, 2, 3], no salt.
+    assert cy.block_hash(0, [1, 2, 3]) == 0xC1586F273B9773614BAC4D79635C33F80680A7EE64F24AC44D2ABE2814F79144
+
+
+def test_a_digest_is_256_bits():
+    digests = {cy.block_hash(0, [t]) for t in range(64)}
+    assert len(digests) == 64
+    assert max(d.bit_length() for d in digests) > 250  # not a 64-bit hash widened
+
+
+def test_tags_keep_fields_apart():
+    # Without tags and lengths, moving a token into the count or the salt could give one message.
+    assert cy.block_hash(0, [1, 2]) != cy.block_hash(0, [1, 2, 0])
+    assert cy.block_hash(0, [5], salt=0) != cy.block_hash(5, [0], salt=0)
+    assert cy.block_hash(7, [1], salt=0) != cy.block_hash(0, [1], salt=7)
+
+
+@pytest.fixture
+def truncated_key():
+    """Pools built inside use a 2-bit index key: 4 slots, so unrelated blocks collide."""
+    cy.set_key_bits_for_tests(2)
+    yield 2
+    cy.set_key_bits_for_tests(64)
+
+
+def _colliding_prompts(block_size: int, key_bits: int, salt: int = 0) -> tuple[list[int], list[int]]:
+    """Two one-block prompts with different digests and the same index key."""
+    a = list(range(100, 100 + block_size))
+    key = oracle.digest_key(oracle.block_hash(0, a, salt), key_bits)
+    for start in range(200, 10_000):
+        b = list(range(start, start + block_size))
+        if oracle.digest_key(oracle.block_hash(0, b, salt), key_bits) == key:
+            return a, b
+    raise AssertionError("no colliding prompt found")
+
+
+@pytest.mark.parametrize("impl", ["cython", "oracle"])
+def test_colliding_keys_never_share_a_block(truncated_key, impl):
+    bs = 4
+    pool = cy.BlockPool(16) if impl == "cython" else oracle.OracleBlockPool(16, key_bits=truncated_key)
+    if impl == "cython":
+        assert pool.key_bits == truncated_key
+    a, b = _colliding_prompts(bs, truncated_key)
+    (ha,), (hb,) = pool.block_hashes(a, bs), pool.block_hashes(b, bs)
+    assert ha != hb and oracle.digest_key(ha, truncated_key) == oracle.digest_key(hb, truncated_key)
+    (block_a,) = pool.allocate(1)
+    assert pool.cache_block(block_a, ha)
+    # b finds a's block by key, but the digests differ: a miss, not a's KV.
+    assert pool.match_prefix(b + [0], bs) == []
+    assert pool.lookup(hb) == -1
+    (block_b,) = pool.allocate(1)
+    assert pool.cache_block(block_b, hb) is False  # the key is a's: b stays uncached
+    assert pool.match_prefix(b, bs) == []
+    # a still hits (hits happen where they should), and only a.
+    assert pool.match_prefix(a + [0], bs) == [block_a]
+    pool.free([block_a])
+    pool.allocate(pool.num_free)  # evicts a: the key is free again
+    assert pool.match_prefix(a, bs) == [] and pool.num_cached == 0
+
+
+def test_truncated_key_prompts_agree_with_the_oracle(truncated_key):
+    # Many prompts into a 4-slot index: whatever each pool caches, every hit is a true prefix.
+    rng = random.Random(3)
+    bs = 2
+    pools = [cy.BlockPool(64), oracle.OracleBlockPool(64, key_bits=truncated_key)]
+    for _ in range(40):
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 9))]
+        results = []
+        for pool in pools:
+            hits = pool.match_prefix(prompt, bs)
+            hashes = pool.block_hashes(prompt, bs)
+            for block, h in zip(hits, hashes):
+                assert pool.lookup(h) == block  # a hit is exactly this prefix's digest
+            pool.incref(hits)
+            new = pool.allocate(len(hashes) - len(hits))
+            cached = [pool.cache_block(blk, h) for blk, h in zip(new, hashes[len(hits):])]
+            pool.free(hits + new)
+            results.append((hits, new, cached))
+        assert results[0] == results[1]
+
+
+def test_set_key_bits_names_the_bound():
+    with pytest.raises(ValueError, match=r"key bits must be in \[1, 64\], got 0"):
+        cy.set_key_bits_for_tests(0)
+    assert cy.BlockPool(4).key_bits == 64
+
+
+def _request(tenant: str, cache_salt: str = "") -> Request:
+    return make_request(prompt_token_ids=list(range(1, 34)), tenant=tenant, cache_salt=cache_salt)
+
+
+def test_salts_by_scope():
+    assert salt_of("") == 0
+    assert salt_of("x") != salt_of("y") and salt_of("x") != 0
+    assert salt_of("ab", "c") != salt_of("a", "bc")  # length-prefixed, not concatenated
+    assert salt_of("", "") != 0  # tenant scope never shares with the global cache
+    global_kv = KVBlockManager(8, 16, prefix_cache_scope="global")
+    tenant_kv = KVBlockManager(8, 16, prefix_cache_scope="tenant")
+    assert global_kv.salt(_request("a")) == global_kv.salt(_request("b")) == 0
+    assert tenant_kv.salt(_request("a")) != tenant_kv.salt(_request("b"))
+    assert tenant_kv.salt(_request("a")) == tenant_kv.salt(_request("a"))
+    assert tenant_kv.salt(_request("a", "s")) != tenant_kv.salt(_request("a"))
+
+
+def test_tenant_scoped_cache_does_not_share_across_tenants():
+    bs = 16
+    kv = KVBlockManager(8, bs, prefix_cache_scope="tenant")
+    owner = _request("a")
+    hashes = kv.pool.block_hashes(owner.prompt_token_ids, bs, kv.salt(owner))
+    blocks = kv.pool.allocate(len(hashes))
+    assert all(kv.pool.cache_block(b, h) for b, h in zip(blocks, hashes))
+    assert kv.find_cached_prefix(_request("a"))[0] == blocks          # same tenant: hits
+    assert kv.find_cached_prefix(_request("b"))[0] == []              # another tenant: none
+    assert kv.find_cached_prefix(_request("a", "other"))[0] == []     # another salt: none
