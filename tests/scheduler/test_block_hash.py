@@ -162,3 +162,12 @@ def test_tenant_scoped_cache_does_not_share_across_tenants():
     assert kv.find_cached_prefix(_request("a"))[0] == blocks          # same tenant: hits
     assert kv.find_cached_prefix(_request("b"))[0] == []              # another tenant: none
     assert kv.find_cached_prefix(_request("a", "other"))[0] == []     # another salt: none
+
+
+def test_prefix_cache_scope_is_validated():
+    from scheduler_service.config import SchedulerConfig
+
+    assert SchedulerConfig().prefix_cache_scope == "global"
+    assert SchedulerConfig(prefix_cache_scope="tenant").validate().prefix_cache_scope == "tenant"
+    with pytest.raises(ValueError, match=r"prefix_cache_scope must be one of global, tenant, got 'team'"):
+        SchedulerConfig(prefix_cache_scope="team").validate()
