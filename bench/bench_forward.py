@@ -17,8 +17,10 @@ warm-up steps; the floors are measured in the same run:
     FLOPs         = 2 * layer params * tokens + 2 * lm_head params * sampled rows
                     + 4 * hidden * layers * attended (query, key) pairs
 A per-op profile of one batch-16 bf16 decode step (torch.profiler, top ops by self CPU time) is
-written beside the results as <out>.profile.<label>.txt (native kernels are no torch ops: their
-time is the step's minus the ops').
+written beside the results as <out>.profile.<label>.txt, headed by where the step's time goes by
+part (GEMMs, attention, the row-wise layer ops, the rest: Python and torch glue), timed around
+each call, for decode at batch 1, 16 and 64: native kernels are no torch ops, so the table alone
+does not show them.
 
 The script only uses the model API (load_model, KVCache, build_attention_metadata), so it runs
 unchanged on older trees: that is how the "before" figures were taken.
@@ -62,7 +64,53 @@ def step_flops(arch, seqs) -> float:
         + 4.0 * h * arch.num_hidden_layers * attended
 
 
-def profile_decode(model, step, path: str) -> None:
+# The calls a step's time is split into (module, function): what exists in this tree is timed.
+PARTS = {"gemm": [("model_service.layer_ops", "linear")],
+         "attention": [("model_service.models.llama", "paged_attention")],
+         "layer ops": [("model_service.layer_ops", name) for name in ("add_rms_norm_", "rope_", "silu_mul")]}
+
+
+def parts_of_step(model, step, reps: int = 10) -> dict[str, float]:
+    """Milliseconds per step in each part of PARTS, and the rest, by timing around each call."""
+    import importlib
+    import time
+
+    spent = {part: 0.0 for part in PARTS}
+    patched = []
+    for part, calls in PARTS.items():
+        for module_name, name in calls:
+            module = importlib.import_module(module_name)
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+
+            def timed(*args, _original=original, _part=part, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    spent[_part] += time.perf_counter() - start
+
+            setattr(module, name, timed)
+            patched.append((module, name, original))
+    try:
+        with torch.inference_mode():
+            model(*step.args())
+            for part in spent:
+                spent[part] = 0.0
+            start = time.perf_counter()
+            for _ in range(reps):
+                model(*step.args())
+            total = time.perf_counter() - start
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+    out = {part: seconds / reps * 1e3 for part, seconds in spent.items()}
+    out["rest"] = total / reps * 1e3 - sum(out.values())
+    return out
+
+
+def profile_decode(model, step, path: str, parts: dict[str, dict[str, float]]) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
@@ -73,8 +121,11 @@ def profile_decode(model, step, path: str) -> None:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
     count = sum(event.count for event in prof.key_averages())
     with open(path, "w") as f:
-        f.write(f"SmolLM2 bf16 decode b=16 (contexts 280..320), one step; {count} profiled op calls; "
-                f"{measure.cpu_model()}; {measure.thread_settings()}\n\n{table}\n")
+        f.write(f"SmolLM2 bf16 decode, contexts 280..320; {measure.cpu_model()}; {measure.thread_settings()}\n\n")
+        f.write("Milliseconds per step by part (timed around each call, mean of 10 steps):\n")
+        for case, split in parts.items():
+            f.write(f"  {case:12s} " + "  ".join(f"{part} {ms:6.2f}" for part, ms in split.items()) + "\n")
+        f.write(f"\nOne b=16 step; {count} profiled op calls:\n{table}\n")
     print(f"wrote {os.path.relpath(path)} ({count} op calls)", file=sys.stderr)
 
 
@@ -103,6 +154,7 @@ def main() -> None:
         model, arch, dtype = loaded.model, loaded.arch, getattr(torch, dtype_name)
         weights = weight_bytes(model)
         out = run["variants"][label] = {"weight_bytes": weights, "steps": {}}
+        parts = {}
         for name, seqs in cases():
             step = measure.Step(seqs, dtype, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, spare_factor=2)
             with torch.inference_mode():
@@ -115,9 +167,14 @@ def main() -> None:
                                   "x_of_floor": seconds / floor, "tokens_per_s": sum(n for _, n in seqs) / seconds, "gflop": flops / 1e9}
             print(f"{label:9s} {name:14s} {seconds * 1e3:8.1f} ms  floor {floor * 1e3:6.1f} ms "
                   f"({'memory' if memory_floor > compute_floor else 'compute'})  {seconds / floor:5.1f}x", file=sys.stderr, flush=True)
-            if label == "bfloat16" and name == "decode b=16" and not args.no_profile:
-                profile_decode(model, step, f"{os.path.splitext(args.out)[0]}.profile.{_slug(args.label)}.txt")
+            if label == "bfloat16" and name.startswith("decode") and not args.no_profile:
+                parts[name] = out["steps"][name]["ms_by_part"] = parts_of_step(model, step)
+                if name == "decode b=16":
+                    profile_step = step
             del step
+        if parts:
+            profile_decode(model, profile_step, f"{os.path.splitext(args.out)[0]}.profile.{_slug(args.label)}.txt", parts)
+            del profile_step
         del model, loaded
     run["machine"] = {"cpu": measure.cpu_model(), **measure.thread_settings(), "read_bandwidth_gb_s": bandwidth / 1e9,
                       "gemm_gflops": {k: v / 1e9 for k, v in rates.items()}, "load_avg_before_after": [load_before, os.getloadavg()[0]],

@@ -2,6 +2,8 @@
 // translation unit per path after it defines, in namespace GM_NS:
 //   template <int MR, int NR> void tile(a, lda, b, panel_stride, pairs, bias, c, ldc, cols):
 //       MR rows x NR panels of out, each element a sum over all `pairs` from zero, in order;
+//   template <int MR, int NR> void tile_int8(a, lda, b, panel_bytes, blocks, bias, c, ldc, cols):
+//       tile() over int8 panels, dequantized as it goes (the same weights, so the same sums);
 //   void dequant_panel(src, blocks, dst): one int8 panel (gemm.h) -> bfloat16 pairs.
 // The nest only decides which tiles run where: tile shapes, row blocks and the thread split change
 // no element's arithmetic.
@@ -29,6 +31,18 @@ struct TileRow {
 };
 static const TileFn* const kTiles[MR] = {TileRow<1>::fns, TileRow<2>::fns, TileRow<3>::fns,
                                          TileRow<4>::fns, TileRow<5>::fns, TileRow<6>::fns};
+
+using Int8TileFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, int64_t, const uint16_t*, uint16_t*,
+                            int64_t, int);
+template <int M>
+struct Int8TileRow {
+    static constexpr Int8TileFn fns[NR] = {tile_int8<M, 1>, tile_int8<M, 2>, tile_int8<M, 3>, tile_int8<M, 4>};
+};
+// Up to this many rows, int8 dequantizes in registers: one pass over the weight, no scratch. More
+// rows dequantize each group once into scratch and reuse it (cheaper than once per row tile).
+constexpr int MR_INT8_DIRECT = 4;
+static const Int8TileFn* const kInt8Tiles[MR_INT8_DIRECT] = {Int8TileRow<1>::fns, Int8TileRow<2>::fns,
+                                                             Int8TileRow<3>::fns, Int8TileRow<4>::fns};
 
 // Rows [r0, r1) of out for panels [p0, p0 + nr), from panels b (panel_stride apart).
 static inline void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* b, int64_t panel_stride,
@@ -60,6 +74,7 @@ struct Plan {
 
 static void linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
                         const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+    if (rows == 0) return;
     const Plan plan(rows, n, k, num_threads);
     const int64_t panel_stride = plan.pairs * PAIR;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (plan.parallel)
@@ -74,9 +89,21 @@ static void linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint
 
 static void linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
                         const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+    if (rows == 0) return;
     const Plan plan(rows, n, k, num_threads);
     const int64_t blocks = k / GM_INT8_BLOCK, panel_stride = plan.pairs * PAIR;
     const int64_t int8_panel_bytes = gm_packed_int8_bytes(GM_PANEL, k);
+    if (rows <= MR_INT8_DIRECT) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (plan.parallel)
+        for (int64_t group = 0; group < plan.groups; ++group) {
+            const int64_t p0 = group * NR;
+            const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
+            const int cols = (int)std::min<int64_t>(nr * GM_PANEL, n - p0 * GM_PANEL);
+            kInt8Tiles[rows - 1][nr - 1](x, ldx, packed + p0 * int8_panel_bytes, int8_panel_bytes, blocks,
+                                         bias ? bias + p0 * GM_PANEL : nullptr, out + p0 * GM_PANEL, ldo, cols);
+        }
+        return;
+    }
 #pragma omp parallel num_threads(num_threads) if (plan.parallel)
     {
         // This thread's group, dequantized once and reused across its row blocks.

@@ -3,6 +3,8 @@
 // Each pair adds its odd product, then its even one, as VDPBF16PS is specified to.
 #include <string.h>
 
+#include <vector>
+
 #include "gemm.h"
 
 #define GM_NS planserve_gm_portable
@@ -57,6 +59,15 @@ void dequant_panel(const uint8_t* src, int64_t blocks, uint16_t* dst) {
         }
         src += 32 * sizeof(float) + GM_INT8_BLOCK * GM_PANEL;
     }
+}
+
+template <int MR, int NR>
+void tile_int8(const uint16_t* a, int64_t lda, const uint8_t* b, int64_t panel_bytes, int64_t blocks, const uint16_t* bias,
+               uint16_t* c, int64_t ldc, int cols) {
+    const int64_t pairs = blocks * GM_INT8_BLOCK / 2;
+    std::vector<uint16_t> panels(NR * pairs * 2 * GM_PANEL);
+    for (int j = 0; j < NR; ++j) dequant_panel(b + j * panel_bytes, blocks, panels.data() + j * pairs * 2 * GM_PANEL);
+    tile<MR, NR>(a, lda, panels.data(), pairs * 2 * GM_PANEL, pairs, bias, c, ldc, cols);
 }
 
 }  // namespace GM_NS
