@@ -95,10 +95,14 @@ static inline void transpose_keys(int64_t n, int64_t columns, float* out, Load l
 #define PA_INLINE inline __attribute__((always_inline))
 
 // acc_r[0 .. 16 NV) = acc_r * alpha_r + sum_j p_r[j] v_j[0 .. 16 NV) for R rows, j ascending:
-// each V vector is loaded once for the R rows; every (row, vector) is one FMA chain.
-template <int NV, int R>
+// each V vector is loaded once for the R rows (bf16 rows widened in registers: exact); every
+// (row, vector) is one FMA chain.
+static inline __m512 load_v(const float* v) { return _mm512_loadu_ps(v); }
+static inline __m512 load_v(const uint16_t* v) { return load_bf16_as_f32(v, (__mmask16)0xffff); }
+
+template <int NV, int R, class V>
 static PA_INLINE void axpy_block(float* acc, int64_t acc_stride, const float* alpha, const float* p, int64_t p_stride,
-                                 const float* v, int64_t n, int64_t d) {
+                                 const V* v, int64_t n, int64_t d) {
     __m512 a[R][NV];
     for (int r = 0; r < R; ++r)
         for (int k = 0; k < NV; ++k) {
@@ -107,7 +111,7 @@ static PA_INLINE void axpy_block(float* acc, int64_t acc_stride, const float* al
         }
     for (int64_t j = 0; j < n; ++j) {
         __m512 vj[NV];
-        for (int k = 0; k < NV; ++k) vj[k] = _mm512_loadu_ps(v + j * d + 16 * k);
+        for (int k = 0; k < NV; ++k) vj[k] = load_v(v + j * d + 16 * k);
         for (int r = 0; r < R; ++r) {
             const __m512 pj = _mm512_set1_ps(p[r * p_stride + j]);
             for (int k = 0; k < NV; ++k) a[r][k] = _mm512_fmadd_ps(pj, vj[k], a[r][k]);
@@ -117,13 +121,19 @@ static PA_INLINE void axpy_block(float* acc, int64_t acc_stride, const float* al
         for (int k = 0; k < NV; ++k) _mm512_storeu_ps(acc + r * acc_stride + 16 * k, a[r][k]);
 }
 
-template <int NV>
+// R rows at a time (a GQA group of 3 heads is one block), then the rest together.
+template <int NV, class V>
 static PA_INLINE void axpy_rows_nv(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows,
-                                   const float* v, int64_t n, int64_t d) {
+                                   const V* v, int64_t n, int64_t d) {
     constexpr int R = NV <= 4 ? 4 : 2;  // R * NV accumulators + NV V vectors within 32 registers
     int64_t r = 0;
     for (; r + R <= rows; r += R) axpy_block<NV, R>(acc + r * d, d, alpha + r, p + r * p_stride, p_stride, v, n, d);
-    for (; r < rows; ++r) axpy_block<NV, 1>(acc + r * d, d, alpha + r, p + r * p_stride, p_stride, v, n, d);
+    switch (rows - r) {
+        case 3: axpy_block<NV, 3>(acc + r * d, d, alpha + r, p + r * p_stride, p_stride, v, n, d); break;
+        case 2: axpy_block<NV, 2>(acc + r * d, d, alpha + r, p + r * p_stride, p_stride, v, n, d); break;
+        case 1: axpy_block<NV, 1>(acc + r * d, d, alpha + r, p + r * p_stride, p_stride, v, n, d); break;
+        default: break;
+    }
 }
 
 // s_r[16 g .. 16 g + 16) = (q_r . k_j) * scale for R rows against key group g (key-minor K of
@@ -191,14 +201,14 @@ struct Ops {
 #endif
     }
     // K transposed key-minor into kbuf; V rows in place (float32) or converted into vbuf.
-    static inline const float* prepare_block(const float* kb, const float* vb, int64_t n, int64_t d, float* kbuf, float*,
-                                             const float** k) {
+    static inline const void* prepare_block(const float* kb, const float* vb, int64_t n, int64_t d, float* kbuf, float*,
+                                            const float** k) {
         transpose_keys(n, d, kbuf, [&](int64_t j, int64_t c, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, kb + j * d + c); });
         *k = kbuf;
         return vb;
     }
-    static inline const float* prepare_block(const uint16_t* kb, const uint16_t* vb, int64_t n, int64_t d, float* kbuf, float* vbuf,
-                                             const float** k) {
+    static inline const void* prepare_block(const uint16_t* kb, const uint16_t* vb, int64_t n, int64_t d, float* kbuf, float* vbuf,
+                                            const float** k) {
 #ifdef PA_AVX512_BF16
         // bf16 pairs (dims 2i, 2i+1) as 32-bit columns: d / 2 of them.
         const uint32_t* pairs = (const uint32_t*)kb;
@@ -208,9 +218,12 @@ struct Ops {
 #else
         transpose_keys(n, d, kbuf, [&](int64_t j, int64_t c, __mmask16 mask) { return load_bf16_as_f32(kb + j * d + c, mask); });
 #endif
-        to_float(vb, vbuf, n * d);
         *k = kbuf;
-        return vbuf;
+        if (d % 16) {  // a head dim with a masked tail: V as float32 rows (axpy_rows' tail reads floats)
+            to_float(vb, vbuf, n * d);
+            return vbuf;
+        }
+        return vb;  // V read in place, widened in registers by axpy_rows<uint16_t>
     }
     static inline void to_float(const uint16_t* src, float* dst, int64_t n) {
         for (int64_t i = 0; i < n; i += 16) {
@@ -236,25 +249,35 @@ struct Ops {
     static PA_INLINE void softmax_rows(float* s, int64_t s_stride, int64_t pairs, const int32_t* keys, float* m, float* l, float* alpha) {
         int64_t i = 0;
         for (; i + 8 <= pairs; i += 16) softmax_lanes(s + i * s_stride, s_stride, pairs - i < 16 ? pairs - i : 16, keys + i, m + i, l + i, alpha + i);
-        for (; i < pairs; ++i) softmax_one(s + i * s_stride, keys[i], m + i, l + i, alpha + i);
+        if (i < pairs) softmax_few(s + i * s_stride, s_stride, pairs - i, keys + i, m + i, l + i, alpha + i);
     }
-    static PA_INLINE void softmax_one(float* s, int64_t n, float* m, float* l, float* alpha) {
-        __m512 mx = _mm512_set1_ps(-__builtin_inff());
-        for (int64_t j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - j), s + j));
-        const __m512 m_old = _mm512_set1_ps(*m);
-        const __m512 m_new = _mm512_max_ps(m_old, _mm512_set1_ps(_mm512_reduce_max_ps(mx)));
-        const __m512 a = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 mask = tail_mask(n - j);
-            float p[16];
-            _mm512_storeu_ps(p, _mm512_maskz_mov_ps(mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m_new))));
-            _mm512_mask_storeu_ps(s + j, mask, _mm512_loadu_ps(p));
-            for (int64_t t = 0; t < 16 && j + t < n; ++t) sum += p[t];
+    // Fewer than 8 pairs (a decode row's GQA group), each with keys in the lanes: the probabilities
+    // first, then every pair's sum in key order, the pairs' sums interleaved so their serial
+    // chains of additions overlap.
+    static PA_INLINE void softmax_few(float* s, int64_t s_stride, int64_t pairs, const int32_t* keys, float* m, float* l, float* alpha) {
+        float sum[8];
+        int64_t most = 0;
+        for (int64_t i = 0; i < pairs; ++i) {
+            float* si = s + i * s_stride;
+            const int64_t n = keys[i];
+            most = n > most ? n : most;
+            __m512 mx = _mm512_set1_ps(-__builtin_inff());
+            for (int64_t j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - j), si + j));
+            const __m512 m_old = _mm512_set1_ps(m[i]);
+            const __m512 m_new = _mm512_max_ps(m_old, _mm512_set1_ps(_mm512_reduce_max_ps(mx)));
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 mask = tail_mask(n - j);
+                _mm512_mask_storeu_ps(si + j, mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, si + j), m_new)));
+            }
+            m[i] = _mm512_cvtss_f32(m_new);
+            alpha[i] = _mm512_cvtss_f32(exp_nonpositive(_mm512_sub_ps(m_old, m_new)));
+            sum[i] = 0.0f;
         }
-        *m = _mm512_cvtss_f32(m_new);
-        *alpha = _mm512_cvtss_f32(a);
-        *l = _mm512_cvtss_f32(_mm512_fmadd_ps(_mm512_set1_ps(*l), a, _mm512_set1_ps(sum)));
+        for (int64_t t = 0; t < most; ++t)
+            for (int64_t i = 0; i < pairs; ++i)
+                if (t < keys[i]) sum[i] += s[i * s_stride + t];
+        for (int64_t i = 0; i < pairs; ++i)
+            l[i] = _mm512_cvtss_f32(_mm512_fmadd_ps(_mm512_set1_ps(l[i]), _mm512_set1_ps(alpha[i]), _mm512_set1_ps(sum[i])));
     }
     static PA_INLINE void softmax_lanes(float* s, int64_t s_stride, int64_t pairs, const int32_t* keys, float* m, float* l, float* alpha) {
         const __mmask16 lanes = tail_mask(pairs);
@@ -287,8 +310,23 @@ struct Ops {
         _mm512_mask_storeu_ps(alpha, lanes, a);
         _mm512_mask_storeu_ps(l, lanes, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l), a, sum));
     }
-    static PA_INLINE void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const float* v,
+    // V: the cache's bf16 rows when T is bf16 and d a multiple of 16 (prepare_block), else float32.
+    template <class T>
+    static PA_INLINE void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const void* v_rows,
                                     int64_t n, int64_t d) {
+        if (sizeof(T) == 2 && d % 16 == 0) {
+            const uint16_t* v = static_cast<const uint16_t*>(v_rows);
+            int64_t i = 0;
+            for (; i + 64 <= d; i += 64) axpy_rows_nv<4>(acc + i, alpha, p, p_stride, rows, v + i, n, d);
+            switch ((d - i) / 16) {
+                case 3: axpy_rows_nv<3>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
+                case 2: axpy_rows_nv<2>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
+                case 1: axpy_rows_nv<1>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
+                default: break;
+            }
+            return;
+        }
+        const float* v = static_cast<const float*>(v_rows);
         int64_t i = 0;
         for (; i + 64 <= d; i += 64) axpy_rows_nv<4>(acc + i, alpha, p, p_stride, rows, v + i, n, d);
         switch ((d - i) / 16) {

@@ -2,7 +2,8 @@
 // paged_attention_<isa>.cpp defines `struct Ops` (its vector primitives) inside its own namespace
 // and then includes this file there. Ops prepares a query row (prepare_query: into D floats of
 // scratch, in whatever form its scores() reads), a K/V block (prepare_block: K in the form its
-// scores() reads, V as float32 rows [n, D]; either in the scratch given or in place) and computes
+// scores() reads, V rows [n, D] in the form its axpy_rows<T>() reads: float32 in the scratch
+// given, or the cache's own rows in place) and computes
 // scores, exp and the weighted sum of V rows. No C++ standard library here: an inline std::
 // template compiled with AVX-512 flags could be merged by the linker into the portable path.
 //
@@ -128,8 +129,8 @@ static inline __attribute__((always_inline)) void pa_attend_block(const pa_args*
     const int64_t block_id = a->block_tables[t.b * a->max_blocks_per_seq + blk];
     const int64_t in_block = t.ctx - blk * BS < BS ? t.ctx - blk * BS : BS;
     const float* k;
-    const float* v = Ops::prepare_block(pa_cache_block<T>(a->k_cache, block_id, t.h, a), pa_cache_block<T>(a->v_cache, block_id, t.h, a),
-                                        in_block, D, w.kbuf, w.vbuf, &k);
+    const void* v = Ops::prepare_block(pa_cache_block<T>(a->k_cache, block_id, t.h, a), pa_cache_block<T>(a->v_cache, block_id, t.h, a),
+                                       in_block, D, w.kbuf, w.vbuf, &k);
     int64_t first = 0;  // tile rows before it end before this block
     while (first < t.nrows && blk * BS > t.position(first)) ++first;
     Ops::template scores_rows<T>(w.qf + first * G * D, (t.nrows - first) * G, k, in_block, D, a->scale, s + first * G * KP, KP);
@@ -142,7 +143,7 @@ static inline __attribute__((always_inline)) void pa_attend_block(const pa_args*
         const int64_t n = keys_of_row(t.position(r), blk, BS, in_block);
         int64_t end = r + 1;
         while (end < t.nrows && keys_of_row(t.position(end), blk, BS, in_block) == n) ++end;
-        Ops::axpy_rows(acc + r * G * D, alpha + r * G, s + r * G * KP, KP, (end - r) * G, v, n, D);
+        Ops::template axpy_rows<T>(acc + r * G * D, alpha + r * G, s + r * G * KP, KP, (end - r) * G, v, n, D);
         r = end;
     }
 }

@@ -147,8 +147,11 @@ struct Ops {
             for (int k = 0; k < NV; ++k) a[k] += p[j] * load(v + j * d + kWidth * k);
         for (int k = 0; k < NV; ++k) store(acc + kWidth * k, a[k]);
     }
-    static inline void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const float* v,
+    // V is float32 rows here whatever T is (prepare_block converted bf16 ones).
+    template <class T>
+    static inline void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const void* v_rows,
                                  int64_t n, int64_t d) {
+        const float* v = static_cast<const float*>(v_rows);
         for (int64_t r = 0; r < rows; ++r) {
             float* ar = acc + r * d;
             const float* pr = p + r * p_stride;
