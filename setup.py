@@ -47,7 +47,7 @@ LAYER_OPS_ISA_SOURCES = {
 } if X86_64 else {}
 # Vector paths of the small-batch GEMMs.
 GEMM_ISA_SOURCES = {
-    f"{CSRC}/gemm_avx512_bf16.cpp": AVX512_FLAGS + ["-mavx512bf16"],
+    f"{CSRC}/gemm_avx512_bf16.cpp": AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni"],
 } if X86_64 else {}
 # -fno-trapping-math lets the compiler vectorize the selects of the portable exp (no result
 # changes: nothing reads FP exception flags). -Wno-maybe-uninitialized: GCC 12's own AVX-512

@@ -6,8 +6,9 @@ other row counts. `PackedLinear` packs each weight once at load into 16-column p
 pairs and multiplies it with one native kernel for every row count: each output element is one
 float32 sum from zero over the input pairs in order, rounded once (csrc/gemm.h). That makes a row's
 bits independent of the rows beside it by construction (the batch-invariance rule) and reads the
-weight once per step, whatever the batch. int8 (quant.py's blocks) packs the same way and is
-dequantized panel by panel inside the kernel, to the very bfloat16 weight the eager path makes.
+weight once per step, whatever the batch. int8 (quant.py's blocks of 32) keeps its int8 values
+and scales; the kernel quantizes each row of x per block of 32 to int16 and takes exact integer
+block dot products (VPDPWSSD), so the weight is never widened to bf16 in memory (csrc/gemm.h).
 
 The path: $PLANSERVE_GEMM_ISA (auto, torch, or one of cython_ext.gemm.ISAS); auto takes
 AVX512-BF16 where the CPU has it and torch's GEMM elsewhere (and for float32, other devices, and

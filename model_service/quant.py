@@ -10,9 +10,11 @@ Why blocks and not one scale per output channel: per-channel int8 (even with an 
 flipped SmolLM2's greedy token at step 1 of the haiku chat prompt (reference top-2 gap 0.12) and at
 step 10 of the text prompt (gap 0.05); blocks of 32 kept all 16 tokens of the 3 test prompts.
 That rules out `aten._weight_int8pack_mm`, which takes per-channel scales only (it was ~3x faster
-than a dense bf16 matmul at 1 row, and slower than dequantize + matmul above ~16 rows). The forward
-therefore dequantizes each weight into the compute dtype and runs the dense kernel: int8 saves
-memory, and costs the dequantize per call (see bench/results/forward.json).
+than a dense bf16 matmul at 1 row, and slower than dequantize + matmul above ~16 rows). In bf16
+on a CPU with AVX512-BF16/VNNI, model_service/gemm.py packs these blocks for its native kernel
+(x quantized to int16 per block, integer block dot products: no dequantized weight is ever
+made); elsewhere the forward dequantizes each weight into the compute dtype per call and runs
+the dense kernel (see bench/results/forward.json).
 """
 
 from __future__ import annotations

@@ -10,10 +10,13 @@
 // pairs: packed[panel][pair][column][2], zero-filled past N and K. One 64-byte line is one pair of
 // one panel: the operand of one AVX512-BF16 dot-product instruction.
 //
-// int8 (quant.py's blocks of 32 input columns, one scale per block and output row): packed per
-// panel and block as the 16 x 2 scales (float32, each already rounded to bfloat16 as the eager
-// path rounds it) then the 16 pairs x 16 columns x 2 int8 values. Each panel is dequantized to
-// bfloat16 (q * scale, rounded: the eager path's weight, bit for bit) and multiplied as above.
+// int8 (quant.py's blocks of 32 input columns, one scale per block and output row): each row of
+// x is quantized per block of 32 to int16 (d = max|x| / 32767, q = x * (32767 / max|x|) rounded to
+// nearest even: 15 bits, finer than bf16's 8, so the weights' rounding is all int8 adds), the
+// block's dot product is exact in int32 (VPDPWSSD on int8 weights widened to int16), and
+// out = sum over blocks in order of fma(dot, d_x * d_w, out) in float32, rounded to bfloat16 once.
+// Row-local again: batch-invariant. Packed per panel and block: the 16 columns' scales (float32),
+// then 16 pairs of input columns x 16 columns x 2 int8 values.
 #pragma once
 #include <stdint.h>
 
@@ -23,6 +26,8 @@ extern "C" {
 
 #define GM_PANEL 16
 #define GM_INT8_BLOCK 32
+// One panel's block of int8: 16 float32 scales, then 32 x 16 int8 values.
+#define GM_INT8_PANEL_BLOCK_BYTES (GM_PANEL * 4 + GM_INT8_BLOCK * GM_PANEL)
 
 enum gm_isa { GM_ISA_PORTABLE = 0, GM_ISA_AVX512_BF16 = 1 };
 enum gm_error { GM_OK = 0, GM_BAD_SHAPE = 1, GM_ISA_UNAVAILABLE = 2 };
@@ -35,7 +40,7 @@ int64_t gm_packed_int8_bytes(int64_t n, int64_t k);
 // w [n, k] bfloat16 (row stride ldw) -> packed; and back (unpack: w dense [n, k]).
 int gm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t ldw, uint16_t* packed);
 int gm_unpack_bf16(const uint16_t* packed, int64_t n, int64_t k, uint16_t* w);
-// q [n, k] int8 and scales [n, k / GM_INT8_BLOCK] float32 -> packed (scales rounded to bfloat16).
+// q [n, k] int8 and scales [n, k / GM_INT8_BLOCK] float32 -> packed.
 int gm_pack_int8(const int8_t* q, const float* scales, int64_t n, int64_t k, uint8_t* packed);
 
 // out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) @ W^T + bias [n] (NULL: none).

@@ -1,5 +1,6 @@
 // The GEMMs' AVX512-BF16 path (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later):
-// one VDPBF16PS per pair of input columns and 16 output columns, built with -mavx512bf16 (setup.py).
+// bf16, one VDPBF16PS per pair of input columns and 16 output columns; int8, one VPDPWSSD per pair
+// of input columns and 16 output columns. Built with -mavx512bf16 -mavx512vnni (setup.py).
 #include <immintrin.h>
 #include <string.h>
 
@@ -63,62 +64,73 @@ void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_strid
     store<MR, NR>(acc, bias, c, ldc, cols);
 }
 
-// One pair of one int8 panel block (gemm.h) as bfloat16: q * scale, exact in float32, rounded once.
-static inline __m512bh dequant_pair(const float* scales, const int8_t* q) {
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))),
-                                    _mm512_loadu_ps(scales));
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)))),
-                                    _mm512_loadu_ps(scales + 16));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+// One row of x -> per block of 32: d = max|x| / 32767 and int16 q = rne(x * (32767 / max|x|)).
+void quantize_row(const uint16_t* x, int64_t k, int16_t* xq, float* xd) {
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t blk = 0; blk < k / GM_INT8_BLOCK; ++blk) {
+        const __m512 lo = bf16_to_f32(_mm256_loadu_si256((const __m256i*)(x + blk * GM_INT8_BLOCK)));
+        const __m512 hi = bf16_to_f32(_mm256_loadu_si256((const __m256i*)(x + blk * GM_INT8_BLOCK + 16)));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, magnitude), _mm512_and_ps(hi, magnitude)));
+        xd[blk] = amax / 32767.0f;
+        const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        // MXCSR rounding: nearest even. |q| <= 32767 by construction.
+        _mm256_storeu_si256((__m256i*)(xq + blk * GM_INT8_BLOCK), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse))));
+        _mm256_storeu_si256((__m256i*)(xq + blk * GM_INT8_BLOCK + 16),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse))));
+    }
 }
 
-constexpr int64_t kInt8BlockBytes = 2 * GM_PANEL * sizeof(float) + GM_INT8_BLOCK * GM_PANEL;
-
-// tile() over int8 panels (panel_bytes apart), each pair dequantized in registers as it is used:
-// the same bfloat16 weights as dequant_panel(), so the same sums.
+// MR quantized rows x NR int8 panels (gemm.h): per block, each (row, panel) dot product exact in
+// int32 (int8 weights widened to int16, one VPDPWSSD per pair of input columns), then folded into
+// the float32 sum with the two scales.
 template <int MR, int NR>
-void tile_int8(const uint16_t* a, int64_t lda, const uint8_t* b, int64_t panel_bytes, int64_t blocks, const uint16_t* bias,
-               uint16_t* c, int64_t ldc, int cols) {
+void tile_q8(const int16_t* xq, int64_t ldq, const float* xd, int64_t ldd, const uint8_t* b, int64_t panel_bytes,
+             int64_t blocks, const uint16_t* bias, uint16_t* c, int64_t ldc, int cols) {
     __m512 acc[MR][NR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < blocks; ++blk) {
-        const uint8_t* block = b + blk * kInt8BlockBytes;
+        const uint8_t* block = b + blk * GM_INT8_PANEL_BLOCK_BYTES;
+        __m512i dot[MR][NR];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) dot[i][j] = _mm512_setzero_si512();
+#pragma GCC unroll 16
         for (int p = 0; p < GM_INT8_BLOCK / 2; ++p) {
-            __m512bh w[NR];
+            __m512i w[NR];
 #pragma GCC unroll 4
             for (int j = 0; j < NR; ++j) {
-                const uint8_t* panel = block + j * panel_bytes;
-                const int8_t* q = (const int8_t*)(panel + 2 * GM_PANEL * sizeof(float)) + p * 2 * GM_PANEL;
-                if (p % 2 == 0) _mm_prefetch((const char*)(q + 16 * 2 * GM_PANEL), _MM_HINT_T0);
-                w[j] = dequant_pair((const float*)panel, q);
+                if (p % 2 == 0) {  // the block two ahead, a line every other pair (its 9 lines over 16 pairs)
+                    const char* ahead = (const char*)(block + j * panel_bytes + 2 * GM_INT8_PANEL_BLOCK_BYTES);
+                    _mm_prefetch(ahead + p * 32, _MM_HINT_T0);
+                    if (p == 0) _mm_prefetch(ahead + 512, _MM_HINT_T0);
+                }
+                w[j] = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i*)(block + j * panel_bytes + GM_PANEL * 4 + p * 2 * GM_PANEL)));
             }
-            const int64_t pair = blk * (GM_INT8_BLOCK / 2) + p;
 #pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
-                const __m512bh x = broadcast_pair(a + i * lda + 2 * pair);
+                int32_t two;
+                memcpy(&two, xq + i * ldq + blk * GM_INT8_BLOCK + 2 * p, sizeof two);
+                const __m512i x = _mm512_set1_epi32(two);
 #pragma GCC unroll 4
-                for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x, w[j]);
+                for (int j = 0; j < NR; ++j) dot[i][j] = _mm512_dpwssd_epi32(dot[i][j], x, w[j]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) {
+            const __m512 dw = _mm512_loadu_ps((const float*)(block + j * panel_bytes));
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; ++i) {
+                const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xd[i * ldd + blk]), dw);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][j]), scale, acc[i][j]);
             }
         }
     }
     store<MR, NR>(acc, bias, c, ldc, cols);
-}
-
-// One int8 panel: per block of 32 input columns, 32 float32 scales (each column's, twice) then
-// 16 pairs x 16 columns x 2 values; q * scale is exact in float32, then rounded once to bfloat16.
-void dequant_panel(const uint8_t* src, int64_t blocks, uint16_t* dst) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-        const int8_t* q = (const int8_t*)(src + 2 * GM_PANEL * sizeof(float));
-        for (int p = 0; p < GM_INT8_BLOCK / 2; ++p) {
-            _mm512_storeu_si512(dst, (__m512i)dequant_pair((const float*)src, q));
-            q += 2 * GM_PANEL;
-            dst += 2 * GM_PANEL;
-        }
-        src += kInt8BlockBytes;
-    }
 }
 
 }  // namespace GM_NS

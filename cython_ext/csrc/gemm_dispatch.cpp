@@ -20,7 +20,8 @@ int gm_isa_supported(int isa) {
     switch (isa) {
         case GM_ISA_PORTABLE: return 1;
 #if defined(PLANSERVE_PA_X86)
-        case GM_ISA_AVX512_BF16: return planserve_cpu_avx512_bf16() ? 1 : 0;
+        case GM_ISA_AVX512_BF16:  // int8 runs VPDPWSSD: every AVX512-BF16 CPU so far has AVX512-VNNI too
+            return planserve_cpu_avx512_bf16() && __builtin_cpu_supports("avx512vnni") ? 1 : 0;
 #endif
     }
     return 0;
@@ -40,9 +41,7 @@ static int64_t panels_of(int64_t n) { return (n + GM_PANEL - 1) / GM_PANEL; }
 
 int64_t gm_packed_bf16_elems(int64_t n, int64_t k) { return panels_of(n) * ((k + 1) / 2) * 2 * GM_PANEL; }
 
-int64_t gm_packed_int8_bytes(int64_t n, int64_t k) {
-    return panels_of(n) * (k / GM_INT8_BLOCK) * (GM_INT8_BLOCK * sizeof(float) + GM_INT8_BLOCK * GM_PANEL);
-}
+int64_t gm_packed_int8_bytes(int64_t n, int64_t k) { return panels_of(n) * (k / GM_INT8_BLOCK) * GM_INT8_PANEL_BLOCK_BYTES; }
 
 int gm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t ldw, uint16_t* packed) {
     if (n <= 0 || k <= 0 || ldw < k) return GM_BAD_SHAPE;
@@ -66,32 +65,20 @@ int gm_unpack_bf16(const uint16_t* packed, int64_t n, int64_t k, uint16_t* w) {
     return GM_OK;
 }
 
-static float round_to_bf16(float f) {  // nearest even, as torch rounds a float16 scale to bfloat16
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) <= 0x7F800000u) bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 int gm_pack_int8(const int8_t* q, const float* scales, int64_t n, int64_t k, uint8_t* packed) {
     if (n <= 0 || k <= 0 || k % GM_INT8_BLOCK) return GM_BAD_SHAPE;
     const int64_t blocks = k / GM_INT8_BLOCK;
     for (int64_t panel = 0; panel < panels_of(n); ++panel)
         for (int64_t blk = 0; blk < blocks; ++blk) {
-            float* s = (float*)packed;
-            for (int64_t lane = 0; lane < 2 * GM_PANEL; ++lane) {
-                const int64_t row = panel * GM_PANEL + lane / 2;
-                s[lane] = row < n ? round_to_bf16(scales[row * blocks + blk]) : 0.0f;
+            float* scale = (float*)packed;
+            int8_t* out = (int8_t*)(packed + GM_PANEL * sizeof(float));
+            for (int64_t col = 0; col < GM_PANEL; ++col) {
+                const int64_t row = panel * GM_PANEL + col;
+                const int8_t* w = row < n ? q + row * k + blk * GM_INT8_BLOCK : nullptr;
+                scale[col] = w ? scales[row * blocks + blk] : 0.0f;
+                for (int64_t kk = 0; kk < GM_INT8_BLOCK; ++kk) out[((kk / 2) * GM_PANEL + col) * 2 + kk % 2] = w ? w[kk] : 0;
             }
-            int8_t* out = (int8_t*)(packed + 2 * GM_PANEL * sizeof(float));
-            for (int64_t p = 0; p < GM_INT8_BLOCK / 2; ++p)
-                for (int64_t col = 0; col < GM_PANEL; ++col)
-                    for (int64_t h = 0; h < 2; ++h) {
-                        const int64_t row = panel * GM_PANEL + col;
-                        *out++ = row < n ? q[row * k + blk * GM_INT8_BLOCK + 2 * p + h] : 0;
-                    }
-            packed = (uint8_t*)out;
+            packed += GM_INT8_PANEL_BLOCK_BYTES;
         }
     return GM_OK;
 }

@@ -2,9 +2,10 @@
 // translation unit per path after it defines, in namespace GM_NS:
 //   template <int MR, int NR> void tile(a, lda, b, panel_stride, pairs, bias, c, ldc, cols):
 //       MR rows x NR panels of out, each element a sum over all `pairs` from zero, in order;
-//   template <int MR, int NR> void tile_int8(a, lda, b, panel_bytes, blocks, bias, c, ldc, cols):
-//       tile() over int8 panels, dequantized as it goes (the same weights, so the same sums);
-//   void dequant_panel(src, blocks, dst): one int8 panel (gemm.h) -> bfloat16 pairs.
+//   void quantize_row(x, k, xq, xd): one bfloat16 row -> per block of 32, d = max|x| / 32767 and
+//       int16 q = x * (32767 / max|x|) rounded to nearest even, as gemm.h says;
+//   template <int MR, int NR> void tile_q8(xq, ldq, xd, ldd, b, panel_bytes, blocks, bias, c, ldc, cols):
+//       MR quantized rows x NR int8 panels, out = sum over blocks in order of fma(dot, d_x * d_w, out).
 // The nest only decides which tiles run where: tile shapes, row blocks and the thread split change
 // no element's arithmetic.
 #include <stdint.h>
@@ -32,17 +33,17 @@ struct TileRow {
 static const TileFn* const kTiles[MR] = {TileRow<1>::fns, TileRow<2>::fns, TileRow<3>::fns,
                                          TileRow<4>::fns, TileRow<5>::fns, TileRow<6>::fns};
 
-using Int8TileFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, int64_t, const uint16_t*, uint16_t*,
-                            int64_t, int);
+// int8 tiles: 6 rows x 2 panels (12 float32 sums + 12 integer dots + 2 weight vectors in 32
+// registers): each widened weight vector serves 6 rows.
+constexpr int MR_Q8 = 6, NR_Q8 = 2;
+using Q8TileFn = void (*)(const int16_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t, int64_t, const uint16_t*,
+                          uint16_t*, int64_t, int);
 template <int M>
-struct Int8TileRow {
-    static constexpr Int8TileFn fns[NR] = {tile_int8<M, 1>, tile_int8<M, 2>, tile_int8<M, 3>, tile_int8<M, 4>};
+struct Q8TileRow {
+    static constexpr Q8TileFn fns[NR_Q8] = {tile_q8<M, 1>, tile_q8<M, 2>};
 };
-// Up to this many rows, int8 dequantizes in registers: one pass over the weight, no scratch. More
-// rows dequantize each group once into scratch and reuse it (cheaper than once per row tile).
-constexpr int MR_INT8_DIRECT = 4;
-static const Int8TileFn* const kInt8Tiles[MR_INT8_DIRECT] = {Int8TileRow<1>::fns, Int8TileRow<2>::fns,
-                                                             Int8TileRow<3>::fns, Int8TileRow<4>::fns};
+static const Q8TileFn* const kQ8Tiles[MR_Q8] = {Q8TileRow<1>::fns, Q8TileRow<2>::fns, Q8TileRow<3>::fns,
+                                                Q8TileRow<4>::fns, Q8TileRow<5>::fns, Q8TileRow<6>::fns};
 
 // Rows [r0, r1) of out for panels [p0, p0 + nr), from panels b (panel_stride apart).
 static inline void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* b, int64_t panel_stride,
@@ -91,35 +92,28 @@ static void linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint
                         const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
     if (rows == 0) return;
     const Plan plan(rows, n, k, num_threads);
-    const int64_t blocks = k / GM_INT8_BLOCK, panel_stride = plan.pairs * PAIR;
-    const int64_t int8_panel_bytes = gm_packed_int8_bytes(GM_PANEL, k);
-    if (rows <= MR_INT8_DIRECT) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (plan.parallel)
-        for (int64_t group = 0; group < plan.groups; ++group) {
-            const int64_t p0 = group * NR;
-            const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
-            const int cols = (int)std::min<int64_t>(nr * GM_PANEL, n - p0 * GM_PANEL);
-            kInt8Tiles[rows - 1][nr - 1](x, ldx, packed + p0 * int8_panel_bytes, int8_panel_bytes, blocks,
-                                         bias ? bias + p0 * GM_PANEL : nullptr, out + p0 * GM_PANEL, ldo, cols);
-        }
-        return;
-    }
+    const int64_t blocks = k / GM_INT8_BLOCK, panel_bytes = blocks * GM_INT8_PANEL_BLOCK_BYTES;
+    std::vector<int16_t> xq(rows * k);
+    std::vector<float> xd(rows * blocks);
 #pragma omp parallel num_threads(num_threads) if (plan.parallel)
     {
-        // This thread's group, dequantized once and reused across its row blocks.
-        std::vector<uint16_t> scratch(NR * panel_stride + 32);
-        uint16_t* b = scratch.data() + ((64 - ((uintptr_t)scratch.data() & 63)) & 63) / 2;
-        int64_t held = -1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * ldx, k, xq.data() + r * k, xd.data() + r * blocks);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < plan.items; ++item) {
             const int64_t group = item / plan.row_blocks, r0 = (item % plan.row_blocks) * MB;
-            const int64_t p0 = group * NR;
+            const int64_t p0 = group * NR, r1 = std::min(rows, r0 + MB);
             const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
-            if (group != held) {
-                for (int j = 0; j < nr; ++j) dequant_panel(packed + (p0 + j) * int8_panel_bytes, blocks, b + j * panel_stride);
-                held = group;
+            for (int64_t r = r0; r < r1; r += MR_Q8) {
+                const int mr = (int)std::min<int64_t>(MR_Q8, r1 - r);
+                for (int64_t p = p0; p < p0 + nr; p += NR_Q8) {
+                    const int np = (int)std::min<int64_t>(NR_Q8, p0 + nr - p);
+                    const int cols = (int)std::min<int64_t>(np * GM_PANEL, n - p * GM_PANEL);
+                    kQ8Tiles[mr - 1][np - 1](xq.data() + r * k, k, xd.data() + r * blocks, blocks, packed + p * panel_bytes,
+                                             panel_bytes, blocks, bias ? bias + p * GM_PANEL : nullptr,
+                                             out + r * ldo + p * GM_PANEL, ldo, cols);
+                }
             }
-            block(x, ldx, r0, std::min(rows, r0 + MB), b, panel_stride, plan.pairs, p0, nr, n, bias, out, ldo);
         }
     }
 }

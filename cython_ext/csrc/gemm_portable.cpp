@@ -1,9 +1,11 @@
 // The GEMMs' portable path: the same packed layout and loop nest in plain C++, for CPUs without
 // AVX512-BF16 (where torch's GEMM is the default: this path is for checks and other architectures).
-// Each pair adds its odd product, then its even one, as VDPBF16PS is specified to.
+// Each pair adds its odd product, then its even one, as VDPBF16PS is specified to; int8 computes
+// what the AVX-512 path computes, in the same order.
 #include <string.h>
 
-#include <vector>
+#include <algorithm>
+#include <cmath>
 
 #include "gemm.h"
 
@@ -48,26 +50,40 @@ void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_strid
             c[i * ldc + col] = f32_to_bf16(bias ? acc[i][col] + bf16_to_f32(bias[col]) : acc[i][col]);
 }
 
-void dequant_panel(const uint8_t* src, int64_t blocks, uint16_t* dst) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-        const float* scales = (const float*)src;
-        const int8_t* q = (const int8_t*)(src + 32 * sizeof(float));
-        for (int p = 0; p < GM_INT8_BLOCK / 2; ++p) {
-            for (int lane = 0; lane < 2 * GM_PANEL; ++lane) dst[lane] = f32_to_bf16((float)q[lane] * scales[lane]);
-            q += 2 * GM_PANEL;
-            dst += 2 * GM_PANEL;
-        }
-        src += 32 * sizeof(float) + GM_INT8_BLOCK * GM_PANEL;
+void quantize_row(const uint16_t* x, int64_t k, int16_t* xq, float* xd) {
+    for (int64_t blk = 0; blk < k / GM_INT8_BLOCK; ++blk) {
+        const uint16_t* xb = x + blk * GM_INT8_BLOCK;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < GM_INT8_BLOCK; ++i) amax = std::max(amax, std::fabs(bf16_to_f32(xb[i])));
+        xd[blk] = amax / 32767.0f;
+        const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        for (int64_t i = 0; i < GM_INT8_BLOCK; ++i)  // nearbyint: nearest even, as the vector path's conversion
+            xq[blk * GM_INT8_BLOCK + i] = (int16_t)std::nearbyint(bf16_to_f32(xb[i]) * inverse);
     }
 }
 
 template <int MR, int NR>
-void tile_int8(const uint16_t* a, int64_t lda, const uint8_t* b, int64_t panel_bytes, int64_t blocks, const uint16_t* bias,
-               uint16_t* c, int64_t ldc, int cols) {
-    const int64_t pairs = blocks * GM_INT8_BLOCK / 2;
-    std::vector<uint16_t> panels(NR * pairs * 2 * GM_PANEL);
-    for (int j = 0; j < NR; ++j) dequant_panel(b + j * panel_bytes, blocks, panels.data() + j * pairs * 2 * GM_PANEL);
-    tile<MR, NR>(a, lda, panels.data(), pairs * 2 * GM_PANEL, pairs, bias, c, ldc, cols);
+void tile_q8(const int16_t* xq, int64_t ldq, const float* xd, int64_t ldd, const uint8_t* b, int64_t panel_bytes,
+             int64_t blocks, const uint16_t* bias, uint16_t* c, int64_t ldc, int cols) {
+    float acc[MR][NR * GM_PANEL] = {};
+    for (int64_t blk = 0; blk < blocks; ++blk)
+        for (int j = 0; j < NR; ++j) {
+            const uint8_t* panel = b + j * panel_bytes + blk * GM_INT8_PANEL_BLOCK_BYTES;
+            const float* dw = (const float*)panel;
+            const int8_t* w = (const int8_t*)(panel + GM_PANEL * sizeof(float));
+            for (int i = 0; i < MR; ++i)
+                for (int col = 0; col < GM_PANEL; ++col) {
+                    int32_t dot = 0;
+                    for (int kk = 0; kk < GM_INT8_BLOCK; ++kk)
+                        dot += (int32_t)xq[i * ldq + blk * GM_INT8_BLOCK + kk] * w[((kk / 2) * GM_PANEL + col) * 2 + kk % 2];
+                    const float scale = xd[i * ldd + blk] * dw[col];
+                    float& sum = acc[i][j * GM_PANEL + col];
+                    sum = std::fma((float)dot, scale, sum);
+                }
+        }
+    for (int i = 0; i < MR; ++i)
+        for (int col = 0; col < cols; ++col)
+            c[i * ldc + col] = f32_to_bf16(bias ? acc[i][col] + bf16_to_f32(bias[col]) : acc[i][col]);
 }
 
 }  // namespace GM_NS
