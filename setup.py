@@ -49,6 +49,8 @@ LAYER_OPS_ISA_SOURCES = {
 GEMM_ISA_SOURCES = {
     f"{CSRC}/gemm_avx512_bf16.cpp": AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni"],
 } if X86_64 else {}
+# SHA-NI path of the prefix cache's block hash (block_pool.pyx, csrc/sha256.h picks it by CPUID).
+BLOCK_POOL_ISA_SOURCES = {f"{CSRC}/sha256_shani.c": ["-msha", "-msse4.1"]} if X86_64 else {}
 # -fno-trapping-math lets the compiler vectorize the selects of the portable exp (no result
 # changes: nothing reads FP exception flags). -Wno-maybe-uninitialized: GCC 12's own AVX-512
 # intrinsic headers trip it (masked loads).
@@ -101,6 +103,6 @@ gemm = native_kernel("gemm", CXX_FLAGS)
 extensions += [attention, layer_ops, gemm]
 # cythonize() copies Extensions: found by name
 ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES, layer_ops.name: LAYER_OPS_ISA_SOURCES,
-                  gemm.name: GEMM_ISA_SOURCES}
+                  gemm.name: GEMM_ISA_SOURCES, "cython_ext.block_pool": BLOCK_POOL_ISA_SOURCES}
 
 setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES), cmdclass={"build_ext": BuildExt})

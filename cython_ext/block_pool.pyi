@@ -2,7 +2,20 @@
 from collections.abc import Iterable, Sequence
 
 def sha256(data: bytes) -> bytes:
-    """The vendored SHA-256 (csrc/sha256.h, FIPS 180-4) of data: 32 bytes. For tests."""
+    """The vendored SHA-256 (csrc/sha256.h, FIPS 180-4) of data: 32 bytes, on the path in use
+    (sha256_impl). For tests."""
+
+def sha256_impls() -> tuple[str, ...]:
+    """The SHA-256 compression paths this build and CPU run: ("portable",) or ("portable",
+    "sha-ni") (x86-64 with the SHA instructions, csrc/sha256_shani.c). Same digests on each."""
+
+def sha256_impl() -> str:
+    """The path in use: chosen at import by PLANSERVE_SHA256 (auto, the default: the best this
+    CPU runs; portable; sha-ni), or later by set_sha256_impl."""
+
+def set_sha256_impl(name: str) -> str:
+    """Selects "auto", "portable" or "sha-ni" and returns the path now in use. ValueError for
+    another name, or for "sha-ni" where this build or CPU lacks it (nothing changes then)."""
 
 def block_hash(parent_hash: int, token_ids: Iterable[int], salt: int = 0) -> int:
     """SHA-256 digest, as an int in [0, 2**256), of one full block: chained on `parent_hash`

@@ -1,4 +1,5 @@
 # distutils: language = c++
+# distutils: depends = cython_ext/csrc/sha256.h cython_ext/csrc/sha256_shani.c
 """The KV block pool (DESIGN.md "KV blocks"). The contract is block_pool.pxd, the Python view block_pool.pyi.
 
 One pool per scheduler, sized from the model service's Describe reply. Everything per block lives in
@@ -49,12 +50,21 @@ from libcpp.utility cimport pair
 # global cache, else SHA-256 of the request's cache_salt and (scope "tenant") tenant, made by
 # scheduler_service/kv_blocks.py. A block of 16 tokens is 135 bytes: 3 SHA-256 compressions.
 # tests/scheduler/block_pool_oracle.py repeats this with hashlib.sha256; both must change together.
+#
+# The compression runs on the CPU's SHA instructions where it has them (csrc/sha256_shani.c),
+# else on the portable C; the same digests either way (tests hold both to FIPS 180-4 and hashlib).
+# PLANSERVE_SHA256=portable|sha-ni|auto (default auto) picks at import; set_sha256_impl at run time.
 cdef extern from "csrc/sha256.h" nogil:
     ctypedef struct ps_sha256_ctx:
         pass
     void ps_sha256_init(ps_sha256_ctx* ctx)
     void ps_sha256_update(ps_sha256_ctx* ctx, const void* data, size_t len)
     void ps_sha256_final(ps_sha256_ctx* ctx, uint8_t* out)
+    size_t ps_sha256_padded_len(size_t len)
+    void ps_sha256_padded(uint8_t* msg, size_t len, uint8_t* out)
+    int ps_sha256_select(int which)
+    int ps_sha256_cpu_has_shani()
+    int PS_SHA256_HAVE_SHANI
 
 cdef extern from *:
     """
@@ -72,38 +82,106 @@ cdef extern from *:
         }
     #endif
     }
+    /* The same bytes written into a message buffer (the one-shot path). */
+    static void ps_put_tokens_le(uint8_t* dst, const uint32_t* tokens, size_t n) {
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(dst, tokens, 4 * n);
+    #else
+        size_t i;
+        for (i = 0; i < n; i++) {
+            dst[4 * i] = (uint8_t)tokens[i]; dst[4 * i + 1] = (uint8_t)(tokens[i] >> 8);
+            dst[4 * i + 2] = (uint8_t)(tokens[i] >> 16); dst[4 * i + 3] = (uint8_t)(tokens[i] >> 24);
+        }
+    #endif
+    }
     """
     void ps_hash_tokens_le(ps_sha256_ctx* ctx, const uint32_t* tokens, size_t n) nogil
+    void ps_put_tokens_le(uint8_t* dst, const uint32_t* tokens, size_t n) nogil
 
 cdef Digest _ZERO  # static storage: all zeros (no parent, no salt)
+
+# Messages up to this many bytes once padded are built whole on the stack and hashed in one call
+# (no streaming copies): every block of up to 108 tokens. Longer blocks stream.
+cdef enum:
+    _ONE_SHOT_BYTES = 512
+    _HEADER_BYTES = 71   # 'S' salt 'P' parent 'T' n
 
 
 cdef void hash_block(const Digest* parent, const Digest* salt, const uint32_t* token_ids,
                      Py_ssize_t num_tokens, Digest* out) noexcept nogil:
     cdef ps_sha256_ctx ctx
-    cdef uint8_t tag
-    cdef uint8_t n_le[4]
+    cdef uint8_t msg[_ONE_SHOT_BYTES]
     cdef uint32_t n = <uint32_t>num_tokens
+    cdef size_t length = _HEADER_BYTES + 4 * <size_t>num_tokens
     if parent == NULL:
         parent = &_ZERO
     if salt == NULL:
         salt = &_ZERO
+    msg[0] = 0x53  # 'S'
+    memcpy(&msg[1], salt.b, 32)
+    msg[33] = 0x50  # 'P'
+    memcpy(&msg[34], parent.b, 32)
+    msg[66] = 0x54  # 'T'
+    msg[67] = <uint8_t>n
+    msg[68] = <uint8_t>(n >> 8)
+    msg[69] = <uint8_t>(n >> 16)
+    msg[70] = <uint8_t>(n >> 24)
+    if ps_sha256_padded_len(length) <= _ONE_SHOT_BYTES:
+        ps_put_tokens_le(&msg[_HEADER_BYTES], token_ids, <size_t>num_tokens)
+        ps_sha256_padded(msg, length, out.b)
+        return
     ps_sha256_init(&ctx)
-    tag = 0x53  # 'S'
-    ps_sha256_update(&ctx, &tag, 1)
-    ps_sha256_update(&ctx, salt.b, 32)
-    tag = 0x50  # 'P'
-    ps_sha256_update(&ctx, &tag, 1)
-    ps_sha256_update(&ctx, parent.b, 32)
-    tag = 0x54  # 'T'
-    ps_sha256_update(&ctx, &tag, 1)
-    n_le[0] = <uint8_t>n
-    n_le[1] = <uint8_t>(n >> 8)
-    n_le[2] = <uint8_t>(n >> 16)
-    n_le[3] = <uint8_t>(n >> 24)
-    ps_sha256_update(&ctx, n_le, 4)
+    ps_sha256_update(&ctx, msg, _HEADER_BYTES)
     ps_hash_tokens_le(&ctx, token_ids, <size_t>num_tokens)
     ps_sha256_final(&ctx, out.b)
+
+
+# Which compression path: names as set_sha256_impl takes them.
+_IMPL_NAMES = ("portable", "sha-ni")
+
+
+def sha256_impls():
+    """The SHA-256 paths this build and CPU run: ("portable",) or ("portable", "sha-ni")."""
+    if PS_SHA256_HAVE_SHANI and ps_sha256_cpu_has_shani():
+        return _IMPL_NAMES
+    return _IMPL_NAMES[:1]
+
+
+cdef int _impl = ps_sha256_select(-1)
+
+
+def sha256_impl():
+    """The SHA-256 path in use: "portable" or "sha-ni"."""
+    return _IMPL_NAMES[_impl]
+
+
+def set_sha256_impl(str name):
+    """Selects the compression path: "auto" (the best this CPU runs), "portable" or "sha-ni".
+    Returns the one in use. ValueError for another name, or "sha-ni" where it cannot run. Digests
+    are the same on every path; this exists for tests and as an operator's escape hatch."""
+    global _impl
+    cdef int which
+    if name == "auto":
+        which = -1
+    elif name in _IMPL_NAMES:
+        which = _IMPL_NAMES.index(name)
+    else:
+        raise ValueError(f"SHA-256 path must be one of auto, portable, sha-ni; got {name!r}")
+    cdef int got = ps_sha256_select(which)
+    if got < 0:
+        raise ValueError("SHA-256 path sha-ni: this build or CPU has no SHA instructions "
+                         f"(available: {', '.join(sha256_impls())})")
+    _impl = got
+    return _IMPL_NAMES[_impl]
+
+
+def _select_from_env():
+    import os
+    name = os.environ.get("PLANSERVE_SHA256", "auto").strip().lower() or "auto"
+    set_sha256_impl(name)
+
+
+_select_from_env()
 
 
 cdef int digest_from_int(object value, Digest* out, str name) except -1:
@@ -275,17 +353,26 @@ cdef class BlockPool:
 
     cdef uint32_t* _tokens_of(self, object token_ids, Py_ssize_t start,
                               Py_ssize_t n) except NULL:
-        # token_ids[start : start + n] as uint32 in a scratch buffer the pool keeps.
+        # token_ids[start : start + n] as uint32 in a scratch buffer the pool keeps. A list (what
+        # the scheduler passes) is read item by item without the generic indexing call.
         cdef void* p
         cdef Py_ssize_t j
+        cdef list as_list
         if n > self._scratch_cap:
             p = realloc(self._scratch, n * sizeof(uint32_t))
             if p == NULL:
                 raise MemoryError("cannot grow the block pool's token buffer")
             self._scratch = <uint32_t*>p
             self._scratch_cap = n
-        for j in range(n):
-            self._scratch[j] = token_ids[start + j]
+        if type(token_ids) is list:
+            as_list = <list>token_ids
+            if start + n > len(as_list):
+                raise IndexError("list index out of range")
+            for j in range(n):
+                self._scratch[j] = as_list[start + j]
+        else:
+            for j in range(n):
+                self._scratch[j] = token_ids[start + j]
         return self._scratch
 
     # ---- ref counts -------------------------------------------------------------------------------

@@ -52,7 +52,10 @@ class StepCore:
               num_lookahead: int = 0) -> None:
         """Starts `request` in `slot` (appended to the running order), sharing the prefix-cache
         hit blocks (increfed here). `salt`: the 256-bit prefix-cache salt (kv_blocks.salt_of).
-        ValueError if the slot is taken or a hit id is invalid."""
+        `hits`: BlockPool.match_prefix's answer for these tokens and salt, nothing allocated
+        since; their digests are taken from the pool, not hashed again (a hit with no digest is
+        hashed). ValueError if the slot is taken, a hit id is invalid or the hits cover more
+        than the tokens."""
     def fork(self, parent_slot: int, slot: int, request: Any, num_prompt_tokens: int,
              max_num_tokens: int) -> Optional[tuple[int, int]]:
         """Starts `request` in `slot` as a parallel sample sharing the parent's computed prompt

@@ -300,18 +300,33 @@ cdef class StepCore:
     def admit(self, int32_t slot, request, token_ids, int64_t num_computed_tokens, hits,
               int64_t max_num_tokens, salt, int32_t num_lookahead=0):
         """Starts the running sequence `request` in `slot`: its tokens, the prefix-cache hit blocks
-        it shares (increfed here, their hashes computed), appended to the running order.
-        num_lookahead > 0: each of its decodes is granted that many draft tokens (speculation)."""
+        it shares (increfed here), appended to the running order. num_lookahead > 0: each of its
+        decodes is granted that many draft tokens (speculation).
+
+        `hits` are what BlockPool.match_prefix returned for these tokens and this salt, with
+        nothing allocated in between (Scheduler._schedule_waiting): each is still cached, and the
+        pool's digest of it is the one hashing its tokens here would give (a hit needs all 256
+        bits equal). So the slot's chain takes those digests instead of hashing the prefix a
+        second time; a hit without a digest (not from match_prefix) is hashed from its tokens."""
         cdef SlotState* s = self._state(slot)
         if self._requests[slot] is not None:
             raise ValueError(f"slot {slot} is already running a sequence")
         cdef Py_ssize_t i, n = len(token_ids), num_hits = len(hits)
         cdef int32_t b
         cdef Digest salt_digest
+        cdef list token_list
         digest_from_int(salt, &salt_digest, "salt")
+        if num_hits * self.block_size > n:
+            raise ValueError(f"{num_hits} hit blocks of {self.block_size} tokens for "
+                             f"{n} tokens")
         self._reserve_slot_buffers(s, <int32_t>num_hits, n)
-        for i in range(n):
-            s.token_ids[i] = token_ids[i]
+        if type(token_ids) is list:  # the scheduler's case: items read without generic indexing
+            token_list = <list>token_ids
+            for i in range(n):
+                s.token_ids[i] = token_list[i]
+        else:
+            for i in range(n):
+                s.token_ids[i] = token_ids[i]
         for i in range(num_hits):
             self.pool._check_id(hits[i])
         s.num_tokens = n
@@ -326,8 +341,11 @@ cdef class StepCore:
             b = hits[i]
             self.pool._incref_one(b)
             s.block_ids[i] = b
-            hash_block(&s.block_hashes[i - 1] if i > 0 else NULL, &s.salt,
-                       &s.token_ids[i * self.block_size], self.block_size, &s.block_hashes[i])
+            if self.pool._has_hash[b]:
+                s.block_hashes[i] = self.pool._digest[b]
+            else:
+                hash_block(&s.block_hashes[i - 1] if i > 0 else NULL, &s.salt,
+                           &s.token_ids[i * self.block_size], self.block_size, &s.block_hashes[i])
         s.num_blocks = <int32_t>num_hits
         s.num_blocks_sent = 0
         s.num_hashed = <int32_t>num_hits

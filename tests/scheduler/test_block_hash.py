@@ -1,7 +1,11 @@
 """The prefix cache's block hash is SHA-256 and a hit needs the whole digest equal.
 
 - The vendored SHA-256 (cython_ext/csrc/sha256.h) gives FIPS 180-4's example digests, and
-  block_hash is SHA-256 of the tagged message block_pool.pyx documents (checked with hashlib).
+  block_hash is SHA-256 of the tagged message block_pool.pyx documents (checked with hashlib),
+  on every compression path this CPU runs: portable C and, where the CPU has them, the SHA
+  instructions (csrc/sha256_shani.c); both give hashlib's digest for every length tried.
+- StepCore.admit takes the pool's digests of the prefix hits rather than hashing them again: the
+  slot's chain equals hashing the tokens (and does for a hit with no digest, hashed instead).
 - With the index key truncated to a few bits (set_key_bits_for_tests, test only), prompts whose
   keys collide never share a block, on the Cython pool and on the oracle alike.
 - Salts keep caches apart: kv_blocks.salt_of per cache_salt, and per tenant in the tenant scope.
@@ -30,9 +34,121 @@ FIPS_VECTORS = [
 ]
 
 
+IMPLS = ["portable", "sha-ni"]
+
+
+@pytest.fixture(params=IMPLS)
+def sha256_impl(request):
+    """Runs the test on one compression path (skipped where this build or CPU lacks it), then
+    puts back the path the module chose at import."""
+    if request.param not in cy.sha256_impls():
+        pytest.skip(f"{request.param}: not on this build or CPU")
+    before = cy.sha256_impl()
+    assert cy.set_sha256_impl(request.param) == request.param
+    yield request.param
+    cy.set_sha256_impl(before)
+
+
 @pytest.mark.parametrize("message,digest", FIPS_VECTORS)
-def test_vendored_sha256_gives_the_standard_digests(message, digest):
+def test_vendored_sha256_gives_the_standard_digests(sha256_impl, message, digest):
+    assert cy.sha256_impl() == sha256_impl
     assert cy.sha256(message).hex() == digest
+
+
+def test_sha256_equals_hashlib_for_every_length(sha256_impl):
+    # Every length through 4 blocks (each padding case: the length field in the last block or in
+    # one more), then longer random messages: many blocks in one call to the compression path.
+    rng = random.Random(1901)
+    for n in list(range(0, 300)) + [rng.randrange(300, 20_000) for _ in range(60)]:
+        data = rng.randbytes(n)
+        assert cy.sha256(data) == hashlib.sha256(data).digest(), n
+    # Bytes that exercise every bit pattern of the message words (big-endian loads).
+    for value in (0x00, 0xFF, 0x80, 0x7F):
+        assert cy.sha256(bytes([value]) * 4096) == hashlib.sha256(bytes([value]) * 4096).digest()
+
+
+def test_block_hash_equals_hashlib_on_each_path(sha256_impl):
+    # One-shot (up to 108 tokens) and streamed (longer) messages, random salts and parents.
+    rng = random.Random(sha256_impl == "portable")
+    for n in list(range(0, 120)) + [128, 255, 1000]:
+        tokens = [rng.randrange(2**32) for _ in range(n)]
+        parent, salt = rng.randrange(2**256), rng.randrange(2**256)
+        expected = int.from_bytes(hashlib.sha256(_message(parent, tokens, salt)).digest(), "big")
+        assert cy.block_hash(parent, tokens, salt) == expected, n
+
+
+def test_paths_agree_on_block_chains():
+    # The digests a pool stores must not depend on the path: a chain hashed on one path, looked
+    # up on the other (what a restart on another CPU, or PLANSERVE_SHA256, would do).
+    before = cy.sha256_impl()
+    rng = random.Random(7)
+    prompt = [rng.randrange(32000) for _ in range(16 * 40)]
+    chains = {}
+    try:
+        for impl in cy.sha256_impls():
+            cy.set_sha256_impl(impl)
+            chains[impl] = cy.BlockPool(4).block_hashes(prompt, 16, salt=12345)
+    finally:
+        cy.set_sha256_impl(before)
+    expected, parent = [], 0
+    for i in range(40):
+        message = _message(parent, prompt[16 * i:16 * i + 16], 12345)
+        parent = int.from_bytes(hashlib.sha256(message).digest(), "big")
+        expected.append(parent)
+    assert all(chain == expected for chain in chains.values())
+
+
+def test_set_sha256_impl_names_the_choices():
+    before = cy.sha256_impl()
+    assert before in cy.sha256_impls() and cy.sha256_impls()[0] == "portable"
+    with pytest.raises(ValueError, match=r"one of auto, portable, sha-ni; got 'md5'"):
+        cy.set_sha256_impl("md5")
+    assert cy.sha256_impl() == before
+    try:
+        assert cy.set_sha256_impl("portable") == "portable"
+        # auto: the best this CPU runs, the last of sha256_impls()
+        assert cy.set_sha256_impl("auto") == cy.sha256_impls()[-1]
+    finally:
+        cy.set_sha256_impl(before)
+
+
+def _admit_with(pool, tokens, hits, salt, bs):
+    from cython_ext.step_core import StepCore
+
+    core = StepCore(pool, bs, 4)
+    request = make_request(prompt_token_ids=tokens)
+    core.admit(0, request, tokens, len(hits) * bs, hits, len(tokens) + 8, salt)
+    return core
+
+
+def test_admit_takes_the_pools_digests_of_its_hits(sha256_impl):
+    bs, salt = 16, salt_of("s")
+    rng = random.Random(5)
+    tokens = [rng.randrange(32000) for _ in range(bs * 12 + 5)]
+    pool = cy.BlockPool(64)
+    hashes = pool.block_hashes(tokens, bs, salt)
+    blocks = pool.allocate(10)
+    assert all(pool.cache_block(b, h) for b, h in zip(blocks, hashes))
+    pool.free(blocks)
+    hits = pool.match_prefix(tokens[:-1], bs, salt)
+    assert hits == blocks
+    core = _admit_with(pool, tokens, hits, salt, bs)
+    assert core.block_hashes(0) == hashes[:10]
+    assert [pool.ref_count(b) for b in hits] == [1] * 10
+    # Hits the caller holds but that carry no digest (not from match_prefix): hashed from the
+    # tokens, the same chain.
+    plain = cy.BlockPool(64)
+    held = plain.allocate(3)
+    core = _admit_with(plain, tokens, held, salt, bs)
+    assert core.block_hashes(0) == hashes[:3]
+
+
+def test_admit_refuses_more_hits_than_tokens():
+    pool = cy.BlockPool(8)
+    held = pool.allocate(2)
+    with pytest.raises(ValueError, match="2 hit blocks of 16 tokens for 20 tokens"):
+        _admit_with(pool, list(range(20)), held, 0, 16)
+    assert [pool.ref_count(b) for b in held] == [1, 1]  # nothing increfed
 
 
 def _message(parent: int, tokens: list[int], salt: int) -> bytes:
