@@ -310,23 +310,10 @@ struct Ops {
         _mm512_mask_storeu_ps(alpha, lanes, a);
         _mm512_mask_storeu_ps(l, lanes, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l), a, sum));
     }
-    // V: the cache's bf16 rows when T is bf16 and d a multiple of 16 (prepare_block), else float32.
-    template <class T>
-    static PA_INLINE void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const void* v_rows,
-                                    int64_t n, int64_t d) {
-        if (sizeof(T) == 2 && d % 16 == 0) {
-            const uint16_t* v = static_cast<const uint16_t*>(v_rows);
-            int64_t i = 0;
-            for (; i + 64 <= d; i += 64) axpy_rows_nv<4>(acc + i, alpha, p, p_stride, rows, v + i, n, d);
-            switch ((d - i) / 16) {
-                case 3: axpy_rows_nv<3>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
-                case 2: axpy_rows_nv<2>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
-                case 1: axpy_rows_nv<1>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
-                default: break;
-            }
-            return;
-        }
-        const float* v = static_cast<const float*>(v_rows);
+    // The whole 16-lane vectors of the head dim; returns how many columns that covered.
+    template <class V>
+    static PA_INLINE int64_t axpy_vectors(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const V* v,
+                                          int64_t n, int64_t d) {
         int64_t i = 0;
         for (; i + 64 <= d; i += 64) axpy_rows_nv<4>(acc + i, alpha, p, p_stride, rows, v + i, n, d);
         switch ((d - i) / 16) {
@@ -335,7 +322,18 @@ struct Ops {
             case 1: axpy_rows_nv<1>(acc + i, alpha, p, p_stride, rows, v + i, n, d); break;
             default: break;
         }
-        i += (d - i) / 16 * 16;
+        return i + (d - i) / 16 * 16;
+    }
+    // V: the cache's bf16 rows when T is bf16 and d a multiple of 16 (prepare_block), else float32.
+    template <class T>
+    static PA_INLINE void axpy_rows(float* acc, const float* alpha, const float* p, int64_t p_stride, int64_t rows, const void* v_rows,
+                                    int64_t n, int64_t d) {
+        if (sizeof(T) == 2 && d % 16 == 0) {
+            axpy_vectors(acc, alpha, p, p_stride, rows, static_cast<const uint16_t*>(v_rows), n, d);
+            return;
+        }
+        const float* v = static_cast<const float*>(v_rows);
+        const int64_t i = axpy_vectors(acc, alpha, p, p_stride, rows, v, n, d);
         if (i < d) {  // a head dim that is not a multiple of 16: the last lanes, masked
             const __mmask16 mask = tail_mask(d - i);
             for (int64_t r = 0; r < rows; ++r) {

@@ -159,16 +159,8 @@ def test_int8_greedy_matches_float32_and_weights_shrink(smollm2):
     ratio = weight_bytes(loaded.model) / weight_bytes(int8.model)
     print(f"smollm2 weight bytes float32 {weight_bytes(loaded.model)} int8 {weight_bytes(int8.model)} ({ratio:.2f}x)")
     assert ratio >= 3.5
-    tok = Tokenizer.from_str(loaded.tokenizer_json)
-    prompts = [tok.encode(_render(loaded.chat_template, m)).ids for m in MESSAGES] + [tok.encode(TEXTS[0]).ids]
-    outputs = []
-    for model, cfg in ((loaded, config), (int8, int8_config)):
-        driver = Driver(ModelRunner(model, cfg))
-        for slot, prompt in enumerate(prompts):
-            driver.add(slot, prompt)
-        outputs.append(driver.run_to_completion(16, chunk=64))
-    for slot in range(len(prompts)):
-        assert outputs[1][slot][:16] == outputs[0][slot][:16], slot
+    reference, quantized = _quality_tokens(loaded, ((loaded, config), (int8, int8_config)))
+    assert quantized == reference
 
 
 def test_int8_in_bf16_greedy_matches_float32(smollm2):
@@ -179,17 +171,24 @@ def test_int8_in_bf16_greedy_matches_float32(smollm2):
     from model_service import gemm
 
     loaded, config = smollm2
-    tok = Tokenizer.from_str(loaded.tokenizer_json)
-    prompts = [tok.encode(_render(loaded.chat_template, m)).ids for m in MESSAGES] + [tok.encode(TEXTS[0]).ids]
     int8_config = dataclasses.replace(config, dtype="bfloat16", quantization="int8")
     int8 = load_model(int8_config)
     packed = [m for m in int8.model.modules() if isinstance(m, gemm.PackedLinear)]
     assert len(packed) == (0 if gemm.GEMM_ISA == gemm.TORCH_PATH else 4 * int8.arch.num_hidden_layers + 1)
+    reference, quantized = _quality_tokens(loaded, ((loaded, config), (int8, int8_config)))
+    assert quantized == reference
+
+
+def _quality_tokens(loaded, models_and_configs):
+    """For each (model, config): the 16 greedy tokens of the int8 quality prompts (the chat
+    messages and the first text), one list per prompt."""
+    tok = Tokenizer.from_str(loaded.tokenizer_json)
+    prompts = [tok.encode(_render(loaded.chat_template, m)).ids for m in MESSAGES] + [tok.encode(TEXTS[0]).ids]
     outputs = []
-    for model, cfg in ((loaded, config), (int8, int8_config)):
+    for model, cfg in models_and_configs:
         driver = Driver(ModelRunner(model, cfg))
         for slot, prompt in enumerate(prompts):
             driver.add(slot, prompt)
-        outputs.append(driver.run_to_completion(16, chunk=64))
-    for slot in range(len(prompts)):
-        assert outputs[1][slot][:16] == outputs[0][slot][:16], slot
+        tokens = driver.run_to_completion(16, chunk=64)
+        outputs.append([tokens[slot][:16] for slot in range(len(prompts))])
+    return outputs
