@@ -154,6 +154,21 @@ def test_pack_linears_packs_bf16_cpu_layers_only():
     assert gemm.pack_linears_(nn.Sequential(nn.Linear(64, 32)), torch.float32, isa="portable") == 0
 
 
+def test_the_loader_packs_bf16_models_and_the_runner_says_so():
+    """load_model packs every linear of a bf16 model (4 per layer and lm_head) on the path this CPU
+    runs; the runner reports it in Describe's compute map (float32 models stay on torch's GEMM)."""
+    from model_service.config import ModelServiceConfig
+    from model_service.loader import load_model
+    from model_service.runner import ModelRunner
+
+    config = ModelServiceConfig(model="tiny", dtype="bfloat16", num_kv_blocks=64, max_num_slots=4)
+    loaded = load_model(config)
+    packed = [m for m in loaded.model.modules() if isinstance(m, gemm.PackedLinear)]
+    expected = 0 if gemm.GEMM_ISA == gemm.TORCH_PATH else 4 * loaded.arch.num_hidden_layers + 1
+    assert len(packed) == expected and all(m.isa == gemm.GEMM_ISA for m in packed)
+    assert ModelRunner(loaded, config).compute["gemm"] == gemm.GEMM_ISA
+
+
 def test_errors_name_the_field():
     packed = gemm.PackedLinear(_linear(64, 32), "portable")
     with pytest.raises(ValueError, match=r"PackedLinear: x must be bfloat16 \[T, 64\]"):
