@@ -77,10 +77,15 @@ class BlockPool:
         is already cached under a different digest."""
     def lookup(self, block_hash: int) -> int:
         """The block cached under exactly this digest (all 256 bits compared), or -1."""
-    def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
+    def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0,
+                     num_tokens: int | None = None) -> list[int]:
         """Block ids of the longest chain of cached full blocks matching the start of token_ids
-        (every digest compared in full). Does not incref: the caller increfs what it keeps.
-        Stops hashing at the first miss."""
+        (or of token_ids[:num_tokens], without a copy; ValueError outside [0, len]). Every
+        digest compared in full. Does not incref: the caller increfs what it keeps. Stops
+        hashing at the first miss."""
+    def num_unheld(self, block_ids: Iterable[int]) -> int:
+        """How many of these blocks have ref count 0 (in the free queue: taking them, as prefix
+        hits, leaves fewer free). ValueError for an invalid id."""
     def block_hashes(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
         """The chained digests of every full block of token_ids (what cache_block wants)."""
     def free_queue(self) -> list[int]:

@@ -492,12 +492,18 @@ cdef class BlockPool:
         digest_from_int(block_hash, &d, "block_hash")
         return self._lookup(&d)
 
-    def match_prefix(self, token_ids, Py_ssize_t block_size, salt=0):
+    def match_prefix(self, token_ids, Py_ssize_t block_size, salt=0, num_tokens=None):
+        # num_tokens: match within token_ids[:num_tokens] without the caller copying a slice.
         cdef Digest s, h, parent
         digest_from_int(salt, &s, "salt")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        cdef Py_ssize_t i, num_full = len(token_ids) // block_size
+        cdef Py_ssize_t n = len(token_ids)
+        if num_tokens is not None:
+            if not 0 <= num_tokens <= n:
+                raise ValueError(f"num_tokens must be in [0, {n}], got {num_tokens}")
+            n = num_tokens
+        cdef Py_ssize_t i, num_full = n // block_size
         cdef int32_t b
         cdef uint32_t* toks
         cdef list out = []
@@ -525,6 +531,16 @@ cdef class BlockPool:
             out.append(digest_to_int(&h))
             parent = h
         return out
+
+    def num_unheld(self, block_ids):
+        # How many of these blocks have ref count 0 (taking them would shrink num_free): one C
+        # loop instead of a ref_count call per prefix hit.
+        ids = block_ids if type(block_ids) is list or type(block_ids) is tuple else list(block_ids)
+        cdef Py_ssize_t i, count = 0, n = len(ids)
+        for i in range(n):
+            if self._ref[self._check_id(ids[i])] == 0:
+                count += 1
+        return count
 
     def free_queue(self):
         cdef int32_t sentinel = self.num_blocks

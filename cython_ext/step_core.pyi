@@ -8,6 +8,10 @@ PHASE_ALL: int       # every running sequence (interleaved)
 PHASE_PREFILLS: int  # only sequences with more than one token to compute
 PHASE_DECODES: int   # only sequences with exactly one token to compute
 
+def packed_uint32_field(field: int, values: Sequence[int]) -> bytes:
+    """A packed repeated uint32 protobuf field of `values` in wire format (b"" for none):
+    `Message.MergeFromString` sets it. OverflowError for a value outside uint32."""
+
 class PackedPlan:
     """One plan's packed arrays, owned by the plan (C copies)."""
 

@@ -78,6 +78,42 @@ cdef inline uint8_t* _put_packed(uint8_t* p, uint32_t field, const uint32_t* val
     return p
 
 
+def packed_uint32_field(uint32_t field, values):
+    """A packed repeated uint32 protobuf field (`field`, then its length, then the varints) of
+    `values`, b"" for none, as protobuf writes it: `Message.MergeFromString` sets the field.
+    What plan.to_pb hands a NewSequence's token ids through (thousands per admitted prompt),
+    instead of protobuf converting a Python list one int at a time. OverflowError outside
+    uint32; a list is read item by item without the generic indexing call."""
+    if not 1 <= field < (1 << 29):
+        raise ValueError(f"protobuf field numbers are in [1, 2**29), got {field}")
+    cdef Py_ssize_t i, n = len(values)
+    cdef list as_list
+    cdef uint32_t* buf = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
+    cdef uint8_t* wire
+    cdef uint8_t* end
+    if buf == NULL:
+        raise MemoryError("cannot allocate a token buffer")
+    try:
+        if type(values) is list:
+            as_list = <list>values
+            for i in range(n):
+                buf[i] = as_list[i]
+        else:
+            for i in range(n):
+                buf[i] = values[i]
+        # tag (<= 5 bytes) + length (<= 10) + at most 5 bytes a value
+        wire = <uint8_t*>malloc(15 + 5 * n)
+        if wire == NULL:
+            raise MemoryError("cannot allocate a wire buffer")
+        try:
+            end = _put_packed(wire, field, buf, n)
+            return PyBytes_FromStringAndSize(<char*>wire, end - wire)
+        finally:
+            c_free(wire)
+    finally:
+        c_free(buf)
+
+
 cdef class PackedPlan:
     """The packed arrays of one plan (C copies, owned here) and their protobuf encoding."""
 

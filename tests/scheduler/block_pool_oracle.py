@@ -170,11 +170,16 @@ class OracleBlockPool:
             hashes.append(parent)
         return hashes
 
-    def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
+    def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0,
+                     num_tokens: int | None = None) -> list[int]:
         block_size = _as_int(block_size, 64)
         salt = _as_uint(salt, 256)
         if block_size <= 0:
             raise ValueError("block_size must be positive")
+        if num_tokens is not None:
+            if not 0 <= num_tokens <= len(token_ids):
+                raise ValueError(f"num_tokens must be in [0, {len(token_ids)}], got {num_tokens}")
+            token_ids = token_ids[:num_tokens]
         out, parent = [], 0
         for start in range(0, len(token_ids) - block_size + 1, block_size):
             h = block_hash(parent, token_ids[start : start + block_size], salt)
@@ -184,6 +189,9 @@ class OracleBlockPool:
             out.append(b)
             parent = h
         return out
+
+    def num_unheld(self, block_ids: Sequence[int]) -> int:
+        return sum(1 for b in block_ids if self.ref[self._check(b)] == 0)
 
     def free_queue(self) -> list[int]:
         return list(self.free_blocks)

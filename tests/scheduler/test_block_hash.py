@@ -287,3 +287,49 @@ def test_prefix_cache_scope_is_validated():
     assert SchedulerConfig(prefix_cache_scope="tenant").validate().prefix_cache_scope == "tenant"
     with pytest.raises(ValueError, match=r"prefix_cache_scope must be one of global, tenant, got 'team'"):
         SchedulerConfig(prefix_cache_scope="team").validate()
+
+
+@pytest.mark.parametrize("impl", ["cython", "oracle"])
+def test_match_prefix_within_num_tokens_and_num_unheld(impl):
+    # What find_cached_prefix needs without copying a slice or asking ref_count per hit.
+    bs = 4
+    pool = cy.BlockPool(32) if impl == "cython" else oracle.OracleBlockPool(32)
+    tokens = list(range(50, 50 + 4 * bs + 1))  # 4 full blocks and one token
+    hashes = pool.block_hashes(tokens, bs)
+    blocks = pool.allocate(4)
+    assert all(pool.cache_block(b, h) for b, h in zip(blocks, hashes))
+    pool.free(blocks[:3])  # three cached in the free queue, one still held
+    for n in range(len(tokens) + 1):
+        assert pool.match_prefix(tokens, bs, 0, n) == pool.match_prefix(tokens[:n], bs) == blocks[:n // bs]
+    assert pool.match_prefix(tokens, bs, num_tokens=None) == blocks
+    for bad in (-1, len(tokens) + 1):
+        with pytest.raises(ValueError, match="num_tokens must be in"):
+            pool.match_prefix(tokens, bs, 0, bad)
+    assert pool.num_unheld(blocks) == 3 and pool.num_unheld(blocks[3:]) == 0
+    assert pool.num_unheld([]) == 0
+    with pytest.raises(ValueError):
+        pool.num_unheld([0])  # the reserved block is never a hit
+
+
+def test_packed_uint32_field_is_what_protobuf_parses():
+    from planserve.v1 import engine_pb2
+
+    from cython_ext.step_core import packed_uint32_field
+
+    rng = random.Random(2)
+    for n in (0, 1, 2, 127, 128, 4096):
+        values = [rng.choice([0, 1, 127, 128, 16383, 16384, 2**21, 2**28, 2**32 - 1,
+                              rng.randrange(2**32)]) for _ in range(n)]
+        wire = packed_uint32_field(2, values)
+        reference = engine_pb2.NewSequence(token_ids=values).SerializeToString()
+        assert wire == reference  # byte for byte what protobuf writes (b"" for none)
+        message = engine_pb2.NewSequence(slot=3)
+        message.MergeFromString(wire)
+        assert list(message.token_ids) == values and message.slot == 3
+    assert packed_uint32_field(2, (5, 6)) == packed_uint32_field(2, [5, 6])  # not only lists
+    with pytest.raises(OverflowError):
+        packed_uint32_field(2, [2**32])
+    with pytest.raises(OverflowError):
+        packed_uint32_field(2, [-1])
+    with pytest.raises(ValueError, match="field numbers"):
+        packed_uint32_field(0, [1])
