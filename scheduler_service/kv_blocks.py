@@ -81,9 +81,9 @@ class KVBlockManager:
             # Prompt logprobs need every prompt position computed.
             return [], 0
         token_ids = request.all_token_ids
-        hits = self.pool.match_prefix(token_ids[:len(token_ids) - 1], self.block_size,
-                                      self.salt(request))
-        return hits, sum(1 for block in hits if self.pool.ref_count(block) == 0)
+        hits = self.pool.match_prefix(token_ids, self.block_size, self.salt(request),
+                                      len(token_ids) - 1)
+        return hits, self.pool.num_unheld(hits)
 
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Prompt tokens a waiting request would find cached (the `lpm` policy's key)."""
