@@ -18,7 +18,6 @@ tensor-parallel layers, which stay on torch with layer_ops.linear's padding).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cython_ext import gemm as native
@@ -50,14 +49,12 @@ class PackedLinear(nn.Module):
             self.int8 = True
             packed = torch.empty(native.packed_int8_bytes(*q.shape), dtype=torch.uint8)
             native.pack_int8(q.contiguous().data_ptr(), scale.data_ptr(), *q.shape, packed.data_ptr())
-            self.dtype = source.w.like.dtype
         else:
             weight = source.weight.detach()
             self.out_features, self.in_features = weight.shape
             self.int8 = False
             packed = torch.empty(native.packed_bf16_elems(*weight.shape), dtype=torch.bfloat16)
             native.pack_bf16(weight.data_ptr(), *weight.shape, weight.stride(0), packed.data_ptr())
-            self.dtype = weight.dtype
         self.register_buffer("packed", packed)
         bias = getattr(source, "bias", None)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).contiguous())
@@ -95,15 +92,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8={self.int8}, isa={self.isa}"
 
 
-def packable(module: nn.Module, dtype: torch.dtype, in_features: int) -> bool:
-    """Whether the native kernel takes this layer: bfloat16 compute, an even input size (a
-    multiple of 32 for int8), on the CPU."""
+def packable(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the native kernel takes this layer: bfloat16 compute on the CPU, an nn.Linear with
+    an even input size or an Int8Linear with a multiple of 32."""
     if dtype != torch.bfloat16:
         return False
     if isinstance(module, Int8Linear):
-        return module.w.qweight.device.type == "cpu" and in_features % 32 == 0
+        q = module.w.qweight
+        return q.device.type == "cpu" and q.shape[1] % 32 == 0
     return (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16
-            and in_features % 2 == 0)
+            and module.in_features % 2 == 0)
 
 
 def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) -> int:
@@ -114,15 +112,8 @@ def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) 
         return 0
     count = 0
     for name, module in list(model.named_modules()):
-        in_features = getattr(module, "in_features", None) or (module.w.qweight.shape[1]
-                                                               if isinstance(module, Int8Linear) else 0)
-        if in_features and packable(module, dtype, in_features):
+        if packable(module, dtype):
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(module, isa))
             count += 1
     return count
-
-
-def reference_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float64 x @ weight^T, for checks."""
-    return F.linear(x.to(torch.float64), weight.to(torch.float64))
