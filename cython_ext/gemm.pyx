@@ -50,6 +50,14 @@ def unpack_bf16(uintptr_t packed, int64_t n, int64_t k, uintptr_t w) -> None:
     _check(code, "unpack_bf16")
 
 
+def gather_rows_bf16(uintptr_t packed, int64_t n, int64_t k, uintptr_t ids, int64_t count, uintptr_t out) -> None:
+    """Rows ids (int64 [count]) of a packed bfloat16 [n, k] weight -> dense out [count, k]."""
+    cdef int code
+    with nogil:
+        code = gm_gather_rows_bf16(<const uint16_t*>packed, n, k, <const int64_t*>ids, count, <uint16_t*>out)
+    _check(code, "gather_rows_bf16")
+
+
 def pack_int8(uintptr_t q, uintptr_t scales, int64_t n, int64_t k, uintptr_t packed) -> None:
     """int8 q [n, k] and float32 scales [n, k / 32] -> packed (packed_int8_bytes(n, k) bytes)."""
     cdef int code

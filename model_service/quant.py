@@ -89,18 +89,13 @@ def quantize_int8_(model: nn.Module, embedding_path: str = "model.embed_tokens",
     lm_head = model.get_submodule(lm_head_path)
     tied = lm_head.weight is embedding.weight
     shared = Int8Weight(embedding.weight)
-    _set(model, embedding_path, Int8Embedding(shared))
+    model.set_submodule(embedding_path, Int8Embedding(shared))
     if tied:
-        _set(model, lm_head_path, Int8Linear(shared))
+        model.set_submodule(lm_head_path, Int8Linear(shared))
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
-            _set(model, name, Int8Linear(Int8Weight(module.weight)))
+            model.set_submodule(name, Int8Linear(Int8Weight(module.weight)))
     return model
-
-
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
 def weight_bytes(model: nn.Module) -> int:

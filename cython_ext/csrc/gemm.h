@@ -30,7 +30,7 @@ extern "C" {
 #define GM_INT8_PANEL_BLOCK_BYTES (GM_PANEL * 4 + GM_INT8_BLOCK * GM_PANEL)
 
 enum gm_isa { GM_ISA_PORTABLE = 0, GM_ISA_AVX512_BF16 = 1 };
-enum gm_error { GM_OK = 0, GM_BAD_SHAPE = 1, GM_ISA_UNAVAILABLE = 2 };
+enum gm_error { GM_OK = 0, GM_BAD_SHAPE = 1, GM_ISA_UNAVAILABLE = 2, GM_BAD_ROW = 3 };
 
 // Elements of the packed bfloat16 weight (uint16) for an [n, k] matrix.
 int64_t gm_packed_bf16_elems(int64_t n, int64_t k);
@@ -40,6 +40,9 @@ int64_t gm_packed_int8_bytes(int64_t n, int64_t k);
 // w [n, k] bfloat16 (row stride ldw) -> packed; and back (unpack: w dense [n, k]).
 int gm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, int64_t ldw, uint16_t* packed);
 int gm_unpack_bf16(const uint16_t* packed, int64_t n, int64_t k, uint16_t* w);
+// Rows ids[0..count) of the packed bf16 weight, dense, into out [count, k]: the embedding lookup of
+// a tied lm_head, so the model keeps one copy of the matrix.
+int gm_gather_rows_bf16(const uint16_t* packed, int64_t n, int64_t k, const int64_t* ids, int64_t count, uint16_t* out);
 // q [n, k] int8 and scales [n, k / GM_INT8_BLOCK] float32 -> packed.
 int gm_pack_int8(const int8_t* q, const float* scales, int64_t n, int64_t k, uint8_t* packed);
 

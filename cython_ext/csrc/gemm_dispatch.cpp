@@ -33,6 +33,7 @@ const char* gm_error_message(int code) {
         case GM_BAD_SHAPE:
             return "a row count, column count or row stride out of range (input columns even; a multiple of 32 for int8)";
         case GM_ISA_UNAVAILABLE: return "the requested ISA path is not available on this CPU or build";
+        case GM_BAD_ROW: return "a row id outside the weight's rows";
     }
     return "unknown error";
 }
@@ -80,6 +81,19 @@ int gm_pack_int8(const int8_t* q, const float* scales, int64_t n, int64_t k, uin
             }
             packed += GM_INT8_PANEL_BLOCK_BYTES;
         }
+    return GM_OK;
+}
+
+int gm_gather_rows_bf16(const uint16_t* packed, int64_t n, int64_t k, const int64_t* ids, int64_t count, uint16_t* out) {
+    if (n <= 0 || k <= 0 || count < 0) return GM_BAD_SHAPE;
+    for (int64_t i = 0; i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= n) return GM_BAD_ROW;
+    const int64_t pairs = (k + 1) / 2;
+    for (int64_t i = 0; i < count; ++i) {
+        // Row r's pairs are GM_PANEL pairs apart within its panel: 2 values at a time.
+        const uint16_t* row = packed + (ids[i] / GM_PANEL * pairs * GM_PANEL + ids[i] % GM_PANEL) * 2;
+        for (int64_t kk = 0; kk < k; ++kk) out[i * k + kk] = row[(kk / 2) * GM_PANEL * 2 + kk % 2];
+    }
     return GM_OK;
 }
 

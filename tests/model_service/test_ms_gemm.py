@@ -169,6 +169,28 @@ def test_the_loader_packs_bf16_models_and_the_runner_says_so():
     assert ModelRunner(loaded, config).compute["gemm"] == gemm.GEMM_ISA
 
 
+def test_a_tied_embedding_reads_the_packed_lm_head(tiny_loaded):
+    """A tied embedding becomes a PackedEmbedding over lm_head's packed matrix: the same rows, no
+    second copy of the matrix, the state dict unchanged."""
+    import copy
+
+    from model_service.quant import weight_bytes
+
+    model = copy.deepcopy(tiny_loaded.model).to(torch.bfloat16)
+    dense = model.model.embed_tokens.weight.detach().clone()
+    before = weight_bytes(model)
+    gemm.pack_linears_(model, torch.bfloat16, isa="portable")
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, gemm.PackedEmbedding)
+    ids = torch.tensor([[0, 7, dense.shape[0] - 1], [3, 3, 15]])
+    assert torch.equal(embedding(ids), dense[ids])
+    assert torch.equal(embedding(ids.to(torch.int32)), dense[ids])
+    assert weight_bytes(model) == before  # the tied matrix held once, packed (not a second, packed copy)
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], dense)
+    with pytest.raises(ValueError, match="gather_rows_bf16: a row id outside the weight's rows"):
+        embedding(torch.tensor([dense.shape[0]]))
+
+
 def test_errors_name_the_field():
     packed = gemm.PackedLinear(_linear(64, 32), "portable")
     with pytest.raises(ValueError, match=r"PackedLinear: x must be bfloat16 \[T, 64\]"):
