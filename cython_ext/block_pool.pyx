@@ -1,5 +1,5 @@
 # distutils: language = c++
-# distutils: depends = cython_ext/csrc/sha256.h cython_ext/csrc/sha256_shani.c
+# distutils: depends = cython_ext/csrc/sha256.h cython_ext/csrc/sha256_k.h cython_ext/csrc/sha256_shani.c
 """The KV block pool (DESIGN.md "KV blocks"). The contract is block_pool.pxd, the Python view block_pool.pyi.
 
 One pool per scheduler, sized from the model service's Describe reply. Everything per block lives in

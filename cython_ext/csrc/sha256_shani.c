@@ -10,7 +10,7 @@
  *
  * What the instructions do (32-bit lanes, lane 0 the lowest):
  *   _mm_sha256rnds2_epu32(cdgh, abef, wk)  two rounds. abef holds (lane 3..0) A B E F, cdgh holds
- *       C D G H, wk lanes 0 and 1 hold W[t] + K[t] and W[t+1] + K[t+1]. Returns the new A B E F;
+ *       C D G H, wk lanes 0 and 1 hold W[t] + PS_SHA256_K[t] and W[t+1] + PS_SHA256_K[t+1]. Returns the new A B E F;
  *       after two rounds the new C D G H is the old A B E F, so the caller swaps the roles.
  *   _mm_sha256msg1_epu32(w0_3, w4_7)       lanes i: W[i] + sigma0(W[i+1]), i = 0..3.
  *   _mm_sha256msg2_epu32(x, w12_15)        finishes W[16..19] from x = W[t-16] + sigma0(W[t-15])
@@ -22,17 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* K (4.2.2), the same constants as sha256.h's PS_SHA256_K, 16-byte aligned for the vector loads. */
-static const uint32_t K[64] __attribute__((aligned(16))) = {
-    0x428a2f98u, 0x71374491u, 0xb5c0fbcfu, 0xe9b5dba5u, 0x3956c25bu, 0x59f111f1u, 0x923f82a4u, 0xab1c5ed5u,
-    0xd807aa98u, 0x12835b01u, 0x243185beu, 0x550c7dc3u, 0x72be5d74u, 0x80deb1feu, 0x9bdc06a7u, 0xc19bf174u,
-    0xe49b69c1u, 0xefbe4786u, 0x0fc19dc6u, 0x240ca1ccu, 0x2de92c6fu, 0x4a7484aau, 0x5cb0a9dcu, 0x76f988dau,
-    0x983e5152u, 0xa831c66du, 0xb00327c8u, 0xbf597fc7u, 0xc6e00bf3u, 0xd5a79147u, 0x06ca6351u, 0x14292967u,
-    0x27b70a85u, 0x2e1b2138u, 0x4d2c6dfcu, 0x53380d13u, 0x650a7354u, 0x766a0abbu, 0x81c2c92eu, 0x92722c85u,
-    0xa2bfe8a1u, 0xa81a664bu, 0xc24b8b70u, 0xc76c51a3u, 0xd192e819u, 0xd6990624u, 0xf40e3585u, 0x106aa070u,
-    0x19a4c116u, 0x1e376c08u, 0x2748774cu, 0x34b0bcb5u, 0x391c0cb3u, 0x4ed8aa4au, 0x5b9cca4fu, 0x682e6ff3u,
-    0x748f82eeu, 0x78a5636fu, 0x84c87814u, 0x8cc70208u, 0x90befffau, 0xa4506cebu, 0xbef9a3f7u, 0xc67178f2u,
-};
+#include "sha256_k.h"
 
 /* num_blocks consecutive 64-byte blocks into h (A..H in h[0..7]), the state kept in registers. */
 void ps_sha256_blocks_shani(uint32_t h[8], const uint8_t* data, size_t num_blocks) {
@@ -58,7 +48,7 @@ void ps_sha256_blocks_shani(uint32_t h[8], const uint8_t* data, size_t num_block
                 x = _mm_add_epi32(x, _mm_alignr_epi8(w[(g + 3) % 4], w[(g + 2) % 4], 4));
                 w[g % 4] = _mm_sha256msg2_epu32(x, w[(g + 3) % 4]);
             }
-            wk = _mm_add_epi32(w[g % 4], _mm_load_si128((const __m128i*)(K + 4 * g)));
+            wk = _mm_add_epi32(w[g % 4], _mm_load_si128((const __m128i*)(PS_SHA256_K + 4 * g)));
             cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk);          /* rounds 4g, 4g+1 */
             wk = _mm_shuffle_epi32(wk, 0x0E);                       /* lanes 2, 3 down to 0, 1 */
             abef = _mm_sha256rnds2_epu32(abef, cdgh, wk);          /* rounds 4g+2, 4g+3 */
