@@ -67,20 +67,21 @@ def pack_int8(uintptr_t q, uintptr_t scales, int64_t n, int64_t k, uintptr_t pac
 
 
 def linear_bf16(uintptr_t x, int64_t rows, int64_t ldx, uintptr_t packed, int64_t n, int64_t k, uintptr_t bias,
-                uintptr_t out, int64_t ldo, int isa, int num_threads) -> None:
-    """out [rows, n] = x [rows, k] @ W^T (+ bias [n]; 0: none), W packed by pack_bf16."""
+                uintptr_t out, int64_t ldo, bint out_f32, int isa, int num_threads) -> None:
+    """out [rows, n] = x [rows, k] @ W^T (+ bias [n]; 0: none), W packed by pack_bf16; out bfloat16, or
+    float32 (the sums unrounded) with out_f32."""
     cdef int code
     with nogil:
         code = gm_linear_bf16(<const uint16_t*>x, rows, ldx, <const uint16_t*>packed, n, k,
-                              <const uint16_t*>bias if bias else NULL, <uint16_t*>out, ldo, isa, num_threads)
+                              <const uint16_t*>bias if bias else NULL, <void*>out, ldo, out_f32, isa, num_threads)
     _check(code, "linear_bf16")
 
 
 def linear_int8(uintptr_t x, int64_t rows, int64_t ldx, uintptr_t packed, int64_t n, int64_t k, uintptr_t bias,
-                uintptr_t out, int64_t ldo, int isa, int num_threads) -> None:
+                uintptr_t out, int64_t ldo, bint out_f32, int isa, int num_threads) -> None:
     """As linear_bf16 with W packed by pack_int8."""
     cdef int code
     with nogil:
         code = gm_linear_int8(<const uint16_t*>x, rows, ldx, <const uint8_t*>packed, n, k,
-                              <const uint16_t*>bias if bias else NULL, <uint16_t*>out, ldo, isa, num_threads)
+                              <const uint16_t*>bias if bias else NULL, <void*>out, ldo, out_f32, isa, num_threads)
     _check(code, "linear_int8")

@@ -75,17 +75,20 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x @ W^T in bf16, or in float32 (the kernel's sums unrounded: lm_head's logits)."""
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"PackedLinear: out_dtype must be bfloat16 or float32, got {out_dtype}")
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1:
             raise ValueError(f"PackedLinear: x must be bfloat16 [T, {self.in_features}] with dense rows, got "
                              f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
         rows = x.shape[0]
-        out = x.new_empty((rows, self.out_features))
+        out = x.new_empty((rows, self.out_features), dtype=out_dtype)
         if rows:
             call = native.linear_int8 if self.int8 else native.linear_bf16
             call(x.data_ptr(), rows, x.stride(0), self.packed.data_ptr(), self.out_features, self.in_features,
-                 0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features, self._isa_index,
-                 torch.get_num_threads())
+                 0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features,
+                 out_dtype == torch.float32, self._isa_index, torch.get_num_threads())
         return out
 
     def extra_repr(self) -> str:

@@ -104,8 +104,9 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     return out
 
 
-def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for a linear layer, batch-invariant. A PackedLinear (model_service/gemm.py) is by
+def linear(module: torch.nn.Module, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
+    """module(x) for a linear layer (float32_out: as float32, e.g. logits; a PackedLinear then
+    returns its float32 sums unrounded), batch-invariant. A PackedLinear (model_service/gemm.py) is by
     construction and runs as it is. torch's CPU GEMMs pick other kernels, with
     another summation order, for few rows, so fewer than GEMM_MIN_ROWS rows are padded with zero
     rows up to it. Measured (AMD EPYC Zen 5, torch 2.13): float32 (MKL) rows differ in the last
@@ -113,13 +114,15 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     one row with 1,536 input columns (SmolLM2's down_proj: ~10% of rows, one element off by an
     ulp), and at no other count. Padding one bf16 row to two costs nothing measurable (60 vs 52
     us); float32's 16 rows cost its one-row GEMV (85 vs 378 us at the MLP shape)."""
-    if isinstance(module, PackedLinear):
-        return module.forward(x)  # no hooks on these: skips nn.Module.__call__ (~1.5 us x 121 calls a step)
+    if isinstance(module, PackedLinear):  # no hooks on these: forward skips nn.Module.__call__ (~1.5 us x 121 a step)
+        return module.forward(x, torch.float32 if float32_out else torch.bfloat16)
     rows = x.shape[0]
     minimum = GEMM_MIN_ROWS.get(x.dtype, 0)
     if x.device.type == "cpu" and 0 < rows < minimum:
-        return module(F.pad(x, (0, 0, 0, minimum - rows)))[:rows]
-    return module(x)
+        out = module(F.pad(x, (0, 0, 0, minimum - rows)))[:rows]
+    else:
+        out = module(x)
+    return out.float() if float32_out else out
 
 
 def _check_dense(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:

@@ -46,11 +46,12 @@ int gm_gather_rows_bf16(const uint16_t* packed, int64_t n, int64_t k, const int6
 // q [n, k] int8 and scales [n, k / GM_INT8_BLOCK] float32 -> packed.
 int gm_pack_int8(const int8_t* q, const float* scales, int64_t n, int64_t k, uint8_t* packed);
 
-// out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) @ W^T + bias [n] (NULL: none).
+// out [rows, n] (row stride ldo) = x [rows, k] (row stride ldx) @ W^T + bias [n] (NULL: none); out is
+// bfloat16, or float32 with out_f32 (the float32 sums unrounded: lm_head's logits).
 int gm_linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
-                   const uint16_t* bias, uint16_t* out, int64_t ldo, int isa, int num_threads);
+                   const uint16_t* bias, void* out, int64_t ldo, int out_f32, int isa, int num_threads);
 int gm_linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
-                   const uint16_t* bias, uint16_t* out, int64_t ldo, int isa, int num_threads);
+                   const uint16_t* bias, void* out, int64_t ldo, int out_f32, int isa, int num_threads);
 
 int gm_isa_supported(int isa);
 const char* gm_error_message(int code);

@@ -23,7 +23,7 @@ static inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_
 constexpr int64_t kAhead = 16;
 
 template <int MR, int NR>
-static inline void store(__m512 (&acc)[MR][NR], const uint16_t* bias, uint16_t* c, int64_t ldc, int cols) {
+static inline void store(__m512 (&acc)[MR][NR], const uint16_t* bias, void* c, int64_t ldc, int cols, int f32) {
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
         const int valid = cols - j * GM_PANEL;
@@ -33,14 +33,17 @@ static inline void store(__m512 (&acc)[MR][NR], const uint16_t* bias, uint16_t* 
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
             const __m512 v = bias ? _mm512_add_ps(acc[i][j], add) : acc[i][j];
-            _mm256_mask_storeu_epi16(c + i * ldc + j * GM_PANEL, mask, (__m256i)_mm512_cvtneps_pbh(v));
+            if (f32)
+                _mm512_mask_storeu_ps((float*)c + i * ldc + j * GM_PANEL, mask, v);
+            else
+                _mm256_mask_storeu_epi16((uint16_t*)c + i * ldc + j * GM_PANEL, mask, (__m256i)_mm512_cvtneps_pbh(v));
         }
     }
 }
 
 template <int MR, int NR>
 void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_stride, int64_t pairs, const uint16_t* bias,
-          uint16_t* c, int64_t ldc, int cols) {
+          void* c, int64_t ldc, int cols, int f32) {
     __m512 acc[MR][NR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
@@ -61,7 +64,7 @@ void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_strid
             for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x, w[j]);
         }
     }
-    store<MR, NR>(acc, bias, c, ldc, cols);
+    store<MR, NR>(acc, bias, c, ldc, cols, f32);
 }
 
 // One row of x -> per block of 32: d = max|x| / 32767 and int16 q = rne(x * (32767 / max|x|)).
@@ -85,7 +88,7 @@ void quantize_row(const uint16_t* x, int64_t k, int16_t* xq, float* xd) {
 // the float32 sum with the two scales.
 template <int MR, int NR>
 void tile_q8(const int16_t* xq, int64_t ldq, const float* xd, int64_t ldd, const uint8_t* b, int64_t panel_bytes,
-             int64_t blocks, const uint16_t* bias, uint16_t* c, int64_t ldc, int cols) {
+             int64_t blocks, const uint16_t* bias, void* c, int64_t ldc, int cols, int f32) {
     __m512 acc[MR][NR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
@@ -130,7 +133,7 @@ void tile_q8(const int16_t* xq, int64_t ldq, const float* xd, int64_t ldd, const
             }
         }
     }
-    store<MR, NR>(acc, bias, c, ldc, cols);
+    store<MR, NR>(acc, bias, c, ldc, cols, f32);
 }
 
 }  // namespace GM_NS

@@ -8,9 +8,9 @@ extern "C" {
 
 #define GM_DECLARE(isa)                                                                                                  \
     void gm_linear_bf16_##isa(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,    \
-                              uint16_t*, int64_t, int);                                                                  \
+                              void*, int64_t, int, int);                                                                 \
     void gm_linear_int8_##isa(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const uint16_t*,     \
-                              uint16_t*, int64_t, int);
+                              void*, int64_t, int, int);
 GM_DECLARE(portable)
 #if defined(PLANSERVE_PA_X86)
 GM_DECLARE(avx512_bf16)
@@ -102,30 +102,30 @@ static bool bad_call(int64_t rows, int64_t ldx, int64_t n, int64_t k, int64_t ld
 }
 
 int gm_linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
-                   const uint16_t* bias, uint16_t* out, int64_t ldo, int isa, int num_threads) {
+                   const uint16_t* bias, void* out, int64_t ldo, int out_f32, int isa, int num_threads) {
     if (!gm_isa_supported(isa)) return GM_ISA_UNAVAILABLE;
     if (bad_call(rows, ldx, n, k, ldo, num_threads)) return GM_BAD_SHAPE;
 #if defined(PLANSERVE_PA_X86)
     if (isa == GM_ISA_AVX512_BF16) {
-        gm_linear_bf16_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+        gm_linear_bf16_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
         return GM_OK;
     }
 #endif
-    gm_linear_bf16_portable(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+    gm_linear_bf16_portable(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
     return GM_OK;
 }
 
 int gm_linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
-                   const uint16_t* bias, uint16_t* out, int64_t ldo, int isa, int num_threads) {
+                   const uint16_t* bias, void* out, int64_t ldo, int out_f32, int isa, int num_threads) {
     if (!gm_isa_supported(isa)) return GM_ISA_UNAVAILABLE;
     if (bad_call(rows, ldx, n, k, ldo, num_threads) || k % GM_INT8_BLOCK) return GM_BAD_SHAPE;
 #if defined(PLANSERVE_PA_X86)
     if (isa == GM_ISA_AVX512_BF16) {
-        gm_linear_int8_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+        gm_linear_int8_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
         return GM_OK;
     }
 #endif
-    gm_linear_int8_portable(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+    gm_linear_int8_portable(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
     return GM_OK;
 }
 

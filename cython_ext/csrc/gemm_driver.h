@@ -23,7 +23,8 @@ constexpr int NR = 4;           // panels per tile (64 output columns)
 constexpr int64_t MB = 120;     // rows per block: a block of x (<= 120 x 1,536 bf16) stays in L2
 constexpr int64_t PAIR = 2 * GM_PANEL;  // elements of one pair of one panel
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, int64_t,
+// Tiles write out through c (ldc elements a row): bfloat16, or float32 where f32 is set.
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, void*, int64_t, int,
                         int);
 
 template <int M>
@@ -37,7 +38,7 @@ static const TileFn* const kTiles[MR] = {TileRow<1>::fns, TileRow<2>::fns, TileR
 // registers): each widened weight vector serves 6 rows.
 constexpr int MR_Q8 = 6, NR_Q8 = 2;
 using Q8TileFn = void (*)(const int16_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t, int64_t, const uint16_t*,
-                          uint16_t*, int64_t, int);
+                          void*, int64_t, int, int);
 template <int M>
 struct Q8TileRow {
     static constexpr Q8TileFn fns[NR_Q8] = {tile_q8<M, 1>, tile_q8<M, 2>};
@@ -45,15 +46,21 @@ struct Q8TileRow {
 static const Q8TileFn* const kQ8Tiles[MR_Q8] = {Q8TileRow<1>::fns, Q8TileRow<2>::fns, Q8TileRow<3>::fns,
                                                 Q8TileRow<4>::fns, Q8TileRow<5>::fns, Q8TileRow<6>::fns};
 
+// Element (r, col) of out, bfloat16 or float32.
+static inline void* at(void* out, int64_t ldo, int f32, int64_t r, int64_t col) {
+    return (char*)out + (r * ldo + col) * (f32 ? 4 : 2);
+}
+
 // Rows [r0, r1) of out for panels [p0, p0 + nr), from panels b (panel_stride apart).
 static inline void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1, const uint16_t* b, int64_t panel_stride,
-                         int64_t pairs, int64_t p0, int nr, int64_t n, const uint16_t* bias, uint16_t* out, int64_t ldo) {
+                         int64_t pairs, int64_t p0, int nr, int64_t n, const uint16_t* bias, void* out, int64_t ldo,
+                         int f32) {
     const int cols = (int)std::min<int64_t>(nr * GM_PANEL, n - p0 * GM_PANEL);
     const uint16_t* panel_bias = bias ? bias + p0 * GM_PANEL : nullptr;
     for (int64_t r = r0; r < r1; r += MR) {
         const int mr = (int)std::min<int64_t>(MR, r1 - r);
-        kTiles[mr - 1][nr - 1](x + r * ldx, ldx, b, panel_stride, pairs, panel_bias, out + r * ldo + p0 * GM_PANEL, ldo,
-                               cols);
+        kTiles[mr - 1][nr - 1](x + r * ldx, ldx, b, panel_stride, pairs, panel_bias, at(out, ldo, f32, r, p0 * GM_PANEL), ldo,
+                               cols, f32);
     }
 }
 
@@ -74,7 +81,7 @@ struct Plan {
 };
 
 static void linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
-                        const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+                        const uint16_t* bias, void* out, int64_t ldo, int f32, int num_threads) {
     if (rows == 0) return;
     const Plan plan(rows, n, k, num_threads);
     const int64_t panel_stride = plan.pairs * PAIR;
@@ -84,12 +91,12 @@ static void linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint
         const int64_t p0 = group * NR;
         const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
         block(x, ldx, r0, std::min(rows, r0 + MB), packed + p0 * panel_stride, panel_stride, plan.pairs, p0, nr, n, bias,
-              out, ldo);
+              out, ldo, f32);
     }
 }
 
 static void linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
-                        const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+                        const uint16_t* bias, void* out, int64_t ldo, int f32, int num_threads) {
     if (rows == 0) return;
     const Plan plan(rows, n, k, num_threads);
     const int64_t blocks = k / GM_INT8_BLOCK, panel_bytes = blocks * GM_INT8_PANEL_BLOCK_BYTES;
@@ -111,7 +118,7 @@ static void linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint
                     const int cols = (int)std::min<int64_t>(np * GM_PANEL, n - p * GM_PANEL);
                     kQ8Tiles[mr - 1][np - 1](xq.data() + r * k, k, xd.data() + r * blocks, blocks, packed + p * panel_bytes,
                                              panel_bytes, blocks, bias ? bias + p * GM_PANEL : nullptr,
-                                             out + r * ldo + p * GM_PANEL, ldo, cols);
+                                             at(out, ldo, f32, r, p * GM_PANEL), ldo, cols, f32);
                 }
             }
         }
@@ -122,11 +129,11 @@ static void linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint
 
 extern "C" {
 void GM_ENTRY(linear_bf16)(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t* packed, int64_t n, int64_t k,
-                           const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
-    GM_NS::linear_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+                           const uint16_t* bias, void* out, int64_t ldo, int out_f32, int num_threads) {
+    GM_NS::linear_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
 }
 void GM_ENTRY(linear_int8)(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* packed, int64_t n, int64_t k,
-                           const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
-    GM_NS::linear_int8(x, rows, ldx, packed, n, k, bias, out, ldo, num_threads);
+                           const uint16_t* bias, void* out, int64_t ldo, int out_f32, int num_threads) {
+    GM_NS::linear_int8(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
 }
 }

@@ -9,6 +9,15 @@
 
 #include "gemm.h"
 
+// GCC 12's loop vectorizer miscompiles these scalar tiles at -O3 (a 1-row tile added x[0] * w
+// twice: caught by test_ms_gemm's 1-row and float32-out checks); they are the checking path, so
+// they are simply not loop-vectorized.
+#if defined(__GNUC__) && !defined(__clang__)
+#define GM_PORTABLE_TILE __attribute__((optimize("no-tree-loop-vectorize")))
+#else
+#define GM_PORTABLE_TILE
+#endif
+
 #define GM_NS planserve_gm_portable
 #define GM_ENTRY(name) gm_##name##_portable
 
@@ -28,26 +37,35 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN sta
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-template <int MR, int NR>
-void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_stride, int64_t pairs, const uint16_t* bias,
-          uint16_t* c, int64_t ldc, int cols) {
-    float acc[MR][NR * GM_PANEL] = {};
-    for (int64_t p = 0; p < pairs; ++p) {
-        for (int i = 0; i < MR; ++i) {
-            const float x0 = bf16_to_f32(a[i * lda + 2 * p]), x1 = bf16_to_f32(a[i * lda + 2 * p + 1]);
-            for (int j = 0; j < NR; ++j) {
-                const uint16_t* w = b + j * panel_stride + p * 2 * GM_PANEL;
-                for (int col = 0; col < GM_PANEL; ++col) {
-                    float& sum = acc[i][j * GM_PANEL + col];
-                    sum += x1 * bf16_to_f32(w[2 * col + 1]);
-                    sum += x0 * bf16_to_f32(w[2 * col]);
-                }
-            }
-        }
-    }
+template <int MR, size_t W>
+static void store(const float (&acc)[MR][W], const uint16_t* bias, void* c, int64_t ldc, int cols, int f32) {
     for (int i = 0; i < MR; ++i)
-        for (int col = 0; col < cols; ++col)
-            c[i * ldc + col] = f32_to_bf16(bias ? acc[i][col] + bf16_to_f32(bias[col]) : acc[i][col]);
+        for (int col = 0; col < cols; ++col) {
+            const float v = bias ? acc[i][col] + bf16_to_f32(bias[col]) : acc[i][col];
+            if (f32)
+                ((float*)c)[i * ldc + col] = v;
+            else
+                ((uint16_t*)c)[i * ldc + col] = f32_to_bf16(v);
+        }
+}
+
+template <int MR, int NR>
+GM_PORTABLE_TILE void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_stride, int64_t pairs, const uint16_t* bias,
+          void* c, int64_t ldc, int cols, int f32) {
+    float acc[MR][NR * GM_PANEL];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j)
+            for (int col = 0; col < GM_PANEL; ++col) {
+                const uint16_t* x = a + i * lda;
+                const uint16_t* w = b + j * panel_stride + 2 * col;
+                float sum = 0.0f;
+                for (int64_t p = 0; p < pairs; ++p) {
+                    sum += bf16_to_f32(x[2 * p + 1]) * bf16_to_f32(w[p * 2 * GM_PANEL + 1]);
+                    sum += bf16_to_f32(x[2 * p]) * bf16_to_f32(w[p * 2 * GM_PANEL]);
+                }
+                acc[i][j * GM_PANEL + col] = sum;
+            }
+    store<MR>(acc, bias, c, ldc, cols, f32);
 }
 
 void quantize_row(const uint16_t* x, int64_t k, int16_t* xq, float* xd) {
@@ -63,8 +81,8 @@ void quantize_row(const uint16_t* x, int64_t k, int16_t* xq, float* xd) {
 }
 
 template <int MR, int NR>
-void tile_q8(const int16_t* xq, int64_t ldq, const float* xd, int64_t ldd, const uint8_t* b, int64_t panel_bytes,
-             int64_t blocks, const uint16_t* bias, uint16_t* c, int64_t ldc, int cols) {
+GM_PORTABLE_TILE void tile_q8(const int16_t* xq, int64_t ldq, const float* xd, int64_t ldd, const uint8_t* b, int64_t panel_bytes,
+             int64_t blocks, const uint16_t* bias, void* c, int64_t ldc, int cols, int f32) {
     float acc[MR][NR * GM_PANEL] = {};
     for (int64_t blk = 0; blk < blocks; ++blk)
         for (int j = 0; j < NR; ++j) {
@@ -81,9 +99,7 @@ void tile_q8(const int16_t* xq, int64_t ldq, const float* xd, int64_t ldd, const
                     sum = std::fma((float)dot, scale, sum);
                 }
         }
-    for (int i = 0; i < MR; ++i)
-        for (int col = 0; col < cols; ++col)
-            c[i * ldc + col] = f32_to_bf16(bias ? acc[i][col] + bf16_to_f32(bias[col]) : acc[i][col]);
+    store<MR>(acc, bias, c, ldc, cols, f32);
 }
 
 }  // namespace GM_NS

@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
             delta = layer(delta, residual, positions, rope, k_cache, v_cache, meta)
         # The last add, the norm and lm_head only for the rows that get sampled: a prefill chunk needs none.
         x = self.model.norm(residual.index_select(0, logits_indices), delta.index_select(0, logits_indices))
-        return layer_ops.linear(self.lm_head, x).float()
+        return layer_ops.linear(self.lm_head, x, float32_out=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights in Hugging Face naming: views into the fused matrices (int8 ones too, split by

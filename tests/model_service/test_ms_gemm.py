@@ -20,7 +20,7 @@ from model_service import gemm, layer_ops
 from model_service.quant import Int8Linear, Int8Weight
 
 SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
-SHAPES = [(576, 960), (1536, 576), (64, 100), (50, 37)]  # (in, out): SmolLM2's qkv and down, the tiny model's, odd panels
+SHAPES = [(576, 960), (1536, 576), (64, 100), (50, 37), (576, 16), (576, 200)]  # (in, out): SmolLM2's qkv and down, the tiny model's, odd panels, 1-panel groups
 
 
 def _randn(*shape, seed=0, dtype=torch.bfloat16):
@@ -103,6 +103,23 @@ def test_int8_matches_its_arithmetic_in_float64(isa, in_features, out_features):
         # ~2^-16 of its block's max, below the eager weight's own bf16 rounding
         eager = layer(x).double()
         torch.testing.assert_close(out, eager, rtol=2**-6, atol=2**-8 * float(eager.abs().max()))
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_float32_out_is_the_sum_the_bf16_out_rounds(isa, kind):
+    """out_dtype=float32 (lm_head's logits) gives the kernel's float32 sums: within float32
+    accumulation error of float64, and rounding them to bf16 gives the bf16 output bit for bit."""
+    layer = _linear(576, 200, bias=True) if kind == "bf16" else _int8(576, 200)
+    packed = gemm.PackedLinear(layer, isa)
+    x = _randn(37, 576, seed=3)
+    wide = packed(x, torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide.to(torch.bfloat16), packed(x))
+    expected = F.linear(x.double(), layer.weight.double(), layer.bias.double()) if kind == "bf16" else _q8_reference(x, layer)
+    torch.testing.assert_close(wide.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    with pytest.raises(ValueError, match="PackedLinear: out_dtype must be bfloat16 or float32"):
+        packed(x, torch.float16)
 
 
 @pytest.mark.parametrize("isa", SUPPORTED)
@@ -198,6 +215,6 @@ def test_errors_name_the_field():
     with pytest.raises(ValueError, match=r"PackedLinear: x must be bfloat16 \[T, 64\]"):
         packed(torch.zeros(2, 63, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="linear_bf16: a row count, column count or row stride out of range"):
-        native.linear_bf16(0, 1, 63, 0, 8, 63, 0, 0, 8, 0, 1)  # odd input columns, refused before any read
+        native.linear_bf16(0, 1, 63, 0, 8, 63, 0, 0, 8, False, 0, 1)  # odd input columns, refused before any read
     with pytest.raises(ValueError, match="linear_int8: .*a multiple of 32 for int8"):
-        native.linear_int8(0, 1, 48, 0, 8, 48, 0, 0, 8, 0, 1)
+        native.linear_int8(0, 1, 48, 0, 8, 48, 0, 0, 8, False, 0, 1)
