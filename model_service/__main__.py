@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:
                         help="--model null: milliseconds each step sleeps (default 0)")
     parser.add_argument("--null-eos-at", type=int, default=defaults.null_eos_at,
                         help="--model null: emit EOS from this position on (default never)")
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16"],
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                         help='"auto" (default): bfloat16 on a GPU or a CPU with AMX/AVX512-BF16, else float32')
     parser.add_argument("--quantization", default=defaults.quantization, choices=["none", "int8"],
                         help="int8: weight-only int8, per-output-channel scales (~3.9x less weight memory than float32)")

@@ -113,13 +113,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     isa: str | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D]; caches [NB, KVH, BS, D]. Writes k/v into the caches at
     meta.slot_mapping and returns the attention output [T, H * D] in q's dtype. `isa` forces a
-    CPU path (tests); None runs ATTENTION_ISA."""
+    CPU path (tests); None runs ATTENTION_ISA. With a sliding_window W, the row at position p
+    attends positions p - W + 1 .. p only, on the torch path (the native kernel attends whole
+    prefixes; a window inside it is not written yet). float16 runs the torch path too (the native
+    kernel is float32 and bfloat16)."""
     isa = isa or ATTENTION_ISA
-    if meta.native_step is None or isa == TORCH_PATH:
-        return _torch_attention(q, k, v, k_cache, v_cache, meta)
+    if meta.native_step is None or isa == TORCH_PATH or sliding_window is not None or q.dtype == torch.float16:
+        return _torch_attention(q, k, v, k_cache, v_cache, meta, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     dtype = _DTYPES.get(q.dtype)
@@ -148,7 +152,7 @@ def _dense_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
     """Gather + SDPA in plain torch, for devices without a native kernel here (CUDA: the real
     paged kernel is the forward-speed part 3's). Same layouts and semantics as the CPU kernel."""
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
@@ -165,10 +169,19 @@ def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torc
     valid = q_off[None, :] < meta.num_scheduled[:, None]
     rows = torch.where(valid, meta.query_start[:, None] + q_off[None, :], 0)
     positions = (meta.context_lens - meta.num_scheduled)[:, None] + q_off[None, :]
-    mask = torch.arange(width * block_size, device=q.device)[None, None, :] <= positions[:, :, None]
-    out = F.scaled_dot_product_attention(q[rows].transpose(1, 2), keys, values, attn_mask=mask[:, None],
+    key_positions = torch.arange(width * block_size, device=q.device)[None, None, :]
+    mask = key_positions <= positions[:, :, None]
+    if sliding_window is not None:
+        mask &= key_positions > positions[:, :, None] - sliding_window
+    queries = q[rows].transpose(1, 2)
+    if q.device.type == "cpu":
+        # torch's CPU SDPA with a mask rounds bf16 scores before the softmax; the native kernel
+        # accumulates in float32, and so does this path on the CPU (measured: bf16 logprobs of a
+        # windowed Mistral 2.6x farther from float32 than transformers' bf16 without it).
+        queries, keys, values = queries.float(), keys.float(), values.float()
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
                                          enable_gqa=q.shape[1] != num_kv_heads)
     result = q.new_empty(q.shape)
-    result[rows[valid]] = out.transpose(1, 2)[valid]
+    result[rows[valid]] = out.transpose(1, 2)[valid].to(q.dtype)
     return result.reshape(q.shape[0], -1)
 

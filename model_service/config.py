@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Optional
 
-_DTYPES = ("auto", "float32", "bfloat16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NAMED_MODELS = ("smollm2", "tiny", "null")
 _QUANTIZATIONS = ("none", "int8")
 _SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -36,7 +36,8 @@ class ModelServiceConfig:
     /v1/models and `model`); None takes the model's own ("SmolLM2-135M-Instruct", the folder name)."""
 
     dtype: str = "auto"
-    """Compute dtype of weights and KV cache: "float32", "bfloat16", or "auto": bfloat16 on a GPU or on
+    """Compute dtype of weights and KV cache: "float32", "bfloat16", "float16" (for GPUs without
+    bf16; on the CPU it runs torch's kernels, not the native ones), or "auto": bfloat16 on a GPU or on
     a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32 otherwise.
     Describe reports the resolved name. Logits are upcast to float32 before sampling either way."""
 

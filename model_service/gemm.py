@@ -134,15 +134,18 @@ def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) 
     isa = isa or GEMM_ISA
     if isa == TORCH_PATH:
         return 0
-    modules = list(model.named_modules())
-    embeddings = {id(m.weight): name for name, m in modules if type(m) is nn.Embedding}
+    # Names, not module objects: a list of the modules would keep every unpacked weight alive until
+    # the loop ends (twice the model's weights at the peak); this way each is freed once replaced.
+    embeddings = {id(m.weight): name for name, m in model.named_modules() if type(m) is nn.Embedding}
+    names = [name for name, module in model.named_modules() if packable(module, dtype)]
     count = 0
-    for name, module in modules:
-        if packable(module, dtype):
-            packed = PackedLinear(module, isa)
-            model.set_submodule(name, packed)
-            count += 1
-            tied = embeddings.get(id(getattr(module, "weight", None)))
-            if tied is not None and not packed.int8:
-                model.set_submodule(tied, PackedEmbedding(packed))  # one copy of a tied matrix
+    for name in names:
+        module = model.get_submodule(name)
+        tied = embeddings.get(id(getattr(module, "weight", None)))
+        packed = PackedLinear(module, isa)
+        model.set_submodule(name, packed)
+        del module
+        count += 1
+        if tied is not None and not packed.int8:
+            model.set_submodule(tied, PackedEmbedding(packed))  # one copy of a tied matrix
     return count

@@ -1,10 +1,14 @@
 """Reading a llama-architecture GGUF: architecture facts, dequantized weights, tokenizer.
 
-Three facts decide token parity with transformers:
-- tensors mix Q4_1, Q8_0 and F32; all are dequantized to float32 with `gguf.quants.dequantize`;
+Four facts decide token parity with transformers:
+- tensors mix Q4_1, Q8_0 and F32; each is dequantized to float32 with `gguf.quants.dequantize`
+  when the loader asks for it (GGUFWeights: one tensor at a time, never the whole file);
 - llama.cpp's converter permutes the rows of the Q and K projections for its interleaved RoPE;
   we use rotate-half RoPE, so the permutation is undone exactly as transformers' GGUF loader does;
-- the token embedding doubles as the output projection when the file has no `output.weight`.
+- the token embedding doubles as the output projection when the file has no `output.weight`;
+- RoPE: a `rope_freqs` tensor divides each frequency (llama.cpp's converter writes Llama 3.1's
+  scaling that way), `{arch}.rope.scaling.type` linear divides them all; other scaling types are
+  refused by name rather than loaded with the wrong positions.
 The tokenizer is stored as vocab + merges + token types; it is rebuilt as a byte-level BPE with the
 `tokenizers` library so the scheduler can get a plain tokenizer.json.
 """
@@ -14,11 +18,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from typing import Optional
 
 import numpy as np
 import torch
 
 from model_service.models.llama import LlamaArchConfig
+from model_service.models.rope import RopeScaling
+from model_service.weights import sliced
 
 # llama.cpp token types (gguf.TokenType).
 _TOKEN_CONTROL = 3
@@ -54,7 +61,7 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
 @dataclasses.dataclass
 class GGUFContents:
     arch: LlamaArchConfig
-    state_dict: dict[str, torch.Tensor]
+    weights: "GGUFWeights"
     metadata: dict
 
 
@@ -69,21 +76,53 @@ def read_metadata(reader) -> dict:
     return {key: field.contents() for key, field in reader.fields.items() if key not in skip and not key.startswith("GGUF.")}
 
 
-def arch_from_metadata(meta: dict) -> LlamaArchConfig:
+# general.architecture values this reader knows: llama.cpp writes Llama 1-3 and Mistral as "llama".
+GGUF_ARCHITECTURES = ("llama",)
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def arch_from_metadata(meta: dict, rope_freqs: Optional[np.ndarray] = None) -> LlamaArchConfig:
+    """The architecture facts; ValueError naming the metadata key our forward cannot honour."""
     arch = meta["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"model: GGUF architecture {arch!r} is not supported (only 'llama')")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"model: GGUF general.architecture {arch!r} is not supported (one of {GGUF_ARCHITECTURES})")
+    heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rotated = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rotated != head_dim:
+        raise ValueError(f"model: GGUF {arch}.rope.dimension_count {rotated} != head dim {head_dim} (partial RoPE is "
+                         "not supported)")
+    if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"model: GGUF {arch}.attention.value_length {meta[f'{arch}.attention.value_length']} != "
+                         f"key_length {head_dim}")
     return LlamaArchConfig(
-        vocab_size=int(meta.get("llama.vocab_size", 0)),
-        hidden_size=int(meta["llama.embedding_length"]),
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_hidden_layers=int(meta["llama.block_count"]),
-        num_attention_heads=int(meta["llama.attention.head_count"]),
-        num_key_value_heads=int(meta.get("llama.attention.head_count_kv", meta["llama.attention.head_count"])),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        max_position_embeddings=int(meta["llama.context_length"]),
+        vocab_size=int(meta.get(f"{arch}.vocab_size", 0)),
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_hidden_layers=int(meta[f"{arch}.block_count"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        max_position_embeddings=int(meta[f"{arch}.context_length"]),
+        head_dim=head_dim,
+        rope_scaling=_rope_scaling(meta, arch, rope_freqs),
     )
+
+
+def _rope_scaling(meta: dict, arch: str, rope_freqs: Optional[np.ndarray]) -> RopeScaling:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_freqs is not None:
+        if kind not in ("none",):
+            raise ValueError(f"model: GGUF has both a rope_freqs tensor and {arch}.rope.scaling.type {kind!r}")
+        return RopeScaling(rope_type="llama3", freq_factors=tuple(float(f) for f in rope_freqs.reshape(-1)))
+    if kind == "none":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(rope_type="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    raise ValueError(f"model: GGUF {arch}.rope.scaling.type {kind!r} is not supported (only 'none', 'linear', or a "
+                     "rope_freqs tensor)")
 
 
 def reverse_rope_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -97,33 +136,55 @@ def reverse_rope_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
+class GGUFWeights:
+    """A GGUF's tensors under Hugging Face names, each dequantized to float32 when read."""
+
+    def __init__(self, reader, arch: LlamaArchConfig) -> None:
+        self._arch = arch
+        self._tensors = {}
+        for tensor in reader.tensors:
+            match = _BLOCK.match(tensor.name)
+            if match:
+                layer, kind = match.groups()
+                if kind not in _LAYER_NAMES:
+                    raise ValueError(f"model: GGUF tensor {tensor.name!r} is not one our forward uses")
+                self._tensors[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = tensor
+            elif tensor.name in _GLOBAL_NAMES:
+                self._tensors[_GLOBAL_NAMES[tensor.name]] = tensor
+            elif tensor.name != _ROPE_FREQS:  # read into the architecture's rope scaling
+                raise ValueError(f"model: GGUF tensor {tensor.name!r} is not one our forward uses")
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))  # GGML writes the row count last
+
+    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+        import gguf
+
+        tensor = self._tensors[name]
+        # np.array copies: F32 tensors come back as read-only views of the memory-mapped file.
+        weights = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if name.endswith("self_attn.q_proj.weight"):
+            weights = reverse_rope_permute(weights, self._arch.num_attention_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            weights = reverse_rope_permute(weights, self._arch.num_key_value_heads)
+        return sliced(torch.from_numpy(np.ascontiguousarray(weights)), rows, columns)
+
+
 def load_gguf(path: str) -> GGUFContents:
+    """The architecture and a lazy view of the weights (nothing dequantized yet)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     meta = read_metadata(reader)
-    arch = arch_from_metadata(meta)
-    state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        # np.array copies: F32 tensors come back as read-only views of the memory-mapped file.
-        weights = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        match = _BLOCK.match(tensor.name)
-        if match:
-            layer, kind = match.groups()
-            if kind == "attn_q":
-                weights = reverse_rope_permute(weights, arch.num_attention_heads)
-            elif kind == "attn_k":
-                weights = reverse_rope_permute(weights, arch.num_key_value_heads)
-            name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"
-        elif tensor.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[tensor.name]
-        else:
-            continue  # e.g. rope_freqs: the forward computes its own
-        state[name] = torch.from_numpy(np.ascontiguousarray(weights))
-    tied = "lm_head.weight" not in state
-    vocab = state["model.embed_tokens.weight"].shape[0]
-    arch = dataclasses.replace(arch, vocab_size=vocab, tie_word_embeddings=tied)
-    return GGUFContents(arch=arch, state_dict=state, metadata=meta)
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    arch = arch_from_metadata(meta, None if freqs is None else np.array(freqs.data, dtype=np.float32))
+    weights = GGUFWeights(reader, arch)
+    tied = "lm_head.weight" not in weights.names()
+    arch = dataclasses.replace(arch, vocab_size=weights.shape("model.embed_tokens.weight")[0], tie_word_embeddings=tied)
+    return GGUFContents(arch=arch, weights=weights, metadata=meta)
 
 
 @functools.lru_cache(maxsize=1)

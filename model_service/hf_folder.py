@@ -1,17 +1,20 @@
-"""A Llama-family Hugging Face model folder: config.json, *.safetensors, tokenizer.json.
+"""A Hugging Face model folder: config.json, *.safetensors, tokenizer.json.
 
 Read here (all optional unless marked):
-    config.json              (required) architecture; eos/bos ids as a fallback
-    *.safetensors            (required) weights, one file or shards (every file in the folder)
+    config.json              (required) architecture (models/registry.py: Llama, Mistral, Qwen2,
+                             Qwen3); eos/bos ids as a fallback
+    *.safetensors            (required) weights: one file, or the shards model.safetensors.index.json
+                             lists (else every file in the folder); read tensor by tensor by the
+                             loader (model_service/weights.py), never here
     tokenizer.json           (required) the tokenizer, sent to the scheduler as it is
     tokenizer_config.json    chat_template, special token strings
     chat_template.jinja      chat template written by newer transformers (wins over the above)
     generation_config.json   eos_token_id (int or list): the ids that end a sequence
 
-Our Llama module uses Hugging Face's parameter names, so tensors load unchanged: unlike a GGUF,
-HF checkpoints keep Q/K rows in rotate-half order, so no reverse permute. Architecture options our
-forward does not implement (rope scaling, biases, a head_dim other than hidden/heads) are refused
-at load with the config key named, rather than computed wrongly.
+Our modules use Hugging Face's parameter names, so tensors load unchanged: unlike a GGUF, HF
+checkpoints keep Q/K rows in rotate-half order, so no reverse permute. Architecture options our
+forward does not implement are refused at load with the config key named (models/families.py),
+rather than computed wrongly.
 
 Sampling defaults in generation_config.json (temperature, top_p, top_k) are read and logged but
 not applied: the contract has no Describe field to carry them to the scheduler, which owns the
@@ -21,27 +24,26 @@ sampling parameters of a request.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 from typing import Any, Optional
 
 import structlog
-import torch
 
 from model_service.gguf_file import GGUFTokenizer
 from model_service.models.llama import LlamaArchConfig
+from model_service.models.registry import family_for_config
+from model_service.weights import SafetensorsWeights
 
 log = structlog.get_logger(__name__)
 
-_LLAMA_MODEL_TYPES = ("llama",)
 _TOKENIZER_SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
 @dataclasses.dataclass
 class HFFolderContents:
     arch: LlamaArchConfig
-    state_dict: dict[str, torch.Tensor]
+    weights: SafetensorsWeights
     name: str
     tokenizer: GGUFTokenizer
     """Tokenizer facts in the shape the GGUF reader gives them (the loader takes either)."""
@@ -68,58 +70,9 @@ def _ids(value) -> list[int]:
 
 
 def arch_from_config(config: dict[str, Any]) -> LlamaArchConfig:
-    """config.json -> LlamaArchConfig; ValueError naming the config key our forward cannot honour."""
-    model_type = config.get("model_type")
-    if model_type not in _LLAMA_MODEL_TYPES:
-        raise ValueError(f"model: config.json model_type {model_type!r} is not supported (only {_LLAMA_MODEL_TYPES})")
-    # transformers 5 writes rope_theta inside rope_parameters; older files at the top level.
-    rope = config.get("rope_parameters") or {}
-    for key in ("rope_parameters", "rope_scaling"):
-        options = config.get(key) or {}
-        rope_type = options.get("rope_type", options.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"model: config.json {key} rope type {rope_type!r} is not supported (only 'default')")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise ValueError(f"model: config.json {key}=true is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"model: config.json hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    head_dim = config.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        raise ValueError(f"model: config.json head_dim {head_dim} != hidden_size {hidden} / num_attention_heads {heads}")
-    return LlamaArchConfig(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_hidden_layers=int(config["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        # LlamaConfig's own default is untied.
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
-
-
-def load_safetensors(folder: str) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in the folder, as float32 on the CPU."""
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model: no *.safetensors file in {folder!r}")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        for name, tensor in load_file(path, device="cpu").items():
-            if name in state:
-                raise ValueError(f"model: tensor {name!r} appears in more than one safetensors file")
-            # float32 first, as the GGUF path does: int8 quantizes from it, then _build casts.
-            state[name] = tensor.to(torch.float32)
-    # Rotary inverse frequencies some checkpoints carry: our forward computes its own.
-    return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    """config.json -> LlamaArchConfig through its family; ValueError naming the config key our
+    forward cannot honour."""
+    return family_for_config(config).arch_from_config(config)
 
 
 def _token_string(value) -> Optional[str]:
@@ -175,15 +128,16 @@ def load_hf_folder(folder: str) -> HFFolderContents:
     if sampling_defaults:
         log.info("generation_config_sampling_not_applied", **sampling_defaults)
 
-    state = load_safetensors(folder)
-    embed = state.get("model.embed_tokens.weight")
-    if embed is not None and embed.shape[0] != arch.vocab_size:
-        raise ValueError(f"model: embed_tokens has {embed.shape[0]} rows, config.json vocab_size is {arch.vocab_size}")
-    if arch.tie_word_embeddings is False and "lm_head.weight" not in state:
+    weights = SafetensorsWeights(folder)
+    if "model.embed_tokens.weight" in weights.names():
+        rows = weights.shape("model.embed_tokens.weight")[0]
+        if rows != arch.vocab_size:
+            raise ValueError(f"model: embed_tokens has {rows} rows, config.json vocab_size is {arch.vocab_size}")
+    if arch.tie_word_embeddings is False and "lm_head.weight" not in weights.names():
         raise ValueError("model: config.json says tie_word_embeddings=false but there is no lm_head.weight")
     return HFFolderContents(
         arch=arch,
-        state_dict=state,
+        weights=weights,
         name=os.path.basename(os.path.normpath(folder)),
         tokenizer=GGUFTokenizer(
             tokenizer_json=tokenizer_json,

@@ -11,7 +11,7 @@ Numerics follow Hugging Face's Llama: float32 arithmetic; in bfloat16 the residu
 normalized row and the norm's weight product are each rounded, as transformers rounds them; RoPE
 and SiLU x up round once at the end (transformers rounds their partial products too: ours are
 closer to float32). The RoPE table holds float32 cos and sin per position, computed once per model
-as transformers computes them.
+as transformers computes them (models/rope.py).
 
 `linear` is how the decoder calls its GEMMs (torch's): with the few-row padding that keeps them
 batch-invariant too (docs/design-notes.md, "Batch invariance").
@@ -46,15 +46,6 @@ def _native_isa(x: torch.Tensor, isa: str | None) -> int | None:
     if x.device.type != "cpu" or isa == TORCH_PATH or x.dtype not in _DTYPES:
         return None
     return native.ISAS.index(isa)
-
-
-def rope_table(positions: int, head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """float32 [positions, head_dim]: cos of each position's head_dim / 2 frequencies, then sin,
-    computed as transformers' LlamaRotaryEmbedding computes them (inv_freq from int64 exponents)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = torch.arange(positions, dtype=torch.int64, device=device).to(torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
 
 
 def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,

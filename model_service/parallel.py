@@ -112,7 +112,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor, first_row: int, group) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.first_row = first_row
         self.group = group
 
@@ -143,41 +143,52 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat(parts, dim=-1)
 
 
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    with torch.device("meta"):
-        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    # clone: the slice must not keep the whole unsplit matrix alive.
-    layer.weight = nn.Parameter(weight.clone(), requires_grad=False)
-    return layer
+@dataclasses.dataclass(frozen=True)
+class RankShare:
+    """Which rows and columns of each checkpoint tensor this rank loads (the module docstring's
+    table); the loader reads only those (model_service/build.py), then `wrap_parallel_` adds the
+    collectives. world_size 1 is the whole model."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: object = None  # the compute process group of the collectives
+    vocab_parallel: bool = True
+    """Split the embedding and lm_head by vocabulary rows (when world_size divides the vocabulary)."""
+
+    def _part(self, total: int) -> slice:
+        size = total // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def q_rows(self, arch: LlamaArchConfig) -> slice:
+        """Rows of q_proj (and columns of o_proj): this rank's query heads."""
+        return self._part(arch.num_attention_heads * arch.head_dim)
+
+    def kv_rows(self, arch: LlamaArchConfig) -> slice:
+        return self._part(arch.num_key_value_heads * arch.head_dim)
+
+    def mlp_rows(self, arch: LlamaArchConfig) -> slice:
+        """Rows of gate_proj and up_proj (and columns of down_proj)."""
+        return self._part(arch.intermediate_size)
+
+    def vocab_rows(self, arch: LlamaArchConfig) -> slice | None:
+        """Rows of the embedding and lm_head, or None where they stay replicated."""
+        if self.world_size == 1 or not self.vocab_parallel or arch.vocab_size % self.world_size:
+            return None
+        return self._part(arch.vocab_size)
 
 
-def shard_llama_(model: nn.Module, rank: int, world_size: int, group, vocab_parallel: bool = True) -> nn.Module:
-    """Keep, in place, rank's share of every decoder layer, and of the embedding and lm_head when
-    vocab_parallel and N divides the vocabulary (see the module docstring)."""
+def wrap_parallel_(model: nn.Module, share: RankShare) -> nn.Module:
+    """Give a model loaded with `share`'s rows and columns its collectives, in place: o_proj and
+    down_proj sum over the ranks, a vocab-parallel embedding and lm_head look up and gather."""
     arch: LlamaArchConfig = model.arch
-    if vocab_parallel and arch.vocab_size % world_size == 0:
-        rows_per_rank = arch.vocab_size // world_size
-        rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
-        embedding = VocabParallelEmbedding(model.model.embed_tokens.weight[rows], rank * rows_per_rank, group)
-        lm_weight = (embedding.weight if arch.tie_word_embeddings
-                     else nn.Parameter(model.lm_head.weight[rows].clone(), requires_grad=False))
+    rows = share.vocab_rows(arch)
+    if rows is not None:
+        embedding = VocabParallelEmbedding(model.model.embed_tokens.weight, rows.start, share.group)
+        lm_weight = embedding.weight if arch.tie_word_embeddings else model.lm_head.weight
         model.model.embed_tokens = embedding
-        model.lm_head = VocabParallelLMHead(lm_weight, world_size, group)
-    check_divisible(arch, world_size)
-    d = arch.head_dim
-    heads, kv_heads = arch.num_attention_heads // world_size, arch.num_key_value_heads // world_size
-    columns = arch.intermediate_size // world_size
-    q_rows = slice(rank * heads * d, (rank + 1) * heads * d)
-    kv_rows = slice(rank * kv_heads * d, (rank + 1) * kv_heads * d)
-    mlp_rows = slice(rank * columns, (rank + 1) * columns)
-    q_size, kv_size = arch.num_attention_heads * d, arch.num_key_value_heads * d
+        model.lm_head = VocabParallelLMHead(lm_weight, share.world_size, share.group)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = attn.qkv_proj.weight.split([q_size, kv_size, kv_size], dim=0)
-        attn.qkv_proj = _linear(torch.cat([q[q_rows], k[kv_rows], v[kv_rows]]))
-        attn.o_proj = RowParallelLinear(_linear(attn.o_proj.weight[:, q_rows]), group)
-        attn.num_heads, attn.num_kv_heads = heads, kv_heads
-        gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
-        mlp.gate_up_proj = _linear(torch.cat([gate[mlp_rows], up[mlp_rows]]))
-        mlp.down_proj = RowParallelLinear(_linear(mlp.down_proj.weight[:, mlp_rows]), group)
+        attn.o_proj = RowParallelLinear(attn.o_proj, share.group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, share.group)
     return model

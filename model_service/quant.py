@@ -1,4 +1,5 @@
-"""Int8 weight-only quantization, applied at load time (`--quantization int8`).
+"""Int8 weight-only quantization, applied at load time (`--quantization int8`, model_service/build.py
+quantizes each linear layer as it reads it).
 
 Every `nn.Linear` and the token embedding keep their weight as int8 in Q8_0-like blocks: 32
 consecutive input columns of one output row share one scale, symmetric, `w ~= q * scale`,
@@ -27,15 +28,21 @@ QUANTIZATIONS = ("none", "int8")
 BLOCK = 32
 
 
-def quantize_blocks(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] and float32 scales [N, K // block] with weight ~= q * scale per block of columns."""
+def quantize_blocks(weight: torch.Tensor, block: int = BLOCK, rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] and float32 scales [N, K // block] with weight ~= q * scale per block of columns.
+    Computed in float32 from the weight's values, rows_per_chunk rows at a time, so a large matrix
+    (a 128k-vocab lm_head) needs float32 room for one chunk, not for all of it."""
     n, k = weight.shape
     if k % block:
         raise ValueError(f"quantization: input size {k} is not a multiple of the block size {block}")
-    w = weight.detach().to(torch.float32).view(n, k // block, block)
-    scale = (w.abs().amax(dim=2) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale[:, :, None]).clamp(-127, 127).to(torch.int8)
-    return q.view(n, k), scale
+    q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    scale = torch.empty((n, k // block), dtype=torch.float32, device=weight.device)
+    for first in range(0, n, rows_per_chunk):
+        rows = slice(first, min(n, first + rows_per_chunk))
+        w = weight[rows].detach().to(torch.float32).view(-1, k // block, block)
+        scale[rows] = (w.abs().amax(dim=2) / 127.0).clamp(min=1e-12)
+        q[rows] = torch.round(w / scale[rows, :, None]).clamp(-127, 127).to(torch.int8).view(-1, k)
+    return q, scale
 
 
 class Int8Weight(nn.Module):
@@ -64,12 +71,13 @@ class Int8Weight(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: Int8Weight) -> None:
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.w = weight
+        self.register_buffer("bias", bias)  # in the compute dtype, like any bias (Qwen2's q/k/v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w.dequantize(x.dtype))
+        return F.linear(x, self.w.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 class Int8Embedding(nn.Module):
@@ -79,23 +87,6 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w.dequantize(self.w.like.dtype, rows=ids)
-
-
-def quantize_int8_(model: nn.Module, embedding_path: str = "model.embed_tokens", lm_head_path: str = "lm_head") -> nn.Module:
-    """Replace, in place, every nn.Linear and the embedding by int8 versions (float weights dropped).
-    A tied lm_head shares the embedding's Int8Weight. Call on float32 weights, before the cast to
-    the compute dtype, so the scales are computed from full-precision values."""
-    embedding = model.get_submodule(embedding_path)
-    lm_head = model.get_submodule(lm_head_path)
-    tied = lm_head.weight is embedding.weight
-    shared = Int8Weight(embedding.weight)
-    model.set_submodule(embedding_path, Int8Embedding(shared))
-    if tied:
-        model.set_submodule(lm_head_path, Int8Linear(shared))
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear):
-            model.set_submodule(name, Int8Linear(Int8Weight(module.weight)))
-    return model
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from model_service.batch import PlanError, StepOutput, StepPlan
 from model_service.config import ModelServiceConfig
 from model_service.loader import load_model
-from model_service.parallel import TPGroup, free_tcp_port, init_group, shard_llama_, threads_per_rank
+from model_service.parallel import RankShare, TPGroup, free_tcp_port, init_group, threads_per_rank
 from model_service.runner import EngineFacts, ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -65,8 +65,7 @@ def setup_rank(config: ModelServiceConfig, rank: int, world_size: int, init_meth
     group = init_group(rank, world_size, config.device, init_method)
     # int8 quantizes the tied embedding / lm_head as one whole matrix: they stay replicated then.
     vocab_parallel = config.quantization == "none"
-    loaded = load_model(config, shard=lambda model: shard_llama_(model, rank, world_size, group.compute, vocab_parallel),
-                        tensor_parallel_size=world_size)
+    loaded = load_model(config, RankShare(rank, world_size, group.compute, vocab_parallel))
     runner = ModelRunner(loaded, config)
     log.info("tensor_parallel_rank_ready", rank=rank, world_size=world_size, device=config.device,
              threads=torch.get_num_threads(), num_kv_heads=loaded.num_kv_heads_per_rank)

@@ -23,8 +23,7 @@ TINY_EOS_IDS = [2, 0]  # generation_config's list; config.json says 2 only
 
 def write_tiny_hf_folder(folder: str) -> str:
     from model_service.config import ModelServiceConfig
-    from model_service.gguf_file import load_gguf_tokenizer
-    from model_service.loader import load_model, smollm2_path
+    from model_service.loader import load_model
     from reference import hf_llama_from_loaded
 
     os.makedirs(folder, exist_ok=True)
@@ -32,6 +31,48 @@ def write_tiny_hf_folder(folder: str) -> str:
     model.config.eos_token_id = TINY_EOS_IDS[0]
     model.config.bos_token_id = 1
     model.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer_files(folder)
+    return folder
+
+
+def family_config(kind, **overrides):
+    """A tiny transformers config of a family (SmolLM2's vocabulary, so its tokenizer fits)."""
+    values = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, eos_token_id=TINY_EOS_IDS[0], bos_token_id=1)
+    values.update(overrides)
+    return kind(**values)
+
+
+def write_family_folder(folder: str, config, max_shard_size=None) -> str:
+    """A random model of `config`'s family, saved as transformers saves it. Weights are drawn from a
+    seeded generator, large enough (as the tiny model's) that greedy logits are rarely near-ties."""
+    import transformers
+
+    os.makedirs(folder, exist_ok=True)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(noise * (0.4 * (64 / param.shape[1]) ** 0.5))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    _write_tokenizer_files(folder)
+    return folder
+
+
+def _write_tokenizer_files(folder: str) -> None:
+    from model_service.gguf_file import load_gguf_tokenizer
+    from model_service.loader import smollm2_path
+
     tokenizer = load_gguf_tokenizer(smollm2_path())
     with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tokenizer.tokenizer_json)
@@ -41,7 +82,6 @@ def write_tiny_hf_folder(folder: str) -> str:
     # Sampling defaults are read, logged and not applied (model_service/hf_folder.py).
     with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump({"eos_token_id": TINY_EOS_IDS, "bos_token_id": 1, "temperature": 0.6, "top_p": 0.9}, f)
-    return folder
 
 
 def _build_smollm2_folder(folder: str) -> None:

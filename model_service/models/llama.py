@@ -24,6 +24,7 @@ layer_ops.linear, which keeps them batch-invariant too.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from torch import nn
@@ -31,11 +32,13 @@ from torch import nn
 from model_service import layer_ops
 from model_service.attention import AttentionMetadata, paged_attention
 from model_service.kv_cache import KVCache
+from model_service.models.rope import RopeScaling, rope_table
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaArchConfig:
-    """The architecture facts the forward needs (Hugging Face LlamaConfig names)."""
+    """The architecture facts the forward needs (Hugging Face LlamaConfig names). The other
+    families are Llama with a few of the switches at the end turned on (models/families.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -47,10 +50,22 @@ class LlamaArchConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = True
+    head_dim: int = 0
+    """Per attention head; 0 means hidden_size / num_attention_heads (Qwen3 sets its own)."""
+    rope_scaling: RopeScaling = RopeScaling()
+    """The rope type and its facts (models/rope.py); the default type scales nothing."""
+    attention_bias: bool = False
+    """q/k/v projections with a bias (Qwen2)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head of q and of k before RoPE (Qwen3)."""
+    sliding_window: Optional[int] = None
+    """A query attends only the last sliding_window positions, itself included (Mistral)."""
+    architecture: str = "LlamaForCausalLM"
+    """config.json's architectures[0]: the family (models/registry.py), reported in logs."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
 
 class RMSNorm(nn.Module):
@@ -69,17 +84,32 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
-        self.qkv_proj = nn.Linear(arch.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
+        self.qkv_proj = nn.Linear(arch.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, arch.hidden_size, bias=False)
+        # Qwen3: one RMSNorm over each head's d values of q, one of k (weights [d], shared by heads).
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.sliding_window = arch.sliding_window
 
     def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = layer_ops.linear(self.qkv_proj, x)
-        layer_ops.rope_(qkv, positions, rope, self.num_heads + self.num_kv_heads, self.head_dim)
         d, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
+        if self.q_norm is not None:
+            _norm_heads_(qkv, 0, heads, d, self.q_norm)
+            _norm_heads_(qkv, heads * d, kv_heads, d, self.k_norm)
+        layer_ops.rope_(qkv, positions, rope, heads + kv_heads, d)
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         out = paged_attention(q.unflatten(1, (heads, d)), k.unflatten(1, (kv_heads, d)), v.unflatten(1, (kv_heads, d)),
-                              k_cache, v_cache, meta)
+                              k_cache, v_cache, meta, sliding_window=self.sliding_window)
         return layer_ops.linear(self.o_proj, out)
+
+
+def _norm_heads_(qkv: torch.Tensor, first_column: int, num_heads: int, head_dim: int, norm: "RMSNorm") -> None:
+    """RMSNorm, in place, over each of num_heads heads of qkv's rows starting at first_column
+    (each head normed by itself, as one [T * heads, head_dim] batch of rows)."""
+    columns = qkv[:, first_column:first_column + num_heads * head_dim]
+    normed = norm(columns.reshape(-1, head_dim))  # reshape copies: the columns are a strided view
+    columns.copy_(normed.view(columns.shape))
 
 
 class LlamaMLP(nn.Module):
@@ -132,10 +162,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def rope_table(self, device: torch.device) -> torch.Tensor:
-        """float32 cos/sin of every position (layer_ops.rope_table), made once per device."""
+        """float32 cos/sin of every position (models/rope.py), made once per device."""
         if self._rope is None or self._rope.device != device:
-            self._rope = layer_ops.rope_table(self.arch.max_position_embeddings, self.arch.head_dim, self.arch.rope_theta,
-                                              device)
+            arch = self.arch
+            self._rope = rope_table(arch.max_position_embeddings, arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
         return self._rope
 
     def forward(

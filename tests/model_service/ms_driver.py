@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from model_service.batch import NewSequenceData, StepPlan
+from model_service.batch import LogitsProcessing, NewSequenceData, StepPlan
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -39,13 +39,20 @@ class Driver:
         self._pending_new: list[NewSequenceData] = []
         self._pending_drop: list[int] = []
         self._preset: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[float]] = {}  # slot -> each sampled token's logprob (with_logprobs)
 
-    def add(self, slot, token_ids, temperature=0.0, top_k=0, top_p=1.0, seed=0, computed=0, blocks=()) -> None:
-        """Register a sequence; `blocks` are cached blocks holding its first `computed` tokens."""
+    def add(self, slot, token_ids, temperature=0.0, top_k=0, top_p=1.0, seed=0, computed=0, blocks=(),
+            with_logprobs=False) -> None:
+        """Register a sequence; `blocks` are cached blocks holding its first `computed` tokens;
+        with_logprobs records the logprob of each token sampled for it in self.logprobs."""
         self.seqs[slot] = Seq(list(token_ids), len(token_ids), computed)
         self._preset[slot] = list(blocks)
+        processing = LogitsProcessing(num_prompt_tokens=len(token_ids), num_logprobs=0) if with_logprobs else None
+        if with_logprobs:
+            self.logprobs[slot] = []
         self._pending_new.append(
-            NewSequenceData(slot, np.asarray(token_ids, dtype=np.int32), computed, temperature, top_k, top_p, seed)
+            NewSequenceData(slot, np.asarray(token_ids, dtype=np.int32), computed, temperature, top_k, top_p, seed,
+                            processing)
         )
 
     def finish(self, slot) -> None:
@@ -71,7 +78,7 @@ class Driver:
         self.step_id += 1
         self._pending_new, self._pending_drop = [], []
         out = self.runner.execute(plan)
-        sampled, at = {}, 0
+        sampled, at, logprob_at = {}, 0, 0
         for slot, n, k in zip(slots, counts, out.num_sampled_tokens):
             seq = self.seqs[slot]
             seq.computed += n
@@ -79,9 +86,13 @@ class Driver:
                 seq.tokens.append(int(out.sampled_token_ids[at]))
                 sampled[slot] = seq.tokens[-1]
                 at += 1
+                if slot in self.logprobs:  # num_logprobs 0: one value per sampled row, in plan order
+                    self.logprobs[slot].append(float(out.logprobs[logprob_at]))
+                    logprob_at += 1
         return sampled
 
-    def run_to_completion(self, max_new_tokens: int, chunk: int = 32, joins: dict[int, list] | None = None) -> dict[int, list[int]]:
+    def run_to_completion(self, max_new_tokens: int, chunk: int = 32, joins: dict[int, list] | None = None,
+                          with_logprobs: bool = False) -> dict[int, list[int]]:
         """Step until every sequence has max_new_tokens; prefills go in chunks of `chunk`.
 
         joins: {step index: [(slot, token_ids), ...]} sequences registered at that step, while the
@@ -91,7 +102,7 @@ class Driver:
         step = 0
         while self.seqs or joins:
             for slot, tokens in joins.pop(step, []):
-                self.add(slot, tokens)
+                self.add(slot, tokens, with_logprobs=with_logprobs)
             schedule = {s: min(chunk, len(q.tokens) - q.computed) for s, q in self.seqs.items()}
             self.step(schedule)
             for slot, seq in list(self.seqs.items()):

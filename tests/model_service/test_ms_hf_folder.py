@@ -90,27 +90,42 @@ def _edited_copy(tiny_folder, tmp_path, edit) -> str:
     return folder
 
 
-def _edit_config(key, value):
+def _edit_config(**changes):
+    """Set config.json keys (a value of None deletes the key)."""
     def edit(folder):
         path = os.path.join(folder, "config.json")
         with open(path) as f:
             config = json.load(f)
-        config[key] = value
+        for key, value in changes.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
         with open(path, "w") as f:
             json.dump(config, f)
     return edit
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, r"rope type 'llama3' is not supported"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, r"rope type 'yarn' is not supported"),
-    ("model_type", "mistral", r"model_type 'mistral' is not supported"),
-    ("attention_bias", True, r"attention_bias=true is not supported"),
-    ("head_dim", 32, r"head_dim 32 != hidden_size 64 / num_attention_heads 4"),
-    ("vocab_size", 1000, r"embed_tokens has 49152 rows, config.json vocab_size is 1000"),
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"rope_type": "longrope", "factor": 8.0}),
+     r"rope_scaling rope_type 'longrope' is not supported"),
+    (dict(rope_parameters={"rope_type": "su", "rope_theta": 1e4}), r"rope_parameters rope_type 'su' is not supported"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), r"rope_type 'linear' needs a factor"),
+    (dict(partial_rotary_factor=0.5), r"partial_rotary_factor 0.5 is not supported"),
+    (dict(model_type="mistral"), r"model_type 'mistral' does not match architectures \['LlamaForCausalLM'\]"),
+    (dict(architectures=["GemmaForCausalLM"]), r"architectures 'GemmaForCausalLM' is not supported \(one of "
+                                               r"\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM'"),
+    (dict(architectures=None, model_type="gemma"), r"no architectures and model_type 'gemma' is not supported"),
+    (dict(attention_bias=True), r"attention_bias=True is not supported"),
+    (dict(mlp_bias=True), r"mlp_bias=True is not supported"),
+    (dict(hidden_act="gelu"), r"hidden_act 'gelu' is not supported"),
+    (dict(head_dim=32), r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape \[32, 64\], the architecture's "
+                        r"is \[64, 64\]"),
+    (dict(intermediate_size=96), r"tensor 'model.layers.0.mlp.down_proj.weight' has shape \[64, 128\]"),
+    (dict(vocab_size=1000), r"embed_tokens has 49152 rows, config.json vocab_size is 1000"),
 ])
-def test_unsupported_config_is_refused_naming_the_key(tiny_folder, tmp_path, key, value, message):
-    folder = _edited_copy(tiny_folder, tmp_path, _edit_config(key, value))
+def test_unsupported_config_is_refused_naming_the_key(tiny_folder, tmp_path, changes, message):
+    folder = _edited_copy(tiny_folder, tmp_path, _edit_config(**changes))
     with pytest.raises(ValueError, match=message):
         load_model(_config(folder))
 

@@ -17,6 +17,7 @@ from bench import measure
 from cython_ext import layer_ops as native
 from model_service import layer_ops
 from model_service.models.llama import LlamaDecoderLayer, fuse_hf_state_dict, split_fused_state_dict
+from model_service.models.rope import rope_table
 
 SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
 DTYPES = (torch.bfloat16, torch.float32)
@@ -64,7 +65,7 @@ def test_add_rms_norm_matches_float64(isa, dtype, hidden):
 @pytest.mark.parametrize("head_dim", [64, 128, 10])
 def test_rope_matches_float64_and_leaves_v_alone(isa, dtype, head_dim):
     heads, kv_heads, rows = 4, 2, 7
-    table = layer_ops.rope_table(4096, head_dim, 10000.0)
+    table = rope_table(4096, head_dim, 10000.0)
     positions = torch.tensor([0, 1, 5, 300, 301, 2047, 4095])
     qkv = _randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     half = head_dim // 2
@@ -82,7 +83,7 @@ def test_rope_matches_float64_and_leaves_v_alone(isa, dtype, head_dim):
 def test_rope_float32_rounds_as_torch_eager(isa):
     """Built with -ffp-contract=off: each product rounds before the sum, so float32 RoPE gives the
     bits of transformers' eager `q * cos + rotate_half(q) * sin`."""
-    table = layer_ops.rope_table(2048, 64, 10000.0)
+    table = rope_table(2048, 64, 10000.0)
     positions = torch.arange(0, 2048, 97)
     x = _randn(len(positions), 12 * 64, dtype=torch.float32)
     eager = x.clone().unflatten(1, (12, 64))
@@ -113,7 +114,7 @@ def test_native_and_torch_paths_agree(dtype):
     ours = layer_ops.add_rms_norm_(residual.clone(), delta, weight, EPS)
     theirs = layer_ops.add_rms_norm_(residual.clone(), delta, weight, EPS, isa="torch")
     torch.testing.assert_close(ours, theirs, **_tolerance(dtype))
-    table, positions = layer_ops.rope_table(512, 64, 10000.0), torch.tensor([3, 9, 100, 200, 300, 511])
+    table, positions = rope_table(512, 64, 10000.0), torch.tensor([3, 9, 100, 200, 300, 511])
     a, b = _randn(6, 15 * 64, dtype=dtype), _randn(6, 15 * 64, dtype=dtype)
     layer_ops.rope_(a, positions, table, 12, 64)
     layer_ops.rope_(b, positions, table, 12, 64, isa="torch")
@@ -129,7 +130,7 @@ def test_each_op_is_batch_invariant(isa, dtype):
     rows, hidden, width = 64, 576, 1536
     residual, delta = _randn(rows, hidden, dtype=dtype, seed=8), _randn(rows, hidden, dtype=dtype, seed=9)
     weight = 1 + _randn(hidden, dtype=dtype, seed=10) * 0.1
-    table, positions = layer_ops.rope_table(4096, 64, 10000.0), torch.randint(0, 4096, (rows,))
+    table, positions = rope_table(4096, 64, 10000.0), torch.randint(0, 4096, (rows,))
     qkv, gate_up = _randn(rows, 15 * 64, dtype=dtype, seed=11), _randn(rows, 2 * width, dtype=dtype, seed=12)
     batch_residual = residual.clone()
     batch_norm = layer_ops.add_rms_norm_(batch_residual, delta, weight, EPS, isa=isa)
@@ -220,7 +221,7 @@ def test_errors_name_the_field():
         layer_ops.add_rms_norm_(x, torch.zeros(3, 64), torch.ones(64), EPS)
     with pytest.raises(ValueError, match=r"weight: expected a contiguous CPU tensor \[64\] of torch.float32"):
         layer_ops.add_rms_norm_(x, None, torch.ones(64, dtype=torch.bfloat16), EPS)
-    table = layer_ops.rope_table(16, 64, 10000.0)
+    table = rope_table(16, 64, 10000.0)
     with pytest.raises(ValueError, match="rope: a position outside the RoPE table"):
         layer_ops.rope_(torch.zeros(2, 128), torch.tensor([3, 16]), table, 2, 64)
     with pytest.raises(ValueError, match=r"rope: x must be \[T, >= 192\]"):

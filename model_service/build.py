@@ -1,0 +1,149 @@
+"""Building a model from a checkpoint, tensor by tensor, straight into the serving dtype.
+
+The module tree is made on the meta device (no memory, no init), then each module's weights are
+read from the `WeightSource` (model_service/weights.py): only this rank's rows and columns
+(parallel.RankShare), cast to the serving dtype (or, for int8, quantized from the stored values),
+fused where our layers are fused, and put in place; the read tensor is dropped before the next.
+So the host never holds the checkpoint in float32, nor a whole unsplit matrix of another rank:
+the peak is the final weights plus about one layer's worth in flight (bench/bench_load.py
+measures it).
+
+    checkpoint (Hugging Face names)              our module
+    model.embed_tokens.weight [rows]             model.embed_tokens        (vocab rows per rank)
+    layers.N.self_attn.{q,k,v}_proj.weight       self_attn.qkv_proj        rows [q | k | v] of this rank's heads
+    layers.N.self_attn.{q,k,v}_proj.bias         self_attn.qkv_proj.bias   (attention_bias: Qwen2)
+    layers.N.self_attn.o_proj.weight [:, cols]   self_attn.o_proj          columns of this rank's heads
+    layers.N.self_attn.{q,k}_norm.weight         self_attn.{q,k}_norm      (qk_norm: Qwen3)
+    layers.N.mlp.{gate,up}_proj.weight           mlp.gate_up_proj          rows [gate | up] of this rank
+    layers.N.mlp.down_proj.weight [:, cols]      mlp.down_proj
+    layers.N.{input,post_attention}_layernorm    the same, replicated
+    model.norm.weight, lm_head.weight            the same (lm_head is embed_tokens when tied)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from model_service import gemm
+from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
+from model_service.parallel import RankShare, check_divisible, wrap_parallel_
+from model_service.quant import Int8Embedding, Int8Linear, Int8Weight
+from model_service.weights import WeightSource
+
+
+def checkpoint_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensor names and shapes a checkpoint of this architecture holds."""
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(arch).hf_state_dict().items()}
+    if arch.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def check_checkpoint(arch: LlamaArchConfig, weights: WeightSource) -> None:
+    """ValueError listing the tensors the architecture needs and the checkpoint lacks, those it has
+    that the architecture would not use (a tied model's extra lm_head.weight is allowed), and the
+    first tensor whose shape differs from the architecture's."""
+    expected, present = checkpoint_shapes(arch), weights.names()
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected) - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
+    if missing or unexpected:
+        raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+    for name, shape in sorted(expected.items()):
+        if weights.shape(name) != shape:
+            raise ValueError(f"model: tensor {name!r} has shape {list(weights.shape(name))}, the architecture's is "
+                             f"{list(shape)} (check config.json's sizes)")
+
+
+class _Builder:
+    def __init__(self, arch, weights: WeightSource, dtype: torch.dtype, device: str, int8: bool, share: RankShare):
+        self.arch, self.weights, self.dtype, self.device, self.int8, self.share = arch, weights, dtype, device, int8, share
+
+    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None,
+             for_int8: bool = False) -> torch.Tensor:
+        """One tensor (or its slice): as stored when int8 will quantize it (quant.py computes in
+        float32 from the stored values, a chunk of rows at a time), else in the serving dtype."""
+        tensor = self.weights.read(name, rows, columns)
+        return tensor if for_int8 else tensor.to(self.dtype)
+
+    def parameter(self, name: str) -> nn.Parameter:
+        return nn.Parameter(self.read(name).to(self.device), requires_grad=False)
+
+    def linear(self, names: list[str], rows: Optional[list[Optional[slice]]] = None, columns: Optional[slice] = None,
+               bias: bool = False) -> nn.Module:
+        """A linear layer whose weight is the named tensors' rows, concatenated in order."""
+        rows = rows or [None] * len(names)
+        weight = torch.cat([self.read(n, r, columns, for_int8=self.int8) for n, r in zip(names, rows)])
+        bias_tensor = None
+        if bias:
+            bias_tensor = torch.cat([self.read(n.removesuffix(".weight") + ".bias", r) for n, r in zip(names, rows)])
+        if self.int8:
+            layer = Int8Linear(Int8Weight(weight), bias_tensor)
+            return layer.to(device=self.device, dtype=self.dtype)
+        with torch.device("meta"):
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+        layer.weight = nn.Parameter(weight.to(self.device), requires_grad=False)
+        if bias_tensor is not None:
+            layer.bias = nn.Parameter(bias_tensor.to(self.device), requires_grad=False)
+        return layer
+
+    def embeddings_(self, model: LlamaForCausalLM) -> None:
+        arch, rows = self.arch, self.share.vocab_rows(self.arch)
+        embed = self.read("model.embed_tokens.weight", rows, for_int8=self.int8)
+        if self.int8:
+            shared = Int8Weight(embed)
+            model.model.embed_tokens = Int8Embedding(shared).to(device=self.device, dtype=self.dtype)
+            model.lm_head = (Int8Linear(shared) if arch.tie_word_embeddings
+                             else self.linear(["lm_head.weight"], [rows])).to(device=self.device, dtype=self.dtype)
+            return
+        model.model.embed_tokens.weight = nn.Parameter(embed.to(self.device), requires_grad=False)
+        if arch.tie_word_embeddings:
+            model.tie_weights()
+        else:
+            model.lm_head = self.linear(["lm_head.weight"], [rows])
+
+    def layer_(self, index: int, layer) -> None:
+        arch, share, prefix = self.arch, self.share, f"model.layers.{index}."
+        attn, mlp = layer.self_attn, layer.mlp
+        q_rows, kv_rows, mlp_rows = share.q_rows(arch), share.kv_rows(arch), share.mlp_rows(arch)
+        projections = [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+        attn.qkv_proj = self.linear(projections, [q_rows, kv_rows, kv_rows], bias=arch.attention_bias)
+        attn.o_proj = self.linear([f"{prefix}self_attn.o_proj.weight"], columns=q_rows)
+        attn.num_heads = arch.num_attention_heads // share.world_size
+        attn.num_kv_heads = arch.num_key_value_heads // share.world_size
+        if arch.qk_norm:
+            attn.q_norm.weight = self.parameter(f"{prefix}self_attn.q_norm.weight")
+            attn.k_norm.weight = self.parameter(f"{prefix}self_attn.k_norm.weight")
+        mlp.gate_up_proj = self.linear([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"],
+                                       [mlp_rows, mlp_rows])
+        mlp.down_proj = self.linear([f"{prefix}mlp.down_proj.weight"], columns=mlp_rows)
+        layer.input_layernorm.weight = self.parameter(f"{prefix}input_layernorm.weight")
+        layer.post_attention_layernorm.weight = self.parameter(f"{prefix}post_attention_layernorm.weight")
+
+
+def build_model(arch: LlamaArchConfig, weights: WeightSource, dtype: torch.dtype, device: str,
+                quantization: str = "none", share: Optional[RankShare] = None) -> LlamaForCausalLM:
+    """The model (this rank's share of it) with the checkpoint's weights, ready to serve."""
+    share = share or RankShare()
+    check_checkpoint(arch, weights)
+    if share.world_size > 1:
+        check_divisible(arch, share.world_size)
+    # Built on the meta device, so no time goes into an init that the checkpoint overwrites.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    builder = _Builder(arch, weights, dtype, device, quantization == "int8", share)
+    builder.embeddings_(model)
+    for index, layer in enumerate(model.model.layers):
+        builder.layer_(index, layer)
+    model.model.norm.weight = builder.parameter("model.norm.weight")
+    left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"model: no checkpoint tensor filled {left}")
+    model = model.eval().requires_grad_(False)
+    if share.world_size > 1:
+        wrap_parallel_(model, share)
+    gemm.pack_linears_(model, dtype)  # bfloat16 on the CPU: the native GEMMs' packed weights
+    return model
