@@ -118,6 +118,26 @@ async def test_tiny_under_torchrun_equals_tp1(tiny_server, tiny_hf):
     _check_equal_to_tp1(launched, tp1, references, "tiny torchrun x2")
 
 
+async def test_qwen2_tp2_greedy_equals_tp1(tmp_path):
+    """A Qwen2-family tiny model (q/k/v bias split with its heads, untied lm_head split by vocab
+    rows), each rank reading only its slices of the safetensors: size 2's greedy tokens are size
+    1's and transformers', in float32."""
+    import torch
+    import transformers
+    from transformers import Qwen2Config
+
+    from hf_folders import family_config, write_family_folder
+
+    folder = write_family_folder(str(tmp_path / "qwen2"), family_config(Qwen2Config))
+    prompts = [list(range(500, 507)), list(range(1300, 1330)), list(range(2500, 2600))]
+    args = ["--model", folder, "--dtype", "float32", "--num-kv-blocks", "64"]
+    tp1 = await _tp_outputs(args, prompts)
+    tp2 = await _tp_outputs(args + ["--tensor-parallel-size", "2"], prompts)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    references = [greedy_reference(reference, p, NEW_TOKENS) for p in prompts]
+    _check_equal_to_tp1(tp2, tp1, references, "qwen2 tp=2")
+
+
 async def test_tiny_tp2_int8_equals_tp1_int8():
     """--quantization int8 keeps the embedding / lm_head replicated (one Int8Weight for the tied
     matrix) and quantizes each rank's share in blocks of 32 input columns, which never straddle
