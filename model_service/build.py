@@ -2,7 +2,8 @@
 
 The module tree is made on the meta device (no memory, no init), then each module's weights are
 read from the `WeightSource` (model_service/weights.py): only this rank's rows and columns
-(parallel.RankShare), cast to the serving dtype (or, for int8, quantized from the stored values),
+(parallel.RankShare), cast to the serving dtype (or, for int8, quantized from the stored values
+4,096 rows at a time),
 fused where our layers are fused, and put in place; the read tensor is dropped before the next.
 So the host never holds the checkpoint in float32, nor a whole unsplit matrix of another rank:
 the peak is the final weights plus about one layer's worth in flight (bench/bench_load.py
@@ -30,8 +31,11 @@ from torch import nn
 from model_service import gemm
 from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
 from model_service.parallel import RankShare, check_divisible, wrap_parallel_
-from model_service.quant import Int8Embedding, Int8Linear, Int8Weight
+from model_service.quant import BLOCK as QUANT_BLOCK
+from model_service.quant import Int8Embedding, Int8Linear, Int8Weight, quantize_blocks
 from model_service.weights import WeightSource
+
+INT8_ROWS = 4096  # rows read and quantized at a time (a 2048-column bf16 chunk: 16 MiB)
 
 
 def checkpoint_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
@@ -62,12 +66,25 @@ class _Builder:
     def __init__(self, arch, weights: WeightSource, dtype: torch.dtype, device: str, int8: bool, share: RankShare):
         self.arch, self.weights, self.dtype, self.device, self.int8, self.share = arch, weights, dtype, device, int8, share
 
-    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None,
-             for_int8: bool = False) -> torch.Tensor:
-        """One tensor (or its slice): as stored when int8 will quantize it (quant.py computes in
-        float32 from the stored values, a chunk of rows at a time), else in the serving dtype."""
-        tensor = self.weights.read(name, rows, columns)
-        return tensor if for_int8 else tensor.to(self.dtype)
+    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+        """One tensor (or its slice) in the serving dtype."""
+        return self.weights.read(name, rows, columns).to(self.dtype)
+
+    def quantized(self, names: list[str], rows: list[Optional[slice]], columns: Optional[slice]) -> Int8Weight:
+        """The named tensors' rows, concatenated, as int8 blocks: read and quantized INT8_ROWS rows
+        at a time from the stored values, so no whole matrix is ever held in float or as stored."""
+        spans = [(name, r or slice(0, self.weights.shape(name)[0])) for name, r in zip(names, rows)]
+        width = self.weights.shape(names[0])[1] if columns is None else columns.stop - columns.start
+        q = torch.empty((sum(r.stop - r.start for _, r in spans), width), dtype=torch.int8)
+        scale = torch.empty((q.shape[0], width // QUANT_BLOCK), dtype=torch.float32)
+        at = 0
+        for name, span in spans:
+            for first in range(span.start, span.stop, INT8_ROWS):
+                chunk = slice(first, min(span.stop, first + INT8_ROWS))
+                count = chunk.stop - chunk.start
+                q[at:at + count], scale[at:at + count] = quantize_blocks(self.weights.read(name, chunk, columns))
+                at += count
+        return Int8Weight(quantized=(q, scale))
 
     def parameter(self, name: str) -> nn.Parameter:
         return nn.Parameter(self.read(name).to(self.device), requires_grad=False)
@@ -76,13 +93,12 @@ class _Builder:
                bias: bool = False) -> nn.Module:
         """A linear layer whose weight is the named tensors' rows, concatenated in order."""
         rows = rows or [None] * len(names)
-        weight = torch.cat([self.read(n, r, columns, for_int8=self.int8) for n, r in zip(names, rows)])
         bias_tensor = None
         if bias:
             bias_tensor = torch.cat([self.read(n.removesuffix(".weight") + ".bias", r) for n, r in zip(names, rows)])
         if self.int8:
-            layer = Int8Linear(Int8Weight(weight), bias_tensor)
-            return layer.to(device=self.device, dtype=self.dtype)
+            return Int8Linear(self.quantized(names, rows, columns), bias_tensor).to(device=self.device, dtype=self.dtype)
+        weight = torch.cat([self.read(n, r, columns) for n, r in zip(names, rows)])
         with torch.device("meta"):
             layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
         layer.weight = nn.Parameter(weight.to(self.device), requires_grad=False)
@@ -92,13 +108,13 @@ class _Builder:
 
     def embeddings_(self, model: LlamaForCausalLM) -> None:
         arch, rows = self.arch, self.share.vocab_rows(self.arch)
-        embed = self.read("model.embed_tokens.weight", rows, for_int8=self.int8)
         if self.int8:
-            shared = Int8Weight(embed)
+            shared = self.quantized(["model.embed_tokens.weight"], [rows], None)
             model.model.embed_tokens = Int8Embedding(shared).to(device=self.device, dtype=self.dtype)
             model.lm_head = (Int8Linear(shared) if arch.tie_word_embeddings
                              else self.linear(["lm_head.weight"], [rows])).to(device=self.device, dtype=self.dtype)
             return
+        embed = self.read("model.embed_tokens.weight", rows)
         model.model.embed_tokens.weight = nn.Parameter(embed.to(self.device), requires_grad=False)
         if arch.tie_word_embeddings:
             model.tie_weights()

@@ -141,6 +141,7 @@ class GGUFWeights:
 
     def __init__(self, reader, arch: LlamaArchConfig) -> None:
         self._arch = arch
+        self._last: Optional[tuple[str, torch.Tensor]] = None
         self._tensors = {}
         for tensor in reader.tensors:
             match = _BLOCK.match(tensor.name)
@@ -161,6 +162,15 @@ class GGUFWeights:
         return tuple(int(n) for n in reversed(self._tensors[name].shape))  # GGML writes the row count last
 
     def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = None  # dropped before the next one is made
+            self._last = (name, self._dequantized(name))
+        whole = self._last[1]
+        # A slice is copied: a view would keep the whole dequantized tensor alive in the model.
+        return whole if rows is None and columns is None else sliced(whole, rows, columns).clone()
+
+    def _dequantized(self, name: str) -> torch.Tensor:
+        """The whole tensor in float32; the last one is kept, as the loader may read it in chunks."""
         import gguf
 
         tensor = self._tensors[name]
@@ -170,7 +180,7 @@ class GGUFWeights:
             weights = reverse_rope_permute(weights, self._arch.num_attention_heads)
         elif name.endswith("self_attn.k_proj.weight"):
             weights = reverse_rope_permute(weights, self._arch.num_key_value_heads)
-        return sliced(torch.from_numpy(np.ascontiguousarray(weights)), rows, columns)
+        return torch.from_numpy(np.ascontiguousarray(weights))
 
 
 def load_gguf(path: str) -> GGUFContents:

@@ -48,9 +48,10 @@ def quantize_blocks(weight: torch.Tensor, block: int = BLOCK, rows_per_chunk: in
 class Int8Weight(nn.Module):
     """The int8 matrix and its block scales; shared by the tied embedding and lm_head."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """From a weight, or from its quantize_blocks output (the loader quantizes chunk by chunk)."""
         super().__init__()
-        q, scale = quantize_blocks(weight)
+        q, scale = quantized if quantized is not None else quantize_blocks(weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.to(torch.float16))  # float16 like Q8_0, whatever the compute dtype
         # Zero-size, cast with the model: it carries the compute dtype for the embedding's output.

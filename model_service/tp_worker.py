@@ -47,16 +47,19 @@ def torchrun_rank() -> Optional[tuple[int, int]]:
     return None
 
 
-def _rank_config(config: ModelServiceConfig, rank: int, world_size: int) -> ModelServiceConfig:
+def rank_config(config: ModelServiceConfig, rank: int, world_size: int) -> ModelServiceConfig:
+    """This rank's config: on CUDA one GPU per rank, counted from the one --device names
+    (`cuda:2` with 4 ranks: cuda:2..cuda:5; `cuda` or `auto`: from cuda:0)."""
     device = config.resolved_device()
     if device.startswith("cuda"):
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"  # one GPU per rank
+        first = int(device.partition(":")[2] or 0)
+        device = f"cuda:{first + int(os.environ.get('LOCAL_RANK', rank))}"
     return dataclasses.replace(config, device=device, tensor_parallel_size=world_size)
 
 
 def setup_rank(config: ModelServiceConfig, rank: int, world_size: int, init_method: str) -> tuple[ModelRunner, TPGroup]:
     """Join the group, load this rank's share of the model and its runner (KV cache included)."""
-    config = _rank_config(config, rank, world_size)
+    config = rank_config(config, rank, world_size)
     if config.device.startswith("cuda"):
         torch.cuda.set_device(config.device)
     else:

@@ -84,6 +84,17 @@ def test_split_sizes_are_checked():
         ModelServiceConfig(tensor_parallel_size=0).validate()
 
 
+def test_each_rank_takes_the_gpu_after_the_one_device_names(monkeypatch):
+    from model_service.tp_worker import rank_config
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert [rank_config(ModelServiceConfig(device="cuda:2"), r, 2).device for r in (0, 1)] == ["cuda:2", "cuda:3"]
+    assert [rank_config(ModelServiceConfig(device="cuda"), r, 2).device for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's index on this node
+    assert rank_config(ModelServiceConfig(device="cuda:4"), 5, 8).device == "cuda:5"
+    assert rank_config(ModelServiceConfig(device="cpu"), 1, 2).device == "cpu"
+
+
 def test_threads_per_rank_share_the_cores():
     import os
 
