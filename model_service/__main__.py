@@ -14,36 +14,17 @@ threads.configure()  # first: libgomp reads its environment when torch loads it
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
 import signal  # noqa: E402
-import sys  # noqa: E402
 
 import grpc  # noqa: E402
 import structlog  # noqa: E402
 
 from model_service.config import ModelServiceConfig, parse_bytes  # noqa: E402
+from model_service.logs import configure_logging  # noqa: E402
 from model_service.server import serve, shutdown, tls_credentials  # noqa: E402
 from model_service.tp_worker import run_torchrun_worker, torchrun_rank  # noqa: E402
 
 PORT_LINE = "PLANSERVE_ENGINE_PORT="
-
-
-def configure_logging() -> None:
-    json_logs = os.environ.get("PLANSERVE_LOG_JSON", "") not in ("", "0")
-    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> ModelServiceConfig:

@@ -11,9 +11,7 @@ import dataclasses
 import secrets
 
 import numpy as np
-
 from planserve.v1 import engine_pb2
-
 
 MAX_TOP_LOGPROBS = 20
 

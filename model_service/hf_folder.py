@@ -31,8 +31,8 @@ from typing import Any, Optional
 import structlog
 
 from model_service.gguf_file import GGUFTokenizer
+from model_service.models.families import family_for_config  # the built-ins registered
 from model_service.models.llama import LlamaArchConfig
-from model_service.models.registry import family_for_config
 from model_service.weights import SafetensorsWeights
 
 log = structlog.get_logger(__name__)

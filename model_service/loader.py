@@ -17,13 +17,14 @@ from typing import Optional
 
 import structlog
 import torch
-from torch import nn
 
 from model_service.build import build_model
 from model_service.config import ModelServiceConfig
 from model_service.gguf_file import load_gguf, load_gguf_tokenizer
 from model_service.hf_folder import is_hf_folder, load_hf_folder
+from model_service.loaded import LoadedModel
 from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
+from model_service.models.null import load_null_model
 from model_service.parallel import RankShare
 from model_service.quant import weight_bytes
 from model_service.weights import TensorDictWeights
@@ -46,32 +47,6 @@ TINY_ARCH = LlamaArchConfig(
 )
 # Large enough that greedy logits are rarely near-ties (a 0.02 init gives top-2 gaps ~1e-3).
 _TINY_STD = 0.4
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    model: nn.Module
-    arch: LlamaArchConfig
-    name: str
-    tokenizer_json: str
-    chat_template: str
-    eos_token_ids: list[int]
-    bos_token_id: Optional[int]
-    special_tokens: dict[str, str]
-    max_model_len: int
-    tensor_parallel_size: int = 1
-    """Ranks the layers are split across (model_service/parallel.py); this process holds one share."""
-    num_kv_blocks: Optional[int] = None
-    """KV blocks this model wants when the config sets none (the null model: a small fixed count)."""
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        return self.arch.num_key_value_heads // self.tensor_parallel_size
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights in Hugging Face Llama naming (lm_head.weight shares the embedding when tied)."""
-        hf_state_dict = getattr(self.model, "hf_state_dict", None)  # the null model has no fused layers
-        return hf_state_dict() if hf_state_dict is not None else self.model.state_dict()
 
 
 def smollm2_path() -> str:
@@ -107,8 +82,6 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
     """The model, or with `share` one tensor-parallel rank's share of it, read tensor by tensor."""
     config.validate()
     if config.model == "null":
-        from model_service.models.null import load_null_model
-
         return load_null_model(config)
     share = share or RankShare()
     dtype, device = DTYPES[config.resolved_dtype()], config.resolved_device()

@@ -34,16 +34,16 @@ import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder
+from model_service import threads
 from model_service.attention import ATTENTION_ISA, build_attention_metadata
 from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
-from model_service import threads
 from model_service.config import ModelServiceConfig
-from model_service.kv_cache import KVCache, agree_on_num_blocks, kv_block_bytes, kv_cache_budget_bytes
 from model_service.gemm import PackedLinear
+from model_service.kv_cache import KVCache, agree_on_num_blocks, kv_block_bytes, kv_cache_budget_bytes
 from model_service.layer_ops import LAYER_OPS_ISA
-from model_service.loader import LoadedModel
-from model_service.request_cache import RequestCache
+from model_service.loaded import LoadedModel
 from model_service.logits import apply_masks, apply_processing, gather_logprobs, prompt_logprob_rows
+from model_service.request_cache import RequestCache
 from model_service.sampler import SamplingBatch, filtered_probs, sample
 from model_service.speculative import NgramDrafter, uniforms, verify, verify_greedy
 

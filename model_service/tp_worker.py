@@ -101,7 +101,7 @@ def _die_with_parent() -> None:
 
 
 def _spawned_rank(index: int, config: ModelServiceConfig, world_size: int, init_method: str) -> None:
-    from model_service.__main__ import configure_logging
+    from model_service.logs import configure_logging
 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops the others

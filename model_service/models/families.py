@@ -18,7 +18,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from model_service.models.llama import LlamaArchConfig
-from model_service.models.registry import Family, register
+from model_service.models.registry import Family, family_for_config, register
+
+__all__ = ["LLAMA", "MISTRAL", "QWEN2", "QWEN3", "family_for_config", "llama_arch"]
 from model_service.models.rope import rope_from_config
 
 

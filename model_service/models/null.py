@@ -24,6 +24,7 @@ import time
 import torch
 from torch import nn
 
+from model_service.loaded import LoadedModel
 from model_service.models.llama import LlamaArchConfig
 
 NULL_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
@@ -120,7 +121,6 @@ class NullLM(nn.Module):
 
 def load_null_model(config):
     """The LoadedModel of `--model null` (model_service.loader.load_model calls this)."""
-    from model_service.loader import LoadedModel
 
     max_model_len = NULL_MAX_MODEL_LEN
     if config.max_model_len is not None:

@@ -62,9 +62,8 @@ def available() -> list[str]:
 
 
 def family_for_config(config: dict[str, Any]) -> Family:
-    """The family a config.json names; ValueError naming it and the served ones otherwise."""
-    from model_service.models import families  # noqa: F401  (registers the built-ins)
-
+    """The family a config.json names; ValueError naming it and the served ones otherwise (the
+    built-ins are registered by importing models/families.py, which hf_folder.py does)."""
     names = config.get("architectures") or []
     if len(names) > 1:
         raise ValueError(f"model: config.json architectures {names} names more than one")
