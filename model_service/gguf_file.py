@@ -221,6 +221,17 @@ class GGUFTokenizer:
     vocab_size: int
 
 
+def _special_tokens(reader, tokens: list[str]) -> dict[str, str]:
+    """The bos / eos / pad / unk token strings the file names by id."""
+    special = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        index = _field(reader, f"tokenizer.ggml.{key}")
+        if index is not None:
+            special[name] = tokens[int(index)]
+    return special
+
+
 @functools.lru_cache(maxsize=4)
 def load_gguf_tokenizer(path: str) -> GGUFTokenizer:
     """Rebuild the file's byte-level BPE tokenizer; ids match transformers' GGUF tokenizer."""
@@ -258,20 +269,7 @@ def load_gguf_tokenizer(path: str) -> GGUFTokenizer:
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
-    def token_at(key: str) -> str | None:
-        index = _field(reader, f"tokenizer.ggml.{key}")
-        return None if index is None else tokens[int(index)]
-
-    special = {
-        name: value
-        for name, value in (
-            ("bos_token", token_at("bos_token_id")),
-            ("eos_token", token_at("eos_token_id")),
-            ("pad_token", token_at("padding_token_id")),
-            ("unk_token", token_at("unknown_token_id")),
-        )
-        if value is not None
-    }
+    special = _special_tokens(reader, tokens)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     # DescribeResponse.bos_token_id means "prepended to text prompts", which only holds when the
