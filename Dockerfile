@@ -56,6 +56,8 @@ COPY protos/ protos/
 COPY cython_ext/ cython_ext/
 COPY scheduler_service/ scheduler_service/
 COPY model_service/ model_service/
+COPY tools/ tools/
+COPY bench/ bench/
 # A regular (not editable) install: the extensions are compiled into the venv, /src is not kept.
 # (The project itself: its dependencies are pinned or bounded in pyproject.toml.)
 # hadolint ignore=DL3013

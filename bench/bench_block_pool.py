@@ -130,10 +130,10 @@ def _admission_once() -> dict:
     from factories import make_request, make_tokenizer
 
     from scheduler_service.config import SchedulerConfig
-    from scheduler_service.engine_client import EngineFacts
-    from scheduler_service.outputs import OutputProcessor
-    from scheduler_service.plan import StepResult, to_pb
-    from scheduler_service.scheduler import Scheduler
+    from scheduler_service.engine.client import EngineFacts
+    from scheduler_service.text.outputs import OutputProcessor
+    from scheduler_service.core.plan import StepResult, to_pb
+    from scheduler_service.core.scheduler import Scheduler
 
     max_len = ADMIT_LEN + 256
     slots = ADMIT_RUNNING + ADMIT_PROMPTS + 1

@@ -40,11 +40,11 @@ from factories import make_request  # noqa: E402
 
 from planserve.v1 import engine_pb2, engine_pb2_grpc, generate_pb2, generate_pb2_grpc  # noqa: E402
 from scheduler_service.config import SchedulerConfig  # noqa: E402
-from scheduler_service.engine_client import EngineFacts  # noqa: E402
-from scheduler_service.outputs import OutputProcessor  # noqa: E402
-from scheduler_service.plan import result_from_pb, to_pb  # noqa: E402
-from scheduler_service.scheduler import Scheduler  # noqa: E402
-from scheduler_service.tokenizer import Tokenizer  # noqa: E402
+from scheduler_service.engine.client import EngineFacts  # noqa: E402
+from scheduler_service.text.outputs import OutputProcessor  # noqa: E402
+from scheduler_service.core.plan import result_from_pb, to_pb  # noqa: E402
+from scheduler_service.core.scheduler import Scheduler  # noqa: E402
+from scheduler_service.text.tokenizer import Tokenizer  # noqa: E402
 
 SIZES = (1, 64, 256)
 PROMPT_LEN = 128

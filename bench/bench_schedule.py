@@ -26,10 +26,10 @@ from factories import make_request, make_tokenizer  # noqa: E402
 from oracle_scheduler import OracleScheduler  # noqa: E402
 
 from scheduler_service.config import SchedulerConfig  # noqa: E402
-from scheduler_service.engine_client import EngineFacts  # noqa: E402
-from scheduler_service.outputs import OutputProcessor  # noqa: E402
-from scheduler_service.plan import StepResult, to_pb  # noqa: E402
-from scheduler_service.scheduler import Scheduler  # noqa: E402
+from scheduler_service.engine.client import EngineFacts  # noqa: E402
+from scheduler_service.text.outputs import OutputProcessor  # noqa: E402
+from scheduler_service.core.plan import StepResult, to_pb  # noqa: E402
+from scheduler_service.core.scheduler import Scheduler  # noqa: E402
 
 NUM_RUNNING = 256
 NUM_WAITING = 1000

@@ -22,7 +22,7 @@ import time
 import grpc
 
 from planserve.v1 import generate_pb2_grpc
-from scheduler_service.client import build_request
+from scheduler_service.api.client import build_request
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.server import SchedulerServer
 

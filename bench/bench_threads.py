@@ -30,8 +30,8 @@ import urllib.request
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench import measure  # noqa: E402
-from scheduler_service.bench import report, workloads  # noqa: E402
-from scheduler_service.bench.loadgen import GrpcBackend, run_workload  # noqa: E402
+from bench.load import report, workloads  # noqa: E402
+from bench.load.loadgen import GrpcBackend, run_workload  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 OUT = os.path.join(ROOT, "bench", "results", "threads.json")

@@ -17,7 +17,7 @@ import time
 import grpc
 
 from planserve.v1 import generate_pb2_grpc
-from scheduler_service.client import build_request
+from scheduler_service.api.client import build_request
 
 TOPICS = ["the sea", "mountains", "a city at night", "autumn", "a library", "trains",
           "the moon", "a garden", "rain", "bread", "rivers", "a lighthouse", "snow",

@@ -48,7 +48,7 @@ from libcpp.utility cimport pair
 #
 # parent is the digest of the previous block, all zeros for the first. salt is 256 bits: 0 for the
 # global cache, else SHA-256 of the request's cache_salt and (scope "tenant") tenant, made by
-# scheduler_service/kv_blocks.py. A block of 16 tokens is 135 bytes: 3 SHA-256 compressions.
+# scheduler_service/core/kv_blocks.py. A block of 16 tokens is 135 bytes: 3 SHA-256 compressions.
 # tests/scheduler/block_pool_oracle.py repeats this with hashlib.sha256; both must change together.
 #
 # The compression runs on the CPU's SHA instructions where it has them (csrc/sha256_shani.c),

@@ -1,7 +1,7 @@
 # distutils: language = c++
 """The scheduler's per-step hot path (contract: step_core.pxd, Python view: step_core.pyi).
 
-scheduler_service/scheduler.py keeps the orchestration (Request lifecycle, the waiting queue and
+scheduler_service/core/scheduler.py keeps the orchestration (Request lifecycle, the waiting queue and
 its policy, outputs, aborts, deadlines) and calls in here for everything that is a loop over
 running sequences. A step, as the Scheduler drives it:
 

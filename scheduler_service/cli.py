@@ -21,9 +21,11 @@ from typing import Optional
 import structlog
 
 from planserve.v1 import generate_pb2
-from scheduler_service import conformance, logs, policies
-from scheduler_service.bench import cli as bench_cli
-from scheduler_service.client import build_request, stream_generate
+from bench.load import cli as bench_cli
+from scheduler_service import logs
+from scheduler_service.core import policies
+from tools import conformance
+from scheduler_service.api.client import build_request, stream_generate
 from scheduler_service.config import (CHUNKING_MODES, PREEMPTION_MODES, PREFIX_CACHE_SCOPES,
                                       SchedulerConfig)
 from scheduler_service.server import SchedulerServer

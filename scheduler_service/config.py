@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from scheduler_service import policies
+from scheduler_service.core import policies
 
 CHUNKING_MODES = ("interleaved", "prefill-first", "decode-priority")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -34,11 +34,11 @@ class SchedulerConfig:
     engine_address: str = "127.0.0.1:50052"
     """host:port of the model service's EngineService; several replicas as a comma list
     ("h1:p1,h2:p2"), or `dns:///name:port` (a headless Service: one replica per address,
-    re-resolved every replica_check_interval_s); see scheduler_service/replicas.py."""
+    re-resolved every replica_check_interval_s); see scheduler_service/engine/replicas.py."""
 
     router_weights: str = "prefix_affinity=2,kv_usage=1,waiting_tokens=1"
     """With several replicas: the scorers that place a new request and their weights
-    (scheduler_service/scorers: kv_usage, waiting_tokens, prefix_affinity, random, or a plugin)."""
+    (scheduler_service/engine/scorers: kv_usage, waiting_tokens, prefix_affinity, random, or a plugin)."""
 
     replica_check_interval_s: float = 5.0
     """With several replicas: how often DNS is re-resolved, replicas that failed to connect are
@@ -46,7 +46,7 @@ class SchedulerConfig:
 
     overlap: bool = True
     """Build and send step N+1 while the model service computes step N (at most two plans in
-    flight; scheduler_service/loop.py). Steps go one at a time while a request with a grammar
+    flight; scheduler_service/engine/loop.py). Steps go one at a time while a request with a grammar
     is running or the engine speculates (a plan then depends on the previous step's tokens)."""
 
     max_num_seqs: int = 64
@@ -152,7 +152,7 @@ class SchedulerConfig:
             raise ValueError(f"engine_address must be host:port (or a comma list of them, or "
                              f"dns:///name:port), got {self.engine_address!r}")
         if "," in self.engine_address or self.engine_address.startswith("dns:///"):
-            from scheduler_service import scorers
+            from scheduler_service.engine import scorers
             scorers.parse_weights(self.router_weights)  # names the bad scorer or weight
         if self.replica_check_interval_s <= 0:
             raise ValueError(

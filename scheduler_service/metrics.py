@@ -13,7 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from scheduler_service.request import FinishReason, Request, RequestOutput
+from scheduler_service.core.request import FinishReason, Request, RequestOutput
 
 # Seconds: from a few milliseconds (a tiny model's step) to minutes (a long queue).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

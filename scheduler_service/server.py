@@ -16,17 +16,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_service import engine_client, intake, outputs, overload, security, structured
+from scheduler_service.api import intake, overload, security
+from scheduler_service.engine import client as engine_client
+from scheduler_service.text import outputs, structured
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.engine_client import EngineClient, EngineFacts
-from scheduler_service.loop import EngineLoop
+from scheduler_service.engine.client import EngineClient, EngineFacts
+from scheduler_service.engine.loop import EngineLoop
 from scheduler_service.metrics import Metrics
-from scheduler_service.openai_api import HttpServer
-from scheduler_service.outputs import OutputProcessor
-from scheduler_service.replicas import ReplicaSet, is_replicated
-from scheduler_service.request import Request, RequestOutput
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.tokenizer import Tokenizer
+from scheduler_service.api.openai_http import HttpServer
+from scheduler_service.text.outputs import OutputProcessor
+from scheduler_service.engine.replicas import ReplicaSet, is_replicated
+from scheduler_service.core.request import Request, RequestOutput
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("planserve.scheduler")
 
@@ -363,7 +365,7 @@ class SchedulerServer:
         """Describes the model service, builds the scheduler and turns health SERVING."""
         if is_replicated(self.config.engine_address):
             # Several model services: one scheduler + engine loop per replica, a router in front
-            # (scheduler_service/replicas.py); the servicer talks to the set as to one loop.
+            # (scheduler_service/engine/replicas.py); the servicer talks to the set as to one loop.
             loop = ReplicaSet(self.config, self.metrics, on_serving=self._on_engine_up,
                               make_client=self._engine_client)
             facts = await loop.connect()

@@ -7,7 +7,7 @@ import dataclasses
 import grpc
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_service.client import build_request  # noqa: F401  (re-exported for tests)
+from scheduler_service.api.client import build_request  # noqa: F401  (re-exported for tests)
 
 
 @dataclasses.dataclass

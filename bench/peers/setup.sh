@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the peer engines of `python -m scheduler_service.bench.peers` under bench/peers/.work/
+# Builds the peer engines of `python -m bench.peers.compare` under bench/peers/.work/
 # (gitignored). Idempotent: each step is skipped when its output exists. Peers are extras of the
 # benchmark only; nothing here is needed to run planserve.
 #

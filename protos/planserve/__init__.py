@@ -1,7 +1,7 @@
 """planserve: the public gRPC contract (planserve.v1) and the offline Python API.
 
 `from planserve import LLM, SamplingParams` runs the scheduler and the model in this process
-(scheduler_service/offline.py); both are imported on first use, so importing the generated
+(tools/offline.py); both are imported on first use, so importing the generated
 stubs stays light (no torch).
 """
 from __future__ import annotations
@@ -11,6 +11,6 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from scheduler_service import offline
+        from tools import offline
         return getattr(offline, name)
     raise AttributeError(f"module 'planserve' has no attribute {name!r}")

@@ -9,9 +9,9 @@ import pytest_asyncio
 from conftest import EngineProcess, start_scheduler
 
 from model_service.models.null import null_continuation
-from scheduler_service.bench import workloads
-from scheduler_service.bench.loadgen import GrpcBackend, OpenAIBackend, run_workload
-from scheduler_service.bench.workloads import BenchRequest
+from bench.load import workloads
+from bench.load.loadgen import GrpcBackend, OpenAIBackend, run_workload
+from bench.load.workloads import BenchRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from api import assert_no_leaked_blocks, wait_until_idle
-from scheduler_service.conformance import run_suite
-from scheduler_service.conformance.report import passed
+from tools.conformance import run_suite
+from tools.conformance.report import passed
 
 ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
 _EMPTY = np.zeros(0, dtype=np.int64)

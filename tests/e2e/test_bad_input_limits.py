@@ -11,7 +11,7 @@ import pytest_asyncio
 from api import complete, greedy_ids_request, stub_for
 from conftest import EngineProcess
 from planserve.v1 import engine_pb2, engine_pb2_grpc, generate_pb2
-from scheduler_service import intake
+from scheduler_service.api import intake
 from scheduler_service.config import SchedulerConfig
 
 

@@ -27,7 +27,7 @@ def llm():
 
 def test_importing_planserve_does_not_load_torch():
     code = ("import sys, planserve, planserve.v1.generate_pb2; "
-            "print('torch' in sys.modules, 'scheduler_service.offline' in sys.modules)")
+            "print('torch' in sys.modules, 'tools.offline' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONPATH": "protos:."})
     assert out.stdout.split() == ["False", "False"]

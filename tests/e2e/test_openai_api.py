@@ -15,7 +15,7 @@ import pytest
 
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
 from planserve.v1 import generate_pb2
-from scheduler_service.openai_api import HttpServer
+from scheduler_service.api.openai_http import HttpServer
 from scheduler_service.server import Rejected
 
 PROMPT_IDS = [1, 17, 300, 4000, 22, 9]

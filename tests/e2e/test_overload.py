@@ -15,7 +15,7 @@ from grpc_status import rpc_status
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, wait_until_idle
 from conftest import EngineProcess, start_scheduler
 from planserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_service.overload import RETRY_AFTER_KEY
+from scheduler_service.api.overload import RETRY_AFTER_KEY
 
 MAX_QUEUE_TOKENS = 100
 MAX_STREAM_BUFFER_CHUNKS = 8

@@ -234,8 +234,8 @@ def test_scheduler_cli_takes_repeated_engines(two_engines):
 
 
 def test_router_weights_are_checked_and_ties_take_turns():
-    from scheduler_service import scorers
-    from scheduler_service.router import Router
+    from scheduler_service.engine import scorers
+    from scheduler_service.engine.router import Router
 
     assert scorers.parse_weights("prefix_affinity=2, kv_usage=1") == {"prefix_affinity": 2.0, "kv_usage": 1.0}
     for bad, why in (("nope=1", "unknown scorer 'nope'"), ("kv_usage=-1", "must be >= 0"),
@@ -256,7 +256,7 @@ def test_router_weights_are_checked_and_ties_take_turns():
 async def test_dns_name_resolves_to_replicas(two_engines):
     """engine_address dns:///localhost:PORT (as a headless Service name would be) resolves to the
     engine's address, which then serves as a replica."""
-    from scheduler_service.replicas import resolve_dns
+    from scheduler_service.engine.replicas import resolve_dns
 
     port = two_engines[0].rsplit(":", 1)[1]
     assert f"127.0.0.1:{port}" in await resolve_dns(f"dns:///localhost:{port}")
@@ -274,7 +274,7 @@ async def test_replica_gone_from_dns_is_drained_mid_run(two_engines, monkeypatch
     """A replica whose address leaves the name's answer (its pod was deleted) is stopped mid-step
     and its requests finish on the other one with the undisturbed greedy tokens. The name's
     answer is set by the test (the resolver is the environment here, not the part under test)."""
-    from scheduler_service import replicas as replicas_module
+    from scheduler_service.engine import replicas as replicas_module
 
     answer = list(two_engines)
 

@@ -15,7 +15,7 @@ import pytest
 
 from api import assert_no_leaked_blocks, complete, stub_for, wait_until_idle
 from planserve.v1 import common_pb2, generate_pb2
-from scheduler_service.openai_api import HttpServer
+from scheduler_service.api.openai_http import HttpServer
 
 PROMPT_IDS = [1, 17, 300, 4000, 22, 9]
 EMAIL = r"[a-z]{3,8}@example\.(com|org)"

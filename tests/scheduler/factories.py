@@ -7,12 +7,12 @@ import tokenizers
 from tokenizers import models, pre_tokenizers, decoders
 
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.engine_client import EngineFacts
-from scheduler_service.outputs import OutputProcessor
-from scheduler_service.plan import StepPlan, StepResult
-from scheduler_service.request import Request, Sampling, Stopping
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.tokenizer import Tokenizer
+from scheduler_service.engine.client import EngineFacts
+from scheduler_service.text.outputs import OutputProcessor
+from scheduler_service.core.plan import StepPlan, StepResult
+from scheduler_service.core.request import Request, Sampling, Stopping
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.text.tokenizer import Tokenizer
 
 EOS = 1
 # Token id i decodes to the word WORDS[i]; words are joined by spaces.

@@ -1,5 +1,5 @@
 """Pure-Python oracle of the scheduler's step rule (tests only): the same decisions as
-scheduler_service.scheduler.Scheduler, written plainly and independent of the Cython code.
+scheduler_service.core.scheduler.Scheduler, written plainly and independent of the Cython code.
 
 This is the Python scheduler as it was before the hot path moved into cython_ext/step_core.pyx:
 per-request block tables in Python lists, the pure-Python block pool of block_pool_oracle.py and
@@ -22,13 +22,13 @@ import time
 from typing import Iterable, Optional
 
 from block_pool_oracle import OracleBlockPool, block_hash
-from scheduler_service import policies
+from scheduler_service.core import policies
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.engine_client import EngineFacts
-from scheduler_service.outputs import OutputProcessor
-from scheduler_service.plan import NewSequence, StepPlan, StepResult
-from scheduler_service.policies.base import SchedulingPolicy
-from scheduler_service.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_service.engine.client import EngineFacts
+from scheduler_service.text.outputs import OutputProcessor
+from scheduler_service.core.plan import NewSequence, StepPlan, StepResult
+from scheduler_service.core.policies.base import SchedulingPolicy
+from scheduler_service.core.request import FinishReason, Request, RequestOutput, RequestStatus
 
 
 def cdiv(a: int, b: int) -> int:

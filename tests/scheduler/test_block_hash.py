@@ -19,8 +19,8 @@ import struct
 import pytest
 
 from cython_ext import block_pool as cy
-from scheduler_service.kv_blocks import KVBlockManager, salt_of
-from scheduler_service.request import Request
+from scheduler_service.core.kv_blocks import KVBlockManager, salt_of
+from scheduler_service.core.request import Request
 from tests.scheduler import block_pool_oracle as oracle
 from tests.scheduler.factories import make_request
 

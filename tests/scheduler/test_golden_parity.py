@@ -18,10 +18,10 @@ from factories import EOS, ShadowEngine, fake_result, make_request, make_tokeniz
 from oracle_scheduler import OracleScheduler
 
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.engine_client import EngineFacts
-from scheduler_service.outputs import OutputProcessor
-from scheduler_service.plan import to_pb
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.engine.client import EngineFacts
+from scheduler_service.text.outputs import OutputProcessor
+from scheduler_service.core.plan import to_pb
+from scheduler_service.core.scheduler import Scheduler
 
 MODES = ["interleaved", "prefill-first", "decode-priority"]
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from factories import EOS, ShadowEngine, make_request, make_scheduler
-from scheduler_service.plan import StepResult
+from scheduler_service.core.plan import StepResult
 
 
 class ModelSim:

@@ -1,7 +1,7 @@
 """n > 1: samples fork from a computed prompt, share its blocks, copy the partial one."""
 from factories import make_request, make_scheduler, run_step, run_until_idle
 
-from scheduler_service.request import FinishReason
+from scheduler_service.core.request import FinishReason
 
 
 def _tokens_by_sample(next_tokens):

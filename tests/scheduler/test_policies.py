@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service import policies
-from scheduler_service.policies.base import SchedulingPolicy
-from scheduler_service.policies.fcfs import FCFSPolicy
-from scheduler_service.request import Request, Sampling, Stopping
+from scheduler_service.core import policies
+from scheduler_service.core.policies.base import SchedulingPolicy
+from scheduler_service.core.policies.fcfs import FCFSPolicy
+from scheduler_service.core.request import Request, Sampling, Stopping
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILTINS = ["edf", "fair", "fcfs", "lpm", "priority", "sjf"]
@@ -82,8 +82,8 @@ def test_unknown_name_is_a_value_error_that_lists_the_valid_names(spec):
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("spec", ["no_such_module:Policy", "scheduler_service.policies:Nope",
-                                  "scheduler_service.policies.fcfs.Nope", "a:"])
+@pytest.mark.parametrize("spec", ["no_such_module:Policy", "scheduler_service.core.policies:Nope",
+                                  "scheduler_service.core.policies.fcfs.Nope", "a:"])
 def test_bad_dotted_path_is_a_value_error_that_lists_the_valid_names(spec):
     with pytest.raises(ValueError, match="valid names: edf, fair, fcfs"):
         policies.create(spec)
@@ -140,7 +140,7 @@ def test_register_refuses_a_taken_name_and_a_non_policy():
     class Impostor(FCFSPolicy):
         name = "fcfs"
 
-    with pytest.raises(ValueError, match="already taken by scheduler_service.policies.fcfs"):
+    with pytest.raises(ValueError, match="already taken by scheduler_service.core.policies.fcfs"):
         policies.register(Impostor)
     with pytest.raises(TypeError):
         policies.register(object)

@@ -4,7 +4,7 @@ import time
 import pytest
 from factories import make_request, make_scheduler, run_step, run_until_idle
 
-from scheduler_service.request import FinishReason
+from scheduler_service.core.request import FinishReason
 
 
 class FakeClock:

@@ -1,7 +1,7 @@
 """The step rule, driven by fake step results: schedule -> fake result -> update."""
 from factories import EOS, make_request, make_scheduler, run_step
 
-from scheduler_service.request import FinishReason, RequestStatus
+from scheduler_service.core.request import FinishReason, RequestStatus
 
 
 def _free_everything(scheduler):

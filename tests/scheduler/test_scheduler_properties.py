@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from factories import EOS, make_request, make_scheduler, run_step
 
-from scheduler_service.request import FinishReason
+from scheduler_service.core.request import FinishReason
 
 POLICIES = ["fcfs", "priority", "sjf", "edf", "fair", "lpm"]
 MODES = ["interleaved", "prefill-first", "decode-priority"]

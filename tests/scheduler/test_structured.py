@@ -13,8 +13,8 @@ import tokenizers
 from tokenizers import decoders, models
 
 from factories import EOS, WORDS, fake_result, make_request, make_scheduler, run_step
-from scheduler_service.request import FinishReason
-from scheduler_service.structured import (GrammarCompiler, StructuredSpec, fill_plan_masks,
+from scheduler_service.core.request import FinishReason
+from scheduler_service.text.structured import (GrammarCompiler, StructuredSpec, fill_plan_masks,
                                           token_bytes)
 
 
@@ -127,7 +127,7 @@ def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2
 
 
 def test_json_schema_and_object_compile_and_bad_ones_name_the_field(smollm2_vocab):
-    from scheduler_service.structured import StructuredOutputError
+    from scheduler_service.text.structured import StructuredOutputError
     compiler = GrammarCompiler(*smollm2_vocab)
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                          "required": ["a"]})

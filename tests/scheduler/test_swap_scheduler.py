@@ -14,8 +14,8 @@ import random
 import pytest
 
 from factories import EOS, fake_result, make_request, make_scheduler
-from scheduler_service.plan import StepResult
-from scheduler_service.swap import SwapSpace
+from scheduler_service.core.plan import StepResult
+from scheduler_service.core.swap import SwapSpace
 
 
 class KVShadow:
@@ -105,7 +105,7 @@ SMALL = dict(num_blocks=25, block_size=4, max_num_batched_tokens=32, max_num_seq
 def _facts_with_swap(scheduler, num_swap_blocks):
     import dataclasses
 
-    from scheduler_service.scheduler import Scheduler
+    from scheduler_service.core.scheduler import Scheduler
 
     facts = dataclasses.replace(scheduler.facts, num_swap_blocks=num_swap_blocks)
     return Scheduler(scheduler.config, facts, scheduler.outputs)

@@ -1,0 +1,3 @@
+"""The public doors: the OpenAI-compatible HTTP API, request intake (public message -> Request),
+security and overload answers, and the public API's Python client.
+"""

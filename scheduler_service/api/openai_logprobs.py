@@ -1,0 +1,54 @@
+"""Logprobs in OpenAI's two JSON shapes, from the scheduler's TokenLogprob entries.
+
+Completions (legacy): {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: lp}],
+"text_offset": [...]}; chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
+A token's text is its own decode (byte-level pieces that are not valid UTF-8 alone decode with
+replacement characters; `bytes` carries the exact UTF-8 of that text, as OpenAI does).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from scheduler_service.core.request import TokenLogprob
+from scheduler_service.text.tokenizer import Tokenizer
+
+
+def _text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = _text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [
+        dict(item(e.token_id, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top])
+        for e in entries]}
+
+
+class CompletionLogprobs:
+    """Accumulates the legacy shape over a completion's chunks (text offsets run on)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._offset = 0
+
+    def add(self, entries: Optional[list[TokenLogprob]]) -> dict:
+        shape: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries or []:
+            text = _text(self._tokenizer, e.token_id)
+            shape["tokens"].append(text)
+            shape["token_logprobs"].append(e.logprob)
+            shape["top_logprobs"].append({_text(self._tokenizer, t): lp for t, lp in e.top})
+            shape["text_offset"].append(self._offset)
+            self._offset += len(text)
+        return shape
+
+
+def merge_completion(shapes: list[dict]) -> dict:
+    merged: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for shape in shapes:
+        for key in merged:
+            merged[key].extend(shape[key])
+    return merged

@@ -1,0 +1,91 @@
+"""The scheduler's KV blocks: the Cython block pool and prefix-cache lookups for waiting requests.
+
+A running request holds ceil(num_computed_tokens / block_size) blocks after each step; its table
+lives in cython_ext/step_core.pyx (per slot, mirrored to Request.block_ids), is append-only while
+it runs and released whole when it finishes, is aborted or is preempted. Every block that fills up
+is registered (by step_core, in update) under a SHA-256 digest chained on its parent and salted
+(salt_of: the request's cache_salt, and its tenant when the scope is "tenant"); released blocks
+stay in the pool's LRU free queue with their digest, so a later request (or the same one, resumed
+after preemption) starting with the same tokens and salt picks them up instead of computing them
+again. This module answers the questions asked before a request runs: which cached blocks would
+it start with.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import struct
+
+from cython_ext.block_pool import BlockPool
+from scheduler_service.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)
+def salt_of(cache_salt: str, tenant: str | None = None) -> int:
+    """The 256-bit prefix-cache salt (what BlockPool and StepCore take) of a request's cache_salt,
+    and of its tenant when the cache is tenant-scoped (tenant not None).
+
+    0, shared by every such request, for no cache_salt in the global scope; otherwise SHA-256 of
+    the tagged, length-prefixed strings, so ("ab", "c") and ("a", "bc") differ and a tenant-scoped
+    salt never equals a global one:  b"C" len(uint32 LE) cache_salt  [b"N" len tenant]  (UTF-8).
+    """
+    if not cache_salt and tenant is None:
+        return 0
+    message = b"C" + struct.pack("<I", len(cache_salt.encode())) + cache_salt.encode()
+    if tenant is not None:
+        message += b"N" + struct.pack("<I", len(tenant.encode())) + tenant.encode()
+    return int.from_bytes(hashlib.sha256(message).digest(), "big")
+
+
+class KVBlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefix_cache_scope: str = "global"):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_scope = prefix_cache_scope
+
+    def salt(self, request: Request) -> int:
+        """The request's prefix-cache salt under this manager's scope (see salt_of)."""
+        if self.prefix_cache_scope == "tenant":
+            return salt_of(request.cache_salt, request.tenant)
+        return salt_of(request.cache_salt)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Every block but the reserved block 0."""
+        return self.pool.num_usable
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_usable_blocks * self.block_size
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
+        """Cached blocks matching the start of a request that holds no block yet.
+
+        Returns (block ids, how many of them sit in the free queue, i.e. would stop being free
+        once taken). The last token is never matched: a step must compute at least one token
+        to sample from, and it must not write into a shared block.
+        """
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed.
+            return [], 0
+        token_ids = request.all_token_ids
+        hits = self.pool.match_prefix(token_ids, self.block_size, self.salt(request),
+                                      len(token_ids) - 1)
+        return hits, self.pool.num_unheld(hits)
+
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Prompt tokens a waiting request would find cached (the `lpm` policy's key)."""
+        hits, _ = self.find_cached_prefix(request)
+        return len(hits) * self.block_size

@@ -1,0 +1,270 @@
+"""The engine loop: schedule, execute on the model service, update, deliver.
+
+With overlap (SchedulerConfig.overlap, the default) the loop keeps two plans in flight: it
+builds and sends step N+1 while the model service computes step N, committing each plan as if it
+had completed (Scheduler.commit: counts advance, sampled tokens are placeholders; the model
+service feeds its own sampled tokens to the next step) and reconciling when the result comes
+(Scheduler.reconcile: real ids, stops, releases). A request that stopped at step N was already
+scheduled in N+1: that token is computed and discarded. While a grammar-constrained request runs
+or the engine speculates, the next plan depends on the last tokens, so steps go one at a time.
+
+It sleeps while there is no work and wakes when a request arrives or is aborted.
+
+When the model service goes away (killed, restarted, its stream broken) the loop marks the engine
+down (health NOT_SERVING), reconnects with backoff, checks the new process with a real one-token
+step, and resumes: every sequence in flight is recomputed from its prompt plus the tokens already
+streamed (the scheduler's recompute preemption, applied to all of them at once), so clients see a
+delay and never a token twice. While idle it checks the model service's health every
+`engine_check_interval_s`, so that readiness also drops when nothing is running.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Callable, Optional
+
+import structlog
+
+from scheduler_service.engine.client import EngineClient, EngineFacts, EngineUnavailable
+from scheduler_service.metrics import Metrics
+from scheduler_service.core.request import FinishReason, Request, RequestOutput
+from scheduler_service.core.scheduler import Scheduler
+
+log = structlog.get_logger("planserve.loop")
+
+
+class EngineLoop:
+    # Reconnect backoff: doubles from the first to the last, then stays.
+    FIRST_BACKOFF_S = 0.1
+    MAX_BACKOFF_S = 5.0
+    # Recoveries in a row with no step completed in between: the model service fails on what we
+    # send it (not an outage), so the requests in flight are failed instead of retried forever.
+    MAX_RECOVERIES_WITHOUT_PROGRESS = 3
+
+    def __init__(self, scheduler: Scheduler, client: EngineClient,
+                 metrics: Optional[Metrics] = None,
+                 on_engine_up: Optional[Callable[[bool], None]] = None,
+                 engine_check_interval_s: float = 1.0,
+                 is_compatible: Optional[Callable[[EngineFacts], Optional[str]]] = None):
+        self.scheduler = scheduler
+        self.client = client
+        self.metrics = metrics
+        self._on_engine_up = on_engine_up or (lambda up: None)
+        self._check_interval_s = engine_check_interval_s
+        # Says why a restarted model service cannot take over the requests in flight (None: it can).
+        self._is_compatible = is_compatible or (lambda facts: None)
+        self.engine_up = True
+        self.num_engine_recoveries = 0
+        self._recoveries_without_progress = 0
+        self._num_preemptions_seen = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_steps = 0
+        # Overlap: plans sent whose results have not come back, oldest first (at most two).
+        self._in_flight: collections.deque = collections.deque()
+        self.max_in_flight_seen = 0
+        # Tokens computed per second, a moving average over steps (the retry hint's rate).
+        self.tokens_per_s = 0.0
+
+    def start(self, engine_down: Optional[str] = None) -> None:
+        """Starts stepping; with `engine_down` (why), reconnects first (the readiness probe
+        failed: the model service answered Describe but could not compute)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(engine_down),
+                                                            name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._wake.set()
+
+    def abort_request(self, request_id: str) -> bool:
+        """False when no such request is in flight."""
+        found = self.scheduler.abort_request(request_id)
+        self._wake.set()
+        return found
+
+    async def _run(self, engine_down: Optional[str] = None) -> None:
+        try:
+            if engine_down is not None:
+                await self._recover(engine_down)
+            while True:
+                if not self.scheduler.has_work() and not self._in_flight:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), self._check_interval_s)
+                    except asyncio.TimeoutError:
+                        if not await self.client.is_alive(self._check_interval_s):
+                            await self._recover("the model service failed its health check")
+                    continue
+                try:
+                    await self._step()
+                except EngineUnavailable as error:
+                    await self._recover(str(error))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine loop failed; failing every request in flight")
+            self._fail_all()
+            raise
+
+    async def _step(self) -> None:
+        scheduler = self.scheduler
+        if scheduler.config.overlap and not scheduler.needs_lockstep:
+            await self._overlapped_step()
+            return
+        if self._in_flight:  # lockstep from now on: finish what overlap sent first
+            await self._finish_oldest()
+            return
+        plan = self.scheduler.schedule()
+        # Every event logged from here to the next step names this step.
+        structlog.contextvars.bind_contextvars(step_id=plan.step_id)
+        self._deliver(self.scheduler.take_early_outputs())
+        if plan.is_empty:
+            await self._wait_for_news()
+            return
+        started = time.perf_counter()
+        result = await self.client.execute(plan)
+        self._finish(plan, result, started, self.scheduler.update)
+
+    async def _overlapped_step(self) -> None:
+        """Keeps the pipeline full: plan and send the next step while one is in flight, then
+        take the oldest result."""
+        scheduler = self.scheduler
+        if len(self._in_flight) < 2 and scheduler.has_work():
+            plan = scheduler.schedule()
+            structlog.contextvars.bind_contextvars(step_id=plan.step_id)
+            self._deliver(scheduler.take_early_outputs())
+            if not plan.is_empty:
+                scheduler.commit(plan)
+                await self.client.send(plan)
+                self._in_flight.append((plan, time.perf_counter()))
+                self.max_in_flight_seen = max(self.max_in_flight_seen, len(self._in_flight))
+                if len(self._in_flight) < 2:
+                    return  # plan the next one before waiting
+            elif not self._in_flight:
+                await self._wait_for_news()
+                return
+        if self._in_flight:
+            await self._finish_oldest()
+
+    async def _finish_oldest(self) -> None:
+        plan, sent = self._in_flight[0]
+        result = await self.client.receive(plan)
+        self._in_flight.popleft()
+        self._finish(plan, result, sent, self.scheduler.reconcile)
+
+    async def _wait_for_news(self) -> None:
+        """Nothing could be scheduled: wait for news (an arrival, an abort) instead of spinning;
+        the timeout only guards against a missed wake-up."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+        except asyncio.TimeoutError:
+            pass
+
+    def _finish(self, plan, result, sent: float, apply) -> None:
+        """A step's result is in: `apply` (Scheduler.update in lockstep, reconcile under overlap)
+        turns it into outputs, which are delivered; rate and metrics follow."""
+        self._note_rate(plan.total_scheduled_tokens, time.perf_counter() - sent)
+        self.num_steps += 1
+        self._recoveries_without_progress = 0
+        self._deliver(apply(plan, result))
+        self._after_step(result)
+
+    def _after_step(self, result) -> None:
+        if self.metrics is not None:
+            scheduler = self.scheduler
+            usable = scheduler.kv.num_usable_blocks
+            preemptions = scheduler.num_preemptions_total - self._num_preemptions_seen
+            self._num_preemptions_seen = scheduler.num_preemptions_total
+            self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
+                                 (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
+            self.metrics.on_forward(result.forward_ns)
+            if result.num_draft_tokens:
+                self.metrics.on_speculation(result.num_draft_tokens,
+                                            result.num_accepted_draft_tokens)
+
+    def _note_rate(self, num_tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = num_tokens / seconds
+            self.tokens_per_s = rate if not self.tokens_per_s else \
+                0.9 * self.tokens_per_s + 0.1 * rate
+
+    async def _recover(self, why: str) -> None:
+        """Engine down: health NOT_SERVING, every sequence back to waiting, then reconnect with
+        backoff until a model service answers Describe and a real step; health SERVING again."""
+        self.engine_up = False
+        self._on_engine_up(False)
+        if self.metrics is not None:
+            self.metrics.on_engine_up(False)
+        self.client.drop_stream()
+        self._in_flight.clear()  # those plans' sequences are all recomputed
+        num_preempted = self.scheduler.reset_engine(self.scheduler.facts)
+        log.warning("engine_down", reason=why, num_preempted=num_preempted,
+                    num_in_flight=len(self.scheduler.requests))
+        self._recoveries_without_progress += 1
+        if self._recoveries_without_progress > self.MAX_RECOVERIES_WITHOUT_PROGRESS:
+            log.error("engine_fails_repeatedly; failing every request in flight",
+                      recoveries=self._recoveries_without_progress - 1)
+            self.scheduler.end_all(FinishReason.ERROR)
+            self._deliver(self.scheduler.take_early_outputs())
+            self._recoveries_without_progress = 0
+        backoff_s = self.FIRST_BACKOFF_S
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            # Aborts and deadlines still end requests while nothing can run.
+            self.scheduler.collect_departures()
+            self._deliver(self.scheduler.take_early_outputs())
+            try:
+                facts = await self.client.describe(max(backoff_s, 1.0))
+                incompatible = self._is_compatible(facts)
+                if incompatible is None:
+                    self.scheduler.reset_engine(facts)
+                    await self.client.probe(self.scheduler.take_step_ids(2), facts)
+                    break
+                log.error("engine_incompatible", reason=incompatible, attempt=attempt)
+            except (EngineUnavailable, asyncio.TimeoutError, ConnectionError) as error:
+                self.client.drop_stream()
+                log.info("engine_reconnect_failed", attempt=attempt, error=str(error))
+            except Exception as error:  # noqa: BLE001 - an AioRpcError of Describe, say
+                self.client.drop_stream()
+                log.info("engine_reconnect_failed", attempt=attempt, error=repr(error))
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, self.MAX_BACKOFF_S)
+        self.num_engine_recoveries += 1
+        self.engine_up = True
+        self._on_engine_up(True)
+        if self.metrics is not None:
+            self.metrics.on_engine_up(True)
+        log.warning("engine_up", attempts=attempt, down_s=round(time.monotonic() - started, 3),
+                    num_waiting=self.scheduler.num_waiting)
+
+    def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
+        for request, output in outputs:
+            request.outputs.put_nowait(output)
+            if output.finish_reason is not None:  # ids and counts only: never the content
+                log.info("request_finished", request_id=request.request_id,
+                         finish_reason=output.finish_reason.name,
+                         prompt_tokens=len(request.prompt_token_ids),
+                         completion_tokens=len(request.output_token_ids),
+                         preemptions=request.num_preemptions)
+            if self.metrics is not None:
+                self.metrics.on_output(request, output)
+
+    def _fail_all(self) -> None:
+        for request in list(self.scheduler.requests.values()):
+            request.outputs.put_nowait(RequestOutput(
+                token_ids=[], text="", finish_reason=FinishReason.ERROR, index=request.index))
+            for output in request.unforked_finals(FinishReason.ERROR):
+                request.outputs.put_nowait(output)

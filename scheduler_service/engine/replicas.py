@@ -1,0 +1,431 @@
+"""Several model-service replicas behind one scheduler: a layer above the single-engine scheduler.
+
+Each replica is the unchanged single-engine stack (its own EngineClient, its own Scheduler with
+the block pool its own Describe sized, its own EngineLoop with crash recovery); this module adds
+only what sits above them:
+
+    new request --> Router (weighted scorers) --> replica k: Scheduler + EngineLoop --> engine k
+
+- Routing happens once, at admission; a request then lives on its replica (its KV is there).
+- A replica whose engine goes down (its loop says so, having preempted every sequence back to
+  waiting) is drained: its requests move to the replicas that are up, with the tokens already
+  streamed, and are recomputed there like any preempted request: no request is lost and no token
+  is sent twice. With no replica up they stay and wait for the first one back.
+- Engines: a list ("h1:p1,h2:p2", `--engine` repeated) or `dns:///name:port`, a Kubernetes
+  headless Service resolved to one replica per address and re-resolved every
+  `replica_check_interval_s`: a new address joins, a vanished one is drained and dropped.
+- The servicer sees `ReplicaSet` where it saw an EngineLoop (add_request, abort_request,
+  scheduler, tokens_per_s), and `ReplicaSet.scheduler` merges the replicas' loads.
+- Status and metrics per replica: `statuses()` (GetServerStatus.replicas) and Prometheus series
+  labelled `replica` (up, waiting, running, KV usage, routed, drained, prompt and cached tokens).
+
+Moving a request between schedulers touches Scheduler bookkeeping (`policy`, `requests`, the
+shared OutputProcessor's detokenizer, parallel-sample groups); `move_waiting_request` keeps that
+in one place.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+from typing import Callable, Optional
+
+import structlog
+from prometheus_client import Counter, Gauge
+
+from scheduler_service.engine import client as engine_client
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.engine.client import EngineClient, EngineFacts
+from scheduler_service.engine.loop import EngineLoop
+from scheduler_service.metrics import Metrics
+from scheduler_service.text.outputs import OutputProcessor
+from scheduler_service.core.request import Request, RequestOutput, RequestStatus
+from scheduler_service.engine.router import Router
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.text.tokenizer import Tokenizer
+
+log = structlog.get_logger("planserve.replicas")
+
+DNS_PREFIX = "dns:///"
+
+
+def is_replicated(engine_address: str) -> bool:
+    """Whether engine_address names several replicas (a list or a DNS name to resolve)."""
+    return "," in engine_address or engine_address.startswith(DNS_PREFIX)
+
+
+def split_addresses(engine_address: str) -> list[str]:
+    return [part.strip() for part in engine_address.split(",") if part.strip()]
+
+
+async def resolve_dns(target: str) -> list[str]:
+    """`dns:///name:port` -> sorted "ip:port" of every address the name has (a headless Service
+    has one per ready pod). An unresolvable name gives [] (pods may not exist yet)."""
+    host, _, port = target[len(DNS_PREFIX):].rpartition(":")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    return sorted({f"[{info[4][0]}]:{port}" if ":" in info[4][0] else f"{info[4][0]}:{port}" for info in infos})
+
+
+@dataclasses.dataclass(eq=False)
+class Replica:
+    name: str  # the engine address, as configured or resolved
+    client: EngineClient
+    loop: Optional[EngineLoop] = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.loop.scheduler
+
+    @property
+    def up(self) -> bool:
+        return self.loop is not None and self.loop.engine_up
+
+
+def move_waiting_request(request: Request, src: Scheduler, dst: Scheduler, outputs: OutputProcessor) -> None:
+    """Hand a waiting request (holding no slot and no block: fresh, or preempted by the engine
+    loop's reset) from one replica's scheduler to another's. Its streamed tokens go with it, so it
+    is recomputed there from prompt + output like a preempted request; its detokenizer (shared
+    OutputProcessor) is kept, so the text continues where the client's stream is."""
+    if request.status is not RequestStatus.WAITING or request.slot is not None:
+        raise ValueError(f"request {request.request_id!r} is {request.status.name}, not waiting")
+    src.policy.remove(request)
+    del src.requests[request.request_id]
+    detokenizer = outputs._detokenizers.get(request.request_id)
+    dst.add_request(request)  # its queue, its deadline; outputs.start makes a fresh detokenizer...
+    if detokenizer is not None:
+        outputs._detokenizers[request.request_id] = detokenizer  # ...replaced by the one in use
+    members = src._groups.pop(request.public_id, None)
+    if members is not None:
+        dst._groups[request.public_id] = members
+
+
+class _ReplicaMetrics:
+    """What one replica's EngineLoop reports into: the labelled per-replica series, plus the
+    server's unlabelled ones as totals over the replicas (anything else goes to Metrics as is)."""
+
+    def __init__(self, replicas: "ReplicaSet", name: str):
+        self._replicas = replicas
+        self._name = name
+        self._metrics = replicas.metrics
+
+    def on_step(self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int) -> None:
+        r = self._replicas
+        r.waiting_gauge.labels(self._name).set(num_waiting)
+        r.running_gauge.labels(self._name).set(num_running)
+        r.kv_usage_gauge.labels(self._name).set(kv_usage)
+        merged = r.scheduler
+        usable = merged.kv.num_usable_blocks
+        self._metrics.on_step(merged.num_waiting, len(merged.running),
+                              (usable - merged.kv.num_free_blocks) / usable if usable else 0.0, num_preemptions)
+
+    def on_output(self, request: Request, output: RequestOutput) -> None:
+        if output.finish_reason is not None and output.usage is not None:
+            self._replicas.prompt_tokens.labels(self._name).inc(output.usage.prompt_tokens)
+            self._replicas.cached_tokens.labels(self._name).inc(output.usage.cached_tokens)
+        self._metrics.on_output(request, output)
+
+    def on_engine_up(self, up: bool) -> None:
+        # The unlabelled engine-up gauge means "some replica serves" (ReplicaSet sets it); a
+        # replica's own state is planserve_replica_up. Recoveries still count.
+        if up and hasattr(self._metrics, "engine_recoveries"):
+            self._metrics.engine_recoveries.inc()
+
+    def __getattr__(self, name: str):
+        return getattr(self._metrics, name)
+
+
+class _MergedKV:
+    def __init__(self, replicas: "ReplicaSet"):
+        self._replicas = replicas
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return sum(r.scheduler.kv.num_usable_blocks for r in self._replicas.replicas)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(r.scheduler.kv.num_free_blocks for r in self._replicas.replicas)
+
+    @property
+    def capacity_tokens(self) -> int:
+        # One request lives on one replica: it must fit the smallest.
+        return min((r.scheduler.kv.capacity_tokens for r in self._replicas.replicas), default=0)
+
+    @property
+    def block_size(self) -> int:
+        return self._replicas.facts.block_size
+
+
+class MergedScheduler:
+    """The replicas' schedulers seen as one, for the servicer (admission checks, status)."""
+
+    def __init__(self, replicas: "ReplicaSet"):
+        self._replicas = replicas
+        self.kv = _MergedKV(replicas)
+
+    def _schedulers(self) -> list[Scheduler]:
+        return [r.scheduler for r in self._replicas.replicas]
+
+    @property
+    def facts(self) -> EngineFacts:
+        return self._replicas.facts
+
+    def find(self, request_id: str) -> Optional[Request]:
+        for scheduler in self._schedulers():
+            found = scheduler.find(request_id)
+            if found is not None:
+                return found
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self._schedulers())
+
+    @property
+    def running(self) -> list[Request]:
+        return [request for s in self._schedulers() for request in s.running]
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        merged: dict[str, Request] = {}
+        for scheduler in self._schedulers():
+            merged.update(scheduler.requests)
+        return merged
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return sum(s.num_preemptions_total for s in self._schedulers())
+
+    def has_work(self) -> bool:
+        return any(s.has_work() for s in self._schedulers())
+
+
+class ReplicaSet:
+    """Stands where the servicer expects an EngineLoop; owns one EngineLoop per replica."""
+
+    def __init__(self, config: SchedulerConfig, metrics: Metrics,
+                 make_client: Callable[[str], EngineClient] = EngineClient,
+                 on_serving: Callable[[bool], None] = lambda up: None):
+        self.config = config
+        self.metrics = metrics
+        self.router = Router.from_spec(config.router_weights)
+        self.replicas: list[Replica] = []
+        self.scheduler = MergedScheduler(self)
+        self.facts: Optional[EngineFacts] = None
+        self.tokenizer: Optional[Tokenizer] = None
+        self.outputs: Optional[OutputProcessor] = None
+        self._make_client = make_client
+        self._on_serving = on_serving
+        self._connecting: set[str] = set()
+        self._maintainer: Optional[asyncio.Task] = None
+        self._serving = False
+        registry = metrics.registry
+        self.up_gauge = Gauge("planserve_replica_up", "1 while the replica's engine is connected and computing.",
+                              ["replica"], registry=registry)
+        self.waiting_gauge = Gauge("planserve_replica_num_requests_waiting", "Requests waiting on the replica.",
+                                   ["replica"], registry=registry)
+        self.running_gauge = Gauge("planserve_replica_num_requests_running", "Sequences running on the replica.",
+                                   ["replica"], registry=registry)
+        self.kv_usage_gauge = Gauge("planserve_replica_kv_cache_usage_ratio",
+                                    "Fraction of the replica's usable KV blocks held.", ["replica"], registry=registry)
+        self.routed = Counter("planserve_replica_routed_requests", "New requests the router sent to the replica.",
+                              ["replica"], registry=registry)
+        self.drained = Counter("planserve_replica_drained_requests",
+                               "Requests moved off the replica (engine down or replica gone).",
+                               ["replica"], registry=registry)
+        self.prompt_tokens = Counter("planserve_replica_prompt_tokens", "Prompt tokens of samples finished there.",
+                                     ["replica"], registry=registry)
+        self.cached_tokens = Counter("planserve_replica_prefix_cache_hit_tokens",
+                                     "Prompt tokens of samples finished there served from its prefix cache.",
+                                     ["replica"], registry=registry)
+
+    # ---- what the servicer calls ---------------------------------------------------------
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(getattr(r.loop, "tokens_per_s", 0.0) for r in self.replicas)
+
+    def add_request(self, request: Request) -> None:
+        candidates = [r for r in self.replicas if r.up] or self.replicas
+        replica = candidates[self.router.choose(request, candidates)]
+        replica.loop.add_request(request)
+        self.routed.labels(replica.name).inc()
+
+    def abort_request(self, request_id: str) -> bool:
+        found = False
+        for replica in self.replicas:
+            found = replica.loop.abort_request(request_id) or found
+        return found
+
+    def statuses(self) -> list[dict]:
+        """One entry per replica, the fields of generate.proto ReplicaStatus."""
+        out = []
+        for replica in self.replicas:
+            kv = replica.scheduler.kv
+            usable, free = kv.num_usable_blocks, kv.num_free_blocks
+            out.append(dict(address=replica.name, serving=replica.up, num_waiting=replica.scheduler.num_waiting,
+                            num_running=len(replica.scheduler.running), num_kv_blocks=usable,
+                            num_free_kv_blocks=free, kv_cache_usage=(usable - free) / usable if usable else 0.0))
+        return out
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    async def connect(self) -> EngineFacts:
+        """Connects every replica the address names; returns once all did, or once one serves
+        and replica_check_interval_s passed (the others join when they come up). RuntimeError
+        when none serves within the connect timeout."""
+        addresses = await self._wanted_addresses()
+        tasks = {asyncio.ensure_future(self._add(address)) for address in addresses}
+        deadline = asyncio.get_running_loop().time() + self.config.engine_connect_timeout_s
+        while not self.replicas:
+            timeout = deadline - asyncio.get_running_loop().time()
+            if not tasks or timeout <= 0:
+                if self.config.engine_address.startswith(DNS_PREFIX) and timeout > 0:
+                    await asyncio.sleep(min(1.0, timeout))  # no pod yet: resolve again
+                    tasks = {asyncio.ensure_future(self._add(a)) for a in await self._wanted_addresses()}
+                    continue
+                raise RuntimeError(f"engine_address: no replica of {self.config.engine_address!r} answered")
+            done, tasks = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if tasks:
+            # One serves; give the others a short while to join (they keep trying after it).
+            await asyncio.wait(tasks, timeout=self.config.replica_check_interval_s)
+        self._maintainer = asyncio.get_running_loop().create_task(self._maintain(), name="replicas")
+        return self.facts
+
+    async def stop(self) -> None:
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+            try:
+                await self._maintainer
+            except asyncio.CancelledError:
+                pass
+        for replica in list(self.replicas):
+            await replica.loop.stop()
+            await replica.client.close()
+
+    async def _wanted_addresses(self) -> list[str]:
+        if self.config.engine_address.startswith(DNS_PREFIX):
+            return await resolve_dns(self.config.engine_address)
+        return split_addresses(self.config.engine_address)
+
+    async def _add(self, address: str) -> None:
+        """Describe, check against the first replica's facts, probe, start its loop."""
+        if address in self._connecting or any(r.name == address for r in self.replicas):
+            return
+        self._connecting.add(address)
+        client = self._make_client(address)
+        try:
+            facts = await client.describe(self.config.engine_connect_timeout_s)
+            if self.facts is None:
+                self.facts = facts
+                self.tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
+                self.outputs = OutputProcessor(self.tokenizer, facts.eos_token_ids, facts.max_model_len)
+            else:
+                why = engine_client.incompatibility(self.facts, facts)
+                if why is not None:
+                    raise RuntimeError(f"replica {address} is not like the others: {why}")
+            scheduler = Scheduler(self.config, facts, self.outputs)
+            await client.probe(scheduler.take_step_ids(2), facts)
+        except Exception as error:  # noqa: BLE001 - unreachable, timed out, incompatible: retried
+            log.warning("replica_connect_failed", replica=address, error=repr(error))
+            await client.close()
+            return
+        finally:
+            self._connecting.discard(address)
+        replica = Replica(address, client)
+        replica.loop = EngineLoop(scheduler, client, _ReplicaMetrics(self, address),
+                                  on_engine_up=lambda up: self._on_engine_up(replica, up),
+                                  is_compatible=lambda new: engine_client.incompatibility(self.facts, new))
+        self.replicas.append(replica)
+        replica.loop.start()
+        self.up_gauge.labels(address).set(1)
+        log.info("replica_up", replica=address, num_kv_blocks=facts.num_kv_blocks, num_replicas=len(self.replicas))
+        self._update_serving()
+
+    async def _remove(self, replica: Replica) -> None:
+        """A replica that left (its address no longer resolves): stop it, move its requests.
+        Kept while no other replica serves: its requests would have nowhere to go."""
+        if not any(r.up for r in self.replicas if r is not replica):
+            return
+        await replica.loop.stop()
+        replica.scheduler.reset_engine(replica.scheduler.facts)  # every sequence back to waiting
+        self.replicas.remove(replica)
+        # Up replicas first; if they all went down during the stop, any other one (the
+        # maintenance pass moves requests off a down replica once one is up).
+        self._drain(replica, force=True, targets=[r for r in self.replicas if r.up] or list(self.replicas))
+        await replica.client.close()
+        self.up_gauge.remove(replica.name)
+        log.info("replica_removed", replica=replica.name, num_replicas=len(self.replicas))
+        self._update_serving()
+
+    def _on_engine_up(self, replica: Replica, up: bool) -> None:
+        self.up_gauge.labels(replica.name).set(1 if up else 0)
+        if not up:
+            # The loop resets its scheduler (every sequence back to waiting) right after this
+            # call, before its first await: drain once that happened.
+            asyncio.get_running_loop().call_soon(self._drain, replica)
+        self._update_serving()
+
+    def _update_serving(self) -> None:
+        serving = any(r.up for r in self.replicas)
+        gauge = getattr(self.metrics, "engine_up", None)
+        if gauge is not None:
+            gauge.set(1 if serving else 0)
+        if serving != self._serving:
+            self._serving = serving
+            self._on_serving(serving)
+
+    def _drain(self, replica: Replica, force: bool = False, targets: Optional[list[Replica]] = None) -> None:
+        """Move every request of a replica whose engine is down to the replicas that are up."""
+        if replica.up and not force:
+            return  # it came back meanwhile
+        if targets is None:
+            targets = [r for r in self.replicas if r.up and r is not replica]
+        src = replica.scheduler
+        if not targets or not src.requests:
+            return
+        groups: dict[str, list[Request]] = {}
+        for request in list(src.requests.values()):
+            if request.status is RequestStatus.WAITING and request.slot is None:
+                groups.setdefault(request.public_id, []).append(request)
+        moved = 0
+        for members in groups.values():
+            dst = targets[self.router.choose(members[0], targets)]
+            for request in members:
+                move_waiting_request(request, src, dst.scheduler, self.outputs)
+                moved += 1
+            dst.loop._wake.set()  # noqa: SLF001 - wake its loop: it may be sleeping with no work
+        self.drained.labels(replica.name).inc(moved)
+        for touched in (replica, *targets):
+            self._refresh_gauges(touched)  # its loop updates them only when it steps
+        log.warning("replica_drained", replica=replica.name, num_moved=moved, to=[t.name for t in targets])
+
+    def _refresh_gauges(self, replica: Replica) -> None:
+        scheduler = replica.scheduler
+        usable = scheduler.kv.num_usable_blocks
+        self.waiting_gauge.labels(replica.name).set(scheduler.num_waiting)
+        self.running_gauge.labels(replica.name).set(len(scheduler.running))
+        self.kv_usage_gauge.labels(replica.name).set(
+            (usable - scheduler.kv.num_free_blocks) / usable if usable else 0.0)
+
+    async def _maintain(self) -> None:
+        """Every replica_check_interval_s: re-resolve and reconcile the set; drain replicas that
+        are down and still hold requests (say, none was up when they went down)."""
+        while True:
+            await asyncio.sleep(self.config.replica_check_interval_s)
+            try:
+                wanted = set(await self._wanted_addresses())
+                for address in wanted:
+                    if address not in self._connecting and not any(r.name == address for r in self.replicas):
+                        asyncio.ensure_future(self._add(address))
+                if self.config.engine_address.startswith(DNS_PREFIX) and wanted:
+                    for replica in [r for r in self.replicas if r.name not in wanted]:
+                        await self._remove(replica)
+                for replica in self.replicas:
+                    if not replica.up and replica.scheduler.requests:
+                        self._drain(replica)
+            except Exception:  # noqa: BLE001 - keep maintaining
+                log.exception("replica_maintenance_failed")

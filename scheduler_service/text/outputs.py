@@ -1,0 +1,150 @@
+"""Stops and client-facing outputs: everything decided per generated token.
+
+Stops are decided here, in the scheduler, never on the model side: eos (unless ignore_eos),
+stop token ids, stop strings (on incrementally detokenized text), max_new_tokens and the
+model's length. `to_pb` is the only place a public-API response chunk is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from planserve.v1 import common_pb2, generate_pb2
+from scheduler_service.text.detokenizer import IncrementalDetokenizer
+from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
+from scheduler_service.text.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._max_model_len = max_model_len
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # stream_interval: outputs held back until enough tokens are ready, by request id.
+        self._held: dict[str, RequestOutput] = {}
+
+    def start(self, request: Request) -> None:
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self._tokenizer, request.prompt_token_ids, request.stopping.stop_strings)
+
+    def add_tokens(self, request: Request, token_ids: list[int],
+                   logprobs: Optional[list[TokenLogprob]] = None) -> RequestOutput:
+        """Appends sampled tokens to the request (up to a stop) and says what the client gets.
+
+        Sets request.finish_reason when a stop condition holds; tokens after the stop are
+        dropped (they can only appear when a step returns several tokens).
+        """
+        detokenizer = self._detokenizers[request.request_id]
+        first = not request.output_token_ids
+        accepted: list[int] = []
+        stop_match: Optional[str | int] = None
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            accepted.append(token_id)
+            stop_string = detokenizer.add_token(token_id)
+            reason, stop_match = self._check_stop(request, token_id, stop_string)
+            if reason is None and request.guide is not None:
+                reason = self._check_grammar(request, token_id)
+            if reason is not None:
+                request.finish_reason = reason
+                break
+        final = request.finish_reason is not None
+        output = RequestOutput(token_ids=accepted, text=detokenizer.take_text(final=final),
+                               finish_reason=request.finish_reason, stop_match=stop_match,
+                               usage=request.usage() if final else None, index=request.index)
+        if logprobs is not None:
+            output.logprobs = logprobs[:len(accepted)]
+        if first and request.prompt_logprobs is not None and request.index == 0:
+            output.prompt_logprobs = request.prompt_logprobs_out
+        return output
+
+    def _check_stop(self, request: Request, token_id: int, stop_string: Optional[str]):
+        stopping = request.stopping
+        if stop_string is not None:
+            return FinishReason.STOP, stop_string
+        if token_id in stopping.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if not stopping.ignore_eos and token_id in self._eos_token_ids:
+            return FinishReason.EOS, None
+        if (len(request.output_token_ids) >= stopping.max_new_tokens
+                or request.num_tokens >= self._max_model_len):
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _check_grammar(self, request: Request, token_id: int) -> Optional[FinishReason]:
+        """Structured output: advances the request's guide by the token. An end-of-sequence
+        token (allowed only once the grammar is complete) ends it even with ignore_eos; a token
+        outside the grammar (the model service did not apply the mask) ends it with ERROR."""
+        if token_id in self._eos_token_ids:
+            return FinishReason.EOS
+        if not request.guide.accept(token_id):
+            return FinishReason.ERROR
+        return None
+
+    def coalesce(self, request: Request, output: RequestOutput) -> Optional[RequestOutput]:
+        """stream_interval: holds outputs back (None) until request.stream_interval tokens are
+        ready, then returns them merged into one; the last output is never held."""
+        held = self._held.pop(request.request_id, None)
+        if held is not None:
+            output = _merge(held, output)
+        if output.finish_reason is None and len(output.token_ids) < request.stream_interval:
+            self._held[request.request_id] = output
+            return None
+        return output
+
+    def finish(self, request: Request, reason: FinishReason) -> RequestOutput:
+        """The last output of a request that ends for a reason outside its tokens (abort...)."""
+        request.finish_reason = reason
+        detokenizer = self._detokenizers.get(request.request_id)
+        text = detokenizer.take_text(final=True) if detokenizer else ""
+        output = RequestOutput(token_ids=[], text=text, finish_reason=reason,
+                               usage=request.usage(), index=request.index)
+        held = self._held.pop(request.request_id, None)
+        return output if held is None else _merge(held, output)
+
+    def release(self, request: Request) -> None:
+        self._detokenizers.pop(request.request_id, None)
+        self._held.pop(request.request_id, None)
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: lists and text concatenated, the rest
+    (finish reason, stop match, usage) from the later one."""
+    merged = dataclasses.replace(then)
+    for field in dataclasses.fields(RequestOutput):
+        a, b = getattr(first, field.name), getattr(then, field.name)
+        if isinstance(a, (list, str)) and isinstance(b, (list, str)):
+            setattr(merged, field.name, a + b)
+        elif a is not None and b is None:
+            setattr(merged, field.name, a)
+    return merged
+
+
+def to_pb(request: Request, output: RequestOutput) -> generate_pb2.GenerateResponse:
+    chunk = generate_pb2.GenerateResponse(
+        request_id=request.public_id, token_ids=output.token_ids, text=output.text,
+        index=output.index)
+    if output.logprobs:
+        chunk.logprobs.extend(_logprobs_to_pb(output.logprobs))
+    if output.prompt_logprobs:
+        chunk.prompt_logprobs.extend(_logprobs_to_pb(output.prompt_logprobs))
+    if output.finish_reason is not None:
+        chunk.finish_reason = int(output.finish_reason)
+        usage = output.usage or request.usage()
+        chunk.usage.CopyFrom(generate_pb2.Usage(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens, queue_time_us=usage.queue_time_us,
+            time_to_first_token_us=usage.time_to_first_token_us))
+        if isinstance(output.stop_match, str):
+            chunk.stop_string = output.stop_match
+        elif isinstance(output.stop_match, int):
+            chunk.stop_token_id = output.stop_match
+    return chunk
+
+
+def _logprobs_to_pb(entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(
+        token_id=e.token_id, logprob=e.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+        for e in entries]
