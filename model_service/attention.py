@@ -47,7 +47,10 @@ from model_service import kernel_isa
 KV_SPLIT_POSITIONS = 256
 ISA_ENV = "PLANSERVE_ATTENTION_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH  # the gather + SDPA path, selectable on the CPU for comparisons
-_DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
+_DTYPES = {
+    torch.float32: native.DTYPES.index("float32"),
+    torch.bfloat16: native.DTYPES.index("bfloat16"),
+}
 
 
 def resolve_isa(name: str | None = None) -> str:
@@ -95,12 +98,24 @@ def build_attention_metadata(
     computed + scheduled tokens, `block_tables[b]` its block ids (padding beyond its context is
     never read). The two maxima come from the host, so no device-to-host sync is needed.
     """
-    meta = AttentionMetadata(slot_mapping, query_start, num_scheduled_tokens, context_lens, block_tables, block_size,
-                             max_query_len, max_context_len)
+    meta = AttentionMetadata(
+        slot_mapping,
+        query_start,
+        num_scheduled_tokens,
+        context_lens,
+        block_tables,
+        block_size,
+        max_query_len,
+        max_context_len,
+    )
     if slot_mapping.device.type == "cpu":
         meta.native_step = native.AttentionStep(
-            slot_mapping.numpy(), query_start.numpy(), num_scheduled_tokens.numpy(), context_lens.numpy(),
-            block_tables.numpy())
+            slot_mapping.numpy(),
+            query_start.numpy(),
+            num_scheduled_tokens.numpy(),
+            context_lens.numpy(),
+            block_tables.numpy(),
+        )
         meta.num_threads = torch.get_num_threads()
     return meta
 
@@ -122,24 +137,49 @@ def paged_attention(
     prefixes; a window inside it is not written yet). float16 runs the torch path too (the native
     kernel is float32 and bfloat16)."""
     isa = isa or ATTENTION_ISA
-    if meta.native_step is None or isa == TORCH_PATH or sliding_window is not None or q.dtype == torch.float16:
+    if (
+        meta.native_step is None
+        or isa == TORCH_PATH
+        or sliding_window is not None
+        or q.dtype == torch.float16
+    ):
         return _torch_attention(q, k, v, k_cache, v_cache, meta, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     dtype = _DTYPES.get(q.dtype)
     if dtype is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_attention: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}; float32 or bfloat16, all alike")
+        raise ValueError(
+            f"paged_attention: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}; float32 or "
+            "bfloat16, all alike"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_attention: the KV caches must be contiguous [num_blocks, kv_heads, block_size, head_dim]")
+        raise ValueError(
+            "paged_attention: the KV caches must be contiguous [num_blocks, kv_heads, block_size, "
+            "head_dim]"
+        )
     # Rows may lie apart (views of a fused QKV output); within a row, heads and dims are dense.
     q, k, v = (_dense_rows(t.to(q.dtype)) for t in (q, k, v))
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     meta.native_step.run(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
-        split_positions=split_positions(block_size), scale=head_dim**-0.5, dtype=dtype,
-        isa=native.ISAS.index(isa), num_threads=meta.num_threads,
-        q_row_stride=q.stride(0), k_new_row_stride=k.stride(0), v_new_row_stride=v.stride(0),
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        split_positions=split_positions(block_size),
+        scale=head_dim**-0.5,
+        dtype=dtype,
+        isa=native.ISAS.index(isa),
+        num_threads=meta.num_threads,
+        q_row_stride=q.stride(0),
+        k_new_row_stride=k.stride(0),
+        v_new_row_stride=v.stride(0),
     )
     return out.view(num_tokens, num_heads * head_dim)
 
@@ -152,7 +192,9 @@ def _dense_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+def _torch_attention(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window: int | None = None
+) -> torch.Tensor:
     """Gather + SDPA in plain torch, for devices without a native kernel here (CUDA: the real
     paged kernel is the forward-speed part 3's). Same layouts and semantics as the CPU kernel."""
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
@@ -163,8 +205,16 @@ def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding
     tables = meta.block_tables[:, :width]
     b = tables.shape[0]
     # [B, MB, KVH, BS, D] -> [B, KVH, MB * BS, D]
-    keys = k_cache[tables].permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, width * block_size, head_dim)
-    values = v_cache[tables].permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, width * block_size, head_dim)
+    keys = (
+        k_cache[tables]
+        .permute(0, 2, 1, 3, 4)
+        .reshape(b, num_kv_heads, width * block_size, head_dim)
+    )
+    values = (
+        v_cache[tables]
+        .permute(0, 2, 1, 3, 4)
+        .reshape(b, num_kv_heads, width * block_size, head_dim)
+    )
     q_off = torch.arange(meta.max_query_len, device=q.device)
     valid = q_off[None, :] < meta.num_scheduled[:, None]
     rows = torch.where(valid, meta.query_start[:, None] + q_off[None, :], 0)
@@ -179,9 +229,9 @@ def _torch_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding
         # accumulates in float32, and so does this path on the CPU (measured: bf16 logprobs of a
         # windowed Mistral 2.6x farther from float32 than transformers' bf16 without it).
         queries, keys, values = queries.float(), keys.float(), values.float()
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
-                                         enable_gqa=q.shape[1] != num_kv_heads)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask[:, None], enable_gqa=q.shape[1] != num_kv_heads
+    )
     result = q.new_empty(q.shape)
     result[rows[valid]] = out.transpose(1, 2)[valid].to(q.dtype)
     return result.reshape(q.shape[0], -1)
-

@@ -11,6 +11,7 @@ import dataclasses
 import secrets
 
 import numpy as np
+
 from planserve.v1 import engine_pb2
 
 MAX_TOP_LOGPROBS = 20
@@ -67,8 +68,13 @@ class LogitsProcessing:
     @property
     def changes_logits(self) -> bool:
         """Whether the logits need per-sequence work before sampling."""
-        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.logit_bias or self.min_new_tokens)
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.min_new_tokens
+        )
 
 
 NO_PROCESSING = LogitsProcessing()
@@ -90,11 +96,19 @@ class StepPlan:
     copy_src: np.ndarray
     copy_dst: np.ndarray
     # Constrained decoding: slots and their allowed-token bitmasks [len(masked_slots), words].
-    masked_slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    allowed_token_bitmask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), dtype=np.uint32))
+    masked_slots: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64)
+    )
+    allowed_token_bitmask: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros((0, 0), dtype=np.uint32)
+    )
     # Swaps (device block -> host swap block out, host -> device in), run with the block copies.
-    swap_out_src: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    swap_out_dst: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    swap_out_src: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64)
+    )
+    swap_out_dst: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64)
+    )
     swap_in_src: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     swap_in_dst: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
@@ -108,9 +122,15 @@ class StepOutput:
     sample_ns: int
     # engine.proto StepResult 4, 5, 9, 10 (empty unless a slot asked).
     logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.float32))
-    logprob_token_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    prompt_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.float32))
-    prompt_logprob_token_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    logprob_token_ids: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64)
+    )
+    prompt_logprobs: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.float32)
+    )
+    prompt_logprob_token_ids: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64)
+    )
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
 
@@ -131,12 +151,18 @@ def _new_sequence(index: int, msg, limits: PlanLimits) -> NewSequenceData:
     if tokens.size == 0:
         raise PlanError(f"{field}.token_ids", "must not be empty")
     if tokens.size > limits.max_model_len:
-        raise PlanError(f"{field}.token_ids", f"{tokens.size} tokens exceed max_model_len {limits.max_model_len}")
+        raise PlanError(
+            f"{field}.token_ids",
+            f"{tokens.size} tokens exceed max_model_len {limits.max_model_len}",
+        )
     _check_range(f"{field}.token_ids", tokens, 0, limits.vocab_size)
     _check_range(f"{field}.slot", _arr([msg.slot]), 0, limits.max_num_slots)
     if msg.num_computed_tokens >= tokens.size:
         # At least one known token must still be computed, or nothing could produce the next one.
-        raise PlanError(f"{field}.num_computed_tokens", f"{msg.num_computed_tokens} must be below len(token_ids) {tokens.size}")
+        raise PlanError(
+            f"{field}.num_computed_tokens",
+            f"{msg.num_computed_tokens} must be below len(token_ids) {tokens.size}",
+        )
     s = msg.sampling
     temperature = s.temperature if s.HasField("temperature") else 1.0
     top_k = s.top_k if s.HasField("top_k") else 0
@@ -152,7 +178,17 @@ def _new_sequence(index: int, msg, limits: PlanLimits) -> NewSequenceData:
     processing = _processing(field, msg, tokens.size, limits)
     # Speculation only where the rule needs no per-token state: no logits processing, no logprobs.
     speculate = msg.speculate and not processing.changes_logits and processing.num_logprobs < 0
-    return NewSequenceData(msg.slot, tokens.astype(np.int32), msg.num_computed_tokens, float(temperature), int(top_k), float(top_p), int(seed), processing, speculate)
+    return NewSequenceData(
+        msg.slot,
+        tokens.astype(np.int32),
+        msg.num_computed_tokens,
+        float(temperature),
+        int(top_k),
+        float(top_p),
+        int(seed),
+        processing,
+        speculate,
+    )
 
 
 def _bounded(field: str, value: float, low: float, high: float) -> float:
@@ -164,7 +200,10 @@ def _bounded(field: str, value: float, low: float, high: float) -> float:
 def _processing(field: str, msg, num_tokens: int, limits: PlanLimits) -> LogitsProcessing:
     s = msg.sampling
     if msg.num_prompt_tokens > num_tokens:
-        raise PlanError(f"{field}.num_prompt_tokens", f"{msg.num_prompt_tokens} exceeds len(token_ids) {num_tokens}")
+        raise PlanError(
+            f"{field}.num_prompt_tokens",
+            f"{msg.num_prompt_tokens} exceeds len(token_ids) {num_tokens}",
+        )
     suppressed = _arr(msg.min_tokens_suppressed_ids)
     _check_range(f"{field}.min_tokens_suppressed_ids", suppressed, 0, limits.vocab_size)
     bias_ids = _arr(list(s.logit_bias.keys()))
@@ -174,13 +213,21 @@ def _processing(field: str, msg, num_tokens: int, limits: PlanLimits) -> LogitsP
     for name in ("num_logprobs", "num_prompt_logprobs"):
         if msg.HasField(name) and getattr(msg, name) > MAX_TOP_LOGPROBS:
             raise PlanError(f"{field}.{name}", f"{getattr(msg, name)} exceeds {MAX_TOP_LOGPROBS}")
-    repetition_penalty = _bounded(f"{field}.sampling.repetition_penalty", s.repetition_penalty, 1e-6, 2.0) if s.HasField("repetition_penalty") else 1.0
+    repetition_penalty = (
+        _bounded(f"{field}.sampling.repetition_penalty", s.repetition_penalty, 1e-6, 2.0)
+        if s.HasField("repetition_penalty")
+        else 1.0
+    )
     return LogitsProcessing(
         num_prompt_tokens=msg.num_prompt_tokens or num_tokens,
         min_p=_bounded(f"{field}.sampling.min_p", s.min_p, 0.0, 1.0),
         repetition_penalty=repetition_penalty,
-        presence_penalty=_bounded(f"{field}.sampling.presence_penalty", s.presence_penalty, -2.0, 2.0),
-        frequency_penalty=_bounded(f"{field}.sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0),
+        presence_penalty=_bounded(
+            f"{field}.sampling.presence_penalty", s.presence_penalty, -2.0, 2.0
+        ),
+        frequency_penalty=_bounded(
+            f"{field}.sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0
+        ),
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_new_tokens=msg.min_new_tokens,
         min_tokens_suppressed_ids=tuple(suppressed.tolist()),
@@ -219,9 +266,14 @@ def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> StepPlan:
         if getattr(plan, name).size != n:
             raise PlanError(name, f"length {getattr(plan, name).size} != len(slots) {n}")
     if plan.new_block_ids.size != plan.num_new_blocks.sum():
-        raise PlanError("new_block_ids", f"length {plan.new_block_ids.size} != sum(num_new_blocks) {plan.num_new_blocks.sum()}")
+        raise PlanError(
+            "new_block_ids",
+            f"length {plan.new_block_ids.size} != sum(num_new_blocks) {plan.num_new_blocks.sum()}",
+        )
     if plan.copy_src.size != plan.copy_dst.size:
-        raise PlanError("copy_dst", f"length {plan.copy_dst.size} != len(copy_src) {plan.copy_src.size}")
+        raise PlanError(
+            "copy_dst", f"length {plan.copy_dst.size} != len(copy_src) {plan.copy_src.size}"
+        )
     for name in ("slots", "finished_slots", "preempted_slots", "aborted_slots"):
         _check_range(name, getattr(plan, name), 0, limits.max_num_slots)
     for name in ("new_block_ids", "copy_src", "copy_dst"):
@@ -233,7 +285,11 @@ def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> StepPlan:
     if np.unique(plan.masked_slots).size != plan.masked_slots.size:
         raise PlanError("masked_slots", "a slot is masked twice")
     if not np.isin(plan.masked_slots, plan.slots).all():
-        raise PlanError("masked_slots", f"slot {plan.masked_slots[~np.isin(plan.masked_slots, plan.slots)][0]} is not scheduled in this plan")
+        raise PlanError(
+            "masked_slots",
+            f"slot {plan.masked_slots[~np.isin(plan.masked_slots, plan.slots)][0]} is not "
+            "scheduled in this plan",
+        )
     return plan
 
 
@@ -242,7 +298,11 @@ def _bitmasks(p, limits: PlanLimits) -> np.ndarray:
     words = -(-limits.vocab_size // 32)
     expected = len(p.masked_slots) * words * 4
     if len(p.allowed_token_bitmask) != expected:
-        raise PlanError("allowed_token_bitmask", f"{len(p.allowed_token_bitmask)} bytes; {len(p.masked_slots)} masked slots need {expected}")
+        raise PlanError(
+            "allowed_token_bitmask",
+            f"{len(p.allowed_token_bitmask)} bytes; {len(p.masked_slots)} masked slots need "
+            f"{expected}",
+        )
     masks = np.frombuffer(p.allowed_token_bitmask, dtype="<u4").reshape(len(p.masked_slots), words)
     # Every mask must allow some token inside the vocabulary, or nothing could be sampled.
     tail = limits.vocab_size % 32
@@ -251,7 +311,10 @@ def _bitmasks(p, limits: PlanLimits) -> np.ndarray:
         usable[:, -1] &= np.uint32((1 << tail) - 1)
     empty = ~usable.any(axis=1)
     if empty.any():
-        raise PlanError("allowed_token_bitmask", f"the mask of masked slot {p.masked_slots[int(np.argmax(empty))]} allows no token")
+        raise PlanError(
+            "allowed_token_bitmask",
+            f"the mask of masked slot {p.masked_slots[int(np.argmax(empty))]} allows no token",
+        )
     return usable
 
 
@@ -280,9 +343,15 @@ def _check_swaps(plan: StepPlan, limits: PlanLimits) -> None:
     equal length, and no destination written twice in one plan."""
     for src, dst in (("swap_out_src", "swap_out_dst"), ("swap_in_src", "swap_in_dst")):
         if getattr(plan, src).size != getattr(plan, dst).size:
-            raise PlanError(dst, f"length {getattr(plan, dst).size} != len({src}) {getattr(plan, src).size}")
-    for name, high, low in (("swap_out_src", limits.num_kv_blocks, 1), ("swap_out_dst", limits.num_swap_blocks, 0),
-                            ("swap_in_src", limits.num_swap_blocks, 0), ("swap_in_dst", limits.num_kv_blocks, 1)):
+            raise PlanError(
+                dst, f"length {getattr(plan, dst).size} != len({src}) {getattr(plan, src).size}"
+            )
+    for name, high, low in (
+        ("swap_out_src", limits.num_kv_blocks, 1),
+        ("swap_out_dst", limits.num_swap_blocks, 0),
+        ("swap_in_src", limits.num_swap_blocks, 0),
+        ("swap_in_dst", limits.num_kv_blocks, 1),
+    ):
         _check_range(name, getattr(plan, name), low, high)
     for name in ("swap_out_dst", "swap_in_dst"):
         if np.unique(getattr(plan, name)).size != getattr(plan, name).size:
@@ -308,8 +377,10 @@ def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
         special_tokens=facts.special_tokens,
         max_top_logprobs=MAX_TOP_LOGPROBS,
         features=engine_pb2.EngineFeatures(
-            chunked_prefill=facts.chunked_prefill, block_copy=facts.block_copy,
-            swap=getattr(facts, "num_swap_blocks", 0) > 0, speculation=getattr(facts, "num_speculative_tokens", 0) > 0
+            chunked_prefill=facts.chunked_prefill,
+            block_copy=facts.block_copy,
+            swap=getattr(facts, "num_swap_blocks", 0) > 0,
+            speculation=getattr(facts, "num_speculative_tokens", 0) > 0,
         ),
         num_swap_blocks=getattr(facts, "num_swap_blocks", 0),
         num_speculative_tokens=getattr(facts, "num_speculative_tokens", 0),

@@ -9,16 +9,18 @@ So the host never holds the checkpoint in float32, nor a whole unsplit matrix of
 the peak is the final weights plus about one layer's worth in flight (bench/bench_load.py
 measures it).
 
-    checkpoint (Hugging Face names)              our module
-    model.embed_tokens.weight [rows]             model.embed_tokens        (vocab rows per rank)
-    layers.N.self_attn.{q,k,v}_proj.weight       self_attn.qkv_proj        rows [q | k | v] of this rank's heads
-    layers.N.self_attn.{q,k,v}_proj.bias         self_attn.qkv_proj.bias   (attention_bias: Qwen2)
-    layers.N.self_attn.o_proj.weight [:, cols]   self_attn.o_proj          columns of this rank's heads
-    layers.N.self_attn.{q,k}_norm.weight         self_attn.{q,k}_norm      (qk_norm: Qwen3)
-    layers.N.mlp.{gate,up}_proj.weight           mlp.gate_up_proj          rows [gate | up] of this rank
-    layers.N.mlp.down_proj.weight [:, cols]      mlp.down_proj
-    layers.N.{input,post_attention}_layernorm    the same, replicated
-    model.norm.weight, lm_head.weight            the same (lm_head is embed_tokens when tied)
+    checkpoint (Hugging Face names)            our module              what this rank reads
+    model.embed_tokens.weight                  model.embed_tokens      its vocab rows
+    layers.N.self_attn.{q,k,v}_proj.weight     self_attn.qkv_proj      rows [q | k | v] of its heads
+    layers.N.self_attn.{q,k,v}_proj.bias       self_attn.qkv_proj      (attention_bias: Qwen2)
+    layers.N.self_attn.o_proj.weight           self_attn.o_proj        columns of its heads
+    layers.N.self_attn.{q,k}_norm.weight       self_attn.{q,k}_norm    all (qk_norm: Qwen3)
+    layers.N.mlp.{gate,up}_proj.weight         mlp.gate_up_proj        rows [gate | up], its share
+    layers.N.mlp.down_proj.weight              mlp.down_proj           columns, its share
+    layers.N.{input,post_attention}_layernorm  the same                all
+    model.norm.weight                          the same                all
+    lm_head.weight                             the same                its vocab rows (or the
+                                                                       embedding's, when tied)
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ INT8_ROWS = 4096  # rows read and quantized at a time (a 2048-column bf16 chunk:
 def checkpoint_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, ...]]:
     """The Hugging Face tensor names and shapes a checkpoint of this architecture holds."""
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(arch).hf_state_dict().items()}
+        shapes = {
+            name: tuple(t.shape) for name, t in LlamaForCausalLM(arch).hf_state_dict().items()
+        }
     if arch.tie_word_embeddings:
         del shapes["lm_head.weight"]
     return shapes
@@ -53,24 +57,51 @@ def check_checkpoint(arch: LlamaArchConfig, weights: WeightSource) -> None:
     first tensor whose shape differs from the architecture's."""
     expected, present = checkpoint_shapes(arch), weights.names()
     missing = sorted(set(expected) - present)
-    unexpected = sorted(present - set(expected) - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
+    unexpected = sorted(
+        present - set(expected) - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
+    )
     if missing or unexpected:
-        raise ValueError(f"model: weights do not match the architecture (missing {missing}, unexpected {unexpected})")
+        raise ValueError(
+            f"model: weights do not match the architecture (missing {missing}, unexpected "
+            f"{unexpected})"
+        )
     for name, shape in sorted(expected.items()):
         if weights.shape(name) != shape:
-            raise ValueError(f"model: tensor {name!r} has shape {list(weights.shape(name))}, the architecture's is "
-                             f"{list(shape)} (check config.json's sizes)")
+            raise ValueError(
+                f"model: tensor {name!r} has shape {list(weights.shape(name))}, the architecture's "
+                "is "
+                f"{list(shape)} (check config.json's sizes)"
+            )
 
 
 class _Builder:
-    def __init__(self, arch, weights: WeightSource, dtype: torch.dtype, device: str, int8: bool, share: RankShare):
-        self.arch, self.weights, self.dtype, self.device, self.int8, self.share = arch, weights, dtype, device, int8, share
+    def __init__(
+        self,
+        arch,
+        weights: WeightSource,
+        dtype: torch.dtype,
+        device: str,
+        int8: bool,
+        share: RankShare,
+    ):
+        self.arch, self.weights, self.dtype, self.device, self.int8, self.share = (
+            arch,
+            weights,
+            dtype,
+            device,
+            int8,
+            share,
+        )
 
-    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None
+    ) -> torch.Tensor:
         """One tensor (or its slice) in the serving dtype."""
         return self.weights.read(name, rows, columns).to(self.dtype)
 
-    def quantized(self, names: list[str], rows: list[Optional[slice]], columns: Optional[slice]) -> Int8Weight:
+    def quantized(
+        self, names: list[str], rows: list[Optional[slice]], columns: Optional[slice]
+    ) -> Int8Weight:
         """The named tensors' rows, concatenated, as int8 blocks: read and quantized INT8_ROWS rows
         at a time from the stored values, so no whole matrix is ever held in float or as stored."""
         spans = [(name, r or slice(0, self.weights.shape(name)[0])) for name, r in zip(names, rows)]
@@ -82,22 +113,33 @@ class _Builder:
             for first in range(span.start, span.stop, INT8_ROWS):
                 chunk = slice(first, min(span.stop, first + INT8_ROWS))
                 count = chunk.stop - chunk.start
-                q[at:at + count], scale[at:at + count] = quantize_blocks(self.weights.read(name, chunk, columns))
+                q[at : at + count], scale[at : at + count] = quantize_blocks(
+                    self.weights.read(name, chunk, columns)
+                )
                 at += count
         return Int8Weight(quantized=(q, scale))
 
     def parameter(self, name: str) -> nn.Parameter:
         return nn.Parameter(self.read(name).to(self.device), requires_grad=False)
 
-    def linear(self, names: list[str], rows: Optional[list[Optional[slice]]] = None, columns: Optional[slice] = None,
-               bias: bool = False) -> nn.Module:
+    def linear(
+        self,
+        names: list[str],
+        rows: Optional[list[Optional[slice]]] = None,
+        columns: Optional[slice] = None,
+        bias: bool = False,
+    ) -> nn.Module:
         """A linear layer whose weight is the named tensors' rows, concatenated in order."""
         rows = rows or [None] * len(names)
         bias_tensor = None
         if bias:
-            bias_tensor = torch.cat([self.read(n.removesuffix(".weight") + ".bias", r) for n, r in zip(names, rows)])
+            bias_tensor = torch.cat(
+                [self.read(n.removesuffix(".weight") + ".bias", r) for n, r in zip(names, rows)]
+            )
         if self.int8:
-            return Int8Linear(self.quantized(names, rows, columns), bias_tensor).to(device=self.device, dtype=self.dtype)
+            return Int8Linear(self.quantized(names, rows, columns), bias_tensor).to(
+                device=self.device, dtype=self.dtype
+            )
         weight = torch.cat([self.read(n, r, columns) for n, r in zip(names, rows)])
         with torch.device("meta"):
             layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
@@ -110,9 +152,14 @@ class _Builder:
         arch, rows = self.arch, self.share.vocab_rows(self.arch)
         if self.int8:
             shared = self.quantized(["model.embed_tokens.weight"], [rows], None)
-            model.model.embed_tokens = Int8Embedding(shared).to(device=self.device, dtype=self.dtype)
-            model.lm_head = (Int8Linear(shared) if arch.tie_word_embeddings
-                             else self.linear(["lm_head.weight"], [rows])).to(device=self.device, dtype=self.dtype)
+            model.model.embed_tokens = Int8Embedding(shared).to(
+                device=self.device, dtype=self.dtype
+            )
+            model.lm_head = (
+                Int8Linear(shared)
+                if arch.tie_word_embeddings
+                else self.linear(["lm_head.weight"], [rows])
+            ).to(device=self.device, dtype=self.dtype)
             return
         embed = self.read("model.embed_tokens.weight", rows)
         model.model.embed_tokens.weight = nn.Parameter(embed.to(self.device), requires_grad=False)
@@ -126,22 +173,33 @@ class _Builder:
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, kv_rows, mlp_rows = share.q_rows(arch), share.kv_rows(arch), share.mlp_rows(arch)
         projections = [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
-        attn.qkv_proj = self.linear(projections, [q_rows, kv_rows, kv_rows], bias=arch.attention_bias)
+        attn.qkv_proj = self.linear(
+            projections, [q_rows, kv_rows, kv_rows], bias=arch.attention_bias
+        )
         attn.o_proj = self.linear([f"{prefix}self_attn.o_proj.weight"], columns=q_rows)
         attn.num_heads = arch.num_attention_heads // share.world_size
         attn.num_kv_heads = arch.num_key_value_heads // share.world_size
         if arch.qk_norm:
             attn.q_norm.weight = self.parameter(f"{prefix}self_attn.q_norm.weight")
             attn.k_norm.weight = self.parameter(f"{prefix}self_attn.k_norm.weight")
-        mlp.gate_up_proj = self.linear([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"],
-                                       [mlp_rows, mlp_rows])
+        mlp.gate_up_proj = self.linear(
+            [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"], [mlp_rows, mlp_rows]
+        )
         mlp.down_proj = self.linear([f"{prefix}mlp.down_proj.weight"], columns=mlp_rows)
         layer.input_layernorm.weight = self.parameter(f"{prefix}input_layernorm.weight")
-        layer.post_attention_layernorm.weight = self.parameter(f"{prefix}post_attention_layernorm.weight")
+        layer.post_attention_layernorm.weight = self.parameter(
+            f"{prefix}post_attention_layernorm.weight"
+        )
 
 
-def build_model(arch: LlamaArchConfig, weights: WeightSource, dtype: torch.dtype, device: str,
-                quantization: str = "none", share: Optional[RankShare] = None) -> LlamaForCausalLM:
+def build_model(
+    arch: LlamaArchConfig,
+    weights: WeightSource,
+    dtype: torch.dtype,
+    device: str,
+    quantization: str = "none",
+    share: Optional[RankShare] = None,
+) -> LlamaForCausalLM:
     """The model (this rank's share of it) with the checkpoint's weights, ready to serve."""
     share = share or RankShare()
     check_checkpoint(arch, weights)
@@ -155,7 +213,11 @@ def build_model(arch: LlamaArchConfig, weights: WeightSource, dtype: torch.dtype
     for index, layer in enumerate(model.model.layers):
         builder.layer_(index, layer)
     model.model.norm.weight = builder.parameter("model.norm.weight")
-    left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    left = [
+        name
+        for name, t in list(model.named_parameters()) + list(model.named_buffers())
+        if t.is_meta
+    ]
     if left:
         raise ValueError(f"model: no checkpoint tensor filled {left}")
     model = model.eval().requires_grad_(False)

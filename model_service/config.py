@@ -33,17 +33,19 @@ class ModelServiceConfig:
 
     served_model_name: Optional[str] = None
     """The model name Describe reports (and the scheduler serves under: GetModelInfo, OpenAI
-    /v1/models and `model`); None takes the model's own ("SmolLM2-135M-Instruct", the folder name)."""
+    /v1/models and `model`); None takes the model's own ("SmolLM2-135M-Instruct", the folder
+    name)."""
 
     dtype: str = "auto"
     """Compute dtype of weights and KV cache: "float32", "bfloat16", "float16" (for GPUs without
-    bf16; on the CPU it runs torch's kernels, not the native ones), or "auto": bfloat16 on a GPU or on
-    a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32 otherwise.
+    bf16; on the CPU it runs torch's kernels, not the native ones), or "auto": bfloat16 on a GPU or
+    on a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32
+    otherwise.
     Describe reports the resolved name. Logits are upcast to float32 before sampling either way."""
 
     quantization: str = "none"
-    """Weight quantization at load: "none" or "int8" (weight-only, per-output-channel scales, for every
-    Linear and the tied embedding/lm_head; see model_service/quant.py)."""
+    """Weight quantization at load: "none" or "int8" (weight-only, blocks of 32 input columns, for
+    every Linear and the tied embedding/lm_head; see model_service/quant.py)."""
 
     device: str = "auto"
     """Torch device; "auto" picks "cuda" when available, else "cpu"."""
@@ -52,7 +54,8 @@ class ModelServiceConfig:
     """Interface the gRPC server binds."""
 
     port: int = 50052
-    """TCP port of the gRPC server; 0 binds a free port (printed as PLANSERVE_ENGINE_PORT=<port>)."""
+    """TCP port of the gRPC server; 0 binds a free port (printed as
+    PLANSERVE_ENGINE_PORT=<port>)."""
 
     block_size: int = 16
     """Tokens per KV block."""
@@ -87,12 +90,14 @@ class ModelServiceConfig:
     It must divide the query heads, KV heads and MLP columns (checked at load)."""
 
     speculative_method: str = "none"
-    """Speculative decoding: "none", "ngram" (prompt lookup: propose what followed the latest earlier
+    """Speculative decoding: "none", "ngram" (prompt lookup: propose what followed the latest
+    earlier
     occurrence of the last few tokens; no extra model) or "draft" (a smaller model, `draft_model`,
     proposes by sampling; model_service/speculative.py)."""
 
     num_speculative_tokens: int = 3
-    """Draft tokens per decoding sequence and step (k); Describe reports it and the scheduler budgets
+    """Draft tokens per decoding sequence and step (k); Describe reports it and the scheduler
+    budgets
     1 + k tokens for each speculating sequence."""
 
     draft_model: Optional[str] = None
@@ -104,9 +109,16 @@ class ModelServiceConfig:
 
     def validate(self) -> "ModelServiceConfig":
         """Raise ValueError naming the field and its bound; return self for chaining."""
-        if self.model not in _NAMED_MODELS and not self.model.endswith(".gguf") and not os.path.isdir(self.model):
-            raise ValueError(f"model: {self.model!r} is not one of {_NAMED_MODELS}, a path to a .gguf file nor a "
-                             "Hugging Face folder")
+        if (
+            self.model not in _NAMED_MODELS
+            and not self.model.endswith(".gguf")
+            and not os.path.isdir(self.model)
+        ):
+            raise ValueError(
+                f"model: {self.model!r} is not one of {_NAMED_MODELS}, a path to a .gguf file nor "
+                "a "
+                "Hugging Face folder"
+            )
         if self.null_step_delay_ms < 0:
             raise ValueError(f"null_step_delay_ms: {self.null_step_delay_ms} must be >= 0")
         if self.null_eos_at is not None and self.null_eos_at < 1:
@@ -122,11 +134,18 @@ class ModelServiceConfig:
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size: {self.block_size} must be in [1, 1024]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks: {self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
+            raise ValueError(
+                f"num_kv_blocks: {self.num_kv_blocks} must be >= 2 (block 0 is reserved)"
+            )
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes: {self.kv_cache_memory_bytes} must be >= 1")
-        if self.kv_cache_memory_fraction is not None and not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction: {self.kv_cache_memory_fraction} must be in (0, 1]")
+        if (
+            self.kv_cache_memory_fraction is not None
+            and not 0.0 < self.kv_cache_memory_fraction <= 1.0
+        ):
+            raise ValueError(
+                f"kv_cache_memory_fraction: {self.kv_cache_memory_fraction} must be in (0, 1]"
+            )
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes: {self.swap_space_bytes} must be >= 0")
         if self.max_num_slots < 1:
@@ -136,17 +155,26 @@ class ModelServiceConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
         if self.speculative_method not in _SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method: {self.speculative_method!r} is not one of {_SPECULATIVE_METHODS}")
+            raise ValueError(
+                f"speculative_method: {self.speculative_method!r} is not one of "
+                f"{_SPECULATIVE_METHODS}"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens: {self.num_speculative_tokens} must be in [1, 16]")
+            raise ValueError(
+                f"num_speculative_tokens: {self.num_speculative_tokens} must be in [1, 16]"
+            )
         if self.speculative_method != "none" and self.tensor_parallel_size != 1:
-            raise ValueError("speculative_method: needs tensor_parallel_size 1 (drafting runs on one rank)")
+            raise ValueError(
+                "speculative_method: needs tensor_parallel_size 1 (drafting runs on one rank)"
+            )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("draft_model: needed with speculative_method 'draft'")
         if not 1 <= self.ngram_max <= 8:
             raise ValueError(f"ngram_max: {self.ngram_max} must be in [1, 8]")
         if not 1 <= self.tensor_parallel_size <= 64:
-            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} must be in [1, 64]")
+            raise ValueError(
+                f"tensor_parallel_size: {self.tensor_parallel_size} must be in [1, 64]"
+            )
         return self
 
     def resolved_dtype(self) -> str:
@@ -166,17 +194,32 @@ class ModelServiceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-               "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(text: str) -> int:
     """A byte count from the command line: "1073741824", "1GiB", "512MiB", "1.5g" (binary units)."""
     value = str(text).strip()
     number = value.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
-    unit = value[len(number):].strip().lower()
+    unit = value[len(number) :].strip().lower()
     if unit not in _BYTE_UNITS or not number:
-        raise ValueError(f"{text!r} is not a byte count (a number, optionally with KiB, MiB, GiB or TiB)")
+        raise ValueError(
+            f"{text!r} is not a byte count (a number, optionally with KiB, MiB, GiB or TiB)"
+        )
     return int(float(number) * _BYTE_UNITS[unit])
 
 

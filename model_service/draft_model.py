@@ -35,23 +35,39 @@ class DraftModelDrafter:
         from model_service.loader import load_model
 
         draft_config = dataclasses.replace(
-            config, model=config.draft_model, speculative_method="none", draft_model=None, served_model_name=None, quantization="none"
+            config,
+            model=config.draft_model,
+            speculative_method="none",
+            draft_model=None,
+            served_model_name=None,
+            quantization="none",
         )
         self.loaded = load_model(draft_config)
         arch = self.loaded.arch
         if arch.vocab_size != runner.loaded.arch.vocab_size:
-            raise ValueError(f"draft_model: vocabulary of {arch.vocab_size} tokens, the target's has {runner.loaded.arch.vocab_size}")
+            raise ValueError(
+                f"draft_model: vocabulary of {arch.vocab_size} tokens, the target's has "
+                f"{runner.loaded.arch.vocab_size}"
+            )
         self.model = self.loaded.model
         self.device = runner.device
         self.cache = runner.cache  # tokens and block tables are the target's
         self.kv_cache = KVCache(
-            arch.num_hidden_layers, runner.limits.num_kv_blocks, runner.block_size, arch.num_key_value_heads, arch.head_dim,
-            next(self.model.parameters()).dtype, self.device,
+            arch.num_hidden_layers,
+            runner.limits.num_kv_blocks,
+            runner.block_size,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            next(self.model.parameters()).dtype,
+            self.device,
         )
         self.block_size = runner.block_size
         self.num_computed = np.zeros(self.cache.max_num_slots, dtype=np.int64)
         self.inputs = StepInputBuilder(
-            max(self.loaded.max_model_len, config.max_num_slots), config.max_num_slots, self.cache.max_blocks_per_seq, self.block_size
+            max(self.loaded.max_model_len, config.max_num_slots),
+            config.max_num_slots,
+            self.cache.max_blocks_per_seq,
+            self.block_size,
         )
 
     def on_register(self, slot: int) -> None:
@@ -67,19 +83,37 @@ class DraftModelDrafter:
         c = self.cache
         x = self.inputs.build(c.tokens, c.block_table, self.num_computed, num_tokens, slots, n)
         meta = build_attention_metadata(
-            self._dev(x.slot_mapping), self._dev(x.query_start), self._dev(n), self._dev(x.context_lens), self._dev(x.block_tables),
-            self.block_size, x.max_query_len, x.max_context_len,
+            self._dev(x.slot_mapping),
+            self._dev(x.query_start),
+            self._dev(n),
+            self._dev(x.context_lens),
+            self._dev(x.block_tables),
+            self.block_size,
+            x.max_query_len,
+            x.max_context_len,
         )
-        logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(x.logits_indices))
+        logits = self.model(
+            self._dev(x.input_ids),
+            self._dev(x.positions),
+            meta,
+            self.kv_cache,
+            self._dev(x.logits_indices),
+        )
         self.num_computed[slots] += n
         return logits.float()
 
-    def _next(self, logits: torch.Tensor, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    def _next(
+        self, logits: torch.Tensor, slots: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, torch.Tensor]:
         """Draft tokens at `positions` and the distributions they were drawn from (normalized)."""
         c = self.cache
         params = SamplingBatch(
-            temperature=c.temperature[slots], top_k=c.top_k[slots], top_p=c.top_p[slots], seed=c.seed[slots],
-            position=positions, min_p=c.min_p[slots],
+            temperature=c.temperature[slots],
+            top_k=c.top_k[slots],
+            top_p=c.top_p[slots],
+            seed=c.seed[slots],
+            position=positions,
+            min_p=c.min_p[slots],
         )
         weights = filtered_probs(logits, params)
         greedy = c.temperature[slots] == 0
@@ -115,5 +149,10 @@ class DraftModelDrafter:
         drafts = []
         for row, slot in enumerate(slots.tolist()):
             greedy = c.temperature[slot] == 0
-            drafts.append(Draft(np.asarray(proposals[row], dtype=np.int64), None if greedy else torch.stack(probs[row])))
+            drafts.append(
+                Draft(
+                    np.asarray(proposals[row], dtype=np.int64),
+                    None if greedy else torch.stack(probs[row]),
+                )
+            )
         return drafts

@@ -48,7 +48,9 @@ class PackedLinear(nn.Module):
             self.out_features, self.in_features = q.shape
             self.int8 = True
             packed = torch.empty(native.packed_int8_bytes(*q.shape), dtype=torch.uint8)
-            native.pack_int8(q.contiguous().data_ptr(), scale.data_ptr(), *q.shape, packed.data_ptr())
+            native.pack_int8(
+                q.contiguous().data_ptr(), scale.data_ptr(), *q.shape, packed.data_ptr()
+            )
         else:
             weight = source.weight.detach()
             self.out_features, self.in_features = weight.shape
@@ -57,7 +59,9 @@ class PackedLinear(nn.Module):
             native.pack_bf16(weight.data_ptr(), *weight.shape, weight.stride(0), packed.data_ptr())
         self.register_buffer("packed", packed)
         bias = getattr(source, "bias", None)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).contiguous())
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -65,7 +69,9 @@ class PackedLinear(nn.Module):
         if self.int8:
             raise AttributeError("an int8 PackedLinear has no dense weight")
         dense = torch.empty((self.out_features, self.in_features), dtype=torch.bfloat16)
-        native.unpack_bf16(self.packed.data_ptr(), self.out_features, self.in_features, dense.data_ptr())
+        native.unpack_bf16(
+            self.packed.data_ptr(), self.out_features, self.in_features, dense.data_ptr()
+        )
         return dense
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -78,21 +84,44 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x @ W^T in bf16, or in float32 (the kernel's sums unrounded: lm_head's logits)."""
         if out_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"PackedLinear: out_dtype must be bfloat16 or float32, got {out_dtype}")
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1:
-            raise ValueError(f"PackedLinear: x must be bfloat16 [T, {self.in_features}] with dense rows, got "
-                             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+            raise ValueError(
+                f"PackedLinear: out_dtype must be bfloat16 or float32, got {out_dtype}"
+            )
+        if (
+            x.dtype != torch.bfloat16
+            or x.dim() != 2
+            or x.shape[1] != self.in_features
+            or x.stride(1) != 1
+        ):
+            raise ValueError(
+                f"PackedLinear: x must be bfloat16 [T, {self.in_features}] with dense rows, got "
+                f"{x.dtype} {tuple(x.shape)} strides {x.stride()}"
+            )
         rows = x.shape[0]
         out = x.new_empty((rows, self.out_features), dtype=out_dtype)
         if rows:
             call = native.linear_int8 if self.int8 else native.linear_bf16
-            call(x.data_ptr(), rows, x.stride(0), self.packed.data_ptr(), self.out_features, self.in_features,
-                 0 if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features,
-                 out_dtype == torch.float32, self._isa_index, torch.get_num_threads())
+            call(
+                x.data_ptr(),
+                rows,
+                x.stride(0),
+                self.packed.data_ptr(),
+                self.out_features,
+                self.in_features,
+                0 if self.bias is None else self.bias.data_ptr(),
+                out.data_ptr(),
+                self.out_features,
+                out_dtype == torch.float32,
+                self._isa_index,
+                torch.get_num_threads(),
+            )
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8={self.int8}, isa={self.isa}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int8={self.int8}, isa={self.isa}"
+        )
 
 
 class PackedEmbedding(nn.Module):
@@ -102,7 +131,9 @@ class PackedEmbedding(nn.Module):
 
     def __init__(self, lm_head: PackedLinear) -> None:
         super().__init__()
-        self.lm_head = [lm_head]  # a list: not a submodule, so its weight is not saved twice under this name
+        self.lm_head = [
+            lm_head
+        ]  # a list: not a submodule, so its weight is not saved twice under this name
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.lm_head[0].weight
@@ -111,8 +142,14 @@ class PackedEmbedding(nn.Module):
         head = self.lm_head[0]
         ids = ids.to(torch.int64).contiguous()  # as nn.Embedding, int32 ids too
         out = torch.empty((*ids.shape, head.in_features), dtype=torch.bfloat16)
-        native.gather_rows_bf16(head.packed.data_ptr(), head.out_features, head.in_features, ids.data_ptr(), ids.numel(),
-                                out.data_ptr())
+        native.gather_rows_bf16(
+            head.packed.data_ptr(),
+            head.out_features,
+            head.in_features,
+            ids.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
+        )
         return out
 
 
@@ -124,8 +161,12 @@ def packable(module: nn.Module, dtype: torch.dtype) -> bool:
     if isinstance(module, Int8Linear):
         q = module.w.qweight
         return q.device.type == "cpu" and q.shape[1] % 32 == 0
-    return (type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.bfloat16
-            and module.in_features % 2 == 0)
+    return (
+        type(module) is nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.bfloat16
+        and module.in_features % 2 == 0
+    )
 
 
 def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) -> int:
@@ -136,7 +177,9 @@ def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) 
         return 0
     # Names, not module objects: a list of the modules would keep every unpacked weight alive until
     # the loop ends (twice the model's weights at the peak); this way each is freed once replaced.
-    embeddings = {id(m.weight): name for name, m in model.named_modules() if type(m) is nn.Embedding}
+    embeddings = {
+        id(m.weight): name for name, m in model.named_modules() if type(m) is nn.Embedding
+    }
     names = [name for name, module in model.named_modules() if packable(module, dtype)]
     count = 0
     for name in names:

@@ -55,7 +55,12 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
+_PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+}
 
 
 @dataclasses.dataclass
@@ -72,8 +77,17 @@ def _field(reader, key: str, default=None):
 
 def read_metadata(reader) -> dict:
     """Scalar and string metadata (the big token arrays are read separately)."""
-    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
-    return {key: field.contents() for key, field in reader.fields.items() if key not in skip and not key.startswith("GGUF.")}
+    skip = {
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.scores",
+    }
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key not in skip and not key.startswith("GGUF.")
+    }
 
 
 # general.architecture values this reader knows: llama.cpp writes Llama 1-3 and Mistral as "llama".
@@ -85,17 +99,26 @@ def arch_from_metadata(meta: dict, rope_freqs: Optional[np.ndarray] = None) -> L
     """The architecture facts; ValueError naming the metadata key our forward cannot honour."""
     arch = meta["general.architecture"]
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"model: GGUF general.architecture {arch!r} is not supported (one of {GGUF_ARCHITECTURES})")
+        raise ValueError(
+            f"model: GGUF general.architecture {arch!r} is not supported (one of "
+            f"{GGUF_ARCHITECTURES})"
+        )
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rotated = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rotated != head_dim:
-        raise ValueError(f"model: GGUF {arch}.rope.dimension_count {rotated} != head dim {head_dim} (partial RoPE is "
-                         "not supported)")
+        raise ValueError(
+            f"model: GGUF {arch}.rope.dimension_count {rotated} != head dim {head_dim} (partial "
+            "RoPE is "
+            "not supported)"
+        )
     if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
-        raise ValueError(f"model: GGUF {arch}.attention.value_length {meta[f'{arch}.attention.value_length']} != "
-                         f"key_length {head_dim}")
+        raise ValueError(
+            f"model: GGUF {arch}.attention.value_length {meta[f'{arch}.attention.value_length']} "
+            "!= "
+            f"key_length {head_dim}"
+        )
     return LlamaArchConfig(
         vocab_size=int(meta.get(f"{arch}.vocab_size", 0)),
         hidden_size=hidden,
@@ -115,14 +138,21 @@ def _rope_scaling(meta: dict, arch: str, rope_freqs: Optional[np.ndarray]) -> Ro
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if rope_freqs is not None:
         if kind not in ("none",):
-            raise ValueError(f"model: GGUF has both a rope_freqs tensor and {arch}.rope.scaling.type {kind!r}")
-        return RopeScaling(rope_type="llama3", freq_factors=tuple(float(f) for f in rope_freqs.reshape(-1)))
+            raise ValueError(
+                f"model: GGUF has both a rope_freqs tensor and {arch}.rope.scaling.type {kind!r}"
+            )
+        return RopeScaling(
+            rope_type="llama3", freq_factors=tuple(float(f) for f in rope_freqs.reshape(-1))
+        )
     if kind == "none":
         return RopeScaling()
     if kind == "linear":
         return RopeScaling(rope_type="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
-    raise ValueError(f"model: GGUF {arch}.rope.scaling.type {kind!r} is not supported (only 'none', 'linear', or a "
-                     "rope_freqs tensor)")
+    raise ValueError(
+        f"model: GGUF {arch}.rope.scaling.type {kind!r} is not supported (only 'none', 'linear', "
+        "or a "
+        "rope_freqs tensor)"
+    )
 
 
 def reverse_rope_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -148,7 +178,9 @@ class GGUFWeights:
             if match:
                 layer, kind = match.groups()
                 if kind not in _LAYER_NAMES:
-                    raise ValueError(f"model: GGUF tensor {tensor.name!r} is not one our forward uses")
+                    raise ValueError(
+                        f"model: GGUF tensor {tensor.name!r} is not one our forward uses"
+                    )
                 self._tensors[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = tensor
             elif tensor.name in _GLOBAL_NAMES:
                 self._tensors[_GLOBAL_NAMES[tensor.name]] = tensor
@@ -159,9 +191,13 @@ class GGUFWeights:
         return set(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self._tensors[name].shape))  # GGML writes the row count last
+        return tuple(
+            int(n) for n in reversed(self._tensors[name].shape)
+        )  # GGML writes the row count last
 
-    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None
+    ) -> torch.Tensor:
         if self._last is None or self._last[0] != name:
             self._last = None  # dropped before the next one is made
             self._last = (name, self._dequantized(name))
@@ -170,12 +206,14 @@ class GGUFWeights:
         return whole if rows is None and columns is None else sliced(whole, rows, columns).clone()
 
     def _dequantized(self, name: str) -> torch.Tensor:
-        """The whole tensor in float32; the last one is kept, as the loader may read it in chunks."""
+        """The whole tensor in float32 (kept: the loader may read it in chunks)."""
         import gguf
 
         tensor = self._tensors[name]
         # np.array copies: F32 tensors come back as read-only views of the memory-mapped file.
-        weights = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weights = np.array(
+            gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
+        )
         if name.endswith("self_attn.q_proj.weight"):
             weights = reverse_rope_permute(weights, self._arch.num_attention_heads)
         elif name.endswith("self_attn.k_proj.weight"):
@@ -190,17 +228,25 @@ def load_gguf(path: str) -> GGUFContents:
     reader = gguf.GGUFReader(path)
     meta = read_metadata(reader)
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
-    arch = arch_from_metadata(meta, None if freqs is None else np.array(freqs.data, dtype=np.float32))
+    arch = arch_from_metadata(
+        meta, None if freqs is None else np.array(freqs.data, dtype=np.float32)
+    )
     weights = GGUFWeights(reader, arch)
     tied = "lm_head.weight" not in weights.names()
-    arch = dataclasses.replace(arch, vocab_size=weights.shape("model.embed_tokens.weight")[0], tie_word_embeddings=tied)
+    arch = dataclasses.replace(
+        arch, vocab_size=weights.shape("model.embed_tokens.weight")[0], tie_word_embeddings=tied
+    )
     return GGUFContents(arch=arch, weights=weights, metadata=meta)
 
 
 @functools.lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -224,8 +270,12 @@ class GGUFTokenizer:
 def _special_tokens(reader, tokens: list[str]) -> dict[str, str]:
     """The bos / eos / pad / unk token strings the file names by id."""
     special = {}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("pad_token", "padding_token_id"),
+        ("unk_token", "unknown_token_id"),
+    ):
         index = _field(reader, f"tokenizer.ggml.{key}")
         if index is not None:
             special[name] = tokens[int(index)]
@@ -241,25 +291,37 @@ def load_gguf_tokenizer(path: str) -> GGUFTokenizer:
     reader = gguf.GGUFReader(path)
     model_type = _field(reader, "tokenizer.ggml.model")
     if model_type != "gpt2":
-        raise ValueError(f"model: GGUF tokenizer type {model_type!r} is not supported (only byte-level 'gpt2')")
+        raise ValueError(
+            f"model: GGUF tokenizer type {model_type!r} is not supported (only byte-level 'gpt2')"
+        )
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     merges: list[str] = _field(reader, "tokenizer.ggml.merges")
     types = list(_field(reader, "tokenizer.ggml.token_type", []))
 
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
-    # Tokens written outside the byte alphabet (rare) are respelled byte by byte, as transformers does.
+    # Tokens written outside the byte alphabet (rare) are respelled byte by byte, as transformers
+    # does.
     vocab = {
-        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
     }
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False, byte_fallback=False)
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=[tuple(m.split(" ")) for m in merges],
+        fuse_unk=False,
+        byte_fallback=False,
+    )
     tokenizer = Tokenizer(bpe)
     split = _PRE_SPLITS.get(_field(reader, "tokenizer.ggml.pre"))
     if split is None:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     tokenizer.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) must match whole in text, as special added tokens. A

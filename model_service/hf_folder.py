@@ -3,7 +3,8 @@
 Read here (all optional unless marked):
     config.json              (required) architecture (models/registry.py: Llama, Mistral, Qwen2,
                              Qwen3); eos/bos ids as a fallback
-    *.safetensors            (required) weights: one file, or the shards model.safetensors.index.json
+    *.safetensors            (required) weights: one file, or the shards
+                             model.safetensors.index.json
                              lists (else every file in the folder); read tensor by tensor by the
                              loader (model_service/weights.py), never here
     tokenizer.json           (required) the tokenizer, sent to the scheduler as it is
@@ -115,7 +116,11 @@ def load_hf_folder(folder: str) -> HFFolderContents:
     # generation_config.json decides what ends generation; config.json, then the tokenizer's
     # eos_token, are fallbacks.
     eos = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
-    if not eos and "eos_token" in special and tokenizer.token_to_id(special["eos_token"]) is not None:
+    if (
+        not eos
+        and "eos_token" in special
+        and tokenizer.token_to_id(special["eos_token"]) is not None
+    ):
         eos = [tokenizer.token_to_id(special["eos_token"])]
     bos_ids = _ids(generation.get("bos_token_id")) or _ids(config.get("bos_token_id"))
     # Describe's bos_token_id means "prepended to text prompts": true only when the tokenizer's
@@ -124,7 +129,9 @@ def load_hf_folder(folder: str) -> HFFolderContents:
     if bos_ids:
         encoded = tokenizer.encode("a", add_special_tokens=True).ids
         bos = bos_ids[0] if encoded and encoded[0] == bos_ids[0] else None
-    sampling_defaults = {k: float(generation[k]) for k in ("temperature", "top_p", "top_k") if k in generation}
+    sampling_defaults = {
+        k: float(generation[k]) for k in ("temperature", "top_p", "top_k") if k in generation
+    }
     if sampling_defaults:
         log.info("generation_config_sampling_not_applied", **sampling_defaults)
 
@@ -132,9 +139,13 @@ def load_hf_folder(folder: str) -> HFFolderContents:
     if "model.embed_tokens.weight" in weights.names():
         rows = weights.shape("model.embed_tokens.weight")[0]
         if rows != arch.vocab_size:
-            raise ValueError(f"model: embed_tokens has {rows} rows, config.json vocab_size is {arch.vocab_size}")
+            raise ValueError(
+                f"model: embed_tokens has {rows} rows, config.json vocab_size is {arch.vocab_size}"
+            )
     if arch.tie_word_embeddings is False and "lm_head.weight" not in weights.names():
-        raise ValueError("model: config.json says tie_word_embeddings=false but there is no lm_head.weight")
+        raise ValueError(
+            "model: config.json says tie_word_embeddings=false but there is no lm_head.weight"
+        )
     return HFFolderContents(
         arch=arch,
         weights=weights,

@@ -20,7 +20,11 @@ def resolve_isa(native, env: str, name: str | None = None) -> str:
     if name == TORCH_PATH:
         return name
     if name not in native.ISAS:
-        raise ValueError(f"{env}: {name!r} is not one of auto, {TORCH_PATH}, {', '.join(native.ISAS)}")
+        raise ValueError(
+            f"{env}: {name!r} is not one of auto, {TORCH_PATH}, {', '.join(native.ISAS)}"
+        )
     if not native.isa_supported(name):
-        raise ValueError(f"{env}: {name!r} is not supported by this CPU or build (best: {native.best_isa()})")
+        raise ValueError(
+            f"{env}: {name!r} is not supported by this CPU or build (best: {native.best_isa()})"
+        )
     return name

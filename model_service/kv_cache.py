@@ -2,8 +2,9 @@
 
 One K and one V tensor of shape [num_layers, num_blocks, kv_heads, block_size, head_dim]; layer l
 uses the views k[l], v[l]. Within a block each KV head's positions are contiguous, so the attention
-kernel reads a block of one head as one [block_size, head_dim] tile (model_service/attention.py). Block 0 is reserved: the scheduler never hands it out, and padded
-block-table entries point to it, so it must stay finite (it is zero-filled and never written).
+kernel reads a block of one head as one [block_size, head_dim] tile (model_service/attention.py).
+Block 0 is reserved: the scheduler never hands it out, and padded block-table entries point to it,
+so it must stay finite (it is zero-filled and never written).
 
 Swap space: the same shape again with num_swap_blocks in host memory (pinned on CUDA, so copies
 overlap nothing but need no staging). Swap ids are [0, num_swap_blocks), none reserved: they
@@ -26,7 +27,9 @@ import os
 import torch
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """Bytes one block takes across all layers, K and V."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
@@ -56,7 +59,8 @@ class KVCache:
         self.host_v: torch.Tensor | None = None
 
     def allocate_swap(self, num_swap_blocks: int) -> None:
-        """Host tensors for num_swap_blocks swapped-out blocks (pinned when the cache is on CUDA)."""
+        """Host tensors for num_swap_blocks swapped-out blocks (pinned when the cache is on
+        CUDA)."""
         if num_swap_blocks <= 0:
             return
         shape = (self.k.shape[0], num_swap_blocks, *self.k.shape[2:])
@@ -111,8 +115,9 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_cache_budget_bytes(memory_bytes: int, memory_fraction: float | None, device: torch.device,
-                          num_ranks: int = 1) -> int:
+def kv_cache_budget_bytes(
+    memory_bytes: int, memory_fraction: float | None, device: torch.device, num_ranks: int = 1
+) -> int:
     """The KV budget: memory_fraction of the device's free memory when set, else memory_bytes.
     Tensor-parallel ranks on the CPU share the host's memory: each takes 1/num_ranks of it."""
     if memory_fraction is None:
@@ -131,6 +136,8 @@ def agree_on_num_blocks(num_blocks: int, device: torch.device) -> int:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return num_blocks
-    count = torch.tensor([num_blocks], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
+    count = torch.tensor(
+        [num_blocks], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu"
+    )
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     return int(count.item())

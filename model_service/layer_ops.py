@@ -29,7 +29,10 @@ from model_service.gemm import PackedLinear
 ISA_ENV = "PLANSERVE_LAYER_OPS_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH
 GEMM_MIN_ROWS = {torch.float32: 16, torch.bfloat16: 2}  # see linear()
-_DTYPES = {torch.float32: native.DTYPES.index("float32"), torch.bfloat16: native.DTYPES.index("bfloat16")}
+_DTYPES = {
+    torch.float32: native.DTYPES.index("float32"),
+    torch.bfloat16: native.DTYPES.index("bfloat16"),
+}
 
 
 def resolve_isa(name: str | None = None) -> str:
@@ -48,8 +51,13 @@ def _native_isa(x: torch.Tensor, isa: str | None) -> int | None:
     return native.ISAS.index(isa)
 
 
-def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                  isa: str | None = None) -> torch.Tensor:
+def add_rms_norm_(
+    residual: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    isa: str | None = None,
+) -> torch.Tensor:
     """residual [T, hidden] += delta (in place; none when delta is None), then return
     RMSNorm(residual) * weight as a new [T, hidden] tensor."""
     index = _native_isa(residual, isa)
@@ -61,13 +69,29 @@ def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: to
     if delta is not None:
         _check_dense("delta", delta, (rows, hidden), residual.dtype)
     out = torch.empty_like(residual)
-    native.add_rms_norm(residual.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                        rows, hidden, eps, _DTYPES[residual.dtype], index, torch.get_num_threads())
+    native.add_rms_norm(
+        residual.data_ptr(),
+        0 if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+        _DTYPES[residual.dtype],
+        index,
+        torch.get_num_threads(),
+    )
     return out
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, num_heads: int, head_dim: int,
-          isa: str | None = None) -> None:
+def rope_(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    isa: str | None = None,
+) -> None:
     """Rotate-half RoPE in place on the first num_heads heads (head_dim each) of x's rows [T, >=
     num_heads * head_dim], rows may lie apart; positions [T] int64 index the table's rows."""
     index = _native_isa(x, isa)
@@ -75,12 +99,25 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, num_hea
         return torch_rope_(x, positions, table, num_heads, head_dim)
     rows = x.shape[0]
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
-        raise ValueError(f"rope: x must be [T, >= {num_heads * head_dim}] with dense rows, got {tuple(x.shape)} "
-                         f"strides {x.stride()}")
+        raise ValueError(
+            f"rope: x must be [T, >= {num_heads * head_dim}] with dense rows, got {tuple(x.shape)} "
+            f"strides {x.stride()}"
+        )
     _check_dense("positions", positions, (rows,), torch.int64)
     _check_dense("table", table, (table.shape[0], head_dim), torch.float32)
-    native.rope(x.data_ptr(), rows, x.stride(0), num_heads, head_dim, positions.data_ptr(), table.data_ptr(),
-                table.shape[0], _DTYPES[x.dtype], index, torch.get_num_threads())
+    native.rope(
+        x.data_ptr(),
+        rows,
+        x.stride(0),
+        num_heads,
+        head_dim,
+        positions.data_ptr(),
+        table.data_ptr(),
+        table.shape[0],
+        _DTYPES[x.dtype],
+        index,
+        torch.get_num_threads(),
+    )
 
 
 def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
@@ -91,21 +128,31 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     _check_dense("gate_up", gate_up, (rows, 2 * width))
     out = gate_up.new_empty((rows, width))
-    native.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, _DTYPES[gate_up.dtype], index, torch.get_num_threads())
+    native.silu_mul(
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        width,
+        _DTYPES[gate_up.dtype],
+        index,
+        torch.get_num_threads(),
+    )
     return out
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
     """module(x) for a linear layer (float32_out: as float32, e.g. logits; a PackedLinear then
-    returns its float32 sums unrounded), batch-invariant. A PackedLinear (model_service/gemm.py) is by
-    construction and runs as it is. torch's CPU GEMMs pick other kernels, with
-    another summation order, for few rows, so fewer than GEMM_MIN_ROWS rows are padded with zero
-    rows up to it. Measured (AMD EPYC Zen 5, torch 2.13): float32 (MKL) rows differ in the last
-    bits at 1-3, 5-7 and 9-11 rows from the same rows inside 16 or 2,048; bfloat16 (oneDNN) at
-    one row with 1,536 input columns (SmolLM2's down_proj: ~10% of rows, one element off by an
-    ulp), and at no other count. Padding one bf16 row to two costs nothing measurable (60 vs 52
+    returns its float32 sums unrounded), batch-invariant. A PackedLinear (model_service/gemm.py) is
+    by construction and runs as it is. torch's CPU GEMMs pick other kernels, with another summation
+    order, for few rows, so fewer than GEMM_MIN_ROWS rows are padded with zero rows up to it.
+    Measured (AMD EPYC Zen 5, torch 2.13): float32 (MKL) rows differ in the last bits at 1-3, 5-7
+    and 9-11 rows from the same rows inside 16 or 2,048; bfloat16 (oneDNN) at one row with 1,536
+    input columns (SmolLM2's down_proj: ~10% of rows, one element off by an ulp), and at no other
+    count. Padding one bf16 row to two costs nothing measurable (60 vs 52
     us); float32's 16 rows cost its one-row GEMV (85 vs 378 us at the MLP shape)."""
-    if isinstance(module, PackedLinear):  # no hooks on these: forward skips nn.Module.__call__ (~1.5 us x 121 a step)
+    if isinstance(
+        module, PackedLinear
+    ):  # no hooks on these: forward skips nn.Module.__call__ (~1.5 us x 121 a step)
         return module.forward(x, torch.float32 if float32_out else torch.bfloat16)
     rows = x.shape[0]
     minimum = GEMM_MIN_ROWS.get(x.dtype, 0)
@@ -116,15 +163,25 @@ def linear(module: torch.nn.Module, x: torch.Tensor, float32_out: bool = False) 
     return out.float() if float32_out else out
 
 
-def _check_dense(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
-    if tuple(t.shape) != tuple(shape) or not t.is_contiguous() or (dtype is not None and t.dtype != dtype) \
-            or t.device.type != "cpu":
-        raise ValueError(f"{name}: expected a contiguous CPU tensor {list(shape)}"
-                         f"{f' of {dtype}' if dtype is not None else ''}, got {list(t.shape)} {t.dtype} on {t.device}"
-                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+def _check_dense(
+    name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None
+) -> None:
+    if (
+        tuple(t.shape) != tuple(shape)
+        or not t.is_contiguous()
+        or (dtype is not None and t.dtype != dtype)
+        or t.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"{name}: expected a contiguous CPU tensor {list(shape)}"
+            f"{f' of {dtype}' if dtype is not None else ''}, got {list(t.shape)} {t.dtype} on "
+            f"{t.device}"
+            f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 # The same operations in torch: other devices, and PLANSERVE_LAYER_OPS_ISA=torch on the CPU.
+
 
 def torch_add_rms_norm_(residual, delta, weight, eps):
     if delta is not None:

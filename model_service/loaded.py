@@ -1,4 +1,4 @@
-"""What loading a model gives the runner: the module, its architecture, and what Describe reports."""
+"""What loading a model gives the runner: the module, its architecture, what Describe reports."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ class LoadedModel:
     special_tokens: dict[str, str]
     max_model_len: int
     tensor_parallel_size: int = 1
-    """Ranks the layers are split across (model_service/parallel.py); this process holds one share."""
+    """Ranks the layers are split across (model_service/parallel.py); this process holds one
+    share."""
     num_kv_blocks: Optional[int] = None
-    """KV blocks this model wants when the config sets none (the null model: a small fixed count)."""
+    """KV blocks this model wants when the config sets none (the null model: a small fixed
+    count)."""
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -33,5 +35,7 @@ class LoadedModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Weights in Hugging Face Llama naming (lm_head.weight shares the embedding when tied)."""
-        hf_state_dict = getattr(self.model, "hf_state_dict", None)  # the null model has no fused layers
+        hf_state_dict = getattr(
+            self.model, "hf_state_dict", None
+        )  # the null model has no fused layers
         return hf_state_dict() if hf_state_dict is not None else self.model.state_dict()

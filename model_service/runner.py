@@ -14,7 +14,7 @@ Packed inputs of one step (B scheduled slots, n[b] tokens each, T = sum(n)):
 
     row            0 .. n[0]-1        | n[0] .. n[0]+n[1]-1 | ...
     slot           slots[0]           | slots[1]            | ...
-    position       c[0] .. c[0]+n[0]-1| c[1] .. c[1]+n[1]-1 | ...   (c = num_computed before the step)
+    position       c[0] .. c[0]+n[0]-1| c[1] .. c[1]+n[1]-1 | ...   (c: computed before the step)
     input id       tokens[slot, position]
     KV write slot  block_table[slot, position // bs] * bs + position % bs
 
@@ -39,7 +39,12 @@ from model_service.attention import ATTENTION_ISA, build_attention_metadata
 from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
 from model_service.config import ModelServiceConfig
 from model_service.gemm import PackedLinear
-from model_service.kv_cache import KVCache, agree_on_num_blocks, kv_block_bytes, kv_cache_budget_bytes
+from model_service.kv_cache import (
+    KVCache,
+    agree_on_num_blocks,
+    kv_block_bytes,
+    kv_cache_budget_bytes,
+)
 from model_service.layer_ops import LAYER_OPS_ISA
 from model_service.loaded import LoadedModel
 from model_service.logits import apply_masks, apply_processing, gather_logprobs, prompt_logprob_rows
@@ -72,7 +77,9 @@ class EngineFacts:
     block_copy: bool = True
     num_swap_blocks: int = 0
     num_speculative_tokens: int = 0  # > 0: speculation on, this many drafts per decode at most
-    compute: dict[str, str] = dataclasses.field(default_factory=dict)  # threads and kernel paths (threads.py)
+    compute: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # threads and kernel paths (threads.py)
 
 
 class ModelRunner:
@@ -86,30 +93,66 @@ class ModelRunner:
         arch = loaded.arch
         self.block_size = config.block_size
         if config.num_kv_blocks is not None or loaded.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else loaded.num_kv_blocks
+            num_blocks = (
+                config.num_kv_blocks if config.num_kv_blocks is not None else loaded.num_kv_blocks
+            )
         else:
-            per_block = kv_block_bytes(arch.num_hidden_layers, self.block_size, loaded.num_kv_heads_per_rank, arch.head_dim, self.dtype)
-            budget = kv_cache_budget_bytes(config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.device,
-                                           loaded.tensor_parallel_size)
+            per_block = kv_block_bytes(
+                arch.num_hidden_layers,
+                self.block_size,
+                loaded.num_kv_heads_per_rank,
+                arch.head_dim,
+                self.dtype,
+            )
+            budget = kv_cache_budget_bytes(
+                config.kv_cache_memory_bytes,
+                config.kv_cache_memory_fraction,
+                self.device,
+                loaded.tensor_parallel_size,
+            )
             num_blocks = budget // per_block
             if config.kv_cache_memory_fraction is not None and loaded.tensor_parallel_size > 1:
-                num_blocks = agree_on_num_blocks(num_blocks, self.device)  # free memory differs per rank
+                num_blocks = agree_on_num_blocks(
+                    num_blocks, self.device
+                )  # free memory differs per rank
             if num_blocks < 2:
-                field = "kv_cache_memory_bytes" if config.kv_cache_memory_fraction is None else "kv_cache_memory_fraction"
-                raise ValueError(f"{field}: a budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; need >= 2")
+                field = (
+                    "kv_cache_memory_bytes"
+                    if config.kv_cache_memory_fraction is None
+                    else "kv_cache_memory_fraction"
+                )
+                raise ValueError(
+                    f"{field}: a budget of {budget} bytes holds {num_blocks} blocks of {per_block} "
+                    "bytes; need >= 2"
+                )
         # Under tensor parallelism each rank caches only its own KV heads.
-        self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, self.block_size, loaded.num_kv_heads_per_rank, arch.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(
+            arch.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            loaded.num_kv_heads_per_rank,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.kv_cache.allocate_swap(config.swap_space_bytes // self.kv_cache.block_bytes)
         self.cache = RequestCache(config.max_num_slots, loaded.max_model_len, self.block_size)
         # Row capacity is a first guess (no token budget is configured here); the builder grows it.
         self.inputs = StepInputBuilder(
-            max(loaded.max_model_len, config.max_num_slots), config.max_num_slots, self.cache.max_blocks_per_seq, self.block_size
+            max(loaded.max_model_len, config.max_num_slots),
+            config.max_num_slots,
+            self.cache.max_blocks_per_seq,
+            self.block_size,
         )
         self.limits = PlanLimits(
-            vocab_size=arch.vocab_size, num_kv_blocks=num_blocks, max_num_slots=config.max_num_slots, max_model_len=loaded.max_model_len,
+            vocab_size=arch.vocab_size,
+            num_kv_blocks=num_blocks,
+            max_num_slots=config.max_num_slots,
+            max_model_len=loaded.max_model_len,
             num_swap_blocks=self.kv_cache.num_swap_blocks,
         )
-        # Speculative decoding: the drafter proposes, _verify_drafts decides (model_service/speculative.py).
+        # Speculative decoding: the drafter proposes, _verify_drafts decides
+        # (model_service/speculative.py).
         self.drafter = None
         self.num_speculative_tokens = 0
         if config.speculative_method == "ngram":
@@ -120,14 +163,26 @@ class ModelRunner:
             self.drafter = DraftModelDrafter(config, self)
         if self.drafter is not None:
             self.num_speculative_tokens = config.num_speculative_tokens
-        # execute() runs in a worker thread; reset() may come from the event loop when a stream ends.
+        # execute() runs in a worker thread; reset() may come from the event loop when a stream
+        # ends.
         self._lock = threading.Lock()
         on_cpu = self.device.type == "cpu"
-        self.compute = {**threads.settings(), "attention": ATTENTION_ISA if on_cpu else "torch",
-                        "layer_ops": LAYER_OPS_ISA if on_cpu else "torch",
-                        "gemm": next((m.isa for m in loaded.model.modules() if isinstance(m, PackedLinear)), "torch")}
-        log.info("runner_ready", model=loaded.name, device=str(self.device), dtype=config.resolved_dtype(), num_kv_blocks=num_blocks,
-                 **self.compute)
+        self.compute = {
+            **threads.settings(),
+            "attention": ATTENTION_ISA if on_cpu else "torch",
+            "layer_ops": LAYER_OPS_ISA if on_cpu else "torch",
+            "gemm": next(
+                (m.isa for m in loaded.model.modules() if isinstance(m, PackedLinear)), "torch"
+            ),
+        }
+        log.info(
+            "runner_ready",
+            model=loaded.name,
+            device=str(self.device),
+            dtype=config.resolved_dtype(),
+            num_kv_blocks=num_blocks,
+            **self.compute,
+        )
 
     def describe_facts(self) -> EngineFacts:
         lm = self.loaded
@@ -135,7 +190,9 @@ class ModelRunner:
             model_name=lm.name,
             architecture="llama",
             dtype=self.config.resolved_dtype(),
-            device=str(self.device) if self.device.index is not None or self.device.type == "cpu" else f"{self.device.type}:0",
+            device=str(self.device)
+            if self.device.index is not None or self.device.type == "cpu"
+            else f"{self.device.type}:0",
             vocab_size=lm.arch.vocab_size,
             max_model_len=lm.max_model_len,
             block_size=self.block_size,
@@ -166,13 +223,21 @@ class ModelRunner:
                 if not active[slot]:
                     raise PlanError(name, f"slot {slot} is not registered")
                 active[slot] = False
-        num_tokens, num_computed, num_blocks = c.num_tokens.copy(), c.num_computed.copy(), c.num_blocks.copy()
+        num_tokens, num_computed, num_blocks = (
+            c.num_tokens.copy(),
+            c.num_computed.copy(),
+            c.num_blocks.copy(),
+        )
         speculate = c.speculate.copy()
         for i, seq in enumerate(plan.new_sequences):
             if active[seq.slot]:
                 raise PlanError(f"new_sequences[{i}].slot", f"slot {seq.slot} is occupied")
             active[seq.slot] = True
-            num_tokens[seq.slot], num_computed[seq.slot], num_blocks[seq.slot] = len(seq.token_ids), seq.num_computed_tokens, 0
+            num_tokens[seq.slot], num_computed[seq.slot], num_blocks[seq.slot] = (
+                len(seq.token_ids),
+                seq.num_computed_tokens,
+                0,
+            )
             speculate[seq.slot] = seq.speculate
         slots = plan.slots
         if slots.size == 0:
@@ -181,27 +246,44 @@ class ModelRunner:
             raise PlanError("slots", f"slot {slots[~active[slots]][0]} is not registered")
         end = num_computed[slots] + plan.num_scheduled_tokens
         # A speculating decode may be granted up to k draft tokens past what is known.
-        lookahead = np.where((num_tokens[slots] - num_computed[slots] == 1) & speculate[slots], self.num_speculative_tokens, 0)
+        lookahead = np.where(
+            (num_tokens[slots] - num_computed[slots] == 1) & speculate[slots],
+            self.num_speculative_tokens,
+            0,
+        )
         over = end > num_tokens[slots] + lookahead
         if over.any():
             i = int(np.argmax(over))
             raise PlanError(
                 "num_scheduled_tokens",
-                f"slot {slots[i]}: computed {num_computed[slots[i]]} + scheduled {plan.num_scheduled_tokens[i]} exceeds its {num_tokens[slots[i]]} known tokens",
+                f"slot {slots[i]}: computed {num_computed[slots[i]]} + scheduled "
+                f"{plan.num_scheduled_tokens[i]} exceeds its {num_tokens[slots[i]]} known tokens",
             )
         if plan.masked_slots.size:
             missing = ~np.isin(plan.masked_slots, slots[end >= num_tokens[slots]])
             if missing.any():
-                raise PlanError("masked_slots", f"slot {plan.masked_slots[int(np.argmax(missing))]} does not sample this step")
+                raise PlanError(
+                    "masked_slots",
+                    f"slot {plan.masked_slots[int(np.argmax(missing))]} does not sample this step",
+                )
         if end.max() > self.limits.max_model_len:
-            raise PlanError("num_scheduled_tokens", f"{end.max()} tokens exceed max_model_len {self.limits.max_model_len}")
+            raise PlanError(
+                "num_scheduled_tokens",
+                f"{end.max()} tokens exceed max_model_len {self.limits.max_model_len}",
+            )
         blocks_after = num_blocks[slots] + plan.num_new_blocks
         short = blocks_after * self.block_size < end
         if short.any():
             i = int(np.argmax(short))
-            raise PlanError("num_new_blocks", f"slot {slots[i]}: {blocks_after[i]} blocks cannot hold {end[i]} tokens")
+            raise PlanError(
+                "num_new_blocks",
+                f"slot {slots[i]}: {blocks_after[i]} blocks cannot hold {end[i]} tokens",
+            )
         if blocks_after.max() > c.max_blocks_per_seq:
-            raise PlanError("num_new_blocks", f"{blocks_after.max()} blocks exceed {c.max_blocks_per_seq} per sequence")
+            raise PlanError(
+                "num_new_blocks",
+                f"{blocks_after.max()} blocks exceed {c.max_blocks_per_seq} per sequence",
+            )
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -214,7 +296,16 @@ class ModelRunner:
         for dropped in (plan.finished_slots, plan.preempted_slots, plan.aborted_slots):
             c.drop(dropped)
         for seq in plan.new_sequences:
-            c.register(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.temperature, seq.top_k, seq.top_p, seq.seed, seq.processing)
+            c.register(
+                seq.slot,
+                seq.token_ids,
+                seq.num_computed_tokens,
+                seq.temperature,
+                seq.top_k,
+                seq.top_p,
+                seq.seed,
+                seq.processing,
+            )
             c.speculate[seq.slot] = seq.speculate and self.drafter is not None
             if self.drafter is not None:
                 self.drafter.on_register(seq.slot)
@@ -222,19 +313,25 @@ class ModelRunner:
             # Each scheduled slot's new ids go right after its current blocks.
             rows = np.repeat(plan.slots, plan.num_new_blocks)
             first = np.concatenate(([0], np.cumsum(plan.num_new_blocks)[:-1]))
-            cols = np.repeat(c.num_blocks[plan.slots] - first, plan.num_new_blocks) + np.arange(plan.new_block_ids.size)
+            cols = np.repeat(c.num_blocks[plan.slots] - first, plan.num_new_blocks) + np.arange(
+                plan.new_block_ids.size
+            )
             c.block_table[rows, cols] = plan.new_block_ids
             c.num_blocks[plan.slots] += plan.num_new_blocks
         # Reads of freed blocks before writes of fresh ones (order in model_service/kv_cache.py).
         if plan.swap_out_src.size:
-            self.kv_cache.swap_out(self._dev(plan.swap_out_src), torch.from_numpy(plan.swap_out_dst))
+            self.kv_cache.swap_out(
+                self._dev(plan.swap_out_src), torch.from_numpy(plan.swap_out_dst)
+            )
         if plan.copy_src.size:
             self.kv_cache.copy_blocks(self._dev(plan.copy_src), self._dev(plan.copy_dst))
         if plan.swap_in_src.size:
             self.kv_cache.swap_in(torch.from_numpy(plan.swap_in_src), self._dev(plan.swap_in_dst))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
+            self.device, non_blocking=True
+        )
 
     def _execute(self, plan: StepPlan) -> StepOutput:
         self._check(plan)
@@ -247,34 +344,73 @@ class ModelRunner:
         # Speculation: decoding slots granted 1 + k tokens get their drafts appended for this step;
         # n becomes what is computed (1 + drafts), the drafts count as known tokens for the build.
         drafts, n, num_tokens = self._propose_drafts(slots, n)
-        x = self.inputs.build(c.tokens, c.block_table, c.num_computed, num_tokens, slots, n)  # views, valid this step
+        x = self.inputs.build(
+            c.tokens, c.block_table, c.num_computed, num_tokens, slots, n
+        )  # views, valid this step
 
         start = time.perf_counter_ns()
         meta = build_attention_metadata(
-            self._dev(x.slot_mapping), self._dev(x.query_start), self._dev(n), self._dev(x.context_lens), self._dev(x.block_tables),
-            bs, x.max_query_len, x.max_context_len,
+            self._dev(x.slot_mapping),
+            self._dev(x.query_start),
+            self._dev(n),
+            self._dev(x.context_lens),
+            self._dev(x.block_tables),
+            bs,
+            x.max_query_len,
+            x.max_context_len,
         )
-        # Prompt logprobs (rare) need the logits of prompt rows too: they ride after the sample rows.
+        # Prompt logprobs (rare) need the logits of prompt rows too: they ride after the sample
+        # rows.
         prompt_rows, prompt_targets, prompt_counts = prompt_logprob_rows(slots, n, x.query_start, c)
-        # Verification needs the target at every drafted position: those rows follow the sample rows.
-        draft_rows = [x.query_start[b] + np.arange(len(draft.token_ids)) for b, draft in drafts.items()]
-        draft_rows = np.concatenate(draft_rows).astype(np.int64) if draft_rows else np.zeros(0, dtype=np.int64)
-        logits_indices = np.concatenate((x.logits_indices, draft_rows, prompt_rows)) if draft_rows.size or prompt_rows.size else x.logits_indices
-        logits = self.model(self._dev(x.input_ids), self._dev(x.positions), meta, self.kv_cache, self._dev(logits_indices))
+        # Verification needs the target at every drafted position: those rows follow the sample
+        # rows.
+        draft_rows = [
+            x.query_start[b] + np.arange(len(draft.token_ids)) for b, draft in drafts.items()
+        ]
+        draft_rows = (
+            np.concatenate(draft_rows).astype(np.int64)
+            if draft_rows
+            else np.zeros(0, dtype=np.int64)
+        )
+        logits_indices = (
+            np.concatenate((x.logits_indices, draft_rows, prompt_rows))
+            if draft_rows.size or prompt_rows.size
+            else x.logits_indices
+        )
+        logits = self.model(
+            self._dev(x.input_ids),
+            self._dev(x.positions),
+            meta,
+            self.kv_cache,
+            self._dev(logits_indices),
+        )
         self._sync()
         forward_ns = time.perf_counter_ns() - start
 
         start = time.perf_counter_ns()
         sample_slots = x.sample_slots
-        output = StepOutput(plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), forward_ns, 0)
+        output = StepOutput(
+            plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), forward_ns, 0
+        )
         if sample_slots.size:
-            output.sampled_token_ids = self._sample(logits[: sample_slots.size], sample_slots, plan, output)
+            output.sampled_token_ids = self._sample(
+                logits[: sample_slots.size], sample_slots, plan, output
+            )
         if prompt_rows.size:
             first = sample_slots.size + draft_rows.size
-            output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(logits[first:], prompt_targets, prompt_counts)
+            output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(
+                logits[first:], prompt_targets, prompt_counts
+            )
         emitted = {}
         if drafts:
-            emitted = self._verify_drafts(drafts, slots, x, logits[sample_slots.size : sample_slots.size + draft_rows.size], logits[: sample_slots.size], output)
+            emitted = self._verify_drafts(
+                drafts,
+                slots,
+                x,
+                logits[sample_slots.size : sample_slots.size + draft_rows.size],
+                logits[: sample_slots.size],
+                output,
+            )
         output.sample_ns = time.perf_counter_ns() - start
 
         sampled = output.sampled_token_ids
@@ -287,7 +423,9 @@ class ModelRunner:
 
     # -- speculative decoding -----------------------------------------------------------------
 
-    def _propose_drafts(self, slots: np.ndarray, n: np.ndarray) -> tuple[dict, np.ndarray, np.ndarray]:
+    def _propose_drafts(
+        self, slots: np.ndarray, n: np.ndarray
+    ) -> tuple[dict, np.ndarray, np.ndarray]:
         """({plan index: Draft}, tokens computed per slot, known tokens per slot incl. drafts)."""
         c = self.cache
         if self.drafter is None:
@@ -312,7 +450,15 @@ class ModelRunner:
                 drafts[b] = draft
         return drafts, n, num_tokens
 
-    def _verify_drafts(self, drafts: dict, slots: np.ndarray, x, draft_logits: torch.Tensor, sample_logits: torch.Tensor, output: StepOutput) -> dict:
+    def _verify_drafts(
+        self,
+        drafts: dict,
+        slots: np.ndarray,
+        x,
+        draft_logits: torch.Tensor,
+        sample_logits: torch.Tensor,
+        output: StepOutput,
+    ) -> dict:
         """{plan index: (emitted tokens, drafts accepted)} by speculative.verify; the target at a
         slot's drafted positions are its draft rows, one past them its ordinary sample row."""
         c = self.cache
@@ -320,16 +466,24 @@ class ModelRunner:
         emitted, first = {}, 0
         for b, draft in drafts.items():
             slot, d = int(slots[b]), len(draft.token_ids)
-            target_logits = torch.cat((draft_logits[first : first + d], sample_logits[row_of_slot[slot] : row_of_slot[slot] + 1]))
+            target_logits = torch.cat(
+                (
+                    draft_logits[first : first + d],
+                    sample_logits[row_of_slot[slot] : row_of_slot[slot] + 1],
+                )
+            )
             first += d
             length = int(c.num_tokens[slot])  # the first draft's position
             if c.temperature[slot] == 0:
                 result = verify_greedy(target_logits.argmax(dim=-1).cpu().numpy(), draft)
             else:
                 params = SamplingBatch(
-                    temperature=np.repeat(c.temperature[slot], d + 1), top_k=np.repeat(c.top_k[slot], d + 1),
-                    top_p=np.repeat(c.top_p[slot], d + 1), seed=np.repeat(c.seed[slot], d + 1),
-                    position=np.arange(length, length + d + 1), min_p=np.repeat(c.min_p[slot], d + 1),
+                    temperature=np.repeat(c.temperature[slot], d + 1),
+                    top_k=np.repeat(c.top_k[slot], d + 1),
+                    top_p=np.repeat(c.top_p[slot], d + 1),
+                    seed=np.repeat(c.seed[slot], d + 1),
+                    position=np.arange(length, length + d + 1),
+                    min_p=np.repeat(c.min_p[slot], d + 1),
                 )
                 accept_u, draw_u = uniforms(int(c.seed[slot]), length, d + 1)
                 result = verify(filtered_probs(target_logits, params), draft, accept_u[:d], draw_u)
@@ -352,9 +506,13 @@ class ModelRunner:
             c.num_computed[slot] = length + accepted
             per_slot[b] = np.asarray(tokens, dtype=np.int64)
             counts[b] = len(tokens)
-        output.sampled_token_ids = np.concatenate(per_slot) if len(per_slot) else output.sampled_token_ids
+        output.sampled_token_ids = (
+            np.concatenate(per_slot) if len(per_slot) else output.sampled_token_ids
+        )
 
-    def _sample(self, logits: torch.Tensor, sample_slots: np.ndarray, plan: StepPlan, output: StepOutput) -> np.ndarray:
+    def _sample(
+        self, logits: torch.Tensor, sample_slots: np.ndarray, plan: StepPlan, output: StepOutput
+    ) -> np.ndarray:
         """Logits processing, sampling and logprobs for the sample rows; returns the token ids
         (and fills output's logprob arrays)."""
         c = self.cache
@@ -366,17 +524,25 @@ class ModelRunner:
                 apply_processing(logits, processed, sample_slots[processed], c)
             if plan.masked_slots.size:
                 row_of_slot = {slot: row for row, slot in enumerate(sample_slots.tolist())}
-                rows = np.array([row_of_slot[slot] for slot in plan.masked_slots.tolist()], dtype=np.int64)  # _check: all sample
+                rows = np.array(
+                    [row_of_slot[slot] for slot in plan.masked_slots.tolist()], dtype=np.int64
+                )  # _check: all sample
                 apply_masks(logits, rows, plan.allowed_token_bitmask, raw)
         params = SamplingBatch(
-            temperature=c.temperature[sample_slots], top_k=c.top_k[sample_slots], top_p=c.top_p[sample_slots],
-            seed=c.seed[sample_slots], position=c.num_tokens[sample_slots], min_p=c.min_p[sample_slots],
+            temperature=c.temperature[sample_slots],
+            top_k=c.top_k[sample_slots],
+            top_p=c.top_p[sample_slots],
+            seed=c.seed[sample_slots],
+            position=c.num_tokens[sample_slots],
+            min_p=c.min_p[sample_slots],
         )
         sampled = sample(logits, params).cpu().numpy().astype(np.int64)
         logprob_rows = np.flatnonzero(c.num_logprobs[sample_slots] >= 0)
         if logprob_rows.size:
             output.logprobs, output.logprob_token_ids = gather_logprobs(
-                raw[torch.from_numpy(logprob_rows).to(raw.device)], sampled[logprob_rows], c.num_logprobs[sample_slots[logprob_rows]]
+                raw[torch.from_numpy(logprob_rows).to(raw.device)],
+                sampled[logprob_rows],
+                c.num_logprobs[sample_slots[logprob_rows]],
             )
         return sampled
 

@@ -71,7 +71,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     temperature (greedy rows at 1.0), then top-k, top-p and min-p zero what they drop."""
     device = logits.device
     random_rows = params.temperature > 0
-    temperature = torch.from_numpy(np.where(random_rows, params.temperature, 1.0).astype(np.float32)).to(device)
+    temperature = torch.from_numpy(
+        np.where(random_rows, params.temperature, 1.0).astype(np.float32)
+    ).to(device)
     # float64 from here: the filtered CDF must be the same function of one row's logits whatever
     # the batch, and accurate enough that u * total never lands on a zero-probability step.
     probs = torch.softmax(logits.double() / temperature[:, None].double(), dim=-1)
@@ -79,7 +81,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
 
     sorted_probs, _ = probs.sort(dim=-1, descending=True)
     # top-k: keep probabilities >= the k-th largest (k = vocab when off).
-    k = torch.from_numpy(np.where(params.top_k > 0, np.minimum(params.top_k, vocab), vocab).astype(np.int64)).to(device)
+    k = torch.from_numpy(
+        np.where(params.top_k > 0, np.minimum(params.top_k, vocab), vocab).astype(np.int64)
+    ).to(device)
     kth = sorted_probs.gather(1, (k - 1)[:, None])
     # top-p: keep the smallest prefix of the sorted list whose mass reaches top_p, i.e. every token
     # whose preceding mass is still below top_p; its smallest member is the threshold.

@@ -14,13 +14,13 @@ import time
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from planserve.v1 import engine_pb2, engine_pb2_grpc
 
 from model_service.batch import PlanError, facts_to_pb, from_pb, result_to_pb
 from model_service.config import ModelServiceConfig
 from model_service.loader import load_model
 from model_service.runner import ModelRunner
 from model_service.tp_worker import start_tensor_parallel, torchrun_rank
+from planserve.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -39,12 +39,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._generation = 0
         self._cleanup = asyncio.Lock()
 
-    async def Describe(self, request: engine_pb2.DescribeRequest, context) -> engine_pb2.DescribeResponse:
+    async def Describe(
+        self, request: engine_pb2.DescribeRequest, context
+    ) -> engine_pb2.DescribeResponse:
         return self._describe
 
     async def Execute(self, request_iterator, context):
         if self._stream_open:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open; one at a time")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open; one at a time"
+            )
         self._stream_open = True
         self._generation += 1
         generation = self._generation
@@ -58,18 +62,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 received = time.perf_counter_ns()
                 try:
                     if last_step_id is not None and request.plan.step_id <= last_step_id:
-                        raise PlanError("step_id", f"{request.plan.step_id} is not after the previous step {last_step_id}")
+                        raise PlanError(
+                            "step_id",
+                            f"{request.plan.step_id} is not after the previous step {last_step_id}",
+                        )
                     last_step_id = request.plan.step_id
                     plan = from_pb(request, self.runner.limits)
                     output = await asyncio.to_thread(self.runner.execute, plan)
                 except PlanError as error:
-                    log.warning("bad_plan", step_id=request.plan.step_id, field=error.field, error=error.message)
+                    log.warning(
+                        "bad_plan",
+                        step_id=request.plan.step_id,
+                        field=error.field,
+                        error=error.message,
+                    )
                     self._stream_open = False
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}")
-                except Exception as error:  # a bug or a device failure: end the stream with a status
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
+                    )
+                except (
+                    Exception
+                ) as error:  # a bug or a device failure: end the stream with a status
                     log.exception("step_failed", step_id=request.plan.step_id)
                     self._stream_open = False
-                    await context.abort(grpc.StatusCode.INTERNAL, f"step {request.plan.step_id} failed: {error!r}")
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL, f"step {request.plan.step_id} failed: {error!r}"
+                    )
                 yield result_to_pb(output, total_ns=time.perf_counter_ns() - received)
         finally:
             if self._generation == generation:
@@ -94,8 +112,13 @@ def warm_up(runner: ModelRunner) -> None:
     plan.new_block_ids.append(1)
     output = runner.execute(from_pb(request, runner.limits))
     runner.reset()
-    if len(output.sampled_token_ids) != 1 or not 0 <= int(output.sampled_token_ids[0]) < runner.limits.vocab_size:
-        raise RuntimeError(f"warm-up step sampled {list(output.sampled_token_ids)}, expected one token id")
+    if (
+        len(output.sampled_token_ids) != 1
+        or not 0 <= int(output.sampled_token_ids[0]) < runner.limits.vocab_size
+    ):
+        raise RuntimeError(
+            f"warm-up step sampled {list(output.sampled_token_ids)}, expected one token id"
+        )
     log.info("warm_up_step_ok")
 
 
@@ -108,11 +131,15 @@ def tls_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCred
             return f.read()
 
     ca = read(client_ca) if client_ca else None
-    return grpc.ssl_server_credentials([(read(key), read(cert))], root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(read(key), read(cert))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 async def serve(
-    config: ModelServiceConfig, runner: ModelRunner | None = None, credentials: grpc.ServerCredentials | None = None
+    config: ModelServiceConfig,
+    runner: ModelRunner | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> grpc.aio.Server:
     """Load the model (unless a runner is given), bind, start; returns the started server.
 
@@ -129,16 +156,23 @@ async def serve(
     # Not SERVING (not even listening) before one real step went through the model.
     await asyncio.to_thread(warm_up, runner)
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
     )
     engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(runner), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    # The engine trusts its plans: loopback by default (config.host), TLS/mTLS when credentials are given.
-    # `--host unix:/path/engine.sock` binds a Unix socket instead (port unused; the scheduler's
-    # --engine takes the same unix:/path).
+    # The engine trusts its plans: loopback by default (config.host), TLS/mTLS when credentials are
+    # given. `--host unix:/path/engine.sock` binds a Unix socket instead (port unused; the
+    # scheduler's --engine takes the same unix:/path).
     address = config.host if config.host.startswith("unix:") else f"{config.host}:{config.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    port = (
+        server.add_secure_port(address, credentials)
+        if credentials
+        else server.add_insecure_port(address)
+    )
     if port == 0:
         raise RuntimeError(f"port: could not bind {config.host}:{config.port}")
     await server.start()

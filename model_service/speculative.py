@@ -108,7 +108,10 @@ class NgramDrafter:
 
     def propose_batch(self, cache, slots: np.ndarray, rooms: np.ndarray) -> list[Draft]:
         """Drafts for each decoding slot (at most rooms[i] tokens), from RequestCache tokens."""
-        return [self.propose(cache.tokens[slot, : cache.num_tokens[slot]], int(room)) for slot, room in zip(slots.tolist(), rooms.tolist())]
+        return [
+            self.propose(cache.tokens[slot, : cache.num_tokens[slot]], int(room))
+            for slot, room in zip(slots.tolist(), rooms.tolist())
+        ]
 
     def propose(self, tokens: np.ndarray, k: int) -> Draft:
         """tokens: the sequence's known token ids; returns at most k drafts."""

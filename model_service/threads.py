@@ -45,5 +45,7 @@ def settings() -> dict[str, str]:
     effect (libgomp's default where unset)."""
     import torch
 
-    return {"torch_threads": str(torch.get_num_threads()),
-            **{key.lower(): os.environ.get(key, "(libgomp default)") for key in _REPORTED}}
+    return {
+        "torch_threads": str(torch.get_num_threads()),
+        **{key.lower(): os.environ.get(key, "(libgomp default)") for key in _REPORTED},
+    }

@@ -57,7 +57,9 @@ def rank_config(config: ModelServiceConfig, rank: int, world_size: int) -> Model
     return dataclasses.replace(config, device=device, tensor_parallel_size=world_size)
 
 
-def setup_rank(config: ModelServiceConfig, rank: int, world_size: int, init_method: str) -> tuple[ModelRunner, TPGroup]:
+def setup_rank(
+    config: ModelServiceConfig, rank: int, world_size: int, init_method: str
+) -> tuple[ModelRunner, TPGroup]:
     """Join the group, load this rank's share of the model and its runner (KV cache included)."""
     config = rank_config(config, rank, world_size)
     if config.device.startswith("cuda"):
@@ -70,8 +72,14 @@ def setup_rank(config: ModelServiceConfig, rank: int, world_size: int, init_meth
     vocab_parallel = config.quantization == "none"
     loaded = load_model(config, RankShare(rank, world_size, group.compute, vocab_parallel))
     runner = ModelRunner(loaded, config)
-    log.info("tensor_parallel_rank_ready", rank=rank, world_size=world_size, device=config.device,
-             threads=torch.get_num_threads(), num_kv_heads=loaded.num_kv_heads_per_rank)
+    log.info(
+        "tensor_parallel_rank_ready",
+        rank=rank,
+        world_size=world_size,
+        device=config.device,
+        threads=torch.get_num_threads(),
+        num_kv_heads=loaded.num_kv_heads_per_rank,
+    )
     return runner, group
 
 
@@ -100,7 +108,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawned_rank(index: int, config: ModelServiceConfig, world_size: int, init_method: str) -> None:
+def _spawned_rank(
+    index: int, config: ModelServiceConfig, world_size: int, init_method: str
+) -> None:
     from model_service.logs import configure_logging
 
     _die_with_parent()
@@ -154,7 +164,9 @@ class TensorParallelRunner:
     The lock keeps the broadcast order equal to the execution order (execute runs in worker
     threads, reset may come from the event loop)."""
 
-    def __init__(self, runner: ModelRunner, group: TPGroup, watcher: Optional[RankWatcher] = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, group: TPGroup, watcher: Optional[RankWatcher] = None
+    ) -> None:
         self.runner = runner
         self.group = group
         self.loaded, self.limits, self.config = runner.loaded, runner.limits, runner.config
@@ -199,8 +211,15 @@ def start_tensor_parallel(config: ModelServiceConfig) -> TensorParallelRunner:
         return TensorParallelRunner(runner, group)
     world_size = config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-    processes = mp.start_processes(_spawned_rank, args=(config, world_size, init_method), nprocs=world_size - 1,
-                                   join=False, start_method="spawn")
-    watcher = RankWatcher(processes)  # from now: a rank failing to load must not leave rank 0 waiting
+    processes = mp.start_processes(
+        _spawned_rank,
+        args=(config, world_size, init_method),
+        nprocs=world_size - 1,
+        join=False,
+        start_method="spawn",
+    )
+    watcher = RankWatcher(
+        processes
+    )  # from now: a rank failing to load must not leave rank 0 waiting
     runner, group = setup_rank(config, 0, world_size, init_method)
     return TensorParallelRunner(runner, group, watcher)

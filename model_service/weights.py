@@ -35,7 +35,9 @@ class WeightSource(Protocol):
         """The stored tensor's shape, without reading it."""
         ...
 
-    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None
+    ) -> torch.Tensor:
         """The tensor (rows/columns of a 2-D one; rows of a 1-D one) on the CPU, in its stored
         dtype or float32; a KeyError naming it when absent."""
         ...
@@ -51,7 +53,9 @@ class TensorDictWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._tensors[name].shape)
 
-    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None
+    ) -> torch.Tensor:
         return sliced(self._tensors[name], rows, columns)
 
 
@@ -77,19 +81,28 @@ class SafetensorsWeights:
             files = sorted(set(weight_map.values()))
             missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
             if missing:
-                raise ValueError(f"model: {INDEX_FILE} names shard(s) {missing} that are not in {folder!r}")
+                raise ValueError(
+                    f"model: {INDEX_FILE} names shard(s) {missing} that are not in {folder!r}"
+                )
         else:
-            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+            files = sorted(
+                os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors"))
+            )
             if not files:
                 raise ValueError(f"model: no *.safetensors file in {folder!r}")
-        self._handles = {name: safe_open(os.path.join(folder, name), framework="pt", device="cpu") for name in files}
+        self._handles = {
+            name: safe_open(os.path.join(folder, name), framework="pt", device="cpu")
+            for name in files
+        }
         self._file_of: dict[str, str] = {}
         for name, handle in self._handles.items():
             for key in handle.keys():
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
                 if key in self._file_of:
-                    raise ValueError(f"model: tensor {key!r} appears in more than one safetensors file")
+                    raise ValueError(
+                        f"model: tensor {key!r} appears in more than one safetensors file"
+                    )
                 self._file_of[key] = name
 
     def names(self) -> set[str]:
@@ -98,7 +111,9 @@ class SafetensorsWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 
-    def read(self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None) -> torch.Tensor:
+    def read(
+        self, name: str, rows: Optional[slice] = None, columns: Optional[slice] = None
+    ) -> torch.Tensor:
         handle = self._handles[self._file_of[name]]
         if rows is None and columns is None:
             return handle.get_tensor(name)

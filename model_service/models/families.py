@@ -4,7 +4,7 @@
     LlamaForCausalLM     rope scaling (llama3, linear,       attention_bias, mlp_bias
                          dynamic, yarn), explicit head_dim
     MistralForCausalLM   sliding_window                      attention_bias
-    Qwen2ForCausalLM     q/k/v bias (always: the model type  use_sliding_window / sliding layer_types
+    Qwen2ForCausalLM     q/k/v bias (always: the model type  use_sliding_window, sliding layers
                          says so, not a config key)
     Qwen3ForCausalLM     per-head q/k RMSNorm, head_dim      attention_bias, use_sliding_window
                          (default 128)
@@ -34,17 +34,26 @@ def _refuse_sliding_layers(config: dict[str, Any]) -> None:
     _refuse_true(config, "use_sliding_window")
     sliding = [t for t in config.get("layer_types") or [] if t != "full_attention"]
     if sliding:
-        raise ValueError(f"model: config.json layer_types {sorted(set(sliding))} is not supported (only "
-                         "'full_attention')")
+        raise ValueError(
+            f"model: config.json layer_types {sorted(set(sliding))} is not supported (only "
+            "'full_attention')"
+        )
 
 
-def llama_arch(config: dict[str, Any], *, attention_bias: bool = False, qk_norm: bool = False,
-               sliding_window: Optional[int] = None) -> LlamaArchConfig:
+def llama_arch(
+    config: dict[str, Any],
+    *,
+    attention_bias: bool = False,
+    qk_norm: bool = False,
+    sliding_window: Optional[int] = None,
+) -> LlamaArchConfig:
     """The facts every family shares, read from config.json, plus the family's switches."""
     family = config.get("architectures", [None])[0] or config.get("model_type")
     _refuse_true(config, "mlp_bias")
     if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"model: config.json hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+        raise ValueError(
+            f"model: config.json hidden_act {config['hidden_act']!r} is not supported (only 'silu')"
+        )
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     max_positions = int(config.get("max_position_embeddings", 2048))
@@ -59,7 +68,9 @@ def llama_arch(config: dict[str, Any], *, attention_bias: bool = False, qk_norm:
         rope_theta=theta,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),  # every family's own default: untied
+        tie_word_embeddings=bool(
+            config.get("tie_word_embeddings", False)
+        ),  # every family's own default: untied
         head_dim=int(config.get("head_dim") or hidden // heads),
         rope_scaling=scaling,
         attention_bias=attention_bias,
@@ -71,8 +82,10 @@ def llama_arch(config: dict[str, Any], *, attention_bias: bool = False, qk_norm:
 
 def _checked_type(config: dict[str, Any], model_type: str) -> None:
     if config.get("model_type", model_type) != model_type:
-        raise ValueError(f"model: config.json model_type {config['model_type']!r} does not match architectures "
-                         f"{config.get('architectures')} (model_type {model_type!r})")
+        raise ValueError(
+            f"model: config.json model_type {config['model_type']!r} does not match architectures "
+            f"{config.get('architectures')} (model_type {model_type!r})"
+        )
 
 
 def _llama(config: dict[str, Any]) -> LlamaArchConfig:
@@ -104,6 +117,8 @@ def _qwen3(config: dict[str, Any]) -> LlamaArchConfig:
 
 LLAMA = register(Family("LlamaForCausalLM", "llama", _llama))
 # transformers' MistralConfig assumes a 4096-token window when the file does not say.
-MISTRAL = register(Family("MistralForCausalLM", "mistral", _mistral, defaults={"sliding_window": 4096}))
+MISTRAL = register(
+    Family("MistralForCausalLM", "mistral", _mistral, defaults={"sliding_window": 4096})
+)
 QWEN2 = register(Family("Qwen2ForCausalLM", "qwen2", _qwen2))
 QWEN3 = register(Family("Qwen3ForCausalLM", "qwen3", _qwen3, defaults={"head_dim": 128}))

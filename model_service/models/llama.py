@@ -1,9 +1,10 @@
 """Llama forward over a packed mixed batch with a paged KV cache.
 
-Checkpoints arrive in Hugging Face's `LlamaForCausalLM` naming (`model.layers.N.self_attn.q_proj.weight`,
-...). At load, `fuse_hf_state_dict` concatenates q/k/v into one `qkv_proj` and gate/up into one
-`gate_up_proj`, so a layer runs two fewer GEMMs; `hf_state_dict` hands the HF names back (views
-into the fused weights) for parity checks against transformers.
+Checkpoints arrive in Hugging Face's `LlamaForCausalLM` naming
+(`model.layers.N.self_attn.q_proj.weight`, ...). At load, `fuse_hf_state_dict` concatenates q/k/v
+into one `qkv_proj` and gate/up into one `gate_up_proj`, so a layer runs two fewer GEMMs;
+`hf_state_dict` hands the HF names back (views into the fused weights) for parity checks against
+transformers.
 
 One decoder layer per step, every token row of the step packed together:
 
@@ -83,15 +84,24 @@ class LlamaAttention(nn.Module):
     def __init__(self, arch: LlamaArchConfig) -> None:
         super().__init__()
         d = arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
-        self.qkv_proj = nn.Linear(arch.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d, bias=arch.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            d,
+        )
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * d, bias=arch.attention_bias
+        )
         self.o_proj = nn.Linear(self.num_heads * d, arch.hidden_size, bias=False)
-        # Qwen3: one RMSNorm over each head's d values of q, one of k (weights [d], shared by heads).
+        # Qwen3: one RMSNorm over each head's d values of q, one of k (weights [d], shared by
+        # heads).
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.sliding_window = arch.sliding_window
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         qkv = layer_ops.linear(self.qkv_proj, x)
         d, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
         if self.q_norm is not None:
@@ -99,15 +109,24 @@ class LlamaAttention(nn.Module):
             _norm_heads_(qkv, heads * d, kv_heads, d, self.k_norm)
         layer_ops.rope_(qkv, positions, rope, heads + kv_heads, d)
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-        out = paged_attention(q.unflatten(1, (heads, d)), k.unflatten(1, (kv_heads, d)), v.unflatten(1, (kv_heads, d)),
-                              k_cache, v_cache, meta, sliding_window=self.sliding_window)
+        out = paged_attention(
+            q.unflatten(1, (heads, d)),
+            k.unflatten(1, (kv_heads, d)),
+            v.unflatten(1, (kv_heads, d)),
+            k_cache,
+            v_cache,
+            meta,
+            sliding_window=self.sliding_window,
+        )
         return layer_ops.linear(self.o_proj, out)
 
 
-def _norm_heads_(qkv: torch.Tensor, first_column: int, num_heads: int, head_dim: int, norm: "RMSNorm") -> None:
+def _norm_heads_(
+    qkv: torch.Tensor, first_column: int, num_heads: int, head_dim: int, norm: "RMSNorm"
+) -> None:
     """RMSNorm, in place, over each of num_heads heads of qkv's rows starting at first_column
     (each head normed by itself, as one [T * heads, head_dim] batch of rows)."""
-    columns = qkv[:, first_column:first_column + num_heads * head_dim]
+    columns = qkv[:, first_column : first_column + num_heads * head_dim]
     normed = norm(columns.reshape(-1, head_dim))  # reshape copies: the columns are a strided view
     columns.copy_(normed.view(columns.shape))
 
@@ -119,7 +138,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_ops.linear(self.down_proj, layer_ops.silu_mul(layer_ops.linear(self.gate_up_proj, x)))
+        return layer_ops.linear(
+            self.down_proj, layer_ops.silu_mul(layer_ops.linear(self.gate_up_proj, x))
+        )
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -134,7 +155,9 @@ class LlamaDecoderLayer(nn.Module):
         """Adds the previous layer's output `delta` (None on layer 0) into `residual` in place and
         returns this layer's output, to be added by the next layer (or the final norm)."""
         x = self.input_layernorm(residual, delta)
-        x = self.post_attention_layernorm(residual, self.self_attn(x, positions, rope, k_cache, v_cache, meta))
+        x = self.post_attention_layernorm(
+            residual, self.self_attn(x, positions, rope, k_cache, v_cache, meta)
+        )
         return self.mlp(x)
 
 
@@ -165,7 +188,13 @@ class LlamaForCausalLM(nn.Module):
         """float32 cos/sin of every position (models/rope.py), made once per device."""
         if self._rope is None or self._rope.device != device:
             arch = self.arch
-            self._rope = rope_table(arch.max_position_embeddings, arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
+            self._rope = rope_table(
+                arch.max_position_embeddings,
+                arch.head_dim,
+                arch.rope_theta,
+                arch.rope_scaling,
+                device,
+            )
         return self._rope
 
     def forward(
@@ -176,28 +205,39 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids/positions [T]; returns float32 logits [R, vocab] for packed rows logits_indices [R]."""
+        """input_ids/positions [T]; returns float32 logits [R, vocab] for packed rows
+        logits_indices [R]."""
         residual = self.model.embed_tokens(input_ids).contiguous()
         rope = self.rope_table(residual.device)
         delta = None
         for index, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv_cache.layer(index)
             delta = layer(delta, residual, positions, rope, k_cache, v_cache, meta)
-        # The last add, the norm and lm_head only for the rows that get sampled: a prefill chunk needs none.
-        x = self.model.norm(residual.index_select(0, logits_indices), delta.index_select(0, logits_indices))
+        # The last add, the norm and lm_head only for the rows that get sampled: a prefill chunk
+        # needs none.
+        x = self.model.norm(
+            residual.index_select(0, logits_indices), delta.index_select(0, logits_indices)
+        )
         return layer_ops.linear(self.lm_head, x, float32_out=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights in Hugging Face naming: views into the fused matrices (int8 ones too, split by
+        """The weights in Hugging Face naming: views into the fused matrices (int8 ones too, split
+        by
         rows), lm_head.weight the embedding's when tied."""
-        return split_fused_state_dict(self.state_dict(), self.model.layers[0].self_attn if len(self.model.layers) else None)
+        return split_fused_state_dict(
+            self.state_dict(), self.model.layers[0].self_attn if len(self.model.layers) else None
+        )
 
 
-_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
-def fuse_hf_state_dict(state: dict[str, torch.Tensor], arch: LlamaArchConfig) -> dict[str, torch.Tensor]:
+def fuse_hf_state_dict(
+    state: dict[str, torch.Tensor], arch: LlamaArchConfig
+) -> dict[str, torch.Tensor]:
     """Hugging Face names -> ours: each layer's q/k/v rows concatenated into qkv_proj, gate/up into
     gate_up_proj (in that order; the forward splits them back by head counts). Other keys pass."""
     out = dict(state)
@@ -210,7 +250,9 @@ def fuse_hf_state_dict(state: dict[str, torch.Tensor], arch: LlamaArchConfig) ->
     return out
 
 
-def split_fused_state_dict(state: dict[str, torch.Tensor], attention: LlamaAttention | None) -> dict[str, torch.Tensor]:
+def split_fused_state_dict(
+    state: dict[str, torch.Tensor], attention: LlamaAttention | None
+) -> dict[str, torch.Tensor]:
     """Ours -> Hugging Face names, for every tensor of a fused module (weight, or int8 qweight and
     scale): rows split by the head counts of `attention` (this rank's) and halves for gate/up."""
     out = {}
@@ -222,11 +264,20 @@ def split_fused_state_dict(state: dict[str, torch.Tensor], attention: LlamaAtten
         head, _, tail = name.partition(f".{fused}.")
         if fused == "self_attn.qkv_proj":
             d = attention.head_dim
-            sizes = [attention.num_heads * d, attention.num_kv_heads * d, attention.num_kv_heads * d]
+            sizes = [
+                attention.num_heads * d,
+                attention.num_kv_heads * d,
+                attention.num_kv_heads * d,
+            ]
         else:
             sizes = [tensor.shape[0] // 2] * 2
-        # Tensors that are not row-indexed (int8's zero-size dtype carrier) go to every part as they are.
-        pieces = tensor.split(sizes, dim=0) if tensor.dim() and tensor.shape[0] == sum(sizes) else [tensor] * len(sizes)
+        # Tensors that are not row-indexed (int8's zero-size dtype carrier) go to every part as they
+        # are.
+        pieces = (
+            tensor.split(sizes, dim=0)
+            if tensor.dim() and tensor.shape[0] == sum(sizes)
+            else [tensor] * len(sizes)
+        )
         for part, piece in zip(_FUSED[fused], pieces):
             out[f"{head}.{part}.{tail}"] = piece
     return out

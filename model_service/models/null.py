@@ -48,7 +48,8 @@ NULL_ARCH = LlamaArchConfig(
     tie_word_embeddings=True,
 )
 NULL_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -77,7 +78,12 @@ def null_tokenizer_json() -> str:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t in (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+        ]
+    )
     text = tokenizer.to_str()
     ids = json.loads(text)["added_tokens"]
     assert [t["id"] for t in ids] == [EOS_ID, IM_START_ID, IM_END_ID], ids
@@ -85,7 +91,11 @@ def null_tokenizer_json() -> str:
 
 
 def _gpt2_byte_spelling() -> list[str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     spelling, extra = [], 0
     for b in range(256):
         if b in printable:
@@ -105,7 +115,9 @@ class NullLM(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)
         self.step_delay_s = step_delay_ms / 1000.0
         self.eos_at = eos_at
-        self.register_buffer("alphabet", torch.tensor(list(NULL_ALPHABET), dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "alphabet", torch.tensor(list(NULL_ALPHABET), dtype=torch.int64), persistent=False
+        )
 
     def forward(self, input_ids, positions, meta, kv_cache, logits_indices) -> torch.Tensor:
         if self.step_delay_s > 0:
@@ -114,7 +126,9 @@ class NullLM(nn.Module):
         next_ids = self.alphabet[(last + 1) % self.alphabet.numel()]
         if self.eos_at is not None:
             next_ids = torch.where(last + 1 >= self.eos_at, EOS_ID, next_ids)
-        logits = torch.full((last.numel(), NULL_VOCAB_SIZE), -1e4, dtype=torch.float32, device=input_ids.device)
+        logits = torch.full(
+            (last.numel(), NULL_VOCAB_SIZE), -1e4, dtype=torch.float32, device=input_ids.device
+        )
         logits.scatter_(1, next_ids[:, None], 0.0)
         return logits
 
@@ -125,7 +139,9 @@ def load_null_model(config):
     max_model_len = NULL_MAX_MODEL_LEN
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}")
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}"
+            )
         max_model_len = config.max_model_len
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.resolved_dtype()]
     model = NullLM(config.null_step_delay_ms, config.null_eos_at).to(config.resolved_device())

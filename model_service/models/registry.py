@@ -58,7 +58,9 @@ def register(family: Family) -> Family:
 
 
 def available() -> list[str]:
-    return sorted(set(_REGISTRY) | {e.name for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+    return sorted(
+        set(_REGISTRY) | {e.name for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    )
 
 
 def family_for_config(config: dict[str, Any]) -> Family:
@@ -74,12 +76,18 @@ def family_for_config(config: dict[str, Any]) -> Family:
         for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=name):
             family = entry_point.load()
             if not isinstance(family, Family):
-                raise ValueError(f"model: entry point {name!r} ({entry_point.value}) is not a Family")
+                raise ValueError(
+                    f"model: entry point {name!r} ({entry_point.value}) is not a Family"
+                )
             return register(family)
-        raise ValueError(f"model: config.json architectures {name!r} is not supported (one of {available()})")
+        raise ValueError(
+            f"model: config.json architectures {name!r} is not supported (one of {available()})"
+        )
     model_type = config.get("model_type")
     for family in _REGISTRY.values():
         if family.model_type == model_type:
             return family
-    raise ValueError(f"model: config.json has no architectures and model_type {model_type!r} is not supported "
-                     f"(one of {sorted(f.model_type for f in _REGISTRY.values())})")
+    raise ValueError(
+        f"model: config.json has no architectures and model_type {model_type!r} is not supported "
+        f"(one of {sorted(f.model_type for f in _REGISTRY.values())})"
+    )

@@ -51,29 +51,41 @@ class RopeScaling:
     freq_factors: Optional[tuple[float, ...]] = None  # a GGUF's rope_freqs, one per frequency
 
 
-def rope_from_config(config: dict[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling]:
-    """(theta, scaling) from a config.json; ValueError naming the key and the value we cannot honour."""
+def rope_from_config(
+    config: dict[str, Any], max_position_embeddings: int
+) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from a config.json; ValueError naming the key and value we cannot honour."""
     scaling_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     if config.get("rope_parameters") and config.get("rope_scaling"):
         legacy = {k: v for k, v in config["rope_scaling"].items() if k != "rope_theta"}
         if legacy != {k: v for k, v in config["rope_parameters"].items() if k != "rope_theta"}:
-            raise ValueError("model: config.json has both rope_parameters and rope_scaling, and they differ")
+            raise ValueError(
+                "model: config.json has both rope_parameters and rope_scaling, and they differ"
+            )
     options = dict(config.get(scaling_key) or {})
     theta = float(options.pop("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = options.pop("rope_type", options.pop("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"model: config.json {scaling_key} rope_type {rope_type!r} is not supported (one of {ROPE_TYPES})")
+        raise ValueError(
+            f"model: config.json {scaling_key} rope_type {rope_type!r} is not supported (one of "
+            f"{ROPE_TYPES})"
+        )
     if float(options.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError(f"model: config.json partial_rotary_factor {config.get('partial_rotary_factor')!r} is not "
-                         "supported (only 1.0: every dimension rotated)")
+        raise ValueError(
+            f"model: config.json partial_rotary_factor {config.get('partial_rotary_factor')!r} is "
+            "not "
+            "supported (only 1.0: every dimension rotated)"
+        )
     if rope_type == "default":
         return theta, RopeScaling()
     fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type", "freq_factors"}
     values = {key: value for key, value in options.items() if key in fields and value is not None}
     if rope_type in ("llama3", "yarn"):
         # transformers falls back to max_position_embeddings when the file does not say
-        values.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings",
-                                                                         max_position_embeddings))
+        values.setdefault(
+            "original_max_position_embeddings",
+            config.get("original_max_position_embeddings", max_position_embeddings),
+        )
     if rope_type == "yarn" and "factor" not in values:
         values["factor"] = max_position_embeddings / values["original_max_position_embeddings"]
     if "factor" not in values:
@@ -95,7 +107,9 @@ def _typed(key: str, value: Any) -> Any:
     return float(value)
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling
+) -> tuple[torch.Tensor, float]:
     """float32 inv_freq [head_dim / 2] and the factor cos and sin are multiplied by."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)
@@ -103,7 +117,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tu
     if scaling.freq_factors is not None:
         factors = torch.tensor(scaling.freq_factors, dtype=torch.float32)
         if factors.shape != inv_freq.shape:
-            raise ValueError(f"model: rope_freqs has {factors.numel()} factors, head_dim {head_dim} needs {inv_freq.numel()}")
+            raise ValueError(
+                f"model: rope_freqs has {factors.numel()} factors, head_dim {head_dim} needs "
+                f"{inv_freq.numel()}"
+            )
         return inv_freq / factors, 1.0
     if kind in ("default", "dynamic"):
         return inv_freq, 1.0
@@ -118,13 +135,16 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tu
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     """Wavelengths longer than original / low_freq_factor are divided by factor, shorter than
-    original / high_freq_factor kept, and those between blended linearly in original / wavelength."""
+    original / high_freq_factor kept, and those between blended linearly in original /
+    wavelength."""
     original = s.original_max_position_embeddings
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > original / s.low_freq_factor, inv_freq / s.factor, inv_freq)
     smooth = (original / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-    between = (wavelength >= original / s.high_freq_factor) & (wavelength <= original / s.low_freq_factor)
+    between = (wavelength >= original / s.high_freq_factor) & (
+        wavelength <= original / s.low_freq_factor
+    )
     return torch.where(between, blended, scaled)
 
 
@@ -134,7 +154,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
     """Frequencies that rotate fewer than beta_slow times over the original length are
-    interpolated (/ factor), more than beta_fast times extrapolated (kept), a linear ramp between."""
+    interpolated (/ factor), more than beta_fast times extrapolated (kept), a linear ramp
+    between."""
     if s.attention_factor is not None:
         attention = s.attention_factor
     elif s.mscale and s.mscale_all_dim:
@@ -143,7 +164,11 @@ def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
         attention = _yarn_mscale(s.factor)
 
     def dimension_of(rotations: float) -> float:
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            dim
+            * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low, high = dimension_of(s.beta_fast), dimension_of(s.beta_slow)
     if s.truncate:
@@ -158,12 +183,19 @@ def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
     return interpolated * (1 - keep) + extrapolated * keep, float(attention)
 
 
-def rope_table(positions: int, head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
-               device: torch.device | str = "cpu") -> torch.Tensor:
+def rope_table(
+    positions: int,
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling = RopeScaling(),
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """float32 [positions, head_dim]: cos of each position's head_dim / 2 frequencies, then sin
     (each times the rope type's attention factor), as transformers computes them."""
     inv_freq, attention = inverse_frequencies(head_dim, theta, scaling)
-    freqs = torch.arange(positions, dtype=torch.int64).to(torch.float32)[:, None] * inv_freq[None, :]
+    freqs = (
+        torch.arange(positions, dtype=torch.int64).to(torch.float32)[:, None] * inv_freq[None, :]
+    )
     table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     if attention != 1.0:
         table = table * attention
