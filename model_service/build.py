@@ -25,6 +25,7 @@ measures it).
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
@@ -192,6 +193,27 @@ class _Builder:
         )
 
 
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). The chunks a layer's
+    reads and casts free are 1-32 MiB: once glibc has raised its mmap threshold past them they
+    come from the heap, and freed they stay in the process, so the peak would grow by what the
+    allocator keeps rather than by what is live (measured: int8 loading 1.25x -> see
+    bench/results/load.json). A no-op where the C library has no malloc_trim."""
+    trim = _MALLOC_TRIM
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
 def build_model(
     arch: LlamaArchConfig,
     weights: WeightSource,
@@ -212,6 +234,8 @@ def build_model(
     builder.embeddings_(model)
     for index, layer in enumerate(model.model.layers):
         builder.layer_(index, layer)
+        gemm.pack_linears_(layer, dtype)  # one layer's packing in flight at a time
+        _return_freed_memory()
     model.model.norm.weight = builder.parameter("model.norm.weight")
     left = [
         name
@@ -224,4 +248,5 @@ def build_model(
     if share.world_size > 1:
         wrap_parallel_(model, share)
     gemm.pack_linears_(model, dtype)  # bfloat16 on the CPU: the native GEMMs' packed weights
+    _return_freed_memory()
     return model
