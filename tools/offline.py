@@ -27,14 +27,10 @@ from scheduler_service.text import structured
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine.client import EngineFacts
 from scheduler_service.text.outputs import OutputProcessor
-from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.request import Request
+from scheduler_service.api.streams import Collected, finish_reason_name
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.text.tokenizer import Tokenizer
-
-# Finish reasons as OpenAI (and vLLM's offline API) spell them.
-_FINISH_NAMES = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
-                 FinishReason.LENGTH: "length"}
-
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -240,22 +236,13 @@ class LLM:
 
     def _run(self, prompts: list, requests: list[Request]) -> list[RequestResult]:
         scheduler = self.scheduler
-        texts: dict[str, list[list[str]]] = {}
-        token_ids: dict[str, list[list[int]]] = {}
-        reasons: dict[str, list[Optional[FinishReason]]] = {}
+        collected = {request.request_id: Collected(request.n) for request in requests}
         for request in requests:
-            texts[request.request_id] = [[] for _ in range(request.n)]
-            token_ids[request.request_id] = [[] for _ in range(request.n)]
-            reasons[request.request_id] = [None] * request.n
             scheduler.add_request(request)
 
         def collect(outputs) -> None:
             for request, output in outputs:
-                key = request.public_id
-                texts[key][output.index].append(output.text)
-                token_ids[key][output.index].extend(output.token_ids)
-                if output.finish_reason is not None:
-                    reasons[key][output.index] = output.finish_reason
+                collected[request.public_id].add(output)
 
         num_idle_steps = 0  # plans with nothing to compute, in a row
         while scheduler.has_work():
@@ -270,20 +257,10 @@ class LLM:
             num_idle_steps = 0
             collect(scheduler.update(step, self.engine.execute(step)))
         collect(scheduler.take_early_outputs())
-        results = []
-        for prompt, request in zip(prompts, requests):
-            key = request.request_id
-            results.append(RequestResult(
-                request_id=key, prompt=prompt, prompt_token_ids=list(request.prompt_token_ids),
-                outputs=[CompletionOutput(
-                    index=index, text="".join(texts[key][index]),
-                    token_ids=token_ids[key][index],
-                    finish_reason=_finish_name(reasons[key][index]))
-                    for index in range(request.n)]))
-        return results
-
-
-def _finish_name(reason: Optional[FinishReason]) -> Optional[str]:
-    if reason is None:
-        return None
-    return _FINISH_NAMES.get(reason, reason.name.lower())
+        return [RequestResult(
+            request_id=request.request_id, prompt=prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=[CompletionOutput(index=index, text=sample.text, token_ids=sample.token_ids,
+                                      finish_reason=finish_reason_name(sample.finish_reason))
+                     for index, sample in enumerate(collected[request.request_id].samples)])
+            for prompt, request in zip(prompts, requests)]

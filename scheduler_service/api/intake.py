@@ -1,7 +1,7 @@
 """Public request in, validated `Request` out: the edge of the public API for requests.
 
 Every bound is checked here, before anything is queued, and a violation names the field and
-the bound (the server maps `InvalidRequest` to INVALID_ARGUMENT).
+the bound (admission.py turns `InvalidRequest` into an INVALID_ARGUMENT `Rejected` carrying both).
 """
 from __future__ import annotations
 
@@ -33,12 +33,16 @@ MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 
 
 class InvalidRequest(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
+    """A field out of its bound: `field` is its path in the GenerateRequest, `detail` the bound
+    it broke and the value it had."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"{field}: {detail}")
         self.field = field
+        self.detail = detail
 
 
-def _prompt_token_ids(pb: generate_pb2.GenerateRequest, facts: EngineFacts,
+def prompt_token_ids(pb: generate_pb2.GenerateRequest, facts: EngineFacts,
                       tokenizer: Tokenizer) -> list[int]:
     kind = pb.WhichOneof("prompt")
     if kind is None:
@@ -180,7 +184,7 @@ def _structured(pb: generate_pb2.GenerateRequest) -> Optional[structured.Structu
 
 def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: Tokenizer,
                capacity_tokens: int) -> Request:
-    prompt = _prompt_token_ids(pb, facts, tokenizer)
+    prompt = prompt_token_ids(pb, facts, tokenizer)
     if len(prompt) >= facts.max_model_len:
         raise InvalidRequest(
             "prompt", f"{len(prompt)} tokens; must be below the model's max length "

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import enum
 import time
-from typing import Optional
+from typing import Optional, Protocol
 
 
 class FinishReason(enum.IntEnum):
@@ -23,6 +23,13 @@ class FinishReason(enum.IntEnum):
     CANCELLED = 4
     DEADLINE = 5
     ERROR = 6
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go: its own queue (the default; a door reads it with `get`),
+    a bounded StreamBuffer (api/overload.py), or a Session's shared queue (tagged)."""
+
+    def put_nowait(self, output: "RequestOutput") -> None: ...
 
 
 class RequestStatus(enum.Enum):
@@ -129,8 +136,8 @@ class Request:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
 
-    # Filled by the serving layer: where this request's outputs go.
-    outputs: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue, repr=False)
+    # Where this request's outputs go (the engine loop puts them; a door may set its own sink).
+    outputs: OutputSink = dataclasses.field(default_factory=asyncio.Queue, repr=False)
     # Tokens per chunk the client gets (GenerateRequest.stream_interval); 1 = every step.
     stream_interval: int = 1
     # Structured output: the grammar (a structured.StructuredSpec, set by intake) and this

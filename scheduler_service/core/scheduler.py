@@ -160,8 +160,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise KeyError(request.request_id)
-        self.requests[request.request_id] = request
         self.outputs.start(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         if request.guide is not None:
@@ -189,6 +192,26 @@ class Scheduler:
         """The in-flight request with this public id (sample 0 of a request with n > 1)."""
         members = self._groups.get(request_id)
         return members[0] if members else self.requests.get(request_id)
+
+    def hand_off(self, request: Request) -> Optional[list[Request]]:
+        """Takes a waiting request (holding no slot and no block: fresh, or preempted) out of
+        this scheduler, for another to `take_over` (a replica's, sharing the OutputProcessor).
+        Returns its parallel-sample group when this scheduler held it (it goes along)."""
+        if request.status is not RequestStatus.WAITING or request.slot is not None:
+            raise ValueError(f"request {request.request_id!r} is {request.status.name}, not waiting")
+        self.policy.remove(request)
+        del self.requests[request.request_id]
+        if request.guide is not None:
+            self._num_constrained -= 1
+        return self._groups.pop(request.public_id, None)
+
+    def take_over(self, request: Request, group: Optional[list[Request]]) -> None:
+        """A waiting request handed off by another scheduler: queued as add_request queues
+        one, its tokens so far recomputed here like a preempted request's; its detokenizer
+        (in the shared OutputProcessor) is kept, so the text goes on where the client is."""
+        self._enqueue(request)
+        if group is not None:
+            self._groups[request.public_id] = group
 
     def take_early_outputs(self) -> list[tuple[Request, RequestOutput]]:
         outputs, self._early_outputs = self._early_outputs, []

@@ -35,6 +35,8 @@ log = structlog.get_logger("planserve.loop")
 
 
 class EngineLoop:
+    """Drives one model service; an EngineFrontend (engine/frontend.py)."""
+
     # Reconnect backoff: doubles from the first to the last, then stays.
     FIRST_BACKOFF_S = 0.1
     MAX_BACKOFF_S = 5.0
@@ -85,6 +87,13 @@ class EngineLoop:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
         self._wake.set()
+
+    def wake(self) -> None:
+        """News from outside the doors (requests moved onto this loop's scheduler): step."""
+        self._wake.set()
+
+    def statuses(self) -> list[dict]:
+        return []  # one engine: GetServerStatus has no per-replica entries
 
     def abort_request(self, request_id: str) -> bool:
         """False when no such request is in flight."""

@@ -14,14 +14,14 @@ only what sits above them:
 - Engines: a list ("h1:p1,h2:p2", `--engine` repeated) or `dns:///name:port`, a Kubernetes
   headless Service resolved to one replica per address and re-resolved every
   `replica_check_interval_s`: a new address joins, a vanished one is drained and dropped.
-- The servicer sees `ReplicaSet` where it saw an EngineLoop (add_request, abort_request,
-  scheduler, tokens_per_s), and `ReplicaSet.scheduler` merges the replicas' loads.
+- `ReplicaSet` is an EngineFrontend (engine/frontend.py) as an EngineLoop is, so the doors do
+  not tell them apart; `ReplicaSet.scheduler` merges the replicas' loads.
 - Status and metrics per replica: `statuses()` (GetServerStatus.replicas) and Prometheus series
   labelled `replica` (up, waiting, running, KV usage, routed, drained, prompt and cached tokens).
 
-Moving a request between schedulers touches Scheduler bookkeeping (`policy`, `requests`, the
-shared OutputProcessor's detokenizer, parallel-sample groups); `move_waiting_request` keeps that
-in one place.
+Moving a request between schedulers goes through their public hand_off / take_over (the
+queue, the request table, parallel-sample groups; the detokenizer stays in the shared
+OutputProcessor).
 """
 from __future__ import annotations
 
@@ -84,22 +84,12 @@ class Replica:
         return self.loop is not None and self.loop.engine_up
 
 
-def move_waiting_request(request: Request, src: Scheduler, dst: Scheduler, outputs: OutputProcessor) -> None:
+def move_waiting_request(request: Request, src: Scheduler, dst: Scheduler) -> None:
     """Hand a waiting request (holding no slot and no block: fresh, or preempted by the engine
     loop's reset) from one replica's scheduler to another's. Its streamed tokens go with it, so it
     is recomputed there from prompt + output like a preempted request; its detokenizer (shared
     OutputProcessor) is kept, so the text continues where the client's stream is."""
-    if request.status is not RequestStatus.WAITING or request.slot is not None:
-        raise ValueError(f"request {request.request_id!r} is {request.status.name}, not waiting")
-    src.policy.remove(request)
-    del src.requests[request.request_id]
-    detokenizer = outputs._detokenizers.get(request.request_id)
-    dst.add_request(request)  # its queue, its deadline; outputs.start makes a fresh detokenizer...
-    if detokenizer is not None:
-        outputs._detokenizers[request.request_id] = detokenizer  # ...replaced by the one in use
-    members = src._groups.pop(request.public_id, None)
-    if members is not None:
-        dst._groups[request.public_id] = members
+    dst.take_over(request, src.hand_off(request))
 
 
 class _ReplicaMetrics:
@@ -395,9 +385,9 @@ class ReplicaSet:
         for members in groups.values():
             dst = targets[self.router.choose(members[0], targets)]
             for request in members:
-                move_waiting_request(request, src, dst.scheduler, self.outputs)
+                move_waiting_request(request, src, dst.scheduler)
                 moved += 1
-            dst.loop._wake.set()  # noqa: SLF001 - wake its loop: it may be sleeping with no work
+            dst.loop.wake()  # it may be sleeping with no work
         self.drained.labels(replica.name).inc(moved)
         for touched in (replica, *targets):
             self._refresh_gauges(touched)  # its loop updates them only when it steps

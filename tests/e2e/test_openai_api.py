@@ -15,8 +15,8 @@ import pytest
 
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
 from planserve.v1 import generate_pb2
-from scheduler_service.api.openai_http import HttpServer
-from scheduler_service.server import Rejected
+from scheduler_service.api.http_server import HttpServer
+from scheduler_service.api.admission import Rejected
 
 PROMPT_IDS = [1, 17, 300, 4000, 22, 9]
 
@@ -218,19 +218,19 @@ async def test_a_client_that_gives_up_on_a_whole_completion_aborts_it(tiny_serve
     assert_no_leaked_blocks(tiny_server)
 
 
-class _FakeServicer:
-    """Serving state without an engine: `_accept` answers what the test sets."""
+class _FakeAdmission:
+    """Serving state without an engine: `admit` answers what the test sets."""
 
     def __init__(self, serving, rejection=None):
         self.serving = serving
         self._rejection = rejection
 
-    def _accept(self, serving, pb):
+    async def admit(self, pb):
         raise self._rejection
 
 
-async def _fake_door(servicer):
-    server = HttpServer(servicer, "127.0.0.1", 0)
+async def _fake_door(admission):
+    server = HttpServer(admission, "127.0.0.1", 0)
     port = await server.start()
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                 max_retries=0, timeout=30)
@@ -238,7 +238,7 @@ async def _fake_door(servicer):
 
 
 async def test_not_ready_is_503_and_a_full_queue_is_429():
-    server, client = await _fake_door(_FakeServicer(serving=None))
+    server, client = await _fake_door(_FakeAdmission(serving=None))
     try:
         with pytest.raises(openai.InternalServerError) as caught:
             await client.completions.create(model="m", prompt="Hi")
@@ -253,7 +253,7 @@ async def test_not_ready_is_503_and_a_full_queue_is_429():
                                                                  max_model_len=64))
     full = Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: 3 requests waiting",
                     retry_after_ms=1500)
-    server, client = await _fake_door(_FakeServicer(serving, full))
+    server, client = await _fake_door(_FakeAdmission(serving, full))
     try:
         with pytest.raises(openai.RateLimitError) as caught:
             await client.completions.create(model="m", prompt="Hi")

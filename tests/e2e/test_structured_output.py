@@ -15,7 +15,7 @@ import pytest
 
 from api import assert_no_leaked_blocks, complete, stub_for, wait_until_idle
 from planserve.v1 import common_pb2, generate_pb2
-from scheduler_service.api.openai_http import HttpServer
+from scheduler_service.api.http_server import HttpServer
 
 PROMPT_IDS = [1, 17, 300, 4000, 22, 9]
 EMAIL = r"[a-z]{3,8}@example\.(com|org)"
@@ -300,7 +300,7 @@ async def test_smollm2_prose_prompt_gives_valid_json_when_constrained(smollm2_se
     assert re.fullmatch(regex, out.text), out.text
 
     # The same through the OpenAI API (an HTTP door on this server, on a free port).
-    http = HttpServer(smollm2_server.servicer, "127.0.0.1", 0)
+    http = HttpServer(smollm2_server.admission, "127.0.0.1", 0)
     port = await http.start()
     try:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",

@@ -1,0 +1,190 @@
+"""One admission path for every door: gRPC Generate and Session, and the OpenAI HTTP API.
+
+A public request (a `GenerateRequest`, whatever door it came through) is checked once, here:
+draining, every field's bound (intake.py), a duplicate id, room in the waiting queue, and its
+grammar compiled off the event loop. What is refused raises `Rejected`, which carries the
+status, and for a bad field the field's path in the public request and the bound it broke as
+separate values, so that each door words the refusal its own way (the HTTP API names OpenAI's
+parameter) without reading it back out of a message. Tokenize and Detokenize are checked here
+too, as Generate would check the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Optional
+
+import grpc
+
+from planserve.v1 import generate_pb2
+from scheduler_service.api import intake, overload
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.engine.client import EngineFacts
+from scheduler_service.engine.frontend import EngineFrontend
+from scheduler_service.text import structured
+from scheduler_service.text.tokenizer import Tokenizer
+
+
+class Rejected(Exception):
+    """A request that is not accepted, with the status it gets. A bad field (INVALID_ARGUMENT)
+    also carries `field`, its path in the public request ("sampling.top_p",
+    "stopping.stop[2]"), and `detail`, the bound it broke ("must be in (0, 1], got 2.0"):
+    `message` is "field: detail", the wording every gRPC client sees."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        retry_after_ms: Optional[int] = None,
+        field: Optional[str] = None,
+        detail: Optional[str] = None,
+    ):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms  # sent as trailing metadata retry-after-ms
+        self.field = field
+        self.detail = detail
+
+    @classmethod
+    def invalid(cls, field: str, detail: str) -> "Rejected":
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {detail}", field=field, detail=detail)
+
+    @property
+    def trailing_metadata(self) -> tuple:
+        if self.retry_after_ms is None:
+            return ()
+        return overload.retry_trailing_metadata(self.code, self.message, self.retry_after_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """What the doors need once the model service has described itself."""
+
+    facts: EngineFacts
+    tokenizer: Tokenizer
+    frontend: EngineFrontend
+    # Structured output's grammars over the served vocabulary (compiled on demand, cached).
+    grammars: Optional[structured.GrammarCompiler] = None
+
+
+class Admission:
+    """Checks and prepares requests for every door; the server sets `serving` once the engine
+    answered Describe, and `draining` on SIGTERM."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.serving: Optional[Serving] = None
+        self.draining = False  # SIGTERM: new requests get UNAVAILABLE, running ones finish
+
+    def count_rejection(self, reason: str) -> None:
+        metrics = self.serving.frontend.metrics if self.serving is not None else None
+        if metrics is not None:
+            metrics.on_rejected(reason)
+
+    async def admit(self, pb: generate_pb2.GenerateRequest) -> Request:
+        """A checked request, its grammar compiled, ready to be added to the frontend."""
+        request = self.check(pb)
+        await self._compile_grammar(request)
+        return request
+
+    def check(self, pb: generate_pb2.GenerateRequest) -> Request:
+        """Validates a request against every bound and the queue's room; `Rejected` says which
+        status it gets instead."""
+        serving = self.serving
+        if self.draining:
+            self.count_rejection("draining")
+            raise Rejected(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is draining (shutting down): send the request elsewhere",
+            )
+        scheduler = serving.frontend.scheduler
+        try:
+            request = intake.to_request(
+                pb, serving.facts, serving.tokenizer, scheduler.kv.capacity_tokens
+            )
+        except intake.InvalidRequest as error:
+            raise Rejected.invalid(error.field, error.detail) from None
+        if scheduler.find(request.request_id) is not None:
+            raise Rejected(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id: {request.request_id!r} is already in flight",
+                field="request_id",
+            )
+        if scheduler.num_waiting:
+            self._check_queue_room(request)
+        return request
+
+    def _check_queue_room(self, request: Request) -> None:
+        """RESOURCE_EXHAUSTED with a retry hint when the waiting queue is full, by requests or by
+        tokens (a request arriving at an empty queue is always taken)."""
+        frontend, config = self.serving.frontend, self.config
+        scheduler = frontend.scheduler
+        waiting_tokens = overload.num_waiting_tokens(scheduler)
+        if scheduler.num_waiting >= config.max_queue_len:
+            why = (
+                f"queue full: {scheduler.num_waiting} requests waiting "
+                f"(max_queue_len {config.max_queue_len})"
+            )
+        elif waiting_tokens + request.num_tokens_to_compute > config.max_queue_tokens:
+            why = (
+                f"queue full: {waiting_tokens} prompt tokens waiting + "
+                f"{request.num_tokens_to_compute} exceed max_queue_tokens "
+                f"{config.max_queue_tokens}"
+            )
+        else:
+            return
+        retry_after_ms = overload.retry_after_ms(waiting_tokens, frontend.tokens_per_s)
+        self.count_rejection("queue_full")
+        raise Rejected(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry after {retry_after_ms} ms", retry_after_ms
+        )
+
+    async def _compile_grammar(self, request: Request) -> None:
+        """Structured output: compiles the request's grammar off the event loop (outlines-core
+        releases the GIL; repeats hit the cache) and gives the request its guide, before it is
+        queued. Rejected (INVALID_ARGUMENT naming the field) when it does not compile."""
+        if request.structured is None:
+            return
+        grammars = self.serving.grammars
+        try:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, grammars.compile, request.structured
+            )
+        except structured.StructuredOutputError as error:
+            raise Rejected.invalid(error.field, error.message) from None
+        request.guide = grammar.new_guide()
+
+    def tokenize(self, pb: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
+        """Text or chat turns to ids, exactly as Generate would turn them into its prompt
+        (chat turns checked the same way); Rejected names the field."""
+        serving = self.serving
+        if pb.WhichOneof("input") == "messages":
+            as_prompt = generate_pb2.GenerateRequest(messages=pb.messages)
+            try:
+                ids = intake.prompt_token_ids(as_prompt, serving.facts, serving.tokenizer)
+            except intake.InvalidRequest as error:
+                raise Rejected.invalid(error.field, error.detail) from None
+        elif pb.WhichOneof("input") == "text":
+            ids = serving.tokenizer.encode(pb.text, add_special_tokens=pb.add_special_tokens)
+        else:
+            raise Rejected.invalid("input", "one of text or messages must be set")
+        return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=serving.facts.max_model_len)
+
+    def detokenize(self, pb: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
+        facts = self.serving.facts
+        if len(pb.token_ids) > facts.max_model_len:
+            raise Rejected.invalid(
+                "token_ids",
+                f"at most {facts.max_model_len} ids (the model's max length), got {len(pb.token_ids)}",
+            )
+        for index, token_id in enumerate(pb.token_ids):
+            if token_id >= facts.vocab_size:
+                raise Rejected.invalid(
+                    f"token_ids[{index}]",
+                    f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
+                )
+        text = self.serving.tokenizer.decode(pb.token_ids, skip_special_tokens=pb.skip_special_tokens)
+        return generate_pb2.DetokenizeResponse(text=text)

@@ -1,0 +1,193 @@
+"""The public GenerationService: a thin async servicer over admission and the engine frontend.
+
+Errors map to status codes here and only here. Every stream ends with a final chunk or a
+status; a cancelled call aborts its request, which frees its blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator, Optional
+
+import grpc
+
+from planserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_service.api import overload
+from scheduler_service.api.admission import Admission, Rejected, Serving
+from scheduler_service.api.streams import Outstanding, outputs_of
+from scheduler_service.core.request import Request, RequestOutput
+from scheduler_service.text import outputs
+
+
+class _Tagged:
+    """A request's output sink on a Session: everything the request (and its parallel samples)
+    produces goes to the stream's one queue, tagged with the request."""
+
+    def __init__(self, request: Request, sink: asyncio.Queue):
+        self._request = request
+        self._sink = sink
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        self._sink.put_nowait((self._request, output))
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, admission: Admission):
+        self.admission = admission
+        self._max_buffered = admission.config.max_stream_buffer_chunks
+
+    @property
+    def serving(self) -> Optional[Serving]:
+        """Set once the engine answered Describe."""
+        return self.admission.serving
+
+    async def _serving(self, context: grpc.aio.ServicerContext) -> Serving:
+        if self.admission.serving is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the model service has not answered Describe yet"
+            )
+        return self.admission.serving
+
+    async def _overflowed(self, context: grpc.aio.ServicerContext, item: overload.Overflowed):
+        self.admission.count_rejection("stream_buffer_full")
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, item.message)
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        frontend = (await self._serving(context)).frontend
+        try:
+            req = await self.admission.admit(request)
+        except Rejected as rejected:
+            await context.abort(rejected.code, rejected.message, rejected.trailing_metadata)
+        req.outputs = overload.StreamBuffer(
+            self._max_buffered, lambda: frontend.abort_request(req.request_id)
+        )
+        # aclosing: a client gone mid-stream aborts the request now, not when collected.
+        async with contextlib.aclosing(outputs_of(frontend, req)) as stream:
+            async for output in stream:
+                if isinstance(output, overload.Overflowed):
+                    await self._overflowed(context, output)
+                yield outputs.to_pb(req, output)
+
+    async def Session(
+        self, request_iterator, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.SessionResponse]:
+        """Requests and aborts in, chunks and per-request errors out, on one stream. A reader
+        task takes the client's messages; this coroutine writes everything the requests
+        produce, in the order produced, until the client is done and every request ended."""
+        frontend = (await self._serving(context)).frontend
+        outstanding = Outstanding(frontend)  # in-flight requests of this stream
+        sink = overload.StreamBuffer(self._max_buffered, outstanding.abort_all)  # one bound
+        done_reading = object()
+        reader = asyncio.ensure_future(self._read_session(request_iterator, outstanding, sink, done_reading))
+        reading = True
+        try:
+            while reading or outstanding:
+                item = await sink.get()
+                if item is done_reading:
+                    reading = False
+                elif isinstance(item, overload.Overflowed):
+                    await self._overflowed(context, item)
+                elif isinstance(item, generate_pb2.SessionResponse):
+                    yield item
+                else:
+                    req, output = item
+                    yield generate_pb2.SessionResponse(chunk=outputs.to_pb(req, output))
+                    outstanding.count(req, output)
+        finally:
+            reader.cancel()
+            outstanding.abort_all()  # the client went away: free their blocks
+
+    async def _read_session(
+        self, request_iterator, outstanding: Outstanding, sink: asyncio.Queue, done: object
+    ) -> None:
+        """A Session's reader: admits its requests (a refusal is an error on the stream, which
+        goes on) and applies its aborts; puts `done` in the sink when the client is done."""
+
+        def error(request_id: str, code: grpc.StatusCode, message: str) -> None:
+            sink.put_nowait(
+                generate_pb2.SessionResponse(
+                    error=generate_pb2.SessionError(
+                        request_id=request_id, code=code.value[0], message=message
+                    )
+                )
+            )
+
+        frontend = self.admission.serving.frontend
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "generate":
+                    pb = message.generate
+                    if not pb.request_id:
+                        error("", grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set on a Session")
+                        continue
+                    try:
+                        req = await self.admission.admit(pb)
+                    except Rejected as rejected:
+                        error(pb.request_id, rejected.code, rejected.message)
+                        continue
+                    req.outputs = _Tagged(req, sink)
+                    outstanding.add(req)
+                elif kind == "abort":
+                    request_id = message.abort.request_id
+                    if not frontend.abort_request(request_id):
+                        error(
+                            request_id,
+                            grpc.StatusCode.NOT_FOUND,
+                            f"request_id: no request {request_id!r} in flight",
+                        )
+        finally:
+            sink.put_nowait(done)
+
+    async def Abort(
+        self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.AbortResponse:
+        serving = await self._serving(context)
+        if not serving.frontend.abort_request(request.request_id):
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"request_id: no request {request.request_id!r} in flight"
+            )
+        return generate_pb2.AbortResponse()
+
+    async def GetServerStatus(self, request, context) -> generate_pb2.GetServerStatusResponse:
+        frontend = (await self._serving(context)).frontend
+        scheduler = frontend.scheduler
+        usable, free = scheduler.kv.num_usable_blocks, scheduler.kv.num_free_blocks
+        return generate_pb2.GetServerStatusResponse(
+            num_waiting=scheduler.num_waiting,
+            num_running=len(scheduler.running),
+            num_kv_blocks=usable,
+            num_free_kv_blocks=free,
+            kv_cache_usage=(usable - free) / usable if usable else 0.0,
+            replicas=[generate_pb2.ReplicaStatus(**s) for s in frontend.statuses()],
+        )
+
+    async def Tokenize(
+        self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.TokenizeResponse:
+        await self._serving(context)
+        try:
+            return self.admission.tokenize(request)
+        except Rejected as rejected:
+            await context.abort(rejected.code, rejected.message)
+
+    async def Detokenize(
+        self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.DetokenizeResponse:
+        await self._serving(context)
+        try:
+            return self.admission.detokenize(request)
+        except Rejected as rejected:
+            await context.abort(rejected.code, rejected.message)
+
+    async def GetModelInfo(self, request, context) -> generate_pb2.GetModelInfoResponse:
+        facts = (await self._serving(context)).facts
+        return generate_pb2.GetModelInfoResponse(
+            model_name=facts.model_name,
+            dtype=facts.dtype,
+            max_model_len=facts.max_model_len,
+            vocab_size=facts.vocab_size,
+        )

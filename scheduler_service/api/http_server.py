@@ -1,0 +1,74 @@
+"""The OpenAI-compatible API's server: uvicorn on its own port, in the scheduler's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Optional
+
+import structlog
+import uvicorn
+
+from scheduler_service.api.admission import Admission
+from scheduler_service.api.openai_http import OpenAIApp
+
+log = structlog.get_logger("planserve.openai")
+
+
+class _Uvicorn(uvicorn.Server):
+    """Leaves the process's signal handlers alone: the CLI owns SIGINT and SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    """The OpenAI-compatible API on its own port, in the running event loop."""
+
+    def __init__(self, admission: Admission, host: str, port: int):
+        self.app = OpenAIApp(admission).app
+        self._host, self._requested_port = host, port
+        self.port: Optional[int] = None
+        self._server: Optional[_Uvicorn] = None
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self) -> int:
+        """Binds (port 0 picks a free one), serves and returns the bound port."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._requested_port))
+        except OSError as error:
+            sock.close()
+            raise RuntimeError(f"http_port {self._requested_port} on {self._host}: "
+                               f"{error.strerror or error}") from None
+        sock.set_inheritable(True)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5, server_header=False)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped during start")
+            await asyncio.sleep(0.01)
+        log.info("openai http api serving", port=self.port)
+        return self.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = max(grace_s, 0.1)
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace_s + 2)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self._server = self._task = None

@@ -1,0 +1,111 @@
+"""What every door does with a request's outputs, in one place.
+
+A request with n samples ends when each sample has had its final output. Until then a door
+reads its outputs; a door that stops reading early (the client cancelled or disconnected, the
+handler was cancelled) aborts what is left, which frees its blocks within one step. `Outstanding`
+keeps that rule for a stream of many requests (Session); `outputs_of` is the same for one
+request (Generate, the HTTP API's streamed and whole responses); `Collected` gathers a request's
+outputs per sample for the doors that answer once (the HTTP API's whole responses, the offline
+LLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import AsyncIterator, Optional, Union
+
+from scheduler_service.api.overload import Overflowed
+from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
+from scheduler_service.engine.frontend import EngineFrontend
+
+# How finish reasons read in OpenAI's responses (and vLLM's offline API); the others are their
+# lowercased names.
+_OPENAI_FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+}
+
+
+def finish_reason_name(reason: Optional[FinishReason]) -> Optional[str]:
+    if reason is None:
+        return None
+    return _OPENAI_FINISH_REASONS.get(reason, reason.name.lower())
+
+
+class Outstanding:
+    """The requests a stream still waits on, with how many of their samples have not ended."""
+
+    def __init__(self, frontend: EngineFrontend):
+        self._frontend = frontend
+        self._samples_left: dict[str, int] = {}
+
+    def add(self, request: Request) -> None:
+        """Queues the request on the frontend; its outputs are counted from now on."""
+        self._samples_left[request.request_id] = request.n
+        self._frontend.add_request(request)
+
+    def count(self, request: Request, output: RequestOutput) -> None:
+        """Counts an output the stream received: a final one ends its sample."""
+        if output.finish_reason is None:
+            return
+        self._samples_left[request.request_id] -= 1
+        if not self._samples_left[request.request_id]:
+            del self._samples_left[request.request_id]
+
+    def __bool__(self) -> bool:
+        return bool(self._samples_left)
+
+    def abort_all(self) -> None:
+        """The stream ends with requests in flight: abort them (their blocks go next step)."""
+        for request_id in self._samples_left:
+            self._frontend.abort_request(request_id)
+
+
+async def outputs_of(
+    frontend: EngineFrontend, request: Request
+) -> AsyncIterator[Union[RequestOutput, Overflowed]]:
+    """Queues `request` (on the first read, so a client gone before leaves nothing behind) and
+    yields its outputs until every sample has ended; stopping early aborts it. An `Overflowed`
+    marker (a bounded stream buffer the client stopped reading) is passed on, last."""
+    outstanding = Outstanding(frontend)
+    outstanding.add(request)
+    try:
+        while outstanding:
+            output = await request.outputs.get()
+            if isinstance(output, Overflowed):
+                yield output
+                return
+            outstanding.count(request, output)
+            yield output
+    finally:
+        outstanding.abort_all()
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sample's outputs, gathered."""
+
+    texts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class Collected:
+    """A request's outputs gathered per sample (index 0 .. n-1)."""
+
+    def __init__(self, n: int):
+        self.samples = [Sample() for _ in range(n)]
+
+    def add(self, output: RequestOutput) -> None:
+        sample = self.samples[output.index]
+        sample.texts.append(output.text)
+        sample.token_ids.extend(output.token_ids)
+        sample.logprobs.extend(output.logprobs or ())
+        if output.finish_reason is not None:
+            sample.finish_reason = output.finish_reason

@@ -1,0 +1,70 @@
+"""What the doors see of the engine side: `EngineFrontend`.
+
+One model service is driven by an `EngineLoop` (engine/loop.py); several replicas by a
+`ReplicaSet` (engine/replicas.py) that routes each request to one of their loops. Both implement
+this protocol, so the doors (api/) never tell them apart.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from scheduler_service.core.request import Request
+from scheduler_service.metrics import Metrics
+
+
+class KVView(Protocol):
+    """The block pool's figures the doors read (admission bound, status)."""
+
+    @property
+    def capacity_tokens(self) -> int: ...
+
+    @property
+    def num_usable_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+
+class SchedulerView(Protocol):
+    """The scheduler's state the doors read: one Scheduler, or the replicas' merged."""
+
+    kv: KVView
+
+    def find(self, request_id: str) -> Optional[Request]: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def running(self) -> list[Request]: ...
+
+    @property
+    def requests(self) -> dict[str, Request]: ...
+
+
+class EngineFrontend(Protocol):
+    """Requests in and out of the engine side, and what it reports."""
+
+    @property
+    def scheduler(self) -> SchedulerView: ...
+
+    @property
+    def metrics(self) -> Optional[Metrics]: ...
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens computed per second lately (the retry hint's rate)."""
+        ...
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool:
+        """False when no such request is in flight."""
+        ...
+
+    def statuses(self) -> list[dict]:
+        """One entry per replica (generate.proto ReplicaStatus fields); none for one engine."""
+        ...
+
+    async def stop(self) -> None: ...
