@@ -150,7 +150,7 @@ def _engine_child(pid: int) -> int:
 async def measure_system(num_streams: int, stream_interval: int, new_tokens: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "protos"), ROOT]))
     server = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_service.cli", "serve", "--model", "null", "--port", "0", "--engine-port", "0",
+        [sys.executable, "-m", "tools", "serve", "--model", "null", "--port", "0", "--engine-port", "0",
          "--http-port", "-1", "--metrics-port", "-1", "--max-num-seqs", str(max(num_streams, 1)),
          "--max-num-batched-tokens", "8192"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)

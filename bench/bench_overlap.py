@@ -21,7 +21,7 @@ PORT_LINE = "PLANSERVE_PORT="
 def _serve(extra: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_service.cli", "serve", "--port", "0", "--http-port", "-1",
+        [sys.executable, "-m", "tools", "serve", "--port", "0", "--http-port", "-1",
          "--metrics-port", "-1", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     for line in process.stdout:
         if line.startswith(PORT_LINE):
@@ -33,7 +33,7 @@ def _serve(extra: list[str]) -> subprocess.Popen:
 def _bench(port: int, label: str) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "report.json")
-        subprocess.run([sys.executable, "-m", "scheduler_service.cli", "bench", "--workload", "peer", "--port", str(port),
+        subprocess.run([sys.executable, "-m", "tools", "bench", "--workload", "peer", "--port", str(port),
                         "--label", label, "--out", out, "--no-progress"], check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)

@@ -76,7 +76,7 @@ def _forward_p50_ms() -> float | None:
 
 
 async def _peer_run(setting: dict, log) -> dict:
-    argv = [sys.executable, "-m", "scheduler_service.cli", "serve", "--port", str(PORT), "--engine-port", "0",
+    argv = [sys.executable, "-m", "tools", "serve", "--port", str(PORT), "--engine-port", "0",
             "--http-port", "-1", "--metrics-port", str(METRICS_PORT)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=_env(setting), cwd=ROOT,
                                start_new_session=True)

@@ -33,7 +33,7 @@ async def null_server(null_engine):
 async def _bench(*args: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "protos"), ROOT]))
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "scheduler_service.cli", "bench", *args, cwd=ROOT, env=env,
+        sys.executable, "-m", "tools", "bench", *args, cwd=ROOT, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await child.communicate()
     assert child.returncode == 0, err.decode()[-2000:]
@@ -68,7 +68,7 @@ async def test_bench_reports_throughput_and_latency_percentiles(null_server, tmp
 async def test_a_missing_workload_names_the_choices(null_server):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "protos"), ROOT]))
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "scheduler_service.cli", "bench", "--workload", "nope", "--port", str(null_server.port),
+        sys.executable, "-m", "tools", "bench", "--workload", "nope", "--port", str(null_server.port),
         cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await child.communicate()
     assert child.returncode != 0

@@ -46,7 +46,7 @@ def report_lines(report: str) -> dict[str, str]:
 
 def test_our_model_service_passes_the_engine_suite_via_the_cli(own_engine):
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_service", "conformance", "--engine", own_engine],
+        [sys.executable, "-m", "tools", "conformance", "--engine", own_engine],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     statuses = report_lines(result.stdout)
@@ -75,7 +75,7 @@ async def test_our_scheduler_passes_the_api_suite(tiny_server):
 
 def test_a_server_that_is_not_there_fails_once_with_the_reason():
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_service", "conformance", "--api", "127.0.0.1:1",
+        [sys.executable, "-m", "tools", "conformance", "--api", "127.0.0.1:1",
          "--connect-timeout", "1"],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
@@ -85,7 +85,7 @@ def test_a_server_that_is_not_there_fails_once_with_the_reason():
 
 def test_an_unknown_check_name_is_refused():
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler_service", "conformance", "--engine", "127.0.0.1:1",
+        [sys.executable, "-m", "tools", "conformance", "--engine", "127.0.0.1:1",
          "--check", "no_such_check"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no check no_such_check" in result.stdout
 

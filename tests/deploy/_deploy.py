@@ -89,16 +89,17 @@ def role(container: dict) -> str:
 
 def parse_planserve(argv: list[str]):
     """argv through the real CLI parser; argparse's exit becomes a test failure."""
-    from scheduler_service.cli import build_parser
+    from tools.cli import build_parser
     try:
         return build_parser().parse_args(argv)
     except SystemExit as exit_:
-        pytest.fail(f"`planserve {' '.join(argv)}` is rejected by scheduler_service.cli (exit {exit_.code})")
+        pytest.fail(f"`planserve {' '.join(argv)}` is rejected by tools.cli (exit {exit_.code})")
 
 
 def validate_command(argv: list[str]):
     """Parses a planserve command line and validates the config it would start with."""
-    from scheduler_service import cli
+    from scheduler_service.cli import scheduler_config
+    from tools import cli
     args = parse_planserve(argv)
     # argparse also takes unambiguous prefixes (--dtyp); a manifest spells every flag in full.
     subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
@@ -109,7 +110,7 @@ def validate_command(argv: list[str]):
     if args.command == "scheduler":
         # --engine is one address, or (a repeatable flag) a list of them joined as the CLI does.
         engines = args.engine if isinstance(args.engine, str) else ",".join(args.engine or [])
-        cli._scheduler_config(args, engines)
+        scheduler_config(args, engines)
     elif args.command in ("model-service", "serve"):
         from model_service.__main__ import parse_args as model_parse_args
         host, port = (args.host, args.port) if args.command == "model-service" else ("127.0.0.1", args.engine_port)
@@ -118,7 +119,7 @@ def validate_command(argv: list[str]):
         except SystemExit as exit_:
             pytest.fail(f"model service rejects {argv} (exit {exit_.code})")
         if args.command == "serve":
-            cli._scheduler_config(args, f"127.0.0.1:{args.engine_port}")
+            scheduler_config(args, f"127.0.0.1:{args.engine_port}")
     return args
 
 
@@ -166,12 +167,12 @@ def scheduler_drain_s(args=None) -> float:
     from scheduler_service.config import SchedulerConfig
     from scheduler_service.server import SchedulerServer
     config = SchedulerConfig()
-    if args is not None and getattr(args, "drain_grace_seconds", None) is not None:
-        config = types.SimpleNamespace(drain_grace_s=args.drain_grace_seconds)
+    if args is not None and getattr(args, "drain_grace_s", None) is not None:
+        config = types.SimpleNamespace(drain_grace_s=args.drain_grace_s)
     cli = ROOT / "scheduler_service" / "cli.py"
-    drain = (_call_kwarg(cli, "_run_until_signal", "drain", "grace_s", config, position=0)
-             if _calls(cli, "_run_until_signal", "drain") else 0.0)
-    explicit = _call_kwarg(cli, "_run_until_signal", "stop", "grace_s", config)
+    drain = (_call_kwarg(cli, "run_until_signal", "drain", "grace_s", config, position=0)
+             if _calls(cli, "run_until_signal", "drain") else 0.0)
+    explicit = _call_kwarg(cli, "run_until_signal", "stop", "grace_s", config)
     stop = (explicit if explicit is not None
             else inspect.signature(SchedulerServer.stop).parameters["grace_s"].default)
     return float(drain or 0.0) + float(stop)

@@ -49,7 +49,7 @@ def _health(port: int, service: str, deadline_s: float) -> int:
 
 
 def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "scheduler_service.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "tools", *args],
                             env={**os.environ, **env}, stdout=subprocess.DEVNULL)
 
 

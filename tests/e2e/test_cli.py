@@ -12,7 +12,7 @@ PORT_LINE = "PLANSERVE_PORT="
 @pytest.fixture
 def served_tiny():
     process = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_service", "serve", "--model", "tiny", "--dtype", "float32", "--port", "0",
+        [sys.executable, "-m", "tools", "serve", "--model", "tiny", "--dtype", "float32", "--port", "0",
          "--engine-port", "0", "--num-kv-blocks", "32", "--http-port", "0",
          "--metrics-port", "0"],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))

@@ -146,7 +146,7 @@ def _children(pid: int) -> list[int]:
 async def test_planserve_serve_restarts_its_killed_model_service_and_requests_finish():
     # The null model with a step delay: a request is certainly still running at the kill.
     process = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_service", "serve", "--model", "null",
+        [sys.executable, "-m", "tools", "serve", "--model", "null",
          "--null-step-delay-ms", "5", "--port", "0", "--engine-port", "0",
          "--http-port", "-1", "--metrics-port", "-1"],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))

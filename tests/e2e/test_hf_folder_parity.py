@@ -61,7 +61,7 @@ async def test_served_model_name_and_max_model_len_reach_the_apis(folder_server)
 
 
 def test_serve_passes_the_model_flags_to_the_model_service(tiny_folder):
-    from scheduler_service.cli import _model_service_argv, build_parser
+    from tools.cli import _model_service_argv, build_parser
 
     args = build_parser().parse_args([
         "serve", "--model", tiny_folder, "--max-model-len", "2048", "--served-model-name", "llama",

@@ -265,7 +265,7 @@ async def test_not_ready_is_503_and_a_full_queue_is_429():
 
 
 def test_http_port_is_off_in_the_library_on_8000_in_the_cli_and_validated():
-    from scheduler_service.cli import build_parser
+    from tools.cli import build_parser
     from scheduler_service.config import SchedulerConfig
     assert SchedulerConfig().http_port == -1
     for command in ("serve", "scheduler"):

@@ -277,7 +277,7 @@ async def test_concurrent_stream_limit_holds_the_second_stream_until_the_first_e
 def test_model_service_binds_loopback_by_default():
     from model_service.__main__ import parse_args
     from model_service.config import ModelServiceConfig
-    from scheduler_service.cli import build_parser
+    from tools.cli import build_parser
     assert ModelServiceConfig().host == "127.0.0.1"
     assert parse_args(["--model", "tiny"]).host == "127.0.0.1"
     assert build_parser().parse_args(["model-service"]).host == "127.0.0.1"

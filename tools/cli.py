@@ -1,0 +1,216 @@
+"""The `planserve` command. Never imports torch: the model service runs as a child process.
+
+  planserve serve            model service + scheduler on one host, two processes
+  planserve model-service    the model service alone
+  planserve scheduler        the scheduler alone, against --engine HOST:PORT
+  planserve generate PROMPT  stream a completion from a running server
+  planserve bench            load generator: a stored workload against a server (JSON + plots)
+  planserve conformance      check a server against the engine contract or the public API
+
+It sits outside both services because it runs both: the scheduler's flags come from
+SchedulerConfig (scheduler_service/cli.py), the model service's from ModelServiceConfig's fields
+and docstrings, read here (model_service/config.py imports neither torch nor anything heavy), so
+`serve` and `model-service` have every model flag, and pass on only the ones given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import sys
+from typing import Optional
+
+import structlog
+
+from bench.load import cli as bench_cli
+from model_service.config import ModelServiceConfig, parse_bytes
+from scheduler_service import cli as scheduler_cli
+from scheduler_service import logs
+from scheduler_service.fields import add_flags
+from scheduler_service.server import SchedulerServer
+from tools import conformance
+
+log = structlog.get_logger("planserve.cli")
+
+ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
+# The model service's flags for fields named otherwise (model_service/__main__.py): byte sizes
+# are given with suffixes (2GiB) and passed on as given.
+_MODEL_FLAG_NAMES = {"kv_cache_memory_bytes": "kv-cache-memory", "swap_space_bytes": "swap-space"}
+_MODEL_FLAG_TYPES = {"kv_cache_memory_bytes": str, "swap_space_bytes": str}
+# Where the model service listens: `serve` places it itself (--engine-port).
+_MODEL_ADDRESS_FIELDS = ("host", "port")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, ModelServiceConfig, skip=_MODEL_ADDRESS_FIELDS, flag_names=_MODEL_FLAG_NAMES,
+              types=_MODEL_FLAG_TYPES, defaults_none=True)
+
+
+def _model_fields_given(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelServiceConfig)
+            if f.name not in _MODEL_ADDRESS_FIELDS and getattr(args, f.name, None) is not None}
+
+
+def check_model_flags(args: argparse.Namespace) -> None:
+    """The model service's own validation of the flags given, before it is started."""
+    given = _model_fields_given(args)
+    for name in _MODEL_FLAG_TYPES:
+        if name in given:
+            given[name] = parse_bytes(given[name])
+    ModelServiceConfig(**given).validate()
+
+
+def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "model_service", "--host", host, "--port", str(port)]
+    for name, value in _model_fields_given(args).items():
+        argv += ["--" + _MODEL_FLAG_NAMES.get(name, name.replace("_", "-")), str(value)]
+    return argv
+
+
+async def _start_model_service(argv: list[str]) -> tuple[asyncio.subprocess.Process, int]:
+    """Starts the model service and waits for the line that tells its port."""
+    child = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    while True:
+        line = await child.stdout.readline()
+        if not line:
+            await child.wait()
+            raise RuntimeError(f"model service exited with status {child.returncode} "
+                               "before it started serving")
+        text = line.decode().strip()
+        if text.startswith(ENGINE_PORT_LINE):
+            return child, int(text[len(ENGINE_PORT_LINE):])
+
+
+class _ModelServiceSupervisor:
+    """`planserve serve`'s model service child, restarted on the same port whenever it dies (the
+    scheduler notices, reconnects and recomputes what was in flight). The delay before a restart
+    doubles, up to MAX_DELAY_S, while the child keeps dying within HEALTHY_S of its start."""
+
+    FIRST_DELAY_S = 0.5
+    MAX_DELAY_S = 30.0
+    HEALTHY_S = 60.0
+
+    def __init__(self, args: argparse.Namespace):
+        self._args = args
+        self.child: Optional[asyncio.subprocess.Process] = None
+        self.port = args.engine_port
+        self.num_restarts = 0
+        self._watch: Optional[asyncio.Task] = None
+
+    async def start(self) -> int:
+        self.child, self.port = await _start_model_service(
+            _model_service_argv(self._args, "127.0.0.1", self.port))
+        self._watch = asyncio.get_running_loop().create_task(self._restart_when_dead())
+        return self.port
+
+    async def _restart_when_dead(self) -> None:
+        delay_s = self.FIRST_DELAY_S
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            status = await self.child.wait()
+            delay_s = self.FIRST_DELAY_S if loop.time() - started > self.HEALTHY_S else delay_s
+            log.warning("model_service_died", status=status, restart_in_s=delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self.MAX_DELAY_S)
+            try:
+                self.child, _ = await _start_model_service(
+                    _model_service_argv(self._args, "127.0.0.1", self.port))
+            except RuntimeError as error:  # died while starting: wait() returns at once
+                log.warning("model_service_restart_failed", error=str(error))
+                continue
+            self.num_restarts += 1
+            log.warning("model_service_restarted", port=self.port, restarts=self.num_restarts)
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        child = self.child
+        if child is not None and child.returncode is None:
+            child.terminate()
+            with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
+                await asyncio.wait_for(child.wait(), 10)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    supervisor = _ModelServiceSupervisor(args)
+    engine_port = await supervisor.start()
+    try:
+        server = SchedulerServer(scheduler_cli.scheduler_config(args, f"127.0.0.1:{engine_port}"))
+        await server.start()
+        await server.connect_engine()
+        scheduler_cli.announce(server)
+        await scheduler_cli.run_until_signal(server, args.sample)
+    finally:
+        await supervisor.stop()
+
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser("serve", help="model service + scheduler, two processes",
+                                formatter_class=argparse.RawTextHelpFormatter)
+    _add_model_flags(serve)
+    scheduler_cli.add_scheduler_flags(serve)
+    serve.add_argument("--engine-port", type=int, default=50052,
+                       help="model service port (0 picks a free one)")
+    serve.add_argument("--sample", default=None,
+                       help="once serving, stream a completion of this chat prompt")
+
+
+def _add_model_service(commands) -> None:
+    model = commands.add_parser("model-service", help="the model service alone")
+    _add_model_flags(model)
+    add_flags(model, ModelServiceConfig, only=_MODEL_ADDRESS_FIELDS)  # its own defaults
+    model.add_argument("--tls-cert", default="", help="PEM certificate: serve over TLS")
+    model.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    model.add_argument("--tls-client-ca", default="",
+                       help="PEM CA: require client certificates it signed (mutual TLS)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="info")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
+    _add_model_service(commands)
+    scheduler_cli.add_commands(commands)
+    conformance.add_parser(commands)
+    bench_cli.add_parser(commands)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.configure(args.log_level)
+    if args.command in ("serve", "model-service"):
+        try:
+            check_model_flags(args)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.command == "bench":
+        bench_cli.main(args)
+        return 0
+    if args.command == "model-service":
+        # Replace this process: the model service is its own program (and imports torch).
+        tls = [f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+               for flag in ("tls_cert", "tls_key", "tls_client_ca") if getattr(args, flag)]
+        os.execv(sys.executable, _model_service_argv(args, args.host, args.port) + tls)
+    if args.command == "conformance":
+        return conformance.run_command(args)  # exit status 1 when a check failed
+    if args.command == "serve":
+        try:
+            asyncio.run(_serve(args))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    return scheduler_cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
