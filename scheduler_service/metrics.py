@@ -26,7 +26,15 @@ _FORWARD_BUCKETS = (0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._add_load_gauges(self.registry)
+        self._add_counters(self.registry)
+        self._add_latency_histograms(self.registry)
+        self._add_fault_metrics(self.registry)
+        self._last_token_time: dict[int, float] = {}  # by id(request)
+        self._http = None
+
+    def _add_load_gauges(self, registry: CollectorRegistry) -> None:
         self.waiting = Gauge("planserve_num_requests_waiting", "Requests waiting for admission.",
                              registry=registry)
         self.running = Gauge("planserve_num_requests_running",
@@ -44,6 +52,8 @@ class Metrics:
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Alias of "
                                    "planserve_kv_cache_usage_ratio (a fraction, as vLLM's).",
                                    registry=registry)
+
+    def _add_counters(self, registry: CollectorRegistry) -> None:
         self.steps = Counter("planserve_steps", "Steps executed by the model service.",
                              registry=registry)
         self.preemptions = Counter("planserve_preemptions", "Sequences preempted.",
@@ -64,6 +74,8 @@ class Metrics:
         self.accepted_tokens = Counter("planserve_spec_decode_accepted_tokens",
                                        "Draft tokens accepted by verification.",
                                        registry=registry)
+
+    def _add_latency_histograms(self, registry: CollectorRegistry) -> None:
         self.queue_time = Histogram("planserve_queue_time_seconds", "Arrival to first step.",
                                     buckets=_LATENCY_BUCKETS, registry=registry)
         self.ttft = Histogram("planserve_time_to_first_token_seconds",
@@ -78,6 +90,8 @@ class Metrics:
         self.forward = Histogram("planserve_model_forward_seconds",
                                  "Model service forward time per step (StepResult.forward_ns).",
                                  buckets=_FORWARD_BUCKETS, registry=registry)
+
+    def _add_fault_metrics(self, registry: CollectorRegistry) -> None:
         # Faults and overload (docs/operations.md).
         # 0 until the model service has computed a step (the readiness probe, a one-token step):
         # a scheduler still waiting for its model service at start is not up.
@@ -90,8 +104,6 @@ class Metrics:
                                          "recomputed.", registry=registry)
         self.rejected = Counter("planserve_requests_rejected", "Requests refused or cut for "
                                 "overload, by reason.", ["reason"], registry=registry)
-        self._last_token_time: dict[int, float] = {}  # by id(request)
-        self._http = None
 
     def on_engine_ready(self) -> None:
         """The model service computed its first step (the readiness probe)."""

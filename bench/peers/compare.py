@@ -113,7 +113,7 @@ class Planserve(Server):
             self.note = f"planserve serve --dtype {dtype}, gRPC, stream_interval 1"
 
     def start(self, log) -> None:
-        argv = [_python(), "-m", "scheduler_service.cli", "serve", "--port", str(PORT), "--engine-port", "0",
+        argv = [_python(), "-m", "tools", "serve", "--port", str(PORT), "--engine-port", "0",
                 "--http-port", "-1", "--metrics-port", "-1", "--dtype", self.dtype]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(self.root, "protos"), self.root]))
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=self.root,
@@ -309,18 +309,7 @@ def write_doc() -> None:
     lines += ["", "![peer workload throughput](../bench/results/peers/peer-throughput.png)", "", "Engines:", ""]
     lines += [f"- **{r['engine']}**: {r['note']}" for r in peer_rows]
     if curves:
-        lines += ["", "## Online: throughput vs latency", "",
-                  f"The first {ONLINE_REQUESTS} requests of `bench/workloads/online.jsonl` (prompts 64..512 tokens, 32..256 new",
-                  "tokens) with Poisson arrivals at each rate; one point per rate.", "",
-                  "| engine | rate req/s | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for engine, runs in curves.items():
-            for r in runs:
-                done = f"{r['completed']}/{r['num_requests']}" + (f" ({r['errors'][0]})" if r.get("errors") else "")
-                lines.append(f"| {engine} | {r['request_rate']} | {done} | {_fmt(r['output_tokens_per_s'], 1)} | "
-                             f"{_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'])} | "
-                             f"{_fmt(r['itl_ms']['p50'], 1)} / {_fmt(r['itl_ms']['p99'], 1)} | {_fmt(r['e2e_ms']['p50'])} |")
-        lines += ["", "![online sweep](../bench/results/peers/online-sweep.png)"]
+        lines += _online_section(curves)
     lines += _orchestration_section()
     if failures:
         lines += ["", "## Engines that did not run", ""]
@@ -333,6 +322,22 @@ def write_doc() -> None:
     with open(DOC, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {DOC}")
+
+
+def _online_section(curves: dict) -> list[str]:
+    """The online sweep's table: one row per engine and Poisson rate."""
+    lines = ["", "## Online: throughput vs latency", "",
+             f"The first {ONLINE_REQUESTS} requests of `bench/workloads/online.jsonl` (prompts 64..512 tokens, 32..256 new",
+             "tokens) with Poisson arrivals at each rate; one point per rate.", "",
+             "| engine | rate req/s | completed | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for engine, runs in curves.items():
+        for r in runs:
+            done = f"{r['completed']}/{r['num_requests']}" + (f" ({r['errors'][0]})" if r.get("errors") else "")
+            lines.append(f"| {engine} | {r['request_rate']} | {done} | {_fmt(r['output_tokens_per_s'], 1)} | "
+                         f"{_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'])} | "
+                         f"{_fmt(r['itl_ms']['p50'], 1)} / {_fmt(r['itl_ms']['p99'], 1)} | {_fmt(r['e2e_ms']['p50'])} |")
+    return lines + ["", "![online sweep](../bench/results/peers/online-sweep.png)"]
 
 
 def _orchestration_section() -> list[str]:

@@ -4,6 +4,10 @@ Requests are added and aborted from the serving layer; `schedule()` builds the n
 and `update()` applies the model service's result to it. Both run on the event loop thread, one
 step at a time, so no locking is needed.
 
+The class is split by lifecycle: this module has the requests' arrival and departure, the step
+(schedule) and its result (update); waiting.py admits waiting requests, preemption.py makes room,
+forks.py starts parallel samples, overlap.py commits and reconciles plans built ahead.
+
 Python keeps the orchestration: Request objects and their lifecycle (admit, finish, abort,
 deadline, outputs), the waiting queue and every policy decision. The loops over running sequences
 (budget, chunking, block allocation, the plan's packed arrays, computed counts and prefix hashes
@@ -13,7 +17,6 @@ of the same decisions is tests/scheduler/oracle_scheduler.py.
 from __future__ import annotations
 
 import heapq
-import sys
 import time
 from typing import Optional
 
@@ -23,33 +26,20 @@ from scheduler_service.core import policies
 from scheduler_service.text import structured
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.engine.client import EngineFacts
-from scheduler_service.core.kv_blocks import KVBlockManager, cdiv
+from scheduler_service.core.kv_blocks import KVBlockManager
 from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.core.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.core.policies.base import SchedulingPolicy
 from scheduler_service.core.swap import SwapSpace
-from scheduler_service.core.request import (FinishReason, Request, RequestOutput, RequestStatus,
-                                       TokenLogprob)
+from scheduler_service.core.forks import ParallelSamples
+from scheduler_service.core.overlap import LogprobReader, Overlap
+from scheduler_service.core.preemption import Preemption
+from scheduler_service.core.slots import SlotAllocator
+from scheduler_service.core.waiting import WaitingAdmission
+from scheduler_service.core.request import (FinishReason, Request, RequestOutput, RequestStatus)
 
 
-class SlotAllocator:
-    """Dense slot indices for the model service's per-sequence state; lowest free first."""
-
-    def __init__(self, num_slots: int):
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    def allocate(self) -> int:
-        return self._free.pop()
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-
-class Scheduler:
+class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
     def __init__(self, config: SchedulerConfig, facts: EngineFacts, outputs: OutputProcessor,
                  policy: Optional[SchedulingPolicy] = None):
         self.config = config
@@ -255,20 +245,7 @@ class Scheduler:
 
         core = self.core
         core.begin_step(plan.step_id, self.config.max_num_batched_tokens, self.max_num_seqs)
-        mode = self.config.chunking_mode
-        if mode == "interleaved":
-            core.schedule_running(PHASE_ALL)
-            self._schedule_waiting(plan, now)
-        elif mode == "prefill-first":
-            core.schedule_running(PHASE_PREFILLS)
-            self._schedule_waiting(plan, now)
-            core.schedule_running(PHASE_DECODES)
-        else:  # decode-priority
-            core.schedule_running(PHASE_DECODES)
-            core.limit_prefill_chunks(1)
-            core.schedule_running(PHASE_PREFILLS)
-            self._schedule_waiting(plan, now)
-
+        self._schedule_in_mode_order(plan, now)
         (plan.requests, plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks,
          plan.new_block_ids, plan.packed) = core.end_step()
         self._plan = None
@@ -283,176 +260,23 @@ class Scheduler:
         self.swap.end_plan()
         return plan
 
-    def _on_blocks_exhausted(self, slot: int) -> bool:
-        """StepCore's call when the sequence in `slot` needs more blocks than are free: preempts
-        the policy's victim among the running sequences not yet scheduled in this step. True when
-        the victim is that sequence itself (nothing else fits either)."""
-        core = self.core
-        request = self.running_in(slot)
-        victim = self.policy.select_victim(
-            [r for r in self.running if not core.is_scheduled(r.slot)])
-        self._preempt(victim, self._plan)
-        return victim is request
+    def _schedule_in_mode_order(self, plan: StepPlan, now: float) -> None:
+        """Steps 1 and 2 in the chunking mode's order (SchedulerConfig.chunking_mode)."""
+        core, mode = self.core, self.config.chunking_mode
+        if mode == "interleaved":
+            core.schedule_running(PHASE_ALL)
+            self._schedule_waiting(plan, now)
+        elif mode == "prefill-first":
+            core.schedule_running(PHASE_PREFILLS)
+            self._schedule_waiting(plan, now)
+            core.schedule_running(PHASE_DECODES)
+        else:  # decode-priority
+            core.schedule_running(PHASE_DECODES)
+            core.limit_prefill_chunks(1)
+            core.schedule_running(PHASE_PREFILLS)
+            self._schedule_waiting(plan, now)
 
-    def running_in(self, slot: int) -> Request:
-        for request in self.running:
-            if request.slot == slot:
-                return request
-        raise KeyError(slot)
-
-    def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
-        core, kv, policy = self.core, self.kv, self.policy
-        if not (len(policy) and core.budget_open and self.slots.num_free > 0):
-            return
-        reserve = core.decode_reserve_blocks()
-        while len(policy) and core.budget_open and self.slots.num_free > 0:
-            request = policy.peek(now)
-            if policy.admission_veto(request, self.running):
-                return
-            swapped = self.swap.held_blocks(request) is not None
-            if swapped:  # resumes at its computed count, its KV swapped back in
-                hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
-            else:
-                hits, num_free_hits = kv.find_cached_prefix(request)
-                num_cached = len(hits) * kv.block_size
-            num_new_tokens = core.chunk(request.num_tokens - num_cached)
-            if num_new_tokens == 0:
-                return
-            num_blocks = cdiv(num_cached + num_new_tokens, kv.block_size) - len(hits)
-            if num_blocks + num_free_hits + reserve > kv.num_free_blocks:
-                return  # wait for room rather than overtake (the policy's order holds)
-            policy.pop(now)
-            if hits:
-                request.num_computed_tokens = num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-            self._admit(plan, request, hits)
-            core.schedule_admitted(request.slot, num_new_tokens, num_blocks)
-            if swapped:
-                self._swap_in(plan, request)
-            reserve += core.reserve_blocks_of(request.slot, num_new_tokens)
-
-    def _fits(self, request: Request) -> bool:
-        """Whether the waiting request's first chunk could be admitted right now."""
-        if len(self.running) >= self.max_num_seqs or self.slots.num_free == 0:
-            return False
-        if self.swap.held_blocks(request) is not None:
-            hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
-        else:
-            hits, num_free_hits = self.kv.find_cached_prefix(request)
-            num_cached = len(hits) * self.kv.block_size
-        first_chunk = min(request.num_tokens - num_cached, self.config.max_num_batched_tokens,
-                          self.config.max_prefill_chunk or sys.maxsize)
-        num_blocks = cdiv(num_cached + first_chunk, self.kv.block_size) - len(hits)
-        return num_blocks + num_free_hits <= self.kv.num_free_blocks
-
-    def _preempt_for_waiting(self, plan: StepPlan, head: Optional[Request]) -> None:
-        """Preempts running sequences the policy ranks below the head of the queue until the
-        head fits (lowest rank first). FCFS-like policies never rank a waiting request above a
-        running one, so for them this is never called (see _preempts_for_waiting)."""
-        while head is not None and self.running and not self._fits(head):
-            victim = self.policy.select_victim(self.running)
-            if not self.policy.may_preempt_for(head, victim):
-                return
-            self._preempt(victim, plan)
-
-    def _admit(self, plan: StepPlan, request: Request, hits: list[int]) -> None:
-        request.status = RequestStatus.RUNNING
-        request.slot = self.slots.allocate()
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
-        token_ids = request.all_token_ids
-        plan.new_sequences.append(self._new_sequence(request, token_ids))
-        request.block_ids = list(hits)
-        self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
-                        len(request.prompt_token_ids) + request.stopping.max_new_tokens,
-                        self.kv.salt(request), self._lookahead(request))
-        self.running.append(request)
-
-    def _lookahead(self, request: Request) -> int:
-        """Draft tokens granted to each decode of `request`: the engine's k when it speculates
-        and the request needs nothing per token that drafts would have to honour (logprobs,
-        penalties, bias, min tokens, a grammar)."""
-        k = self.facts.num_speculative_tokens
-        if not k or request.logprobs is not None or request.structured is not None:
-            return 0
-        sampling, stopping = request.sampling, request.stopping
-        if (sampling.repetition_penalty != 1.0 or sampling.presence_penalty
-                or sampling.frequency_penalty or sampling.logit_bias or stopping.min_new_tokens):
-            return 0
-        return k
-
-    def _new_sequence(self, request: Request, token_ids: list[int]) -> NewSequence:
-        """How the model service learns of a sequence (at admission, resume or fork)."""
-        stopping = request.stopping
-        suppressed: tuple[int, ...] = ()
-        if stopping.min_new_tokens:
-            eos = () if stopping.ignore_eos else self.facts.eos_token_ids
-            suppressed = tuple(sorted(set(eos) | stopping.stop_token_ids))
-        # Prompt logprobs are asked for until every prompt position has one (a recompute after
-        # a preemption mid-prompt asks again; entries already held are skipped on arrival).
-        prompt_logprobs = request.prompt_logprobs
-        if (prompt_logprobs is not None
-                and len(request.prompt_logprobs_out) >= len(request.prompt_token_ids) - 1):
-            prompt_logprobs = None
-        return NewSequence(
-            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
-            num_computed_tokens=request.num_computed_tokens,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            min_new_tokens=stopping.min_new_tokens, min_tokens_suppressed_ids=suppressed,
-            num_logprobs=request.logprobs, num_prompt_logprobs=prompt_logprobs,
-            speculate=self._lookahead(request) > 0)
-
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Preemption: free the device blocks, requeue ahead of fresh requests. By swap when the
-        swap space has room for the sequence's computed KV (copied out before this step's
-        forward; it resumes where it stopped, scheduler_service/core/swap.py), else by recompute
-        (it starts over from its tokens). The model service drops the slot before this step
-        runs (unless it never heard of it: a pending fork, always recomputed)."""
-        slot = request.slot
-        self.num_preemptions_total += 1
-        known = self._pending_forks.pop(slot, None) is None
-        if known:
-            plan.preempted_slots.append(slot)
-        # A sequence whose token is still in flight (overlap) has computed all its known tokens:
-        # that token will never reach it, so its last known position is computed again on
-        # resume, to sample it again; the KV before it is kept (plans run in order, so the one
-        # in flight has written it before this plan's swap-out reads it).
-        num_kept = min(request.num_computed_tokens, request.num_tokens - 1)
-        num_swap_blocks = cdiv(num_kept, self.kv.block_size)
-        by_swap = known and self.swap.can_swap_out(num_swap_blocks)
-        if by_swap:
-            plan.swap_out_src.extend(self.core.block_ids(slot)[:num_swap_blocks])
-            plan.swap_out_dst.extend(self.swap.swap_out(request, num_swap_blocks))
-            request.num_computed_tokens = num_kept
-        self.running.remove(request)
-        self._free_blocks(request)
-        self.slots.free(slot)
-        request.slot = None
-        if not by_swap:
-            request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
-        self.policy.add_preempted(request)
-
-    def _free_blocks(self, request: Request) -> None:
-        if request.slot is not None:  # running: its blocks are in the core's slot
-            self.core.release(request.slot)
-        else:  # waiting: it may hold swap blocks
-            self.swap.discard(request)
-        request.block_ids = []
-
-    def _swap_in(self, plan: StepPlan, request: Request) -> None:
-        """A swapped-out request just admitted: its first blocks are filled from swap space
-        before the forward (its block table was sent whole with this plan)."""
-        host = self.swap.swap_in(request)
-        plan.swap_in_src.extend(host)
-        plan.swap_in_dst.extend(request.block_ids[:len(host)])
-
-    def _usable_swap_blocks(self, facts: EngineFacts) -> int:
-        if self.config.preemption_mode == "recompute":
-            return 0
-        return facts.num_swap_blocks
+    # ---- departures: aborts, deadlines, finished requests ---------------------------------
 
     def _expire_deadlines(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -495,6 +319,8 @@ class Scheduler:
         members = self._groups.get(request.public_id)
         if members and members[0].forked and all(m.is_finished for m in members):
             del self._groups[request.public_id]
+
+    # ---- the step's result --------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
         """Applies a step's result: computed counts advance and full blocks enter the prefix
@@ -543,155 +369,3 @@ class Scheduler:
             self.running.remove(request)
             self._release(request, self._finished_slots)
         return output
-
-    # ---- overlap: the next plan is built while the model service computes this one ---------
-
-    @property
-    def needs_lockstep(self) -> bool:
-        """A plan can only be built once the previous one's tokens are known: a grammar's mask
-        depends on them, and a speculating decode's length does."""
-        return self._num_constrained > 0 or self.facts.num_speculative_tokens > 0
-
-    def commit(self, plan: StepPlan) -> None:
-        """Applies a plan as if it had completed, before its result: computed counts advance and
-        every entry that samples gets a placeholder token (its id is on the model side, which
-        feeds it to the next step by itself), so the next plan can be built right away.
-        Prefix-cache registration waits for reconcile(), when the ids are real."""
-        if plan.packed is None:
-            raise ValueError("commit needs a plan built by schedule()")
-        plan.prompt_starts = {index: request.num_computed_tokens
-                              for index, request in enumerate(plan.requests)
-                              if request.prompt_logprobs is not None}
-        expected = self.core.sampling_entries(plan.packed)
-        self.core.advance(plan.packed, expected, cache_blocks=False)
-        placeholders = {}
-        for index in self.core.live_entries(plan.packed):
-            if expected[index]:
-                slot = plan.slots[index]
-                placeholders[index] = self.core.num_tokens(slot)
-                self.core.append_tokens(slot, [0])
-        plan.placeholders = placeholders
-
-    def reconcile(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
-        """The result of a committed plan: real token ids replace the placeholders, stops are
-        checked (a request that stopped here was already scheduled in the next plan: that
-        token is discarded when its result comes, the slot having been released), blocks
-        enter the prefix cache. Entries whose sequence left its slot since (preempted, aborted)
-        are skipped; a preempted one recomputes and samples that token again."""
-        outputs: list[tuple[Request, RequestOutput]] = []
-        if result.prompt_logprobs:
-            self._take_prompt_logprobs(plan, result, plan.prompt_starts)
-        live = set(self.core.live_entries(plan.packed))
-        now = time.monotonic()
-        logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
-        offset = 0
-        for index, count in enumerate(result.num_sampled_tokens):
-            if not count:
-                continue
-            request = plan.requests[index]
-            token_ids = result.sampled_token_ids[offset:offset + count]
-            offset += count
-            entries = None
-            if request.logprobs is not None:
-                entries = logprobs.take(token_ids, request.logprobs)
-            if index not in live or index not in plan.placeholders:
-                continue
-            output = self._take_tokens(request, token_ids, entries, now,
-                                       placeholder=plan.placeholders[index])
-            if output is not None:
-                outputs.append((request, output))
-        self.core.cache_blocks(plan.packed)
-        return outputs
-
-    def _take_prompt_logprobs(self, plan: StepPlan, result: StepResult,
-                              starts: Optional[dict[int, int]] = None) -> None:
-        """Files the step's prompt logprobs under their requests (before advance() moves the
-        computed counts: an entry's position follows from the count at planning time)."""
-        reader = LogprobReader(result.prompt_logprobs, result.prompt_logprob_token_ids)
-        for index, request in enumerate(plan.requests):
-            if request.prompt_logprobs is None or request.index:
-                continue
-            num_prompt = len(request.prompt_token_ids)
-            # Position of the chunk's first token (recorded at commit when the plan ran ahead).
-            start = request.num_computed_tokens if starts is None else starts[index]
-            end = min(start + plan.num_scheduled_tokens[index], num_prompt - 1)
-            if end <= start:
-                continue
-            targets = request.prompt_token_ids[start + 1:end + 1]
-            entries = reader.take(targets, request.prompt_logprobs)
-            # After a recompute, positions already held come again: keep the first copy.
-            have = len(request.prompt_logprobs_out)
-            request.prompt_logprobs_out.extend(entries[max(0, have - start):])
-
-    # ---- parallel samples (n > 1) ---------------------------------------------------------
-
-    def _fork_samples(self, parent: Request) -> None:
-        """Samples 1 .. n-1 of a request whose prompt is computed (it just drew its first
-        token). Each shares the parent's prompt blocks and recomputes only the last prompt
-        token, to draw its own first token with its own seed; the block that token lands in
-        is copied first when the parent already wrote into it (copy-on-write). A sample that
-        finds no free slot or block waits in the queue like a fresh request (and then finds
-        the prompt in the prefix cache)."""
-        parent.forked = True
-        members = self._groups.setdefault(parent.request_id, [parent])
-        num_prompt_tokens = len(parent.prompt_token_ids)
-        needs_copy = (num_prompt_tokens - 1) % self.kv.block_size != 0
-        for index in range(1, parent.n):
-            child = parent.fork_sample(index)
-            self.requests[child.request_id] = child
-            members.append(child)
-            self.outputs.start(child)
-            if child.guide is not None:
-                self._num_constrained += 1
-            if child.deadline is not None:
-                heapq.heappush(self._deadlines, (child.deadline, child.request_id))
-            if (self.slots.num_free and len(self.running) < self.max_num_seqs
-                    and (self.kv.num_free_blocks > 0 or not needs_copy)):
-                self._start_fork(parent, child)
-            else:
-                self.policy.add(child)
-
-    def _start_fork(self, parent: Request, child: Request) -> None:
-        num_prompt_tokens = len(parent.prompt_token_ids)
-        num_computed = num_prompt_tokens - 1
-        child.status = RequestStatus.RUNNING
-        child.slot = self.slots.allocate()
-        child.first_scheduled_time = time.monotonic()
-        child.block_ids = parent.block_ids[:num_computed // self.kv.block_size]
-        copy = self.core.fork(parent.slot, child.slot, child, num_prompt_tokens,
-                              num_prompt_tokens + child.stopping.max_new_tokens)
-        child.num_computed_tokens = child.num_cached_tokens = num_computed
-        self._pending_forks[child.slot] = (
-            self._new_sequence(child, list(child.prompt_token_ids)), copy)
-        self.running.append(child)
-
-    def _register_forks(self, plan: StepPlan) -> None:
-        """Forked samples still running join the plan: registered, their copy before the
-        forward. (Done last, so that a sample preempted in this very step is never sent.)"""
-        for slot, (sequence, copy) in self._pending_forks.items():
-            plan.new_sequences.append(sequence)
-            if copy is not None:
-                plan.copy_src.append(copy[0])
-                plan.copy_dst.append(copy[1])
-        for request in self.running:
-            if request.slot in self._pending_forks:
-                self._pending_forks.clear()
-
-
-class LogprobReader:
-    """Walks a step's flat logprob arrays: per token, its logprob then k alternatives (with k
-    ids in the id array), k being the asking sequence's count."""
-
-    def __init__(self, values: list[float], token_ids: list[int]):
-        self._values, self._ids = values, token_ids
-        self._value_at = self._id_at = 0
-
-    def take(self, token_ids: list[int], k: int) -> list[TokenLogprob]:
-        entries = []
-        values, ids = self._values, self._ids
-        for token_id in token_ids:
-            v, i = self._value_at, self._id_at
-            top = tuple(zip(ids[i:i + k], values[v + 1:v + 1 + k]))
-            entries.append(TokenLogprob(token_id, values[v], top))
-            self._value_at, self._id_at = v + 1 + k, i + k
-        return entries

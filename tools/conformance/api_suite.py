@@ -8,84 +8,19 @@ server's load, so run the suite against a server nobody else is using.
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
-from typing import Callable, Optional
+from typing import Optional
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from planserve.v1 import generate_pb2, generate_pb2_grpc
+from planserve.v1 import generate_pb2
+from tools.conformance.api_bad_input import BAD_INPUT_CHECKS
+from tools.conformance.api_context import (REFERENCE_TOKENS, SERVICE_NAME, ApiContext, FinishReason,
+                                            expect_finished, reason, text_of, tokens_of)
 from tools.conformance.report import Check, CheckFailed, Skipped, check, expect
 
-SERVICE_NAME = "planserve.v1.GenerationService"
 CHECKS: list[Check] = []
-REFERENCE_TOKENS = 16
-FinishReason = generate_pb2.FinishReason
-
-
-class ApiContext:
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = generate_pb2_grpc.GenerationServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self._info: Optional[generate_pb2.GetModelInfoResponse] = None
-        self._reference: Optional[list[generate_pb2.GenerateResponse]] = None
-
-    async def info(self) -> generate_pb2.GetModelInfoResponse:
-        if self._info is None:
-            self._info = await self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
-        return self._info
-
-    async def prompt(self, salt: int = 1, length: int = 6) -> list[int]:
-        vocab = (await self.info()).vocab_size
-        return [(salt * 7919 + 37 * i) % (vocab - 1) + 1 for i in range(length)]
-
-    async def greedy(self, max_new_tokens: int, salt: int = 1, **fields) -> generate_pb2.GenerateRequest:
-        request = generate_pb2.GenerateRequest(**fields)
-        request.token_ids.ids.extend(await self.prompt(salt))
-        request.sampling.temperature = 0.0
-        request.stopping.max_new_tokens = max_new_tokens
-        request.stopping.ignore_eos = True
-        return request
-
-    async def long_request(self, **fields) -> generate_pb2.GenerateRequest:
-        """A request that runs for many steps (until aborted)."""
-        room = (await self.info()).max_model_len - len(await self.prompt()) - 1
-        return await self.greedy(min(400, room), **fields)
-
-    async def complete(self, request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:
-        return [chunk async for chunk in self.stub.Generate(request, timeout=120)]
-
-    async def reference(self) -> list[generate_pb2.GenerateResponse]:
-        if self._reference is None:
-            self._reference = await self.complete(await self.greedy(REFERENCE_TOKENS))
-        return self._reference
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-
-def tokens_of(chunks) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
-def text_of(chunks) -> str:
-    return "".join(c.text for c in chunks)
-
-
-def reason(value: int) -> str:
-    return FinishReason.Name(value)
-
-
-def expect_finished(chunks, want: int) -> None:
-    expect(chunks, "the stream ended without a chunk")
-    last = chunks[-1]
-    expect(last.finish_reason == want,
-           f"the last chunk's finish_reason is {reason(last.finish_reason)}, expected {reason(want)}")
-    early = [reason(c.finish_reason) for c in chunks[:-1] if c.finish_reason]
-    expect(not early, f"chunks before the last carry a finish_reason: {early}")
 
 
 @check(CHECKS, "health", "grpc.health.v1 reports SERVING for \"\" and planserve.v1.GenerationService")
@@ -329,77 +264,4 @@ async def check_session(ctx: ApiContext) -> None:
            f"the bad request's error {errors['bad'].message!r} does not name stopping.max_new_tokens")
 
 
-# -- bad input: INVALID_ARGUMENT naming the field -------------------------------------------------
-
-def _bad_input(name: str, field: str):
-    def register(edit: Callable) -> Callable:
-        async def run(ctx: ApiContext) -> str:
-            request = await ctx.greedy(4)
-            await edit(ctx, request)
-            try:
-                await ctx.complete(request)
-            except grpc.aio.AioRpcError as error:
-                expect(error.code() == grpc.StatusCode.INVALID_ARGUMENT,
-                       f"ended with {error.code().name}: {error.details()}")
-                expect(re.search(rf"(?<!\w){re.escape(field)}(?!\w)", error.details() or ""),
-                       f"INVALID_ARGUMENT {error.details()!r} does not name {field}")
-                return f"{error.details()!r}"
-            raise CheckFailed("the request was served")
-        CHECKS.append(Check(f"bad_input.{name}", f"{field} -> INVALID_ARGUMENT naming it", run))
-        return edit
-    return register
-
-
-@_bad_input("no_prompt", "prompt")
-async def _(ctx, r):
-    r.ClearField("token_ids")
-
-
-@_bad_input("empty_token_ids", "token_ids")
-async def _(ctx, r):
-    del r.token_ids.ids[:]
-
-
-@_bad_input("token_outside_vocab", "token_ids")
-async def _(ctx, r):
-    r.token_ids.ids.append((await ctx.info()).vocab_size)
-
-
-@_bad_input("prompt_too_long", "prompt")
-async def _(ctx, r):
-    r.token_ids.ids.extend([1] * (await ctx.info()).max_model_len)
-
-
-@_bad_input("max_new_tokens_zero", "stopping.max_new_tokens")
-async def _(ctx, r):
-    r.stopping.max_new_tokens = 0
-
-
-@_bad_input("negative_temperature", "sampling.temperature")
-async def _(ctx, r):
-    r.sampling.temperature = -1.0
-
-
-@_bad_input("top_p_above_one", "sampling.top_p")
-async def _(ctx, r):
-    r.sampling.top_p = 1.5
-
-
-@_bad_input("top_k_zero", "sampling.top_k")
-async def _(ctx, r):
-    r.sampling.top_k = 0
-
-
-@_bad_input("stop_token_outside_vocab", "stopping.stop_token_ids")
-async def _(ctx, r):
-    r.stopping.stop_token_ids.append((await ctx.info()).vocab_size)
-
-
-@_bad_input("zero_deadline", "deadline_ms")
-async def _(ctx, r):
-    r.deadline_ms = 0
-
-
-@_bad_input("too_many_samples", "n")
-async def _(ctx, r):
-    r.n = 1000
+CHECKS.extend(BAD_INPUT_CHECKS)

@@ -10,75 +10,17 @@ steps in the wrong order or returns results out of slot order gets other tokens.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-from typing import AsyncIterator, Callable, Optional
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from planserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tools.conformance.engine_driver import GREEDY, ExecuteStream
+from tools.conformance.engine_bad_plans import BAD_PLAN_CHECKS
+from tools.conformance.engine_context import CONTRACT_VERSION, SERVICE_NAME, EngineContext, same_as_reference
 from tools.conformance.report import Check, CheckFailed, Skipped, check, expect
 
-SERVICE_NAME = "planserve.v1.EngineService"
-CONTRACT_VERSION = 1
+__all__ = ["CHECKS", "CONTRACT_VERSION", "SERVICE_NAME", "EngineContext"]
+
 CHECKS: list[Check] = []
-
-
-class EngineContext:
-    """What the checks share: the channel, the Describe reply and the reference sequences."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
-        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self._facts: Optional[engine_pb2.DescribeResponse] = None
-        self._references: dict[tuple[int, ...], list[int]] = {}
-
-    async def facts(self) -> engine_pb2.DescribeResponse:
-        if self._facts is None:
-            self._facts = await self.stub.Describe(engine_pb2.DescribeRequest(), timeout=30)
-        return self._facts
-
-    @contextlib.asynccontextmanager
-    async def stream(self) -> AsyncIterator[ExecuteStream]:
-        stream = ExecuteStream(self.stub, await self.facts())
-        try:
-            yield stream
-        finally:
-            await stream.close()
-
-    def prompt(self, salt: int, length: Optional[int] = None) -> list[int]:
-        """A deterministic prompt of `length` tokens (default: two blocks and three tokens), ids
-        spread over the vocabulary."""
-        facts = self._facts
-        length = length or min(2 * facts.block_size + 3, facts.max_model_len // 2)
-        return [(salt * 7919 + 31 * i) % (facts.vocab_size - 1) + 1 for i in range(length)]
-
-    async def reference(self, prompt: list[int]) -> list[int]:
-        """The greedy continuation of prompt (2 blocks' worth of tokens, crossing a block
-        boundary): one-shot prefill on slot 0 of a fresh stream, then single-slot decodes."""
-        key = tuple(prompt)
-        if key not in self._references:
-            async with self.stream() as s:
-                await s.prefill(0, prompt)
-                await s.decode([0], self.decode_steps())
-                self._references[key] = s.slots[0].generated
-        return self._references[key]
-
-    def decode_steps(self) -> int:
-        return min(2 * self._facts.block_size, self._facts.max_model_len // 4)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-
-def _same(got: list[int], want: list[int], what: str) -> None:
-    expect(got == want[:len(got)] and len(got) <= len(want),
-           f"{what}: greedy tokens {got} differ from the reference {want[:len(got)]}")
 
 
 @check(CHECKS, "describe", "Describe: contract version 1, a consistent capacity, a tokenizer")
@@ -128,7 +70,7 @@ async def check_decode(ctx: EngineContext) -> str:
     async with ctx.stream() as s:
         await s.prefill(last, ctx.prompt(1))
         await s.decode([last], ctx.decode_steps())
-        _same(s.slots[last].generated, reference, f"slot {last} on a second stream")
+        same_as_reference(s.slots[last].generated, reference, f"slot {last} on a second stream")
     return f"{len(reference)} tokens"
 
 
@@ -143,7 +85,7 @@ async def check_chunked_prefill(ctx: EngineContext) -> str:
     async with ctx.stream() as s:
         await s.prefill(0, ctx.prompt(1), chunk=chunk)
         await s.decode([0], 3)
-        _same(s.slots[0].generated, reference, f"prefilled in chunks of {chunk}")
+        same_as_reference(s.slots[0].generated, reference, f"prefilled in chunks of {chunk}")
     return f"chunks of {chunk} tokens"
 
 
@@ -164,7 +106,7 @@ async def check_batch(ctx: EngineContext) -> str:
         await s.send(plan)
         await s.decode([first, middle, last], 4)
         for slot in (first, last):
-            _same(s.slots[slot].generated, reference, f"slot {slot}, scheduled in slots {list(plan.slots)}")
+            same_as_reference(s.slots[slot].generated, reference, f"slot {slot}, scheduled in slots {list(plan.slots)}")
     return f"slots {[first, middle, last]}"
 
 
@@ -182,7 +124,7 @@ async def check_prefix_cache(ctx: EngineContext) -> str:
         s.schedule(plan, 1, len(prompt) - cached)
         await s.send(plan)
         await s.decode([0, 1], 2)
-        _same(s.slots[1].generated, reference, f"slot 1 with {cached} cached tokens")
+        same_as_reference(s.slots[1].generated, reference, f"slot 1 with {cached} cached tokens")
     return f"{cached} of {len(prompt)} prompt tokens from slot 0's blocks"
 
 
@@ -209,7 +151,7 @@ async def check_block_copy(ctx: EngineContext) -> str:
         await s.send(plan)
         await s.decode([0, 1], 2)  # each writes its own last block now
         for slot in (0, 1):
-            _same(s.slots[slot].generated, reference, f"slot {slot} after block {partial} was copied to {copy}")
+            same_as_reference(s.slots[slot].generated, reference, f"slot {slot} after block {partial} was copied to {copy}")
     return f"block {partial} -> {copy}"
 
 
@@ -246,7 +188,7 @@ async def check_swap(ctx: EngineContext) -> str:
         s.schedule(plan, 0, len(known) - computed)
         await s.send(plan)
         await s.decode([0, 1], 2)
-        _same(s.slots[0].generated, reference, f"slot 0 swapped out to host blocks {host} and in to {fresh}")
+        same_as_reference(s.slots[0].generated, reference, f"slot 0 swapped out to host blocks {host} and in to {fresh}")
     return f"{len(device)} blocks out and back in"
 
 
@@ -270,7 +212,7 @@ async def _drop_and_reuse(ctx: EngineContext, kind: str) -> None:
             raise CheckFailed(f"a plan with {kind}_slots [0, 1] that registers slot 0 again was "
                               f"refused ({kind} slots must be dropped first): {failure}") from None
         await s.decode([0], 2)
-        _same(s.slots[0].generated, reference, f"slot 0 after {kind} and registered in the same plan")
+        same_as_reference(s.slots[0].generated, reference, f"slot 0 after {kind} and registered in the same plan")
         stale = s.plan()
         stale.slots.append(1)
         stale.num_scheduled_tokens.append(1)
@@ -308,7 +250,7 @@ async def check_preempt(ctx: EngineContext) -> None:
         s.register(plan, 0, known, prompt_len=len(prompt))
         s.schedule(plan, 0, len(known))
         await s.send(plan)
-        _same(s.slots[0].generated, reference, "resumed after preemption")
+        same_as_reference(s.slots[0].generated, reference, "resumed after preemption")
 
 
 @check(CHECKS, "stream_end", "ending the Execute stream drops every slot: a new stream reuses them")
@@ -318,157 +260,10 @@ async def check_stream_end(ctx: EngineContext) -> None:
         await s.prefill(0, ctx.prompt(2))
     async with ctx.stream() as s:
         await s.prefill(0, ctx.prompt(1))
-        _same(s.slots[0].generated, reference, "slot 0 on a new stream")
+        same_as_reference(s.slots[0].generated, reference, "slot 0 on a new stream")
 
 
-# -- bad plans: each must end the stream with INVALID_ARGUMENT naming the field ------------------
-
-def _raw_schedule(plan: engine_pb2.BatchPlan, slot: int, tokens: int, block_ids: list[int]) -> None:
-    plan.slots.append(slot)
-    plan.num_scheduled_tokens.append(tokens)
-    plan.num_new_blocks.append(len(block_ids))
-    plan.new_block_ids.extend(block_ids)
-
-
-def _new(slot: int, tokens: list[int]) -> engine_pb2.NewSequence:
-    return engine_pb2.NewSequence(slot=slot, token_ids=tokens, num_prompt_tokens=len(tokens),
-                                  sampling=common_pb2.SamplingParams(**GREEDY))
-
-
-def _bad_plan(name: str, what: str, fields: tuple[str, ...]):
-    """Registers a bad-plan check: `build(ctx, stream)` returns the plan (after any setup steps)."""
-    def register(build: Callable) -> Callable:
-        async def run(ctx: EngineContext) -> str:
-            async with ctx.stream() as s:
-                plan = await build(ctx, s)
-                return await s.expect_rejected(plan, fields)
-        CHECKS.append(Check(f"bad_plan.{name}", what + " -> INVALID_ARGUMENT", run))
-        return build
-    return register
-
-
-def _blocks_for(ctx: EngineContext, tokens: int) -> list[int]:
-    return list(range(1, 1 + -(-tokens // ctx._facts.block_size)))
-
-
-@_bad_plan("slot_out_of_range", "a new sequence on slot max_num_slots", ("slot",))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(ctx._facts.max_num_slots, p))
-    return plan
-
-
-@_bad_plan("empty_prompt", "a new sequence without tokens", ("token_ids",))
-async def _(ctx, s):
-    plan = s.plan()
-    plan.new_sequences.append(_new(0, []))
-    return plan
-
-
-@_bad_plan("token_outside_vocab", "a token id equal to vocab_size", ("token_ids",))
-async def _(ctx, s):
-    plan = s.plan()
-    plan.new_sequences.append(_new(0, [1, ctx._facts.vocab_size]))
-    return plan
-
-
-@_bad_plan("reserved_block", "block 0 (reserved) in new_block_ids", ("new_block_ids",))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(0, p))
-    _raw_schedule(plan, 0, len(p), [0] + _blocks_for(ctx, len(p))[1:])
-    return plan
-
-
-@_bad_plan("block_out_of_range", "a block id equal to num_kv_blocks", ("new_block_ids",))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(0, p))
-    _raw_schedule(plan, 0, len(p), _blocks_for(ctx, len(p))[:-1] + [ctx._facts.num_kv_blocks])
-    return plan
-
-
-@_bad_plan("unequal_arrays", "num_scheduled_tokens shorter than slots", ("num_scheduled_tokens",))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(0, p))
-    plan.slots.append(0)
-    plan.num_new_blocks.append(0)
-    return plan
-
-
-@_bad_plan("block_ids_count", "fewer new_block_ids than sum(num_new_blocks)", ("new_block_ids",))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(0, p))
-    _raw_schedule(plan, 0, len(p), _blocks_for(ctx, len(p)))
-    plan.num_new_blocks[0] += 1
-    return plan
-
-
-@_bad_plan("unregistered_slot", "scheduling a slot never registered", ("slots",))
-async def _(ctx, s):
-    plan = s.plan()
-    _raw_schedule(plan, 0, 1, [1])
-    return plan
-
-
-@_bad_plan("slot_twice", "one slot scheduled twice in a plan", ("slots",))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(0, p))
-    _raw_schedule(plan, 0, 1, [1])
-    _raw_schedule(plan, 0, 1, [])
-    return plan
-
-
-@_bad_plan("slot_occupied", "registering a slot that holds a sequence", ("slot",))
-async def _(ctx, s):
-    await s.prefill(0, ctx.prompt(1))
-    plan = s.plan()
-    plan.new_sequences.append(_new(0, ctx.prompt(2)))
-    return plan
-
-
-@_bad_plan("past_known_tokens", "more tokens scheduled than the sequence knows", ("num_scheduled_tokens",))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(0, p))
-    _raw_schedule(plan, 0, len(p) + 1, _blocks_for(ctx, len(p) + 1))
-    return plan
-
-
-@_bad_plan("too_few_blocks", "fewer blocks than the scheduled tokens need", ("num_new_blocks", "new_block_ids"))
-async def _(ctx, s):
-    plan, p = s.plan(), ctx.prompt(1)
-    plan.new_sequences.append(_new(0, p))
-    _raw_schedule(plan, 0, len(p), [1])
-    return plan
-
-
-@_bad_plan("drop_unregistered", "finishing a slot that holds nothing", ("finished_slots",))
-async def _(ctx, s):
-    plan = s.plan()
-    plan.finished_slots.append(1)
-    return plan
-
-
-@_bad_plan("unpaired_copies", "copy_src and copy_dst of different lengths", ("copy_src", "copy_dst"))
-async def _(ctx, s):
-    plan = s.plan()
-    plan.copy_src.extend([1, 2])
-    plan.copy_dst.append(3)
-    return plan
-
-
-@_bad_plan("step_id_not_increasing", "a step_id equal to the previous one (step ids strictly increase)",
-           ("step_id",))
-async def _(ctx, s):
-    await s.prefill(0, ctx.prompt(1))
-    plan = s.plan()
-    plan.step_id = s.last_step_id  # the prefill's own step_id
-    s.schedule(plan, 0, 1)
-    return plan
+CHECKS.extend(BAD_PLAN_CHECKS)
 
 
 @check(CHECKS, "recovers", "after the bad plans, a new stream serves the reference again")
@@ -477,4 +272,4 @@ async def check_recovers(ctx: EngineContext) -> None:
     async with ctx.stream() as s:
         await s.prefill(0, ctx.prompt(1))
         await s.decode([0], 2)
-        _same(s.slots[0].generated, reference, "after the bad plans")
+        same_as_reference(s.slots[0].generated, reference, "after the bad plans")

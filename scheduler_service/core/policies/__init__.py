@@ -21,9 +21,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-from typing import Any, TypeVar
+from typing import Any
 
-from scheduler_service.core.policies.base import SchedulingPolicy
+from scheduler_service.core.policies.base import REGISTRY as _REGISTRY
+from scheduler_service.core.policies.base import SchedulingPolicy, path_of, register
 
 __all__ = ["ENTRY_POINT_GROUP", "SCHEDULER_OPTIONS", "SchedulingPolicy", "available", "create",
            "describe", "register", "resolve"]
@@ -32,24 +33,6 @@ ENTRY_POINT_GROUP = "planserve.policies"
 
 #: Options the scheduler passes to every policy; dropped for a policy that does not take them.
 SCHEDULER_OPTIONS = frozenset({"prefix_match_len"})
-
-_REGISTRY: dict[str, type[SchedulingPolicy]] = {}
-
-P = TypeVar("P", bound=type[SchedulingPolicy])
-
-
-def register(cls: P) -> P:
-    """Class decorator: registers a policy under `cls.name`."""
-    if not (isinstance(cls, type) and issubclass(cls, SchedulingPolicy)):
-        raise TypeError(f"{cls!r} is not a SchedulingPolicy subclass")
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no `name`")
-    existing = _REGISTRY.get(cls.name)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"policy name {cls.name!r} is already taken by {_path_of(existing)}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
 
 def available() -> list[str]:
     """Every name `create` accepts (registered and entry points), sorted."""
@@ -81,7 +64,7 @@ def describe() -> str:
     for name in available():
         try:
             cls = resolve(name)
-            summary = (inspect.getdoc(cls) or "").partition("\n")[0] or _path_of(cls)
+            summary = (inspect.getdoc(cls) or "").partition("\n")[0] or path_of(cls)
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not break --help
             summary = f"(entry point {entry_points[name].value} failed to load: {exc})"
         lines.append(f"{name:<10} {summary}")
@@ -139,15 +122,10 @@ def _fit_options(cls: type[SchedulingPolicy], options: dict[str, Any]) -> dict[s
     unknown = sorted(set(options) - accepted - SCHEDULER_OPTIONS)
     if unknown:
         takes = ", ".join(sorted(accepted - SCHEDULER_OPTIONS)) or "no options"
-        raise TypeError(f"policy {cls.name or _path_of(cls)!r} does not take "
+        raise TypeError(f"policy {cls.name or path_of(cls)!r} does not take "
                         f"{', '.join(unknown)}; it takes: {takes}")
     return {key: value for key, value in options.items() if key in accepted}
 
 
-def _path_of(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-# The built-ins register themselves on import; they import `register` from this module, which
-# is defined by now.
+# The built-ins register themselves on import (with base.register).
 from scheduler_service.core.policies import edf, fair, fcfs, lpm, priority, sjf  # noqa: E402,F401

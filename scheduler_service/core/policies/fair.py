@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 from typing import Iterator, Optional, Sequence
 
-from scheduler_service.core.policies import register
+from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import LazyHeap, fcfs_key
 from scheduler_service.core.policies.base import SchedulingPolicy
 from scheduler_service.core.request import Request

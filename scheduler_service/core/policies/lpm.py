@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
-from scheduler_service.core.policies import register
+from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import LazyHeap, fcfs_key
 from scheduler_service.core.policies.base import SchedulingPolicy
 from scheduler_service.core.request import Request

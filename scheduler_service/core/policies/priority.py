@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler_service.core.policies import register
+from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import HeapPolicy
 from scheduler_service.core.request import Request
 

@@ -13,29 +13,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import TypeVar
 
-from scheduler_service.engine.scorers.base import ReplicaScorer
+from scheduler_service.engine.scorers.base import REGISTRY as _REGISTRY
+from scheduler_service.engine.scorers.base import ReplicaScorer, register
 
 __all__ = ["ENTRY_POINT_GROUP", "ReplicaScorer", "available", "parse_weights", "register", "resolve"]
 
 ENTRY_POINT_GROUP = "planserve.scorers"
-
-_REGISTRY: dict[str, type[ReplicaScorer]] = {}
-
-S = TypeVar("S", bound=type[ReplicaScorer])
-
-
-def register(cls: S) -> S:
-    """Class decorator: registers a scorer under `cls.name`."""
-    if not (isinstance(cls, type) and issubclass(cls, ReplicaScorer)) or not cls.name:
-        raise TypeError(f"{cls!r} is not a named ReplicaScorer subclass")
-    existing = _REGISTRY.get(cls.name)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"scorer name {cls.name!r} is already taken")
-    _REGISTRY[cls.name] = cls
-    return cls
-
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypeVar
 
 from scheduler_service.core.request import Request
 
@@ -25,3 +25,21 @@ class ReplicaScorer(abc.ABC):
     def score(self, request: Request, replicas: Sequence[ReplicaView]) -> list[float]:
         """One score in [0, 1] per replica (1: the best place). Runs on the event loop at every
         admission, so it must be cheap: O(replicas), plus a prefix-hash lookup at most."""
+
+
+# ---- the registry: `@register` puts a scorer under its name (scorers/__init__.py resolves) ----
+
+REGISTRY: dict[str, type[ReplicaScorer]] = {}
+
+S = TypeVar("S", bound=type[ReplicaScorer])
+
+
+def register(cls: S) -> S:
+    """Class decorator: registers a scorer under `cls.name`."""
+    if not (isinstance(cls, type) and issubclass(cls, ReplicaScorer)) or not cls.name:
+        raise TypeError(f"{cls!r} is not a named ReplicaScorer subclass")
+    existing = REGISTRY.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"scorer name {cls.name!r} is already taken")
+    REGISTRY[cls.name] = cls
+    return cls

@@ -5,8 +5,7 @@ import random
 from typing import Sequence
 
 from scheduler_service.core.request import Request
-from scheduler_service.engine.scorers import register
-from scheduler_service.engine.scorers.base import ReplicaScorer, ReplicaView
+from scheduler_service.engine.scorers.base import ReplicaScorer, ReplicaView, register
 
 
 @register

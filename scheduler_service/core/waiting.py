@@ -1,0 +1,123 @@
+"""Step 2 of the step rule: waiting requests admitted in the policy's order, chunked to what is
+left of the budget, a prefix-cache hit starting them at the cached length; and how the model
+service learns of a sequence (its registration, at admission, resume or fork).
+
+A part of the Scheduler (core/scheduler.py), split off by lifecycle: it reads and writes
+the scheduler's state as the scheduler's own methods do."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+from scheduler_service.core.kv_blocks import cdiv
+from scheduler_service.core.plan import NewSequence, StepPlan
+from scheduler_service.core.request import (Request, RequestStatus)
+
+
+class WaitingAdmission:
+    """Admitting waiting requests into a step (a part of Scheduler)."""
+
+    def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
+        core, kv, policy = self.core, self.kv, self.policy
+        if not (len(policy) and core.budget_open and self.slots.num_free > 0):
+            return
+        reserve = core.decode_reserve_blocks()
+        while len(policy) and core.budget_open and self.slots.num_free > 0:
+            request = policy.peek(now)
+            if policy.admission_veto(request, self.running):
+                return
+            swapped = self.swap.held_blocks(request) is not None
+            if swapped:  # resumes at its computed count, its KV swapped back in
+                hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
+            else:
+                hits, num_free_hits = kv.find_cached_prefix(request)
+                num_cached = len(hits) * kv.block_size
+            num_new_tokens = core.chunk(request.num_tokens - num_cached)
+            if num_new_tokens == 0:
+                return
+            num_blocks = cdiv(num_cached + num_new_tokens, kv.block_size) - len(hits)
+            if num_blocks + num_free_hits + reserve > kv.num_free_blocks:
+                return  # wait for room rather than overtake (the policy's order holds)
+            policy.pop(now)
+            if hits:
+                request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            self._admit(plan, request, hits)
+            core.schedule_admitted(request.slot, num_new_tokens, num_blocks)
+            if swapped:
+                self._swap_in(plan, request)
+            reserve += core.reserve_blocks_of(request.slot, num_new_tokens)
+
+    def _fits(self, request: Request) -> bool:
+        """Whether the waiting request's first chunk could be admitted right now."""
+        if len(self.running) >= self.max_num_seqs or self.slots.num_free == 0:
+            return False
+        if self.swap.held_blocks(request) is not None:
+            hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
+        else:
+            hits, num_free_hits = self.kv.find_cached_prefix(request)
+            num_cached = len(hits) * self.kv.block_size
+        first_chunk = min(request.num_tokens - num_cached, self.config.max_num_batched_tokens,
+                          self.config.max_prefill_chunk or sys.maxsize)
+        num_blocks = cdiv(num_cached + first_chunk, self.kv.block_size) - len(hits)
+        return num_blocks + num_free_hits <= self.kv.num_free_blocks
+
+    def _preempt_for_waiting(self, plan: StepPlan, head: Optional[Request]) -> None:
+        """Preempts running sequences the policy ranks below the head of the queue until the
+        head fits (lowest rank first). FCFS-like policies never rank a waiting request above a
+        running one, so for them this is never called (see _preempts_for_waiting)."""
+        while head is not None and self.running and not self._fits(head):
+            victim = self.policy.select_victim(self.running)
+            if not self.policy.may_preempt_for(head, victim):
+                return
+            self._preempt(victim, plan)
+
+    def _admit(self, plan: StepPlan, request: Request, hits: list[int]) -> None:
+        request.status = RequestStatus.RUNNING
+        request.slot = self.slots.allocate()
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        token_ids = request.all_token_ids
+        plan.new_sequences.append(self._new_sequence(request, token_ids))
+        request.block_ids = list(hits)
+        self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
+                        len(request.prompt_token_ids) + request.stopping.max_new_tokens,
+                        self.kv.salt(request), self._lookahead(request))
+        self.running.append(request)
+
+    def _lookahead(self, request: Request) -> int:
+        """Draft tokens granted to each decode of `request`: the engine's k when it speculates
+        and the request needs nothing per token that drafts would have to honour (logprobs,
+        penalties, bias, min tokens, a grammar)."""
+        k = self.facts.num_speculative_tokens
+        if not k or request.logprobs is not None or request.structured is not None:
+            return 0
+        sampling, stopping = request.sampling, request.stopping
+        if (sampling.repetition_penalty != 1.0 or sampling.presence_penalty
+                or sampling.frequency_penalty or sampling.logit_bias or stopping.min_new_tokens):
+            return 0
+        return k
+
+    def _new_sequence(self, request: Request, token_ids: list[int]) -> NewSequence:
+        """How the model service learns of a sequence (at admission, resume or fork)."""
+        stopping = request.stopping
+        suppressed: tuple[int, ...] = ()
+        if stopping.min_new_tokens:
+            eos = () if stopping.ignore_eos else self.facts.eos_token_ids
+            suppressed = tuple(sorted(set(eos) | stopping.stop_token_ids))
+        # Prompt logprobs are asked for until every prompt position has one (a recompute after
+        # a preemption mid-prompt asks again; entries already held are skipped on arrival).
+        prompt_logprobs = request.prompt_logprobs
+        if (prompt_logprobs is not None
+                and len(request.prompt_logprobs_out) >= len(request.prompt_token_ids) - 1):
+            prompt_logprobs = None
+        return NewSequence(
+            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
+            num_computed_tokens=request.num_computed_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            min_new_tokens=stopping.min_new_tokens, min_tokens_suppressed_ids=suppressed,
+            num_logprobs=request.logprobs, num_prompt_logprobs=prompt_logprobs,
+            speculate=self._lookahead(request) > 0)
+

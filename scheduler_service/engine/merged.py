@@ -1,0 +1,115 @@
+"""What a ReplicaSet shows of its replicas as one: their schedulers merged (admission checks
+and status, for the doors), and each replica's metrics as labelled series plus the server's
+totals."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from scheduler_service.core.request import Request, RequestOutput
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.client import EngineFacts
+
+if TYPE_CHECKING:  # the set holds these views; they only read it
+    from scheduler_service.engine.replicas import ReplicaSet
+
+
+class ReplicaMetrics:
+    """What one replica's EngineLoop reports into: the labelled per-replica series, plus the
+    server's unlabelled ones as totals over the replicas (anything else goes to Metrics as is)."""
+
+    def __init__(self, replicas: "ReplicaSet", name: str):
+        self._replicas = replicas
+        self._name = name
+        self._metrics = replicas.metrics
+
+    def on_step(self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int) -> None:
+        r = self._replicas
+        r.waiting_gauge.labels(self._name).set(num_waiting)
+        r.running_gauge.labels(self._name).set(num_running)
+        r.kv_usage_gauge.labels(self._name).set(kv_usage)
+        merged = r.scheduler
+        usable = merged.kv.num_usable_blocks
+        self._metrics.on_step(merged.num_waiting, len(merged.running),
+                              (usable - merged.kv.num_free_blocks) / usable if usable else 0.0, num_preemptions)
+
+    def on_output(self, request: Request, output: RequestOutput) -> None:
+        if output.finish_reason is not None and output.usage is not None:
+            self._replicas.prompt_tokens.labels(self._name).inc(output.usage.prompt_tokens)
+            self._replicas.cached_tokens.labels(self._name).inc(output.usage.cached_tokens)
+        self._metrics.on_output(request, output)
+
+    def on_engine_up(self, up: bool) -> None:
+        # The unlabelled engine-up gauge means "some replica serves" (ReplicaSet sets it); a
+        # replica's own state is planserve_replica_up. Recoveries still count.
+        if up and hasattr(self._metrics, "engine_recoveries"):
+            self._metrics.engine_recoveries.inc()
+
+    def __getattr__(self, name: str):
+        return getattr(self._metrics, name)
+
+
+class _MergedKV:
+    def __init__(self, replicas: "ReplicaSet"):
+        self._replicas = replicas
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return sum(r.scheduler.kv.num_usable_blocks for r in self._replicas.replicas)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(r.scheduler.kv.num_free_blocks for r in self._replicas.replicas)
+
+    @property
+    def capacity_tokens(self) -> int:
+        # One request lives on one replica: it must fit the smallest.
+        return min((r.scheduler.kv.capacity_tokens for r in self._replicas.replicas), default=0)
+
+    @property
+    def block_size(self) -> int:
+        return self._replicas.facts.block_size
+
+
+class MergedScheduler:
+    """The replicas' schedulers seen as one, for the servicer (admission checks, status)."""
+
+    def __init__(self, replicas: "ReplicaSet"):
+        self._replicas = replicas
+        self.kv = _MergedKV(replicas)
+
+    def _schedulers(self) -> list[Scheduler]:
+        return [r.scheduler for r in self._replicas.replicas]
+
+    @property
+    def facts(self) -> EngineFacts:
+        return self._replicas.facts
+
+    def find(self, request_id: str) -> Optional[Request]:
+        for scheduler in self._schedulers():
+            found = scheduler.find(request_id)
+            if found is not None:
+                return found
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self._schedulers())
+
+    @property
+    def running(self) -> list[Request]:
+        return [request for s in self._schedulers() for request in s.running]
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        merged: dict[str, Request] = {}
+        for scheduler in self._schedulers():
+            merged.update(scheduler.requests)
+        return merged
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return sum(s.num_preemptions_total for s in self._schedulers())
+
+    def has_work(self) -> bool:
+        return any(s.has_work() for s in self._schedulers())
