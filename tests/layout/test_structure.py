@@ -1,0 +1,137 @@
+"""The shape rules of the scheduler service and the tools beside it (issue 17), checked on the
+tree as it is: no import loop, no module above 400 lines, no function above 60, and the
+scheduler service imports neither torch nor the model service. The model service joins these
+rules once its rewrite has landed (MODEL_SERVICE_LATER)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# The packages the rules hold for, as paths from the root.
+CHECKED = ("scheduler_service", "tools", "bench/load", "bench/peers")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under CHECKED."""
+    found = {}
+    for top in CHECKED:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """Imports under `if TYPE_CHECKING:`: annotations only, never run."""
+    return {node for block in ast.walk(tree) if isinstance(block, ast.If)
+            and ast.unparse(block.test).endswith("TYPE_CHECKING") for node in ast.walk(block)}
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The checked modules `name` imports, anywhere in it (in a function too: a loop broken by
+    a late import is still a loop; only imports for type annotations are left out)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                targets.add(full if full in modules else base)
+    return {t for t in targets if t in modules and t != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_loop():
+    modules = _modules()
+    graph = {name: _imports(path, name, modules) for name, path in modules.items()}
+    assert _cycles(graph) == []
+
+
+def test_no_module_above_400_lines():
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_function_above_60_lines():
+    long = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long[f"{name}:{node.lineno} {node.name}"] = length
+    assert long == {}
+
+
+def test_the_scheduler_service_imports_neither_torch_nor_the_model_service():
+    for name, path in _modules().items():
+        if not name.startswith("scheduler_service"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                for imported in names:
+                    assert imported.split(".")[0] not in ("torch", "model_service", "tools", "bench"), (
+                        f"{name} imports {imported}")
+    # And at run time, the whole service with its doors (nothing imports them lazily behind it).
+    code = ("import sys, scheduler_service.server, scheduler_service.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'model_service')))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "protos"), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.strip() == "[]"
