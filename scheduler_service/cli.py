@@ -41,7 +41,12 @@ def add_scheduler_flags(parser: argparse.ArgumentParser, replicas: bool = False)
         "; one of:\n" + policies.describe() + "\nor a dotted path package.module:Class, or an "
         "entry point of the group planserve.policies"
     )
-    add_flags(parser, SchedulerConfig, skip=() if replicas else REPLICA_FIELDS, helps={"policy": policy_help})
+    add_flags(
+        parser,
+        SchedulerConfig,
+        skip=() if replicas else REPLICA_FIELDS,
+        helps={"policy": policy_help},
+    )
 
 
 def scheduler_config(args: argparse.Namespace, engine_address: str) -> SchedulerConfig:
@@ -56,7 +61,9 @@ async def run_until_signal(server: SchedulerServer, sample_prompt: Optional[str]
     address = f"{server.config.host}:{server.port}"
     if sample_prompt:
         print(f"\n>>> planserve generate --chat {sample_prompt!r}", flush=True)
-        await print_stream(address, build_request(sample_prompt, chat=True, temperature=0.0, max_new_tokens=64))
+        await print_stream(
+            address, build_request(sample_prompt, chat=True, temperature=0.0, max_new_tokens=64)
+        )
         print(f"\nplanserve is serving on {address}; Ctrl-C stops it.", flush=True)
     await stop.wait()
     log.info("stopping")
@@ -136,11 +143,14 @@ def add_commands(commands) -> None:
         action="append",
         default=None,
         help="model service HOST:PORT (default 127.0.0.1:50052); repeat it or give a comma list "
-        "for replicas, or dns:///NAME:PORT (a headless Service, one replica per address, re-resolved)",
+        "for replicas, or dns:///NAME:PORT (a headless Service, one replica per address, "
+        "re-resolved)",
     )
     generate = commands.add_parser("generate", help="stream a completion to the terminal")
     generate.add_argument("prompt")
-    generate.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    generate.add_argument(
+        "--chat", action="store_true", help="send the prompt as one user message (chat template)"
+    )
     generate.add_argument("--host", default="127.0.0.1")
     generate.add_argument("--port", type=int, default=50051)
     generate.add_argument("--max-new-tokens", type=int, default=None)
@@ -165,8 +175,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scheduler_service", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m scheduler_service",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--log-level", default="info")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

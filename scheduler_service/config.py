@@ -6,6 +6,7 @@ the model service's Describe reply and is held by the scheduler, never written i
 Each field is declared once (fields.py): its default, its bound and its flag in the `setting`,
 its help in the docstring under it; the CLI's flags (cli.py) are made from them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,8 @@ class SchedulerConfig:
 
     router_weights: str = "prefix_affinity=2,kv_usage=1,waiting_tokens=1"
     """With several replicas: the scorers that place a new request and their weights
-    (scheduler_service/engine/scorers: kv_usage, waiting_tokens, prefix_affinity, random, or a plugin)."""
+    (scheduler_service/engine/scorers: kv_usage, waiting_tokens, prefix_affinity, random, or a
+    plugin)."""
 
     replica_check_interval_s: float = setting(5.0, above=0, flag="replica-check-interval")
     """With several replicas: how often DNS is re-resolved, replicas that failed to connect are
@@ -150,10 +152,13 @@ class SchedulerConfig:
         together or need a lookup; ValueError names the field. Returns self."""
         check_bounds(self)
         if any(":" not in part for part in self.engine_address.split(",")):
-            raise ValueError(f"engine_address must be host:port (or a comma list of them, or "
-                             f"dns:///name:port), got {self.engine_address!r}")
+            raise ValueError(
+                f"engine_address must be host:port (or a comma list of them, or "
+                f"dns:///name:port), got {self.engine_address!r}"
+            )
         if "," in self.engine_address or self.engine_address.startswith("dns:///"):
             from scheduler_service.engine import scorers
+
             scorers.parse_weights(self.router_weights)  # names the bad scorer or weight
         # Fails with the valid names when the policy is unknown or does not import.
         policies.resolve(self.policy)

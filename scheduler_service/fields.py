@@ -122,5 +122,7 @@ def add_flags(
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     """The config the parsed flags describe (fields without a flag keep their defaults)."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    given = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+    }
     return cls(**{**given, **overrides})

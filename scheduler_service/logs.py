@@ -4,6 +4,7 @@ Prompts and generated text are the users' data: no event logs them at info level
 carry request ids and counts), and `redact_content` masks the fields that would hold them if an
 event ever did; at debug level they pass, for a developer's own machine.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,19 @@ import sys
 import structlog
 
 # Event fields that would carry a user's prompt or output.
-CONTENT_KEYS = frozenset({"prompt", "text", "token_ids", "prompt_token_ids", "output_token_ids",
-                          "messages", "content", "stop", "completion"})
+CONTENT_KEYS = frozenset(
+    {
+        "prompt",
+        "text",
+        "token_ids",
+        "prompt_token_ids",
+        "output_token_ids",
+        "messages",
+        "content",
+        "stop",
+        "completion",
+    }
+)
 
 
 def redact_content(logger, method_name: str, event_dict: dict) -> dict:
@@ -29,8 +41,11 @@ def redact_content(logger, method_name: str, event_dict: dict) -> dict:
 
 def configure(level: str = "info") -> None:
     json_logs = os.environ.get("PLANSERVE_LOG_JSON") == "1" or not sys.stderr.isatty()
-    renderer = (structlog.processors.JSONRenderer() if json_logs
-                else structlog.dev.ConsoleRenderer(colors=False))
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json_logs
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -41,7 +56,8 @@ def configure(level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]),
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -7,21 +7,68 @@ with planserve on an unchanged configuration.
 
 Each server owns its registry, so several servers in one process (tests) do not collide.
 """
+
 from __future__ import annotations
 
 import time
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 
 # Seconds: from a few milliseconds (a tiny model's step) to minutes (a long queue).
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0, 120.0, 300.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 # A step's forward: 2.5-5 ms apart where decode steps fall, so a median read from them is within
 # a few percent.
-_FORWARD_BUCKETS = (0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.0225, 0.025, 0.0275, 0.03,
-                    0.035, 0.04, 0.045, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_FORWARD_BUCKETS = (
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.0125,
+    0.015,
+    0.0175,
+    0.02,
+    0.0225,
+    0.025,
+    0.0275,
+    0.03,
+    0.035,
+    0.04,
+    0.045,
+    0.05,
+    0.06,
+    0.07,
+    0.08,
+    0.09,
+    0.1,
+    0.125,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
 class Metrics:
@@ -32,78 +79,130 @@ class Metrics:
         self._add_latency_histograms(self.registry)
         self._add_fault_metrics(self.registry)
         self._last_token_time: dict[int, float] = {}  # by id(request)
-        self._http = None
+        self._http: Optional[Any] = None  # the /metrics server, once serving
 
     def _add_load_gauges(self, registry: CollectorRegistry) -> None:
-        self.waiting = Gauge("planserve_num_requests_waiting", "Requests waiting for admission.",
-                             registry=registry)
-        self.running = Gauge("planserve_num_requests_running",
-                             "Sequences running (parallel samples count one each).",
-                             registry=registry)
-        self.kv_usage = Gauge("planserve_kv_cache_usage_ratio",
-                              "Fraction of the usable KV blocks held by sequences.",
-                              registry=registry)
-        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Alias of "
-                                  "planserve_num_requests_waiting for vLLM-aware routers.",
-                                  registry=registry)
-        self.vllm_running = Gauge("vllm:num_requests_running", "Alias of "
-                                  "planserve_num_requests_running for vLLM-aware routers.",
-                                  registry=registry)
-        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Alias of "
-                                   "planserve_kv_cache_usage_ratio (a fraction, as vLLM's).",
-                                   registry=registry)
+        self.waiting = Gauge(
+            "planserve_num_requests_waiting", "Requests waiting for admission.", registry=registry
+        )
+        self.running = Gauge(
+            "planserve_num_requests_running",
+            "Sequences running (parallel samples count one each).",
+            registry=registry,
+        )
+        self.kv_usage = Gauge(
+            "planserve_kv_cache_usage_ratio",
+            "Fraction of the usable KV blocks held by sequences.",
+            registry=registry,
+        )
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Alias of planserve_num_requests_waiting for vLLM-aware routers.",
+            registry=registry,
+        )
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running",
+            "Alias of planserve_num_requests_running for vLLM-aware routers.",
+            registry=registry,
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Alias of planserve_kv_cache_usage_ratio (a fraction, as vLLM's).",
+            registry=registry,
+        )
 
     def _add_counters(self, registry: CollectorRegistry) -> None:
-        self.steps = Counter("planserve_steps", "Steps executed by the model service.",
-                             registry=registry)
-        self.preemptions = Counter("planserve_preemptions", "Sequences preempted.",
-                                   registry=registry)
-        self.finished = Counter("planserve_requests_finished", "Samples finished, by reason.",
-                                ["reason"], registry=registry)
-        self.prompt_tokens = Counter("planserve_prompt_tokens", "Prompt tokens of finished "
-                                     "samples.", registry=registry)
-        self.cached_tokens = Counter("planserve_prefix_cache_hit_tokens",
-                                     "Prompt tokens served from the prefix cache.",
-                                     registry=registry)
-        self.generated_tokens = Counter("planserve_generation_tokens", "Tokens generated.",
-                                        registry=registry)
+        self.steps = Counter(
+            "planserve_steps", "Steps executed by the model service.", registry=registry
+        )
+        self.preemptions = Counter(
+            "planserve_preemptions", "Sequences preempted.", registry=registry
+        )
+        self.finished = Counter(
+            "planserve_requests_finished",
+            "Samples finished, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "planserve_prompt_tokens", "Prompt tokens of finished samples.", registry=registry
+        )
+        self.cached_tokens = Counter(
+            "planserve_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
+            registry=registry,
+        )
+        self.generated_tokens = Counter(
+            "planserve_generation_tokens", "Tokens generated.", registry=registry
+        )
         # Speculative decoding: acceptance rate = accepted / draft (rate() of both).
-        self.draft_tokens = Counter("planserve_spec_decode_draft_tokens",
-                                    "Draft tokens proposed by speculative decoding.",
-                                    registry=registry)
-        self.accepted_tokens = Counter("planserve_spec_decode_accepted_tokens",
-                                       "Draft tokens accepted by verification.",
-                                       registry=registry)
+        self.draft_tokens = Counter(
+            "planserve_spec_decode_draft_tokens",
+            "Draft tokens proposed by speculative decoding.",
+            registry=registry,
+        )
+        self.accepted_tokens = Counter(
+            "planserve_spec_decode_accepted_tokens",
+            "Draft tokens accepted by verification.",
+            registry=registry,
+        )
 
     def _add_latency_histograms(self, registry: CollectorRegistry) -> None:
-        self.queue_time = Histogram("planserve_queue_time_seconds", "Arrival to first step.",
-                                    buckets=_LATENCY_BUCKETS, registry=registry)
-        self.ttft = Histogram("planserve_time_to_first_token_seconds",
-                              "Arrival to first generated token.", buckets=_LATENCY_BUCKETS,
-                              registry=registry)
-        self.inter_token = Histogram("planserve_inter_token_latency_seconds",
-                                     "Time between a request's consecutive token chunks.",
-                                     buckets=_LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram("planserve_e2e_request_latency_seconds", "Arrival to last chunk.",
-                             buckets=_LATENCY_BUCKETS, registry=registry)
+        self.queue_time = Histogram(
+            "planserve_queue_time_seconds",
+            "Arrival to first step.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "planserve_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "planserve_inter_token_latency_seconds",
+            "Time between a request's consecutive token chunks.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "planserve_e2e_request_latency_seconds",
+            "Arrival to last chunk.",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         # The model service's own time per step, to set beside the inter-token latency clients see.
-        self.forward = Histogram("planserve_model_forward_seconds",
-                                 "Model service forward time per step (StepResult.forward_ns).",
-                                 buckets=_FORWARD_BUCKETS, registry=registry)
+        self.forward = Histogram(
+            "planserve_model_forward_seconds",
+            "Model service forward time per step (StepResult.forward_ns).",
+            buckets=_FORWARD_BUCKETS,
+            registry=registry,
+        )
 
     def _add_fault_metrics(self, registry: CollectorRegistry) -> None:
         # Faults and overload (docs/operations.md).
         # 0 until the model service has computed a step (the readiness probe, a one-token step):
         # a scheduler still waiting for its model service at start is not up.
-        self.engine_up = Gauge("planserve_engine_up", "1 while the model service computes, 0 "
-                               "before its first step and while it is down and the scheduler "
-                               "reconnects.", registry=registry)
+        self.engine_up = Gauge(
+            "planserve_engine_up",
+            "1 while the model service computes, 0 "
+            "before its first step and while it is down and the scheduler "
+            "reconnects.",
+            registry=registry,
+        )
         self.engine_up.set(0)
-        self.engine_recoveries = Counter("planserve_engine_recoveries", "Times the model "
-                                         "service came back and every sequence in flight was "
-                                         "recomputed.", registry=registry)
-        self.rejected = Counter("planserve_requests_rejected", "Requests refused or cut for "
-                                "overload, by reason.", ["reason"], registry=registry)
+        self.engine_recoveries = Counter(
+            "planserve_engine_recoveries",
+            "Times the model service came back and every sequence in flight was recomputed.",
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "planserve_requests_rejected",
+            "Requests refused or cut for overload, by reason.",
+            ["reason"],
+            registry=registry,
+        )
 
     def on_engine_ready(self) -> None:
         """The model service computed its first step (the readiness probe)."""
@@ -130,14 +229,20 @@ class Metrics:
             self._http.server_close()
             self._http = None
 
-    def on_step(self, num_waiting: int, num_running: int, kv_usage: float,
-                num_preemptions: int) -> None:
+    def on_step(
+        self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int
+    ) -> None:
         self.steps.inc()
         if num_preemptions:
             self.preemptions.inc(num_preemptions)
-        for gauge, value in ((self.waiting, num_waiting), (self.vllm_waiting, num_waiting),
-                             (self.running, num_running), (self.vllm_running, num_running),
-                             (self.kv_usage, kv_usage), (self.vllm_kv_usage, kv_usage)):
+        for gauge, value in (
+            (self.waiting, num_waiting),
+            (self.vllm_waiting, num_waiting),
+            (self.running, num_running),
+            (self.vllm_running, num_running),
+            (self.kv_usage, kv_usage),
+            (self.vllm_kv_usage, kv_usage),
+        ):
             gauge.set(value)
 
     def on_forward(self, forward_ns: int) -> None:

@@ -4,10 +4,12 @@ API, /metrics), then the engine side once the model service described itself.
 The doors are api/ (one admission path, api/admission.py; the servicer, api/grpc_servicer.py);
 the engine side is one EngineLoop, or a ReplicaSet of them (engine/), behind EngineFrontend.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Optional
 
 import grpc
 import structlog
@@ -22,10 +24,11 @@ from scheduler_service.api.http_server import HttpServer
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import client as engine_client
+from scheduler_service.engine.addresses import is_replicated
 from scheduler_service.engine.client import EngineClient, EngineFacts
 from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.engine.loop import EngineLoop
-from scheduler_service.engine.replicas import ReplicaSet, is_replicated
+from scheduler_service.engine.replicas import ReplicaSet
 from scheduler_service.metrics import Metrics
 from scheduler_service.text import structured
 from scheduler_service.text.outputs import OutputProcessor
@@ -42,8 +45,9 @@ class SchedulerServer:
     def __init__(self, config: SchedulerConfig):
         self.config = config.validate()
         # Limits (concurrent streams, message size) and the optional bearer-token check.
-        self.server = grpc.aio.server(options=security.server_options(config),
-                                      interceptors=security.interceptors(config))
+        self.server = grpc.aio.server(
+            options=security.server_options(config), interceptors=security.interceptors(config)
+        )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.admission = Admission(config)  # one admission path for the gRPC and HTTP doors
         self.servicer = GenerationServicer(self.admission)
@@ -56,8 +60,11 @@ class SchedulerServer:
 
     def _engine_client(self, address: str) -> EngineClient:
         """A client of one model service, with the engine TLS settings (--engine-tls-*)."""
-        return EngineClient(address, security.engine_channel_credentials(self.config),
-                            security.engine_channel_options(self.config))
+        return EngineClient(
+            address,
+            security.engine_channel_credentials(self.config),
+            security.engine_channel_options(self.config),
+        )
 
     @property
     def loop(self) -> EngineFrontend | None:
@@ -70,12 +77,16 @@ class SchedulerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         generate_pb2_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
         credentials = security.server_credentials(self.config)
-        self.port = (self.server.add_secure_port(address, credentials) if credentials
-                     else self.server.add_insecure_port(address))
+        self.port = (
+            self.server.add_secure_port(address, credentials)
+            if credentials
+            else self.server.add_insecure_port(address)
+        )
         await self.server.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
@@ -83,42 +94,69 @@ class SchedulerServer:
             # Answers 503 (and /health "starting") until the engine answered Describe.
             self.http = HttpServer(self.admission, self.config.host, self.config.http_port)
             if self.config.auth_token_file:
-                security.add_http_bearer_auth(self.http.app,
-                                              security.read_token(self.config.auth_token_file))
+                security.add_http_bearer_auth(
+                    self.http.app, security.read_token(self.config.auth_token_file)
+                )
             self.http_port = await self.http.start()
         return self.port
 
     async def connect_engine(self) -> None:
         """Describes the model service, builds the scheduler and turns health SERVING."""
         if is_replicated(self.config.engine_address):
-            # Several model services: one scheduler + engine loop per replica, a router in front
-            # (scheduler_service/engine/replicas.py); the servicer talks to the set as to one loop.
-            loop = ReplicaSet(self.config, self.metrics, on_serving=self._on_engine_up,
-                              make_client=self._engine_client)
-            facts = await loop.connect()
-            tokenizer = loop.tokenizer
-            engine_down = None
+            facts, tokenizer, frontend, engine_down = await self._connect_replicas()
         else:
-            facts = await self.client.describe(self.config.engine_connect_timeout_s)
-            tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
-            output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
-            scheduler = Scheduler(self.config, facts, output_processor)
-            # Readiness is a real one-token step on the model, not only an answer to Describe:
-            # when it fails, the loop starts by reconnecting, NOT_SERVING until a step works.
-            engine_down = await self._probe(scheduler, facts)
-            loop = EngineLoop(scheduler, self.client, self.metrics, on_engine_up=self._on_engine_up,
-                              is_compatible=lambda new: engine_client.incompatibility(facts, new))
-            loop.start(engine_down)
+            facts, tokenizer, frontend, engine_down = await self._connect_engine()
         self.admission.serving = Serving(
-            facts=facts, tokenizer=tokenizer, frontend=loop,
-            grammars=structured.GrammarCompiler(facts.tokenizer_json, facts.eos_token_ids,
-                                                facts.vocab_size))
+            facts=facts,
+            tokenizer=tokenizer,
+            frontend=frontend,
+            grammars=structured.GrammarCompiler(
+                facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size
+            ),
+        )
         if engine_down is None:
             if not is_replicated(self.config.engine_address):
                 self.metrics.on_engine_ready()  # a replica set keeps the gauge itself
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("scheduler serving" if engine_down is None else "scheduler waiting for engine", port=self.port, model=facts.model_name,
-                 num_kv_blocks=facts.num_kv_blocks, block_size=facts.block_size)
+        log.info(
+            "scheduler serving" if engine_down is None else "scheduler waiting for engine",
+            port=self.port,
+            model=facts.model_name,
+            num_kv_blocks=facts.num_kv_blocks,
+            block_size=facts.block_size,
+        )
+
+    async def _connect_replicas(self) -> tuple[EngineFacts, Tokenizer, EngineFrontend, None]:
+        """Several model services: one scheduler + engine loop per replica, a router in front
+        (scheduler_service/engine/replicas.py); the doors see the set as one frontend."""
+        replicas = ReplicaSet(
+            self.config,
+            self.metrics,
+            on_serving=self._on_engine_up,
+            make_client=self._engine_client,
+        )
+        facts = await replicas.connect()
+        return facts, replicas.tokenizer, replicas, None
+
+    async def _connect_engine(self) -> tuple[EngineFacts, Tokenizer, EngineFrontend, Optional[str]]:
+        """One model service: its scheduler and engine loop; the fourth value says why the
+        engine is down (None: it computed a one-token step)."""
+        facts = await self.client.describe(self.config.engine_connect_timeout_s)
+        tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
+        output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
+        scheduler = Scheduler(self.config, facts, output_processor)
+        # Readiness is a real one-token step on the model, not only an answer to Describe:
+        # when it fails, the loop starts by reconnecting, NOT_SERVING until a step works.
+        engine_down = await self._probe(scheduler, facts)
+        loop = EngineLoop(
+            scheduler,
+            self.client,
+            self.metrics,
+            on_engine_up=self._on_engine_up,
+            is_compatible=lambda new: engine_client.incompatibility(facts, new),
+        )
+        loop.start(engine_down)
+        return facts, tokenizer, loop, engine_down
 
     async def _probe(self, scheduler: Scheduler, facts: EngineFacts) -> str | None:
         """None when the model service computed a one-token step, else why not."""
@@ -131,8 +169,11 @@ class SchedulerServer:
 
     def _on_engine_up(self, up: bool) -> None:
         """The engine loop's news: the model service went down, or is back and computing."""
-        self._set_health(health_pb2.HealthCheckResponse.SERVING if up and not self.admission.draining
-                         else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._set_health(
+            health_pb2.HealthCheckResponse.SERVING
+            if up and not self.admission.draining
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
     async def drain(self, grace_s: float) -> bool:
         """SIGTERM: health NOT_SERVING and new requests UNAVAILABLE at once; the requests in

@@ -45,13 +45,22 @@ _MODEL_ADDRESS_FIELDS = ("host", "port")
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, ModelServiceConfig, skip=_MODEL_ADDRESS_FIELDS, flag_names=_MODEL_FLAG_NAMES,
-              types=_MODEL_FLAG_TYPES, defaults_none=True)
+    add_flags(
+        parser,
+        ModelServiceConfig,
+        skip=_MODEL_ADDRESS_FIELDS,
+        flag_names=_MODEL_FLAG_NAMES,
+        types=_MODEL_FLAG_TYPES,
+        defaults_none=True,
+    )
 
 
 def _model_fields_given(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelServiceConfig)
-            if f.name not in _MODEL_ADDRESS_FIELDS and getattr(args, f.name, None) is not None}
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ModelServiceConfig)
+        if f.name not in _MODEL_ADDRESS_FIELDS and getattr(args, f.name, None) is not None
+    }
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
@@ -77,11 +86,12 @@ async def _start_model_service(argv: list[str]) -> tuple[asyncio.subprocess.Proc
         line = await child.stdout.readline()
         if not line:
             await child.wait()
-            raise RuntimeError(f"model service exited with status {child.returncode} "
-                               "before it started serving")
+            raise RuntimeError(
+                f"model service exited with status {child.returncode} before it started serving"
+            )
         text = line.decode().strip()
         if text.startswith(ENGINE_PORT_LINE):
-            return child, int(text[len(ENGINE_PORT_LINE):])
+            return child, int(text[len(ENGINE_PORT_LINE) :])
 
 
 class _ModelServiceSupervisor:
@@ -102,7 +112,8 @@ class _ModelServiceSupervisor:
 
     async def start(self) -> int:
         self.child, self.port = await _start_model_service(
-            _model_service_argv(self._args, "127.0.0.1", self.port))
+            _model_service_argv(self._args, "127.0.0.1", self.port)
+        )
         self._watch = asyncio.get_running_loop().create_task(self._restart_when_dead())
         return self.port
 
@@ -118,7 +129,8 @@ class _ModelServiceSupervisor:
             delay_s = min(delay_s * 2, self.MAX_DELAY_S)
             try:
                 self.child, _ = await _start_model_service(
-                    _model_service_argv(self._args, "127.0.0.1", self.port))
+                    _model_service_argv(self._args, "127.0.0.1", self.port)
+                )
             except RuntimeError as error:  # died while starting: wait() returns at once
                 log.warning("model_service_restart_failed", error=str(error))
                 continue
@@ -151,14 +163,19 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def _add_serve(commands) -> None:
-    serve = commands.add_parser("serve", help="model service + scheduler, two processes",
-                                formatter_class=argparse.RawTextHelpFormatter)
+    serve = commands.add_parser(
+        "serve",
+        help="model service + scheduler, two processes",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     _add_model_flags(serve)
     scheduler_cli.add_scheduler_flags(serve)
-    serve.add_argument("--engine-port", type=int, default=50052,
-                       help="model service port (0 picks a free one)")
-    serve.add_argument("--sample", default=None,
-                       help="once serving, stream a completion of this chat prompt")
+    serve.add_argument(
+        "--engine-port", type=int, default=50052, help="model service port (0 picks a free one)"
+    )
+    serve.add_argument(
+        "--sample", default=None, help="once serving, stream a completion of this chat prompt"
+    )
 
 
 def _add_model_service(commands) -> None:
@@ -167,13 +184,17 @@ def _add_model_service(commands) -> None:
     add_flags(model, ModelServiceConfig, only=_MODEL_ADDRESS_FIELDS)  # its own defaults
     model.add_argument("--tls-cert", default="", help="PEM certificate: serve over TLS")
     model.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    model.add_argument("--tls-client-ca", default="",
-                       help="PEM CA: require client certificates it signed (mutual TLS)")
+    model.add_argument(
+        "--tls-client-ca",
+        default="",
+        help="PEM CA: require client certificates it signed (mutual TLS)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="planserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="planserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--log-level", default="info")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve(commands)
@@ -198,8 +219,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.command == "model-service":
         # Replace this process: the model service is its own program (and imports torch).
-        tls = [f"--{flag.replace('_', '-')}={getattr(args, flag)}"
-               for flag in ("tls_cert", "tls_key", "tls_client_ca") if getattr(args, flag)]
+        tls = [
+            f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+            for flag in ("tls_cert", "tls_key", "tls_client_ca")
+            if getattr(args, flag)
+        ]
         os.execv(sys.executable, _model_service_argv(args, args.host, args.port) + tls)
     if args.command == "conformance":
         return conformance.run_command(args)  # exit status 1 when a check failed

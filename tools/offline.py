@@ -12,6 +12,7 @@ gRPC client sends and pass the same validation (intake.py); the same Scheduler p
 the same protobuf codec the Execute stream uses, and the result comes back the same way. So the
 outputs equal a server's for the same requests (greedy, or seeded).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,15 +23,16 @@ from typing import Any, Optional, Sequence, Union
 
 from planserve.v1 import common_pb2, generate_pb2
 from scheduler_service.api import intake
-from scheduler_service.core import plan as plan_codec
-from scheduler_service.text import structured
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.engine.client import EngineFacts
-from scheduler_service.text.outputs import OutputProcessor
-from scheduler_service.core.request import Request
 from scheduler_service.api.streams import Collected, finish_reason_name
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.core import plan as plan_codec
+from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.client import EngineFacts
+from scheduler_service.text import structured
+from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -81,16 +83,18 @@ class SamplingParams:
             stopping.min_new_tokens = self.min_tokens
         if self.n != 1:
             pb.n = self.n
-        kinds = [name for name in ("json_schema", "regex", "choice")
-                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
-                                                         else [])
+        kinds = [
+            name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
         if len(kinds) > 1:
-            raise ValueError(f"{kinds[1]}: only one of json_schema, regex, choice or "
-                             "json_object may be set")
+            raise ValueError(
+                f"{kinds[1]}: only one of json_schema, regex, choice or json_object may be set"
+            )
         if self.json_schema is not None:
             schema = self.json_schema
-            pb.structured_output.json_schema = (schema if isinstance(schema, str)
-                                                else json.dumps(schema))
+            pb.structured_output.json_schema = (
+                schema if isinstance(schema, str) else json.dumps(schema)
+            )
         elif self.regex is not None:
             pb.structured_output.regex = self.regex
         elif self.choice is not None:
@@ -139,6 +143,7 @@ class InProcessEngine:
 
     def __init__(self, runner):
         from model_service import batch
+
         self.runner = runner
         self._batch = batch
 
@@ -150,7 +155,8 @@ class InProcessEngine:
         plan = self._batch.from_pb(plan_codec.to_pb(step), self.runner.limits)
         output = self.runner.execute(plan)
         result = plan_codec.result_from_pb(
-            self._batch.result_to_pb(output, total_ns=time.perf_counter_ns() - received))
+            self._batch.result_to_pb(output, total_ns=time.perf_counter_ns() - received)
+        )
         if result.step_id != step.step_id:
             raise RuntimeError(f"result for step {result.step_id}, expected {step.step_id}")
         return result
@@ -165,31 +171,44 @@ class LLM:
     ModelServiceConfig (num_kv_blocks, max_model_len, kv_cache_memory_bytes, ...), and
     `scheduler_options` to SchedulerConfig (max_num_seqs, max_num_batched_tokens, policy, ...)."""
 
-    def __init__(self, model: str = "smollm2", dtype: str = "auto", device: str = "auto",
-                 scheduler_options: Optional[dict] = None, **engine_options):
+    def __init__(
+        self,
+        model: str = "smollm2",
+        dtype: str = "auto",
+        device: str = "auto",
+        scheduler_options: Optional[dict] = None,
+        **engine_options,
+    ):
         from model_service.config import ModelServiceConfig
         from model_service.loader import load_model
         from model_service.runner import ModelRunner
         from model_service.server import warm_up
 
-        engine_config = ModelServiceConfig(model=model, dtype=dtype, device=device,
-                                           **engine_options).validate()
+        engine_config = ModelServiceConfig(
+            model=model, dtype=dtype, device=device, **engine_options
+        ).validate()
         runner = ModelRunner(load_model(engine_config), engine_config)
         warm_up(runner)  # one real step, as the model service does before serving
         self.engine = InProcessEngine(runner)
         self.facts = self.engine.describe()
         self.config = SchedulerConfig(**(scheduler_options or {})).validate()
-        self.tokenizer = Tokenizer(self.facts.tokenizer_json, self.facts.chat_template,
-                                   self.facts.special_tokens)
+        self.tokenizer = Tokenizer(
+            self.facts.tokenizer_json, self.facts.chat_template, self.facts.special_tokens
+        )
         self.scheduler = Scheduler(
-            self.config, self.facts,
-            OutputProcessor(self.tokenizer, self.facts.eos_token_ids, self.facts.max_model_len))
+            self.config,
+            self.facts,
+            OutputProcessor(self.tokenizer, self.facts.eos_token_ids, self.facts.max_model_len),
+        )
         self.grammars = structured.GrammarCompiler(
-            self.facts.tokenizer_json, self.facts.eos_token_ids, self.facts.vocab_size)
+            self.facts.tokenizer_json, self.facts.eos_token_ids, self.facts.vocab_size
+        )
 
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-                 ) -> list[RequestResult]:
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    ) -> list[RequestResult]:
         """Generates for every prompt (a string, a list of token ids, or chat messages as
         [{"role", "content"}, ...]), all batched together by the scheduler; results in the
         prompts' order. Bad input raises ValueError naming the field, before anything runs."""
@@ -205,9 +224,11 @@ class LLM:
         requests = [self._request(prompt, p) for prompt, p in zip(prompts, params)]
         return self._run(prompts, requests)
 
-    def chat(self, conversations: Union[Sequence[dict], Sequence[Sequence[dict]]],
-             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-             ) -> list[RequestResult]:
+    def chat(
+        self,
+        conversations: Union[Sequence[dict], Sequence[Sequence[dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    ) -> list[RequestResult]:
         """generate() for chat conversations, rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -226,8 +247,9 @@ class LLM:
             pb.token_ids.SetInParent()
         params.fill(pb)
         try:
-            request = intake.to_request(pb, self.facts, self.tokenizer,
-                                        self.scheduler.kv.capacity_tokens)
+            request = intake.to_request(
+                pb, self.facts, self.tokenizer, self.scheduler.kv.capacity_tokens
+            )
             if request.structured is not None:
                 request.guide = self.grammars.compile(request.structured).new_guide()
         except (intake.InvalidRequest, structured.StructuredOutputError) as error:
@@ -251,16 +273,28 @@ class LLM:
             if step.is_empty:
                 num_idle_steps += 1
                 if num_idle_steps > 100:
-                    raise RuntimeError("the scheduler cannot place a waiting request "
-                                       "(the KV cache is too small for it)")
+                    raise RuntimeError(
+                        "the scheduler cannot place a waiting request "
+                        "(the KV cache is too small for it)"
+                    )
                 continue
             num_idle_steps = 0
             collect(scheduler.update(step, self.engine.execute(step)))
         collect(scheduler.take_early_outputs())
-        return [RequestResult(
-            request_id=request.request_id, prompt=prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[CompletionOutput(index=index, text=sample.text, token_ids=sample.token_ids,
-                                      finish_reason=finish_reason_name(sample.finish_reason))
-                     for index, sample in enumerate(collected[request.request_id].samples)])
-            for prompt, request in zip(prompts, requests)]
+        return [
+            RequestResult(
+                request_id=request.request_id,
+                prompt=prompt,
+                prompt_token_ids=list(request.prompt_token_ids),
+                outputs=[
+                    CompletionOutput(
+                        index=index,
+                        text=sample.text,
+                        token_ids=sample.token_ids,
+                        finish_reason=finish_reason_name(sample.finish_reason),
+                    )
+                    for index, sample in enumerate(collected[request.request_id].samples)
+                ],
+            )
+            for prompt, request in zip(prompts, requests)
+        ]

@@ -27,7 +27,7 @@ class RequestResult:
     id: str
     prompt_tokens: int
     max_new_tokens: int
-    sent_s: float = 0.0                    # since the run's start
+    sent_s: float = 0.0  # since the run's start
     chunk_times_s: list[float] = dataclasses.field(default_factory=list)  # since the run's start
     chunk_tokens: list[int] = dataclasses.field(default_factory=list)
     end_s: float = 0.0
@@ -66,7 +66,9 @@ class GrpcBackend:
         for channel in self._channels:
             await channel.close()
 
-    async def send(self, request: BenchRequest, result: RequestResult, start: float, index: int) -> None:
+    async def send(
+        self, request: BenchRequest, result: RequestResult, start: float, index: int
+    ) -> None:
         pb = self._pb.GenerateRequest(request_id=f"{request.id}-{index}")
         ids = request.prompt_ids
         if self.vocab_size and max(ids) >= self.vocab_size:
@@ -100,23 +102,34 @@ class OpenAIBackend:
         import httpx
 
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(3600.0), limits=limits)
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(3600.0), limits=limits
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self._client.aclose()
 
-    async def send(self, request: BenchRequest, result: RequestResult, start: float, index: int) -> None:
+    async def send(
+        self, request: BenchRequest, result: RequestResult, start: float, index: int
+    ) -> None:
         body = {
-            "model": self.model, "prompt": request.prompt_ids, "max_tokens": request.max_new_tokens,
-            "temperature": 0.0, "stream": True, "ignore_eos": request.ignore_eos,
-            "stream_options": {"include_usage": True}, **self.extra_body,
+            "model": self.model,
+            "prompt": request.prompt_ids,
+            "max_tokens": request.max_new_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": request.ignore_eos,
+            "stream_options": {"include_usage": True},
+            **self.extra_body,
         }
         result.sent_s = time.perf_counter() - start
         usage_tokens = None
         async with self._client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+                raise RuntimeError(
+                    f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                )
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -132,15 +145,26 @@ class OpenAIBackend:
                     result.chunk_tokens.append(1)
         result.end_s = time.perf_counter() - start
         # Servers may merge tokens into one event (or send empty-text tokens): trust their count.
-        if usage_tokens is not None and result.chunk_tokens and usage_tokens != result.output_tokens:
+        if (
+            usage_tokens is not None
+            and result.chunk_tokens
+            and usage_tokens != result.output_tokens
+        ):
             result.chunk_tokens[-1] += usage_tokens - result.output_tokens
 
 
-async def run_workload(backend, requests: list[BenchRequest], rate: float = math.inf, progress: bool = True,
-                       max_concurrency: Optional[int] = None, label: str = "",
-                       request_timeout_s: Optional[float] = None) -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival time; returns the results and the run's wall time. A request
-    still running after request_timeout_s is cancelled and recorded as failed ("timeout")."""
+async def run_workload(
+    backend,
+    requests: list[BenchRequest],
+    rate: float = math.inf,
+    progress: bool = True,
+    max_concurrency: Optional[int] = None,
+    label: str = "",
+    request_timeout_s: Optional[float] = None,
+) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time; returns the results and the run's wall time.
+    A request still running after request_timeout_s is cancelled and recorded as failed
+    ("timeout")."""
     results = [RequestResult(r.id, len(r.prompt_ids), r.max_new_tokens) for r in requests]
     bar = None
     if progress:
@@ -158,10 +182,14 @@ async def run_workload(backend, requests: list[BenchRequest], rate: float = math
             await asyncio.sleep(wait)
         try:
             if limit is None:
-                await asyncio.wait_for(backend.send(request, results[index], start, index), request_timeout_s)
+                await asyncio.wait_for(
+                    backend.send(request, results[index], start, index), request_timeout_s
+                )
             else:
                 async with limit:
-                    await asyncio.wait_for(backend.send(request, results[index], start, index), request_timeout_s)
+                    await asyncio.wait_for(
+                        backend.send(request, results[index], start, index), request_timeout_s
+                    )
         except asyncio.TimeoutError:
             results[index].error = f"timeout after {request_timeout_s} s"
             results[index].end_s = time.perf_counter() - start

@@ -39,10 +39,13 @@ def summarize(results: list[RequestResult], elapsed_s: float, **meta) -> dict:
     e2e = [r.end_s - r.sent_s for r in ok]
     itl = [
         (r.chunk_times_s[i] - r.chunk_times_s[i - 1]) / r.chunk_tokens[i]
-        for r in ok for i in range(1, len(r.chunk_times_s))
+        for r in ok
+        for i in range(1, len(r.chunk_times_s))
         for _ in range(r.chunk_tokens[i])  # weight each gap by its tokens: percentiles per token
     ]
-    tpot = [(r.end_s - r.chunk_times_s[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpot = [
+        (r.end_s - r.chunk_times_s[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1
+    ]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
         **meta,
@@ -99,7 +102,11 @@ def plot_run(results: list[RequestResult], path: str, title: str) -> None:
     left.set_xlabel("request (send order)")
     left.set_ylabel("ms")
     left.legend()
-    gaps = [(r.chunk_times_s[i] - r.chunk_times_s[i - 1]) * 1000 / r.chunk_tokens[i] for r in ok for i in range(1, len(r.chunk_times_s))]
+    gaps = [
+        (r.chunk_times_s[i] - r.chunk_times_s[i - 1]) * 1000 / r.chunk_tokens[i]
+        for r in ok
+        for i in range(1, len(r.chunk_times_s))
+    ]
     if gaps:
         right.hist(gaps, bins=50)
     right.set_xlabel("inter-token latency (ms)")
@@ -118,9 +125,11 @@ def plot_rate_sweep(curves: dict[str, list[dict]], path: str, title: str) -> Non
     for name, runs in curves.items():
         runs = sorted(runs, key=lambda r: r["output_tokens_per_s"] or 0)
         x = [r["output_tokens_per_s"] for r in runs]
-        for axis, key, label in ((axes[0], "itl_ms", "p99 inter-token latency (ms)"),
-                                 (axes[1], "ttft_ms", "p99 time to first token (ms)"),
-                                 (axes[2], "e2e_ms", "p50 end-to-end latency (ms)")):
+        for axis, key, label in (
+            (axes[0], "itl_ms", "p99 inter-token latency (ms)"),
+            (axes[1], "ttft_ms", "p99 time to first token (ms)"),
+            (axes[2], "e2e_ms", "p50 end-to-end latency (ms)"),
+        ):
             field = "p50" if key == "e2e_ms" else "p99"
             axis.plot(x, [r[key][field] for r in runs], "o-", label=name)
             axis.set_xlabel("output tokens/s")
@@ -134,8 +143,14 @@ def plot_rate_sweep(curves: dict[str, list[dict]], path: str, title: str) -> Non
     plt.close(fig)
 
 
-def plot_bars(rows: list[dict], path: str, title: str, key: str = "output_tokens_per_s",
-              label: str = "output tokens/s", goal: Optional[float] = None) -> None:
+def plot_bars(
+    rows: list[dict],
+    path: str,
+    title: str,
+    key: str = "output_tokens_per_s",
+    label: str = "output tokens/s",
+    goal: Optional[float] = None,
+) -> None:
     plt = _pyplot()
     fig, axis = plt.subplots(figsize=(9, 4))
     names = [r["engine"] for r in rows]

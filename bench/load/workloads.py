@@ -2,7 +2,8 @@
 
 One line per request:
 
-    {"id": "peer-000", "arrival": 0.0, "prompt_ids": [...], "max_new_tokens": 128, "ignore_eos": true}
+    {"id": "peer-000", "arrival": 0.0, "prompt_ids": [...], "max_new_tokens": 128,
+     "ignore_eos": true}
 
 `arrival` is in units of the mean inter-arrival gap: the load generator divides it by the request
 rate (requests/s), so one online file serves every rate. Offline workloads have every arrival at 0.
@@ -39,13 +40,20 @@ DEFAULT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "work
 
 _WORDS = (
     "the a of and to in is was for on that with as by at from it his her their an be this which or "
-    "had are but not have one all were when we there can been has more if will who would so no out up "
-    "into them some could time these two may then do first any my now such like our over man me even "
-    "most made after also did many before must through back years where much your way well down should "
-    "because each just those people how too little state good very make world still own see men work "
-    "long get here between both life being under never day same another know while last might us great "
-    "old year off come since against go came right used take three river mountain garden library train "
-    "city night autumn moon bread rain coffee bridge star lighthouse snow sea letter story music engine "
+    "had are but not have one all were when we there can been has more if will who would so no "
+    "out up "
+    "into them some could time these two may then do first any my now such like our over man "
+    "me even "
+    "most made after also did many before must through back years where much your way well "
+    "down should "
+    "because each just those people how too little state good very make world still own see "
+    "men work "
+    "long get here between both life being under never day same another know while last might "
+    "us great "
+    "old year off come since against go came right used take three river mountain garden "
+    "library train "
+    "city night autumn moon bread rain coffee bridge star lighthouse snow sea letter story "
+    "music engine "
     "kernel memory cache scheduler token batch stream latency throughput request model server queue"
 ).split()
 
@@ -93,7 +101,7 @@ class _TokenSource:
 
     def take(self, length: int) -> list[int]:
         start = self.rng.randrange(0, len(self.ids) - length)
-        return list(self.ids[start:start + length])
+        return list(self.ids[start : start + length])
 
 
 def _poisson_arrivals(rng: random.Random, count: int) -> list[float]:
@@ -109,17 +117,34 @@ def generate(name: str, encode, seed: int = 0) -> list[BenchRequest]:
     source = _TokenSource(encode, seed)
     rng = random.Random(seed + 2)
     if name == "peer":
-        return [BenchRequest(f"peer-{i:03d}", 0.0, source.take(32 * (i + 1)), 128) for i in range(16)]
+        return [
+            BenchRequest(f"peer-{i:03d}", 0.0, source.take(32 * (i + 1)), 128) for i in range(16)
+        ]
     if name == "offline":
-        return [BenchRequest(f"offline-{i:03d}", 0.0, source.take(rng.randint(64, 512)), rng.randint(32, 256)) for i in range(64)]
+        return [
+            BenchRequest(
+                f"offline-{i:03d}", 0.0, source.take(rng.randint(64, 512)), rng.randint(32, 256)
+            )
+            for i in range(64)
+        ]
     if name == "online":
         arrivals = _poisson_arrivals(rng, 200)
-        return [BenchRequest(f"online-{i:03d}", a, source.take(rng.randint(64, 512)), rng.randint(32, 256)) for i, a in enumerate(arrivals)]
+        return [
+            BenchRequest(
+                f"online-{i:03d}", a, source.take(rng.randint(64, 512)), rng.randint(32, 256)
+            )
+            for i, a in enumerate(arrivals)
+        ]
     if name == "shared_prefix":
         systems = [source.take(384) for _ in range(4)]
         arrivals = _poisson_arrivals(rng, 64)
         return [
-            BenchRequest(f"shared-{i:03d}", a, systems[rng.randrange(4)] + source.take(rng.randint(32, 96)), rng.randint(32, 128))
+            BenchRequest(
+                f"shared-{i:03d}",
+                a,
+                systems[rng.randrange(4)] + source.take(rng.randint(32, 96)),
+                rng.randint(32, 128),
+            )
             for i, a in enumerate(arrivals)
         ]
     if name == "long_prompt":
@@ -152,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in WORKLOADS:
         requests = generate(name, encode, args.seed)
         save(requests, path_of(name, args.out))
-        print(f"{path_of(name, args.out)}: {len(requests)} requests, {sum(len(r.prompt_ids) for r in requests)} prompt tokens")
+        print(
+            f"{path_of(name, args.out)}: {len(requests)} requests, "
+            f"{sum(len(r.prompt_ids) for r in requests)} prompt tokens"
+        )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,15 @@ def convert(out: str) -> None:
         a = reloaded.generate(ids, max_new_tokens=8, do_sample=False)
         b = model.eval().generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(a, b), (a, b)
-    print(f"{out}: {sum(p.numel() for p in model.parameters())} parameters; greedy: {tokenizer.decode(a[0])!r}")
+    print(
+        f"{out}: {sum(p.numel() for p in model.parameters())} parameters; greedy: "
+        f"{tokenizer.decode(a[0])!r}"
+    )
 
 
 if __name__ == "__main__":
-    convert(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), ".work", "smollm2-hf"))
+    convert(
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.join(os.path.dirname(__file__), ".work", "smollm2-hf")
+    )

@@ -50,7 +50,9 @@ class Rejected(Exception):
 
     @classmethod
     def invalid(cls, field: str, detail: str) -> "Rejected":
-        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {detail}", field=field, detail=detail)
+        return cls(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {detail}", field=field, detail=detail
+        )
 
     @property
     def trailing_metadata(self) -> tuple:
@@ -139,7 +141,9 @@ class Admission:
         retry_after_ms = overload.retry_after_ms(waiting_tokens, frontend.tokens_per_s)
         self.count_rejection("queue_full")
         raise Rejected(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry after {retry_after_ms} ms", retry_after_ms
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{why}; retry after {retry_after_ms} ms",
+            retry_after_ms,
         )
 
     async def _compile_grammar(self, request: Request) -> None:
@@ -171,14 +175,17 @@ class Admission:
             ids = serving.tokenizer.encode(pb.text, add_special_tokens=pb.add_special_tokens)
         else:
             raise Rejected.invalid("input", "one of text or messages must be set")
-        return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=serving.facts.max_model_len)
+        return generate_pb2.TokenizeResponse(
+            token_ids=ids, max_model_len=serving.facts.max_model_len
+        )
 
     def detokenize(self, pb: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
         facts = self.serving.facts
         if len(pb.token_ids) > facts.max_model_len:
             raise Rejected.invalid(
                 "token_ids",
-                f"at most {facts.max_model_len} ids (the model's max length), got {len(pb.token_ids)}",
+                f"at most {facts.max_model_len} ids (the model's max length), got "
+                f"{len(pb.token_ids)}",
             )
         for index, token_id in enumerate(pb.token_ids):
             if token_id >= facts.vocab_size:
@@ -186,5 +193,7 @@ class Admission:
                     f"token_ids[{index}]",
                     f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
                 )
-        text = self.serving.tokenizer.decode(pb.token_ids, skip_special_tokens=pb.skip_special_tokens)
+        text = self.serving.tokenizer.decode(
+            pb.token_ids, skip_special_tokens=pb.skip_special_tokens
+        )
         return generate_pb2.DetokenizeResponse(text=text)

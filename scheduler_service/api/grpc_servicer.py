@@ -81,7 +81,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         outstanding = Outstanding(frontend)  # in-flight requests of this stream
         sink = overload.StreamBuffer(self._max_buffered, outstanding.abort_all)  # one bound
         done_reading = object()
-        reader = asyncio.ensure_future(self._read_session(request_iterator, outstanding, sink, done_reading))
+        reader = asyncio.ensure_future(
+            self._read_session(request_iterator, outstanding, sink, done_reading)
+        )
         reading = True
         try:
             while reading or outstanding:
@@ -122,7 +124,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 if kind == "generate":
                     pb = message.generate
                     if not pb.request_id:
-                        error("", grpc.StatusCode.INVALID_ARGUMENT, "request_id: must be set on a Session")
+                        error(
+                            "",
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            "request_id: must be set on a Session",
+                        )
                         continue
                     try:
                         req = await self.admission.admit(pb)
@@ -148,7 +154,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         serving = await self._serving(context)
         if not serving.frontend.abort_request(request.request_id):
             await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"request_id: no request {request.request_id!r} in flight"
+                grpc.StatusCode.NOT_FOUND,
+                f"request_id: no request {request.request_id!r} in flight",
             )
         return generate_pb2.AbortResponse()
 

@@ -43,12 +43,19 @@ class HttpServer:
             sock.bind((self._host, self._requested_port))
         except OSError as error:
             sock.close()
-            raise RuntimeError(f"http_port {self._requested_port} on {self._host}: "
-                               f"{error.strerror or error}") from None
+            raise RuntimeError(
+                f"http_port {self._requested_port} on {self._host}: {error.strerror or error}"
+            ) from None
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, server_header=False)
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            server_header=False,
+        )
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:

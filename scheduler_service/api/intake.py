@@ -3,6 +3,7 @@
 Every bound is checked here, before anything is queued, and a violation names the field and
 the bound (admission.py turns `InvalidRequest` into an INVALID_ARGUMENT `Rejected` carrying both).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -11,9 +12,9 @@ import uuid
 from typing import Optional
 
 from planserve.v1 import generate_pb2
-from scheduler_service.text import structured
-from scheduler_service.engine.client import EngineFacts
 from scheduler_service.core.request import Request, Sampling, Stopping
+from scheduler_service.engine.client import EngineFacts
+from scheduler_service.text import structured
 from scheduler_service.text.tokenizer import Tokenizer
 
 DEFAULT_TEMPERATURE = 1.0
@@ -42,8 +43,9 @@ class InvalidRequest(ValueError):
         self.detail = detail
 
 
-def prompt_token_ids(pb: generate_pb2.GenerateRequest, facts: EngineFacts,
-                      tokenizer: Tokenizer) -> list[int]:
+def prompt_token_ids(
+    pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: Tokenizer
+) -> list[int]:
     kind = pb.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("prompt", "one of text, token_ids or messages must be set")
@@ -59,22 +61,26 @@ def prompt_token_ids(pb: generate_pb2.GenerateRequest, facts: EngineFacts,
             if token_id >= facts.vocab_size:
                 raise InvalidRequest(
                     f"token_ids.ids[{index}]",
-                    f"{token_id} is outside the vocabulary [0, {facts.vocab_size})")
+                    f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
+                )
         return ids
     messages = pb.messages.messages
     if not messages:
         raise InvalidRequest("messages.messages", "must hold at least one message")
     for index, message in enumerate(messages):
         if message.role not in ("system", "user", "assistant"):
-            raise InvalidRequest(f"messages.messages[{index}].role",
-                                 f"must be system, user or assistant, got {message.role!r}")
+            raise InvalidRequest(
+                f"messages.messages[{index}].role",
+                f"must be system, user or assistant, got {message.role!r}",
+            )
     if not tokenizer.has_chat_template:
         raise InvalidRequest("messages", "the served model has no chat template")
     return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
 
 
-def _bounded(params, name: str, default: float, low: float, high: float,
-             low_open: bool = False) -> float:
+def _bounded(
+    params, name: str, default: float, low: float, high: float, low_open: bool = False
+) -> float:
     """A float field's value (or default), rejected outside [low, high] ((low, high] when
     low_open); NaN fails every comparison and is rejected too."""
     if not params.HasField(name):
@@ -83,21 +89,29 @@ def _bounded(params, name: str, default: float, low: float, high: float,
     inside = (low < value if low_open else low <= value) and value <= high
     if not inside:
         bracket = "(" if low_open else "["
-        raise InvalidRequest(f"sampling.{name}", f"must be in {bracket}{low:g}, {high:g}], got {value}")
+        raise InvalidRequest(
+            f"sampling.{name}", f"must be in {bracket}{low:g}, {high:g}], got {value}"
+        )
     return value
 
 
 def _logit_bias(params, facts: EngineFacts) -> tuple[tuple[int, float], ...]:
     if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidRequest("sampling.logit_bias",
-                             f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}")
+        raise InvalidRequest(
+            "sampling.logit_bias",
+            f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}",
+        )
     for token_id, bias in params.logit_bias.items():
         if token_id >= facts.vocab_size:
-            raise InvalidRequest(f"sampling.logit_bias[{token_id}]",
-                                 f"{token_id} is outside the vocabulary [0, {facts.vocab_size})")
+            raise InvalidRequest(
+                f"sampling.logit_bias[{token_id}]",
+                f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
+            )
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise InvalidRequest(f"sampling.logit_bias[{token_id}]",
-                                 f"must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+            raise InvalidRequest(
+                f"sampling.logit_bias[{token_id}]",
+                f"must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+            )
     return tuple(sorted(params.logit_bias.items()))
 
 
@@ -117,7 +131,10 @@ def _sampling(pb: generate_pb2.GenerateRequest, facts: EngineFacts) -> Sampling:
     # An unseeded request still gets a seed, so that preemption and recompute reproduce it.
     seed = params.seed if params.HasField("seed") else secrets.randbits(63)
     return Sampling(
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
         min_p=_bounded(params, "min_p", 0.0, 0.0, 1.0),
         repetition_penalty=_bounded(params, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
         presence_penalty=_bounded(params, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
@@ -126,8 +143,12 @@ def _sampling(pb: generate_pb2.GenerateRequest, facts: EngineFacts) -> Sampling:
     )
 
 
-def _stopping(pb: generate_pb2.GenerateRequest, num_prompt_tokens: int,
-              facts: EngineFacts, capacity_tokens: int) -> Stopping:
+def _stopping(
+    pb: generate_pb2.GenerateRequest,
+    num_prompt_tokens: int,
+    facts: EngineFacts,
+    capacity_tokens: int,
+) -> Stopping:
     stopping = pb.stopping
     # A sequence may never outgrow the model nor the whole KV cache (alone, it always fits).
     room = min(facts.max_model_len, capacity_tokens) - num_prompt_tokens
@@ -138,22 +159,27 @@ def _stopping(pb: generate_pb2.GenerateRequest, num_prompt_tokens: int,
             raise InvalidRequest(
                 "stopping.max_new_tokens",
                 f"must be in [1, {facts.max_model_len}] (the model's max length), "
-                f"got {max_new_tokens}")
+                f"got {max_new_tokens}",
+            )
     if len(stopping.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest("stopping.stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for index, stop in enumerate(stopping.stop):
         if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
-            raise InvalidRequest(f"stopping.stop[{index}]",
-                                 f"length must be in [1, {MAX_STOP_STRING_CHARS}]")
+            raise InvalidRequest(
+                f"stopping.stop[{index}]", f"length must be in [1, {MAX_STOP_STRING_CHARS}]"
+            )
     for index, token_id in enumerate(stopping.stop_token_ids):
         if token_id >= facts.vocab_size:
             raise InvalidRequest(
                 f"stopping.stop_token_ids[{index}]",
-                f"{token_id} is outside the vocabulary [0, {facts.vocab_size})")
+                f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
+            )
     min_new_tokens = stopping.min_new_tokens if stopping.HasField("min_new_tokens") else 0
     if min_new_tokens > max_new_tokens:
-        raise InvalidRequest("stopping.min_new_tokens",
-                             f"must be in [0, max_new_tokens {max_new_tokens}], got {min_new_tokens}")
+        raise InvalidRequest(
+            "stopping.min_new_tokens",
+            f"must be in [0, max_new_tokens {max_new_tokens}], got {min_new_tokens}",
+        )
     return Stopping(
         min_new_tokens=min_new_tokens,
         max_new_tokens=min(max_new_tokens, room),
@@ -167,8 +193,9 @@ def _stream_interval(pb: generate_pb2.GenerateRequest) -> int:
     if not pb.HasField("stream_interval"):
         return 1
     if not 1 <= pb.stream_interval <= MAX_STREAM_INTERVAL:
-        raise InvalidRequest("stream_interval",
-                             f"must be in [1, {MAX_STREAM_INTERVAL}], got {pb.stream_interval}")
+        raise InvalidRequest(
+            "stream_interval", f"must be in [1, {MAX_STREAM_INTERVAL}], got {pb.stream_interval}"
+        )
     return pb.stream_interval
 
 
@@ -182,17 +209,20 @@ def _structured(pb: generate_pb2.GenerateRequest) -> Optional[structured.Structu
         raise InvalidRequest(error.field, error.message) from None
 
 
-def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: Tokenizer,
-               capacity_tokens: int) -> Request:
+def to_request(
+    pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: Tokenizer, capacity_tokens: int
+) -> Request:
     prompt = prompt_token_ids(pb, facts, tokenizer)
     if len(prompt) >= facts.max_model_len:
         raise InvalidRequest(
-            "prompt", f"{len(prompt)} tokens; must be below the model's max length "
-                      f"{facts.max_model_len}")
+            "prompt",
+            f"{len(prompt)} tokens; must be below the model's max length {facts.max_model_len}",
+        )
     if len(prompt) >= capacity_tokens:
         raise InvalidRequest(
-            "prompt", f"{len(prompt)} tokens; must be below the KV cache's capacity "
-                      f"{capacity_tokens}")
+            "prompt",
+            f"{len(prompt)} tokens; must be below the KV cache's capacity {capacity_tokens}",
+        )
     if len(pb.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
     if len(pb.tenant) > MAX_TENANT_CHARS:
@@ -206,12 +236,15 @@ def to_request(pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: 
         raise InvalidRequest("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
     top_logprobs = pb.top_logprobs if pb.HasField("top_logprobs") else 0
     if top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        raise InvalidRequest(
+            "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
+        )
     if pb.HasField("top_logprobs") and not pb.logprobs:
         raise InvalidRequest("top_logprobs", "needs logprobs set")
     if pb.HasField("prompt_logprobs") and pb.prompt_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest("prompt_logprobs",
-                             f"must be in [0, {MAX_TOP_LOGPROBS}], got {pb.prompt_logprobs}")
+        raise InvalidRequest(
+            "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {pb.prompt_logprobs}"
+        )
     arrival = time.monotonic()
     return Request(
         request_id=pb.request_id or uuid.uuid4().hex,

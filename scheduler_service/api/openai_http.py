@@ -111,21 +111,28 @@ class OpenAIApp:
     async def _validation_error(_, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         if first.get("type") == "json_invalid":
-            return ApiError(400, f"body: not valid JSON ({first.get('ctx', {}).get('error')})").response()
+            return ApiError(
+                400, f"body: not valid JSON ({first.get('ctx', {}).get('error')})"
+            ).response()
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        return ApiError(400, f"{where}: {first.get('msg', 'invalid request')}", param=param).response()
+        return ApiError(
+            400, f"{where}: {first.get('msg', 'invalid request')}", param=param
+        ).response()
 
     def _serving(self, model: Optional[str] = None) -> Serving:
         """The serving state; 503 before the engine answered Describe, 404 for another model."""
         serving = self.admission.serving
         if serving is None:
-            raise ApiError(503, "the model service has not answered Describe yet", "service_unavailable")
+            raise ApiError(
+                503, "the model service has not answered Describe yet", "service_unavailable"
+            )
         if model is not None and model != serving.facts.model_name:
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{serving.facts.model_name}`",
+                f"The model `{model}` does not exist; this server serves "
+                f"`{serving.facts.model_name}`",
                 param="model",
                 code="model_not_found",
             )
@@ -164,7 +171,11 @@ class OpenAIApp:
             reply = self.admission.tokenize(pb)
         except Rejected as rejected:
             raise rejected_error(rejected, body.messages is not None) from None
-        return {"count": len(reply.token_ids), "max_model_len": reply.max_model_len, "tokens": list(reply.token_ids)}
+        return {
+            "count": len(reply.token_ids),
+            "max_model_len": reply.max_model_len,
+            "tokens": list(reply.token_ids),
+        }
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self._serving(body.model)
@@ -174,7 +185,7 @@ class OpenAIApp:
         try:
             reply = self.admission.detokenize(generate_pb2.DetokenizeRequest(token_ids=body.tokens))
         except Rejected as rejected:  # the body calls the public request's token_ids tokens
-            message = rejected.field.replace("token_ids", "tokens", 1) + ": " + rejected.detail
+            message = rejected.message.replace("token_ids", "tokens", 1)
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None
         return {"prompt": reply.text}
 
@@ -253,7 +264,9 @@ class _Response:
             "usage": self.totals.as_dict(),
         }
 
-    def _chunk(self, choices: list[dict], usage: Optional[dict] = None, with_usage: bool = False) -> str:
+    def _chunk(
+        self, choices: list[dict], usage: Optional[dict] = None, with_usage: bool = False
+    ) -> str:
         payload = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -276,8 +289,8 @@ class _Response:
             if chat:  # the role first, once per choice
                 for index in range(req.n):
                     delta = {"role": "assistant", "content": ""}
-                    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                    yield self._chunk([choice], with_usage=include_usage)
+                    role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                    yield self._chunk([role], with_usage=include_usage)
             async for output in stream:
                 if output.finish_reason is not None:
                     self.totals.add(output)
@@ -288,7 +301,9 @@ class _Response:
                     choice["delta"] = {"content": output.text} if output.text else {}
                 else:
                     choice["text"] = output.text
-                choice["logprobs"] = self._logprobs(output.logprobs, completion_logprobs[output.index])
+                choice["logprobs"] = self._logprobs(
+                    output.logprobs, completion_logprobs[output.index]
+                )
                 choice["finish_reason"] = finish_reason_name(output.finish_reason)
                 if self.body.return_token_ids:
                     choice["token_ids"] = output.token_ids

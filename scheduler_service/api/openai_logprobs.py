@@ -5,6 +5,7 @@ Completions (legacy): {"tokens": [...], "token_logprobs": [...], "top_logprobs":
 A token's text is its own decode (byte-level pieces that are not valid UTF-8 alone decode with
 replacement characters; `bytes` carries the exact UTF-8 of that text, as OpenAI does).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,9 +23,12 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
         text = _text(tokenizer, token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [
-        dict(item(e.token_id, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top])
-        for e in entries]}
+    return {
+        "content": [
+            dict(item(e.token_id, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top])
+            for e in entries
+        ]
+    }
 
 
 class CompletionLogprobs:

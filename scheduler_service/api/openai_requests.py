@@ -10,7 +10,7 @@ naming the public request's field; `rejected_error` names the body's parameter f
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -54,7 +54,13 @@ class ApiError(Exception):
         retry_after_ms: Optional[int] = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (status, message, type_, param, code)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
         self.retry_after_ms = retry_after_ms
 
     def response(self, headers: Optional[dict] = None) -> JSONResponse:
@@ -202,7 +208,9 @@ def structured_param(body: _Common) -> Optional[str]:
     if body.response_format is not None and body.response_format.get("type") == "text":
         used.remove("response_format")
     if len(used) > 1:
-        raise ApiError(400, f"{used[1]}: only one of {', '.join(_GUIDED)} may be set", param=used[1])
+        raise ApiError(
+            400, f"{used[1]}: only one of {', '.join(_GUIDED)} may be set", param=used[1]
+        )
     return used[0] if used else None
 
 
@@ -238,7 +246,9 @@ def _response_format_to_pb(response_format: dict, out) -> None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ApiError(
-                400, "response_format.json_schema.schema: must be a JSON schema object", param="response_format"
+                400,
+                "response_format.json_schema.schema: must be a JSON schema object",
+                param="response_format",
             )
         out.json_schema = json.dumps(schema)
     else:
@@ -268,7 +278,8 @@ def chat_turns(messages: list[ChatMessage], target, only_text: bool = True) -> N
                     if part.type != "text":
                         raise ApiError(
                             400,
-                            f"messages[{index}].content: only text parts are supported, got {part.type!r}",
+                            f"messages[{index}].content: only text parts are supported, got "
+                            f"{part.type!r}",
                             param="messages",
                         )
             content = "".join(part.text or "" for part in content)
@@ -285,7 +296,9 @@ def _completion_prompt_to_pb(body: CompletionRequest, pb: generate_pb2.GenerateR
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise ApiError(
-                400, f"prompt: one prompt per request (a batch of {len(prompt)} is not supported)", param="prompt"
+                400,
+                f"prompt: one prompt per request (a batch of {len(prompt)} is not supported)",
+                param="prompt",
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -315,7 +328,9 @@ def _sampling_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
         try:
             pb.sampling.logit_bias[int(key)] = bias
         except (ValueError, TypeError, OverflowError):
-            raise ApiError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+            raise ApiError(
+                400, f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+            ) from None
 
 
 def _stopping_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
@@ -334,10 +349,15 @@ def to_pb(body: _Common, request_id: str) -> generate_pb2.GenerateRequest:
         _completion_prompt_to_pb(body, pb)
         max_tokens = body.max_tokens
     else:
+        body = cast(ChatCompletionRequest, body)
         if body.tools:
             raise ApiError(400, "tools: not supported", param="tools")
         chat_turns(body.messages, pb.messages)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
     if max_tokens is not None:
         _set(pb.stopping, "max_new_tokens", max_tokens, "max_tokens")
     _sampling_to_pb(body, pb)
@@ -356,7 +376,9 @@ def _logprobs_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
         if body.logprobs is None:
             return
         if isinstance(body.logprobs, bool) or not isinstance(body.logprobs, int):
-            raise ApiError(400, "logprobs: must be an integer count of alternatives", param="logprobs")
+            raise ApiError(
+                400, "logprobs: must be an integer count of alternatives", param="logprobs"
+            )
         pb.logprobs = True
         _set(pb, "top_logprobs", body.logprobs, "logprobs")
         return

@@ -7,6 +7,7 @@ buffer grow by one chunk per step for as long as its request runs (and keep its 
 `max_chunks` unread chunks the request is aborted (its blocks are freed in the next step) and the
 stream ends with RESOURCE_EXHAUSTED naming the bound, once gRPC takes the chunks already queued.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,14 +35,19 @@ def retry_trailing_metadata(code, message: str, retry_after_ms: int) -> tuple:
     detail = any_pb2.Any()
     detail.Pack(info)
     status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
-    return ((RETRY_AFTER_KEY, str(retry_after_ms)),
-            (STATUS_DETAILS_KEY, status.SerializeToString()))
+    return (
+        (RETRY_AFTER_KEY, str(retry_after_ms)),
+        (STATUS_DETAILS_KEY, status.SerializeToString()),
+    )
 
 
 def num_waiting_tokens(scheduler) -> int:
     """Tokens the waiting requests (fresh and preempted) still have to compute to be admitted."""
-    return sum(r.num_tokens_to_compute for r in scheduler.requests.values()
-               if r.status is RequestStatus.WAITING)
+    return sum(
+        r.num_tokens_to_compute
+        for r in scheduler.requests.values()
+        if r.status is RequestStatus.WAITING
+    )
 
 
 def retry_after_ms(num_waiting_tokens: int, tokens_per_s: float) -> int:
@@ -76,9 +82,12 @@ class StreamBuffer(asyncio.Queue):
             return
         if self.qsize() >= self.max_chunks:
             self.overflowed = True
-            super().put_nowait(Overflowed(
-                f"stream buffer full: the client left {self.max_chunks} chunks unread "
-                f"(max_stream_buffer_chunks {self.max_chunks}); request aborted"))
+            super().put_nowait(
+                Overflowed(
+                    f"stream buffer full: the client left {self.max_chunks} chunks unread "
+                    f"(max_stream_buffer_chunks {self.max_chunks}); request aborted"
+                )
+            )
             self._on_overflow()
             return
         super().put_nowait(item)

@@ -6,6 +6,7 @@ call but health checks and reflection must carry `authorization: Bearer <token>`
 UNAUTHENTICATED. The channel to the model service takes TLS (`engine_tls_ca`) and a client
 certificate (`engine_tls_cert` + `engine_tls_key`) for a model service that requires mTLS.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -19,8 +20,11 @@ from grpc_reflection.v1alpha import reflection
 from scheduler_service.config import SchedulerConfig
 
 # Services a load balancer or an operator's tool must reach without the token.
-OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME,
-                 "grpc.reflection.v1.ServerReflection")
+OPEN_SERVICES = (
+    health.SERVICE_NAME,
+    reflection.SERVICE_NAME,
+    "grpc.reflection.v1.ServerReflection",
+)
 
 
 def _read(path: str) -> bytes:
@@ -34,8 +38,10 @@ def server_credentials(config: SchedulerConfig) -> Optional[grpc.ServerCredentia
         return None
     client_ca = _read(config.tls_client_ca) if config.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(_read(config.tls_key), _read(config.tls_cert))], root_certificates=client_ca,
-        require_client_auth=client_ca is not None)
+        [(_read(config.tls_key), _read(config.tls_cert))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
 
 
 def engine_channel_credentials(config: SchedulerConfig) -> Optional[grpc.ChannelCredentials]:
@@ -44,8 +50,9 @@ def engine_channel_credentials(config: SchedulerConfig) -> Optional[grpc.Channel
         return None
     key = _read(config.engine_tls_key) if config.engine_tls_key else None
     cert = _read(config.engine_tls_cert) if config.engine_tls_cert else None
-    return grpc.ssl_channel_credentials(root_certificates=_read(config.engine_tls_ca),
-                                        private_key=key, certificate_chain=cert)
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(config.engine_tls_ca), private_key=key, certificate_chain=cert
+    )
 
 
 def engine_channel_options(config: SchedulerConfig) -> tuple:
@@ -66,7 +73,7 @@ def bearer_token_ok(authorization: Optional[str], token: str) -> bool:
     """Whether an `authorization` header value carries the token (constant-time compare)."""
     if not authorization or not authorization.startswith("Bearer "):
         return False
-    return hmac.compare_digest(authorization[len("Bearer "):].strip().encode(), token.encode())
+    return hmac.compare_digest(authorization[len("Bearer ") :].strip().encode(), token.encode())
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -89,8 +96,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def refuse(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "authorization: a valid 'Bearer <token>' is required")
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, "authorization: a valid 'Bearer <token>' is required"
+        )
 
     deserialize, serialize = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -104,8 +112,10 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 def server_options(config: SchedulerConfig) -> list[tuple[str, int]]:
     """Limits of the public API's gRPC server: concurrent streams and message size."""
-    return [("grpc.max_concurrent_streams", config.max_concurrent_streams),
-            ("grpc.max_receive_message_length", config.max_message_bytes)]
+    return [
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+    ]
 
 
 def interceptors(config: SchedulerConfig) -> list[grpc.aio.ServerInterceptor]:
@@ -125,13 +135,21 @@ def add_http_bearer_auth(app, token: str) -> None:
     @app.middleware("http")
     async def require_bearer_token(request, call_next):
         if request.url.path == "/health" or bearer_token_ok(
-                request.headers.get("authorization"), token):
+            request.headers.get("authorization"), token
+        ):
             return await call_next(request)
         return JSONResponse(
-            status_code=401, headers={"WWW-Authenticate": "Bearer"},
-            content={"error": {"message": "a valid 'Authorization: Bearer <token>' is required",
-                               "type": "authentication_error", "param": None,
-                               "code": "invalid_api_key"}})
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+            content={
+                "error": {
+                    "message": "a valid 'Authorization: Bearer <token>' is required",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            },
+        )
 
 
 class _Malformed:
@@ -151,8 +169,12 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
         service = handler_call_details.method.lstrip("/").split("/", 1)[0]
         if handler is None or handler.request_deserializer is None or service in OPEN_SERVICES:
             return handler
-        behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
-                    or handler.stream_stream)
+        behavior = (
+            handler.unary_unary
+            or handler.unary_stream
+            or handler.stream_unary
+            or handler.stream_stream
+        )
         if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
             return handler  # a synchronous servicer: left as gRPC runs it
         if handler.response_streaming and not inspect.isasyncgenfunction(behavior):
@@ -172,8 +194,9 @@ def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             return _Malformed(error)
 
     async def refuse(context) -> None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request: the bytes are not a valid {type_name}")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request: the bytes are not a valid {type_name}"
+        )
 
     async def checked(iterator, context):
         async for item in iterator:
@@ -185,13 +208,16 @@ def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.request_streaming:
         behavior = handler.stream_stream or handler.stream_unary
         if handler.response_streaming:
+
             async def stream_stream(iterator, context):
                 async for item in behavior(checked(iterator, context), context):
                     yield item
+
             return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, serialize)
 
         async def stream_unary(iterator, context):
             return await behavior(checked(iterator, context), context)
+
         return grpc.stream_unary_rpc_method_handler(stream_unary, deserialize, serialize)
     if handler.response_streaming:
         behavior = handler.unary_stream
@@ -201,6 +227,7 @@ def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                 await refuse(context)
             async for item in behavior(request, context):
                 yield item
+
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, serialize)
     behavior = handler.unary_unary
 
@@ -208,4 +235,5 @@ def _tolerant(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if isinstance(request, _Malformed):
             await refuse(context)
         return await behavior(request, context)
+
     return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, serialize)

@@ -11,8 +11,9 @@ LLM).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncGenerator, Optional, Union, cast
 
 from scheduler_service.api.overload import Overflowed
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -64,15 +65,16 @@ class Outstanding:
 
 async def outputs_of(
     frontend: EngineFrontend, request: Request
-) -> AsyncIterator[Union[RequestOutput, Overflowed]]:
+) -> AsyncGenerator[Union[RequestOutput, Overflowed], None]:
     """Queues `request` (on the first read, so a client gone before leaves nothing behind) and
     yields its outputs until every sample has ended; stopping early aborts it. An `Overflowed`
     marker (a bounded stream buffer the client stopped reading) is passed on, last."""
+    outputs = cast(asyncio.Queue, request.outputs)  # a queue of the door's: it reads it
     outstanding = Outstanding(frontend)
     outstanding.add(request)
     try:
         while outstanding:
-            output = await request.outputs.get()
+            output = await outputs.get()
             if isinstance(output, Overflowed):
                 yield output
                 return

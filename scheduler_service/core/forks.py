@@ -3,16 +3,18 @@ sharing its prompt blocks (copy-on-write for the last one).
 
 A part of the Scheduler (core/scheduler.py), split off by lifecycle: it reads and writes
 the scheduler's state as the scheduler's own methods do."""
+
 from __future__ import annotations
 
 import heapq
 import time
 
+from scheduler_service.core.part import SchedulerPart
 from scheduler_service.core.plan import StepPlan
-from scheduler_service.core.request import (Request, RequestStatus)
+from scheduler_service.core.request import Request, RequestStatus
 
 
-class ParallelSamples:
+class ParallelSamples(SchedulerPart):
     """Forking the samples of a request with n > 1 (a part of Scheduler)."""
 
     def _fork_samples(self, parent: Request) -> None:
@@ -35,8 +37,11 @@ class ParallelSamples:
                 self._num_constrained += 1
             if child.deadline is not None:
                 heapq.heappush(self._deadlines, (child.deadline, child.request_id))
-            if (self.slots.num_free and len(self.running) < self.max_num_seqs
-                    and (self.kv.num_free_blocks > 0 or not needs_copy)):
+            if (
+                self.slots.num_free
+                and len(self.running) < self.max_num_seqs
+                and (self.kv.num_free_blocks > 0 or not needs_copy)
+            ):
                 self._start_fork(parent, child)
             else:
                 self.policy.add(child)
@@ -47,18 +52,25 @@ class ParallelSamples:
         child.status = RequestStatus.RUNNING
         child.slot = self.slots.allocate()
         child.first_scheduled_time = time.monotonic()
-        child.block_ids = parent.block_ids[:num_computed // self.kv.block_size]
-        copy = self.core.fork(parent.slot, child.slot, child, num_prompt_tokens,
-                              num_prompt_tokens + child.stopping.max_new_tokens)
+        child.block_ids = parent.block_ids[: num_computed // self.kv.block_size]
+        copy = self.core.fork(
+            parent.slot,
+            child.slot,
+            child,
+            num_prompt_tokens,
+            num_prompt_tokens + child.stopping.max_new_tokens,
+        )
         child.num_computed_tokens = child.num_cached_tokens = num_computed
         self._pending_forks[child.slot] = (
-            self._new_sequence(child, list(child.prompt_token_ids)), copy)
+            self._new_sequence(child, list(child.prompt_token_ids)),
+            copy,
+        )
         self.running.append(child)
 
     def _register_forks(self, plan: StepPlan) -> None:
         """Forked samples still running join the plan: registered, their copy before the
         forward. (Done last, so that a sample preempted in this very step is never sent.)"""
-        for slot, (sequence, copy) in self._pending_forks.items():
+        for sequence, copy in self._pending_forks.values():
             plan.new_sequences.append(sequence)
             if copy is not None:
                 plan.copy_src.append(copy[0])
@@ -66,4 +78,3 @@ class ParallelSamples:
         for request in self.running:
             if request.slot in self._pending_forks:
                 self._pending_forks.clear()
-

@@ -10,6 +10,7 @@ after preemption) starting with the same tokens and salt picks them up instead o
 again. This module answers the questions asked before a request runs: which cached blocks would
 it start with.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,13 @@ def salt_of(cache_salt: str, tenant: str | None = None) -> int:
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 prefix_cache_scope: str = "global"):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        prefix_cache_scope: str = "global",
+    ):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -81,8 +87,9 @@ class KVBlockManager:
             # Prompt logprobs need every prompt position computed.
             return [], 0
         token_ids = request.all_token_ids
-        hits = self.pool.match_prefix(token_ids, self.block_size, self.salt(request),
-                                      len(token_ids) - 1)
+        hits = self.pool.match_prefix(
+            token_ids, self.block_size, self.salt(request), len(token_ids) - 1
+        )
         return hits, self.pool.num_unheld(hits)
 
     def num_cached_prefix_tokens(self, request: Request) -> int:

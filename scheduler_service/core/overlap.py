@@ -4,16 +4,18 @@ engine/loop.py for the loop that keeps two plans in flight.
 
 A part of the Scheduler (core/scheduler.py), split off by lifecycle: it reads and writes
 the scheduler's state as the scheduler's own methods do."""
+
 from __future__ import annotations
 
 import time
 from typing import Optional
 
+from scheduler_service.core.part import SchedulerPart
 from scheduler_service.core.plan import StepPlan, StepResult
-from scheduler_service.core.request import (Request, RequestOutput, TokenLogprob)
+from scheduler_service.core.request import Request, RequestOutput, TokenLogprob
 
 
-class Overlap:
+class Overlap(SchedulerPart):
     """Committing a plan ahead of its result and reconciling it (a part of Scheduler)."""
 
     @property
@@ -29,9 +31,11 @@ class Overlap:
         Prefix-cache registration waits for reconcile(), when the ids are real."""
         if plan.packed is None:
             raise ValueError("commit needs a plan built by schedule()")
-        plan.prompt_starts = {index: request.num_computed_tokens
-                              for index, request in enumerate(plan.requests)
-                              if request.prompt_logprobs is not None}
+        plan.prompt_starts = {
+            index: request.num_computed_tokens
+            for index, request in enumerate(plan.requests)
+            if request.prompt_logprobs is not None
+        }
         expected = self.core.sampling_entries(plan.packed)
         self.core.advance(plan.packed, expected, cache_blocks=False)
         placeholders = {}
@@ -59,22 +63,24 @@ class Overlap:
             if not count:
                 continue
             request = plan.requests[index]
-            token_ids = result.sampled_token_ids[offset:offset + count]
+            token_ids = result.sampled_token_ids[offset : offset + count]
             offset += count
             entries = None
             if request.logprobs is not None:
                 entries = logprobs.take(token_ids, request.logprobs)
             if index not in live or index not in plan.placeholders:
                 continue
-            output = self._take_tokens(request, token_ids, entries, now,
-                                       placeholder=plan.placeholders[index])
+            output = self._take_tokens(
+                request, token_ids, entries, now, placeholder=plan.placeholders[index]
+            )
             if output is not None:
                 outputs.append((request, output))
         self.core.cache_blocks(plan.packed)
         return outputs
 
-    def _take_prompt_logprobs(self, plan: StepPlan, result: StepResult,
-                              starts: Optional[dict[int, int]] = None) -> None:
+    def _take_prompt_logprobs(
+        self, plan: StepPlan, result: StepResult, starts: Optional[dict[int, int]] = None
+    ) -> None:
         """Files the step's prompt logprobs under their requests (before advance() moves the
         computed counts: an entry's position follows from the count at planning time)."""
         reader = LogprobReader(result.prompt_logprobs, result.prompt_logprob_token_ids)
@@ -87,11 +93,11 @@ class Overlap:
             end = min(start + plan.num_scheduled_tokens[index], num_prompt - 1)
             if end <= start:
                 continue
-            targets = request.prompt_token_ids[start + 1:end + 1]
+            targets = request.prompt_token_ids[start + 1 : end + 1]
             entries = reader.take(targets, request.prompt_logprobs)
             # After a recompute, positions already held come again: keep the first copy.
             have = len(request.prompt_logprobs_out)
-            request.prompt_logprobs_out.extend(entries[max(0, have - start):])
+            request.prompt_logprobs_out.extend(entries[max(0, have - start) :])
 
 
 class LogprobReader:
@@ -107,8 +113,7 @@ class LogprobReader:
         values, ids = self._values, self._ids
         for token_id in token_ids:
             v, i = self._value_at, self._id_at
-            top = tuple(zip(ids[i:i + k], values[v + 1:v + 1 + k]))
+            top = tuple(zip(ids[i : i + k], values[v + 1 : v + 1 + k]))
             entries.append(TokenLogprob(token_id, values[v], top))
             self._value_at, self._id_at = v + 1 + k, i + k
         return entries
-

@@ -3,16 +3,17 @@ the swap space holds its KV (core/swap.py), else by recompute.
 
 A part of the Scheduler (core/scheduler.py), split off by lifecycle: it reads and writes
 the scheduler's state as the scheduler's own methods do."""
+
 from __future__ import annotations
 
-
-from scheduler_service.engine.client import EngineFacts
 from scheduler_service.core.kv_blocks import cdiv
+from scheduler_service.core.part import SchedulerPart
 from scheduler_service.core.plan import StepPlan
-from scheduler_service.core.request import (Request, RequestStatus)
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.engine.client import EngineFacts
 
 
-class Preemption:
+class Preemption(SchedulerPart):
     """Making room by preemption (a part of Scheduler)."""
 
     def _on_blocks_exhausted(self, slot: int) -> bool:
@@ -22,7 +23,8 @@ class Preemption:
         core = self.core
         request = self.running_in(slot)
         victim = self.policy.select_victim(
-            [r for r in self.running if not core.is_scheduled(r.slot)])
+            [r for r in self.running if not core.is_scheduled(r.slot)]
+        )
         self._preempt(victim, self._plan)
         return victim is request
 
@@ -76,10 +78,9 @@ class Preemption:
         before the forward (its block table was sent whole with this plan)."""
         host = self.swap.swap_in(request)
         plan.swap_in_src.extend(host)
-        plan.swap_in_dst.extend(request.block_ids[:len(host)])
+        plan.swap_in_dst.extend(request.block_ids[: len(host)])
 
     def _usable_swap_blocks(self, facts: EngineFacts) -> int:
         if self.config.preemption_mode == "recompute":
             return 0
         return facts.num_swap_blocks
-

@@ -5,13 +5,14 @@ and `num_computed_tokens` (how many of them have their KV in the cache, on the m
 each step schedules some of the difference. The model service samples a token whenever the
 computed count reaches the known tokens, so a decode is simply "one token left to compute".
 """
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import enum
 import time
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 
 class FinishReason(enum.IntEnum):
@@ -142,8 +143,8 @@ class Request:
     stream_interval: int = 1
     # Structured output: the grammar (a structured.StructuredSpec, set by intake) and this
     # sequence's walk through it (a structured.GuideState, set once compiled, before admission).
-    structured: Optional[object] = dataclasses.field(default=None, repr=False)
-    guide: Optional[object] = dataclasses.field(default=None, repr=False)
+    structured: Optional[Any] = dataclasses.field(default=None, repr=False)
+    guide: Optional[Any] = dataclasses.field(default=None, repr=False)
 
     @property
     def public_id(self) -> str:
@@ -156,7 +157,8 @@ class Request:
             request_id=f"{self.request_id}/{index}",
             prompt_token_ids=self.prompt_token_ids,
             sampling=dataclasses.replace(
-                self.sampling, seed=(self.sampling.seed + index) % (1 << 64)),
+                self.sampling, seed=(self.sampling.seed + index) % (1 << 64)
+            ),
             stopping=self.stopping,
             arrival_time=self.arrival_time,
             priority=self.priority,
@@ -177,10 +179,17 @@ class Request:
         that the client's stream still gets one last chunk per sample)."""
         if self.forked:
             return []
-        usage = Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=0,
-                      cached_tokens=0, queue_time_us=0, time_to_first_token_us=0)
-        return [RequestOutput(token_ids=[], text="", finish_reason=reason, usage=usage,
-                              index=index) for index in range(1, self.n)]
+        usage = Usage(
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=0,
+            cached_tokens=0,
+            queue_time_us=0,
+            time_to_first_token_us=0,
+        )
+        return [
+            RequestOutput(token_ids=[], text="", finish_reason=reason, usage=usage, index=index)
+            for index in range(1, self.n)
+        ]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -4,9 +4,10 @@ Requests are added and aborted from the serving layer; `schedule()` builds the n
 and `update()` applies the model service's result to it. Both run on the event loop thread, one
 step at a time, so no locking is needed.
 
-The class is split by lifecycle: this module has the requests' arrival and departure, the step
-(schedule) and its result (update); waiting.py admits waiting requests, preemption.py makes room,
-forks.py starts parallel samples, overlap.py commits and reconciles plans built ahead.
+The class is split by lifecycle: this module has the requests' arrival, the step (schedule)
+and its result (update); departures.py ends requests (aborts, deadlines, stops) and frees what
+they held, waiting.py admits waiting requests, preemption.py makes room, forks.py starts
+parallel samples, overlap.py commits and reconciles plans built ahead.
 
 Python keeps the orchestration: Request objects and their lifecycle (admit, finish, abort,
 deadline, outputs), the waiting queue and every policy decision. The loops over running sequences
@@ -14,6 +15,7 @@ deadline, outputs), the waiting queue and every policy decision. The loops over 
 in update) run in cython_ext/step_core.pyx, called a few times per step. The pure-Python oracle
 of the same decisions is tests/scheduler/oracle_scheduler.py.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -22,37 +24,48 @@ from typing import Optional
 
 from cython_ext.block_pool import BlockPool
 from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepCore
-from scheduler_service.core import policies
-from scheduler_service.text import structured
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.engine.client import EngineFacts
+from scheduler_service.core import policies
+from scheduler_service.core.departures import Departures
+from scheduler_service.core.forks import ParallelSamples
 from scheduler_service.core.kv_blocks import KVBlockManager
-from scheduler_service.text.outputs import OutputProcessor
+from scheduler_service.core.overlap import LogprobReader, Overlap
 from scheduler_service.core.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.core.policies.base import SchedulingPolicy
-from scheduler_service.core.swap import SwapSpace
-from scheduler_service.core.forks import ParallelSamples
-from scheduler_service.core.overlap import LogprobReader, Overlap
 from scheduler_service.core.preemption import Preemption
+from scheduler_service.core.request import Request, RequestOutput, RequestStatus
 from scheduler_service.core.slots import SlotAllocator
+from scheduler_service.core.swap import SwapSpace
 from scheduler_service.core.waiting import WaitingAdmission
-from scheduler_service.core.request import (FinishReason, Request, RequestOutput, RequestStatus)
+from scheduler_service.engine.client import EngineFacts
+from scheduler_service.text import structured
+from scheduler_service.text.outputs import OutputProcessor
 
 
-class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
-    def __init__(self, config: SchedulerConfig, facts: EngineFacts, outputs: OutputProcessor,
-                 policy: Optional[SchedulingPolicy] = None):
+class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overlap):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        facts: EngineFacts,
+        outputs: OutputProcessor,
+        policy: Optional[SchedulingPolicy] = None,
+    ):
         self.config = config
         self.facts = facts
         self.outputs = outputs
-        self.kv = KVBlockManager(facts.num_kv_blocks, facts.block_size,
-                                 config.enable_prefix_caching, config.prefix_cache_scope)
+        self.kv = KVBlockManager(
+            facts.num_kv_blocks,
+            facts.block_size,
+            config.enable_prefix_caching,
+            config.prefix_cache_scope,
+        )
         self.slots = SlotAllocator(facts.max_num_slots)
         # Host blocks for preemption by swap (none when preempting by recompute).
         self.swap = SwapSpace(self._usable_swap_blocks(facts))
         self.max_num_seqs = min(config.max_num_seqs, facts.max_num_slots)
         self.policy = policy or policies.create(
-            config.policy, prefix_match_len=self.kv.num_cached_prefix_tokens)
+            config.policy, prefix_match_len=self.kv.num_cached_prefix_tokens
+        )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._next_step_id = 1
@@ -78,21 +91,28 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
         # Only a policy that may preempt for a waiting request (priority) needs step 3's second
         # half; the base class's may_preempt_for always says no.
         self._preempts_for_waiting = (
-            policy_type.may_preempt_for is not SchedulingPolicy.may_preempt_for)
+            policy_type.may_preempt_for is not SchedulingPolicy.may_preempt_for
+        )
         self._plan: Optional[StepPlan] = None
         # Requests in flight with structured output: only then are the plans' masks filled.
         self._num_constrained = 0
 
     def _new_core(self) -> StepCore:
         return StepCore(
-            self.kv.pool, self.facts.block_size, self.facts.max_num_slots,
+            self.kv.pool,
+            self.facts.block_size,
+            self.facts.max_num_slots,
             max_prefill_chunk=self.config.max_prefill_chunk,
             decode_reserve_tokens=self.config.decode_reserve_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching,
             on_blocks_exhausted=self._on_blocks_exhausted,
             # The base class's on_scheduled does nothing: skip 256 calls per step for it.
-            on_scheduled=(None if type(self.policy).on_scheduled is SchedulingPolicy.on_scheduled
-                          else self.policy.on_scheduled))
+            on_scheduled=(
+                None
+                if type(self.policy).on_scheduled is SchedulingPolicy.on_scheduled
+                else self.policy.on_scheduled
+            ),
+        )
 
     def reset_engine(self, facts: EngineFacts) -> int:
         """The model service lost every sequence (it restarted, or its Execute stream broke):
@@ -121,22 +141,6 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
         self.swap = SwapSpace(self._usable_swap_blocks(facts))
         self.core = self._new_core()
         return num_running
-
-    def collect_departures(self) -> None:
-        """Applies passed deadlines and aborts now, outside a step (while the model service is
-        down nothing is running, so no slot is involved); their outputs wait in
-        take_early_outputs()."""
-        now = time.monotonic()
-        if self._deadlines and self._deadlines[0][0] <= now:
-            self._expire_deadlines(now)
-        if self._abort_ids:
-            self._collect_aborts()
-
-    def end_all(self, reason: FinishReason) -> None:
-        """Ends every request in flight for `reason` (outputs in take_early_outputs())."""
-        for request in list(self.requests.values()):
-            if not request.is_finished:
-                self._end(request, reason, self._aborted_slots)
 
     def take_step_ids(self, count: int) -> int:
         """Reserves `count` consecutive step ids for plans built outside schedule() (the
@@ -171,8 +175,13 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
         return bool(live)
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.policy) or self._finished_slots
-                    or self._aborted_slots or self._abort_ids)
+        return bool(
+            self.running
+            or len(self.policy)
+            or self._finished_slots
+            or self._aborted_slots
+            or self._abort_ids
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -188,7 +197,9 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
         this scheduler, for another to `take_over` (a replica's, sharing the OutputProcessor).
         Returns its parallel-sample group when this scheduler held it (it goes along)."""
         if request.status is not RequestStatus.WAITING or request.slot is not None:
-            raise ValueError(f"request {request.request_id!r} is {request.status.name}, not waiting")
+            raise ValueError(
+                f"request {request.request_id!r} is {request.status.name}, not waiting"
+            )
         self.policy.remove(request)
         del self.requests[request.request_id]
         if request.guide is not None:
@@ -222,7 +233,8 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
              sequence keeps decode_reserve_tokens of room to grow;
           3. when blocks run out for a running sequence, the policy's victim is preempted
              (blocks freed, requeued ahead of fresh requests of equal rank; by swap when the
-             swap space holds its KV, else by recompute) until it fits; a policy that ranks requests (priority) also preempts lower-ranked running
+             swap space holds its KV, else by recompute) until it fits; a policy that ranks
+             requests (priority) also preempts lower-ranked running
              sequences for the head of the queue.
         The chunking mode only changes the order of 1 and 2 (see SchedulerConfig).
         Aborted requests and passed deadlines leave first, freeing their blocks in this step.
@@ -246,8 +258,14 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
         core = self.core
         core.begin_step(plan.step_id, self.config.max_num_batched_tokens, self.max_num_seqs)
         self._schedule_in_mode_order(plan, now)
-        (plan.requests, plan.slots, plan.num_scheduled_tokens, plan.num_new_blocks,
-         plan.new_block_ids, plan.packed) = core.end_step()
+        (
+            plan.requests,
+            plan.slots,
+            plan.num_scheduled_tokens,
+            plan.num_new_blocks,
+            plan.new_block_ids,
+            plan.packed,
+        ) = core.end_step()
         self._plan = None
         if self._pending_forks:
             self._register_forks(plan)
@@ -276,50 +294,6 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
             core.schedule_running(PHASE_PREFILLS)
             self._schedule_waiting(plan, now)
 
-    # ---- departures: aborts, deadlines, finished requests ---------------------------------
-
-    def _expire_deadlines(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self._deadlines)
-            request = self.requests.get(request_id)
-            if request is not None and not request.is_finished:
-                self._end(request, FinishReason.DEADLINE, self._finished_slots)
-
-    def _collect_aborts(self) -> None:
-        for request_id in self._abort_ids:
-            request = self.requests.get(request_id)
-            if request is not None and not request.is_finished:
-                self._end(request, FinishReason.CANCELLED, self._aborted_slots)
-        self._abort_ids.clear()
-
-    def _end(self, request: Request, reason: FinishReason, lifecycle: list[int]) -> None:
-        """Ends a request for a reason outside its tokens: out of the queue, blocks freed."""
-        if request.status is RequestStatus.WAITING:
-            self.policy.remove(request)
-        else:
-            self.running.remove(request)
-        self._early_outputs.append((request, self.outputs.finish(request, reason)))
-        self._early_outputs.extend((request, output) for output in request.unforked_finals(reason))
-        request.forked = True
-        self._release(request, lifecycle)
-
-    def _release(self, request: Request, lifecycle: list[int]) -> None:
-        self._free_blocks(request)
-        if request.slot is not None:
-            self.slots.free(request.slot)
-            if self._pending_forks.pop(request.slot, None) is None:
-                lifecycle.append(request.slot)  # the model service knows the slot
-            request.slot = None
-        request.status = RequestStatus.FINISHED
-        if request.guide is not None:
-            self._num_constrained -= 1
-        self.outputs.release(request)
-        self.policy.on_finished(request)
-        del self.requests[request.request_id]
-        members = self._groups.get(request.public_id)
-        if members and members[0].forked and all(m.is_finished for m in members):
-            del self._groups[request.public_id]
-
     # ---- the step's result --------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
@@ -335,12 +309,15 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
         if not indices:
             return outputs
         now = time.monotonic()
-        requests, counts, sampled = plan.requests, result.num_sampled_tokens, \
-            result.sampled_token_ids
+        requests, counts, sampled = (
+            plan.requests,
+            result.num_sampled_tokens,
+            result.sampled_token_ids,
+        )
         logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
         for index, offset in zip(indices, offsets):
             request = requests[index]
-            token_ids = sampled[offset:offset + counts[index]]
+            token_ids = sampled[offset : offset + counts[index]]
             entries = None
             if request.logprobs is not None:
                 entries = logprobs.take(token_ids, request.logprobs)
@@ -349,8 +326,14 @@ class Scheduler(WaitingAdmission, Preemption, ParallelSamples, Overlap):
                 outputs.append((request, output))
         return outputs
 
-    def _take_tokens(self, request: Request, token_ids: list[int], entries,
-                     now: float, placeholder: Optional[int] = None) -> Optional[RequestOutput]:
+    def _take_tokens(
+        self,
+        request: Request,
+        token_ids: list[int],
+        entries,
+        now: float,
+        placeholder: Optional[int] = None,
+    ) -> Optional[RequestOutput]:
         """A request's sampled tokens: stops checked, appended (or, with `placeholder`, the
         index of the token overlap's commit reserved, set), forks started, released when
         finished. Returns what the client gets (None: held back by stream_interval)."""

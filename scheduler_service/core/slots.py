@@ -1,4 +1,5 @@
 """Dense slot indices for the model service's per-sequence state."""
+
 from __future__ import annotations
 
 
@@ -17,4 +18,3 @@ class SlotAllocator:
     @property
     def num_free(self) -> int:
         return len(self._free)
-

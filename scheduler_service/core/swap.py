@@ -15,6 +15,7 @@ Lifetimes of swap blocks, per plan:
                swap-out of the same plan can overwrite them before they are read
     abort      a waiting swapped request that ends frees its blocks at once (nobody reads them)
 """
+
 from __future__ import annotations
 
 from scheduler_service.core.request import Request

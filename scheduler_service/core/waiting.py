@@ -4,6 +4,7 @@ service learns of a sequence (its registration, at admission, resume or fork).
 
 A part of the Scheduler (core/scheduler.py), split off by lifecycle: it reads and writes
 the scheduler's state as the scheduler's own methods do."""
+
 from __future__ import annotations
 
 import sys
@@ -11,11 +12,12 @@ import time
 from typing import Optional
 
 from scheduler_service.core.kv_blocks import cdiv
+from scheduler_service.core.part import SchedulerPart
 from scheduler_service.core.plan import NewSequence, StepPlan
-from scheduler_service.core.request import (Request, RequestStatus)
+from scheduler_service.core.request import Request, RequestStatus
 
 
-class WaitingAdmission:
+class WaitingAdmission(SchedulerPart):
     """Admitting waiting requests into a step (a part of Scheduler)."""
 
     def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
@@ -59,8 +61,11 @@ class WaitingAdmission:
         else:
             hits, num_free_hits = self.kv.find_cached_prefix(request)
             num_cached = len(hits) * self.kv.block_size
-        first_chunk = min(request.num_tokens - num_cached, self.config.max_num_batched_tokens,
-                          self.config.max_prefill_chunk or sys.maxsize)
+        first_chunk = min(
+            request.num_tokens - num_cached,
+            self.config.max_num_batched_tokens,
+            self.config.max_prefill_chunk or sys.maxsize,
+        )
         num_blocks = cdiv(num_cached + first_chunk, self.kv.block_size) - len(hits)
         return num_blocks + num_free_hits <= self.kv.num_free_blocks
 
@@ -82,9 +87,16 @@ class WaitingAdmission:
         token_ids = request.all_token_ids
         plan.new_sequences.append(self._new_sequence(request, token_ids))
         request.block_ids = list(hits)
-        self.core.admit(request.slot, request, token_ids, request.num_computed_tokens, hits,
-                        len(request.prompt_token_ids) + request.stopping.max_new_tokens,
-                        self.kv.salt(request), self._lookahead(request))
+        self.core.admit(
+            request.slot,
+            request,
+            token_ids,
+            request.num_computed_tokens,
+            hits,
+            len(request.prompt_token_ids) + request.stopping.max_new_tokens,
+            self.kv.salt(request),
+            self._lookahead(request),
+        )
         self.running.append(request)
 
     def _lookahead(self, request: Request) -> int:
@@ -95,8 +107,13 @@ class WaitingAdmission:
         if not k or request.logprobs is not None or request.structured is not None:
             return 0
         sampling, stopping = request.sampling, request.stopping
-        if (sampling.repetition_penalty != 1.0 or sampling.presence_penalty
-                or sampling.frequency_penalty or sampling.logit_bias or stopping.min_new_tokens):
+        if (
+            sampling.repetition_penalty != 1.0
+            or sampling.presence_penalty
+            or sampling.frequency_penalty
+            or sampling.logit_bias
+            or stopping.min_new_tokens
+        ):
             return 0
         return k
 
@@ -110,14 +127,20 @@ class WaitingAdmission:
         # Prompt logprobs are asked for until every prompt position has one (a recompute after
         # a preemption mid-prompt asks again; entries already held are skipped on arrival).
         prompt_logprobs = request.prompt_logprobs
-        if (prompt_logprobs is not None
-                and len(request.prompt_logprobs_out) >= len(request.prompt_token_ids) - 1):
+        if (
+            prompt_logprobs is not None
+            and len(request.prompt_logprobs_out) >= len(request.prompt_token_ids) - 1
+        ):
             prompt_logprobs = None
         return NewSequence(
-            slot=request.slot, token_ids=token_ids, sampling=request.sampling,
+            slot=request.slot,
+            token_ids=token_ids,
+            sampling=request.sampling,
             num_computed_tokens=request.num_computed_tokens,
             num_prompt_tokens=len(request.prompt_token_ids),
-            min_new_tokens=stopping.min_new_tokens, min_tokens_suppressed_ids=suppressed,
-            num_logprobs=request.logprobs, num_prompt_logprobs=prompt_logprobs,
-            speculate=self._lookahead(request) > 0)
-
+            min_new_tokens=stopping.min_new_tokens,
+            min_tokens_suppressed_ids=suppressed,
+            num_logprobs=request.logprobs,
+            num_prompt_logprobs=prompt_logprobs,
+            speculate=self._lookahead(request) > 0,
+        )

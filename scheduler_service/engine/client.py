@@ -3,6 +3,7 @@
 Protobuf stops here for the engine contract: Describe becomes `EngineFacts`; plans go out via
 `plan.to_pb` and results come back through `plan.result_from_pb`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +50,8 @@ class EngineFacts:
         if reply.contract_version != CONTRACT_VERSION:
             raise RuntimeError(
                 f"model service speaks contract version {reply.contract_version}, "
-                f"this scheduler speaks {CONTRACT_VERSION}")
+                f"this scheduler speaks {CONTRACT_VERSION}"
+            )
         return cls(
             model_name=reply.model_name,
             architecture=reply.architecture,
@@ -67,7 +69,8 @@ class EngineFacts:
             special_tokens=dict(reply.special_tokens),
             num_swap_blocks=reply.num_swap_blocks if reply.features.swap else 0,
             num_speculative_tokens=(
-                reply.num_speculative_tokens if reply.features.speculation else 0),
+                reply.num_speculative_tokens if reply.features.speculation else 0
+            ),
         )
 
 
@@ -87,8 +90,12 @@ _CHANNEL_OPTIONS = [
 
 
 class EngineClient:
-    def __init__(self, address: str, credentials: Optional[grpc.ChannelCredentials] = None,
-                 options: tuple = ()):
+    def __init__(
+        self,
+        address: str,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        options: tuple = (),
+    ):
         channel_options = _CHANNEL_OPTIONS + list(options)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=channel_options)
@@ -101,8 +108,9 @@ class EngineClient:
     async def describe(self, timeout_s: float) -> EngineFacts:
         """Waits (up to timeout_s) for the model service to come up, then describes it."""
         await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
-        reply = await self._stub.Describe(engine_pb2.DescribeRequest(), wait_for_ready=True,
-                                          timeout=timeout_s)
+        reply = await self._stub.Describe(
+            engine_pb2.DescribeRequest(), wait_for_ready=True, timeout=timeout_s
+        )
         return EngineFacts.from_pb(reply)
 
     async def execute(self, step: "plan_codec.StepPlan") -> "plan_codec.StepResult":
@@ -121,8 +129,9 @@ class EngineClient:
             await self._stream.write(plan_codec.to_pb(step))
         except grpc.aio.AioRpcError as error:
             self.drop_stream()
-            raise EngineUnavailable(f"Execute stream ended: {error.code().name} "
-                                    f"{error.details()}") from error
+            raise EngineUnavailable(
+                f"Execute stream ended: {error.code().name} {error.details()}"
+            ) from error
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:
             self.drop_stream()
             raise EngineUnavailable(f"Execute stream unusable: {error!r}") from error
@@ -137,8 +146,9 @@ class EngineClient:
             self.drop_stream()
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise  # a plan the model service refused: a bug, not an outage
-            raise EngineUnavailable(f"Execute stream ended: {error.code().name} "
-                                    f"{error.details()}") from error
+            raise EngineUnavailable(
+                f"Execute stream ended: {error.code().name} {error.details()}"
+            ) from error
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:
             self.drop_stream()
             raise EngineUnavailable(f"Execute stream unusable: {error!r}") from error
@@ -158,21 +168,33 @@ class EngineClient:
         token = facts.bos_token_id if facts.bos_token_id is not None else 0
         computed = plan_codec.StepPlan(
             step_id=first_step_id,
-            new_sequences=[plan_codec.NewSequence(slot=0, token_ids=[token],
-                                                  sampling=_GREEDY, num_computed_tokens=0)],
-            slots=[0], num_scheduled_tokens=[1], num_new_blocks=[1], new_block_ids=[1])
+            new_sequences=[
+                plan_codec.NewSequence(
+                    slot=0, token_ids=[token], sampling=_GREEDY, num_computed_tokens=0
+                )
+            ],
+            slots=[0],
+            num_scheduled_tokens=[1],
+            num_new_blocks=[1],
+            new_block_ids=[1],
+        )
         result = await self.execute(computed)
-        if result.num_sampled_tokens != [1] or not 0 <= result.sampled_token_ids[0] < \
-                facts.vocab_size:
-            raise EngineUnavailable(f"probe step sampled {result.sampled_token_ids}, "
-                                    "expected one token in the vocabulary")
+        if (
+            result.num_sampled_tokens != [1]
+            or not 0 <= result.sampled_token_ids[0] < facts.vocab_size
+        ):
+            raise EngineUnavailable(
+                f"probe step sampled {result.sampled_token_ids}, "
+                "expected one token in the vocabulary"
+            )
         await self.execute(plan_codec.StepPlan(step_id=first_step_id + 1, aborted_slots=[0]))
 
     async def is_alive(self, timeout_s: float) -> bool:
         """A cheap liveness check while idle: the model service's own health service."""
         try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""),
-                                             timeout=timeout_s)
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -190,8 +212,14 @@ class EngineClient:
 def incompatibility(old: EngineFacts, new: EngineFacts) -> Optional[str]:
     """Why a restarted model service cannot take over the requests admitted against `old`
     (None when it can: same model, vocabulary, tokenizer and block size; capacity may differ)."""
-    for field in ("model_name", "vocab_size", "block_size", "max_model_len", "tokenizer_json",
-                  "eos_token_ids"):
+    for field in (
+        "model_name",
+        "vocab_size",
+        "block_size",
+        "max_model_len",
+        "tokenizer_json",
+        "eos_token_ids",
+    ):
         if getattr(old, field) != getattr(new, field):
             return f"{field} changed"
     if new.num_kv_blocks < 2 or new.max_num_slots < 1:

@@ -17,6 +17,7 @@ streamed (the scheduler's recompute preemption, applied to all of them at once),
 delay and never a token twice. While idle it checks the model service's health every
 `engine_check_interval_s`, so that readiness also drops when nothing is running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,10 +27,10 @@ from typing import Callable, Optional
 
 import structlog
 
-from scheduler_service.engine.client import EngineClient, EngineFacts, EngineUnavailable
-from scheduler_service.metrics import Metrics
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.client import EngineClient, EngineFacts, EngineUnavailable
+from scheduler_service.metrics import Metrics
 
 log = structlog.get_logger("planserve.loop")
 
@@ -44,11 +45,15 @@ class EngineLoop:
     # send it (not an outage), so the requests in flight are failed instead of retried forever.
     MAX_RECOVERIES_WITHOUT_PROGRESS = 3
 
-    def __init__(self, scheduler: Scheduler, client: EngineClient,
-                 metrics: Optional[Metrics] = None,
-                 on_engine_up: Optional[Callable[[bool], None]] = None,
-                 engine_check_interval_s: float = 1.0,
-                 is_compatible: Optional[Callable[[EngineFacts], Optional[str]]] = None):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        client: EngineClient,
+        metrics: Optional[Metrics] = None,
+        on_engine_up: Optional[Callable[[bool], None]] = None,
+        engine_check_interval_s: float = 1.0,
+        is_compatible: Optional[Callable[[EngineFacts], Optional[str]]] = None,
+    ):
         self.scheduler = scheduler
         self.client = client
         self.metrics = metrics
@@ -72,8 +77,9 @@ class EngineLoop:
     def start(self, engine_down: Optional[str] = None) -> None:
         """Starts stepping; with `engine_down` (why), reconnects first (the readiness probe
         failed: the model service answered Describe but could not compute)."""
-        self._task = asyncio.get_running_loop().create_task(self._run(engine_down),
-                                                            name="engine-loop")
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(engine_down), name="engine-loop"
+        )
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -195,18 +201,24 @@ class EngineLoop:
             usable = scheduler.kv.num_usable_blocks
             preemptions = scheduler.num_preemptions_total - self._num_preemptions_seen
             self._num_preemptions_seen = scheduler.num_preemptions_total
-            self.metrics.on_step(scheduler.num_waiting, len(scheduler.running),
-                                 (usable - scheduler.kv.num_free_blocks) / usable, preemptions)
+            self.metrics.on_step(
+                scheduler.num_waiting,
+                len(scheduler.running),
+                (usable - scheduler.kv.num_free_blocks) / usable,
+                preemptions,
+            )
             self.metrics.on_forward(result.forward_ns)
             if result.num_draft_tokens:
-                self.metrics.on_speculation(result.num_draft_tokens,
-                                            result.num_accepted_draft_tokens)
+                self.metrics.on_speculation(
+                    result.num_draft_tokens, result.num_accepted_draft_tokens
+                )
 
     def _note_rate(self, num_tokens: int, seconds: float) -> None:
         if seconds > 0:
             rate = num_tokens / seconds
-            self.tokens_per_s = rate if not self.tokens_per_s else \
-                0.9 * self.tokens_per_s + 0.1 * rate
+            self.tokens_per_s = (
+                rate if not self.tokens_per_s else 0.9 * self.tokens_per_s + 0.1 * rate
+            )
 
     async def _recover(self, why: str) -> None:
         """Engine down: health NOT_SERVING, every sequence back to waiting, then reconnect with
@@ -218,12 +230,18 @@ class EngineLoop:
         self.client.drop_stream()
         self._in_flight.clear()  # those plans' sequences are all recomputed
         num_preempted = self.scheduler.reset_engine(self.scheduler.facts)
-        log.warning("engine_down", reason=why, num_preempted=num_preempted,
-                    num_in_flight=len(self.scheduler.requests))
+        log.warning(
+            "engine_down",
+            reason=why,
+            num_preempted=num_preempted,
+            num_in_flight=len(self.scheduler.requests),
+        )
         self._recoveries_without_progress += 1
         if self._recoveries_without_progress > self.MAX_RECOVERIES_WITHOUT_PROGRESS:
-            log.error("engine_fails_repeatedly; failing every request in flight",
-                      recoveries=self._recoveries_without_progress - 1)
+            log.error(
+                "engine_fails_repeatedly; failing every request in flight",
+                recoveries=self._recoveries_without_progress - 1,
+            )
             self.scheduler.end_all(FinishReason.ERROR)
             self._deliver(self.scheduler.take_early_outputs())
             self._recoveries_without_progress = 0
@@ -256,24 +274,34 @@ class EngineLoop:
         self._on_engine_up(True)
         if self.metrics is not None:
             self.metrics.on_engine_up(True)
-        log.warning("engine_up", attempts=attempt, down_s=round(time.monotonic() - started, 3),
-                    num_waiting=self.scheduler.num_waiting)
+        log.warning(
+            "engine_up",
+            attempts=attempt,
+            down_s=round(time.monotonic() - started, 3),
+            num_waiting=self.scheduler.num_waiting,
+        )
 
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         for request, output in outputs:
             request.outputs.put_nowait(output)
             if output.finish_reason is not None:  # ids and counts only: never the content
-                log.info("request_finished", request_id=request.request_id,
-                         finish_reason=output.finish_reason.name,
-                         prompt_tokens=len(request.prompt_token_ids),
-                         completion_tokens=len(request.output_token_ids),
-                         preemptions=request.num_preemptions)
+                log.info(
+                    "request_finished",
+                    request_id=request.request_id,
+                    finish_reason=output.finish_reason.name,
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=len(request.output_token_ids),
+                    preemptions=request.num_preemptions,
+                )
             if self.metrics is not None:
                 self.metrics.on_output(request, output)
 
     def _fail_all(self) -> None:
         for request in list(self.scheduler.requests.values()):
-            request.outputs.put_nowait(RequestOutput(
-                token_ids=[], text="", finish_reason=FinishReason.ERROR, index=request.index))
+            request.outputs.put_nowait(
+                RequestOutput(
+                    token_ids=[], text="", finish_reason=FinishReason.ERROR, index=request.index
+                )
+            )
             for output in request.unforked_finals(FinishReason.ERROR):
                 request.outputs.put_nowait(output)

@@ -23,15 +23,21 @@ class ReplicaMetrics:
         self._name = name
         self._metrics = replicas.metrics
 
-    def on_step(self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int) -> None:
+    def on_step(
+        self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int
+    ) -> None:
         r = self._replicas
         r.waiting_gauge.labels(self._name).set(num_waiting)
         r.running_gauge.labels(self._name).set(num_running)
         r.kv_usage_gauge.labels(self._name).set(kv_usage)
         merged = r.scheduler
         usable = merged.kv.num_usable_blocks
-        self._metrics.on_step(merged.num_waiting, len(merged.running),
-                              (usable - merged.kv.num_free_blocks) / usable if usable else 0.0, num_preemptions)
+        self._metrics.on_step(
+            merged.num_waiting,
+            len(merged.running),
+            (usable - merged.kv.num_free_blocks) / usable if usable else 0.0,
+            num_preemptions,
+        )
 
     def on_output(self, request: Request, output: RequestOutput) -> None:
         if output.finish_reason is not None and output.usage is not None:
@@ -82,7 +88,7 @@ class MergedScheduler:
         return [r.scheduler for r in self._replicas.replicas]
 
     @property
-    def facts(self) -> EngineFacts:
+    def facts(self) -> Optional[EngineFacts]:
         return self._replicas.facts
 
     def find(self, request_id: str) -> Optional[Request]:

@@ -23,51 +23,34 @@ Moving a request between schedulers goes through their public hand_off / take_ov
 queue, the request table, parallel-sample groups; the detokenizer stays in the shared
 OutputProcessor).
 """
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 from typing import Callable, Optional
 
 import structlog
 from prometheus_client import Counter, Gauge
 
-from scheduler_service.engine import client as engine_client
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine import client as engine_client
+from scheduler_service.engine.addresses import (
+    DNS_PREFIX,
+    resolve_dns,
+    split_addresses,
+)
 from scheduler_service.engine.client import EngineClient, EngineFacts
 from scheduler_service.engine.loop import EngineLoop
-from scheduler_service.metrics import Metrics
-from scheduler_service.text.outputs import OutputProcessor
-from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.merged import MergedScheduler, ReplicaMetrics
 from scheduler_service.engine.router import Router
-from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.metrics import Metrics
+from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("planserve.replicas")
-
-DNS_PREFIX = "dns:///"
-
-
-def is_replicated(engine_address: str) -> bool:
-    """Whether engine_address names several replicas (a list or a DNS name to resolve)."""
-    return "," in engine_address or engine_address.startswith(DNS_PREFIX)
-
-
-def split_addresses(engine_address: str) -> list[str]:
-    return [part.strip() for part in engine_address.split(",") if part.strip()]
-
-
-async def resolve_dns(target: str) -> list[str]:
-    """`dns:///name:port` -> sorted "ip:port" of every address the name has (a headless Service
-    has one per ready pod). An unresolvable name gives [] (pods may not exist yet)."""
-    host, _, port = target[len(DNS_PREFIX):].rpartition(":")
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return []
-    return sorted({f"[{info[4][0]}]:{port}" if ":" in info[4][0] else f"{info[4][0]}:{port}" for info in infos})
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,9 +79,13 @@ def move_waiting_request(request: Request, src: Scheduler, dst: Scheduler) -> No
 class ReplicaSet:
     """Stands where the servicer expects an EngineLoop; owns one EngineLoop per replica."""
 
-    def __init__(self, config: SchedulerConfig, metrics: Metrics,
-                 make_client: Callable[[str], EngineClient] = EngineClient,
-                 on_serving: Callable[[bool], None] = lambda up: None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        metrics: Metrics,
+        make_client: Callable[[str], EngineClient] = EngineClient,
+        on_serving: Callable[[bool], None] = lambda up: None,
+    ):
         self.config = config
         self.metrics = metrics
         self.router = Router.from_spec(config.router_weights)
@@ -112,27 +99,60 @@ class ReplicaSet:
         self._connecting: set[str] = set()
         self._maintainer: Optional[asyncio.Task] = None
         self._serving = False
-        registry = metrics.registry
-        self.up_gauge = Gauge("planserve_replica_up", "1 while the replica's engine is connected and computing.",
-                              ["replica"], registry=registry)
-        self.waiting_gauge = Gauge("planserve_replica_num_requests_waiting", "Requests waiting on the replica.",
-                                   ["replica"], registry=registry)
-        self.running_gauge = Gauge("planserve_replica_num_requests_running", "Sequences running on the replica.",
-                                   ["replica"], registry=registry)
-        self.kv_usage_gauge = Gauge("planserve_replica_kv_cache_usage_ratio",
-                                    "Fraction of the replica's usable KV blocks held.", ["replica"], registry=registry)
-        self.routed = Counter("planserve_replica_routed_requests", "New requests the router sent to the replica.",
-                              ["replica"], registry=registry)
-        self.drained = Counter("planserve_replica_drained_requests",
-                               "Requests moved off the replica (engine down or replica gone).",
-                               ["replica"], registry=registry)
-        self.prompt_tokens = Counter("planserve_replica_prompt_tokens", "Prompt tokens of samples finished there.",
-                                     ["replica"], registry=registry)
-        self.cached_tokens = Counter("planserve_replica_prefix_cache_hit_tokens",
-                                     "Prompt tokens of samples finished there served from its prefix cache.",
-                                     ["replica"], registry=registry)
+        self._add_metrics(metrics.registry)
 
-    # ---- what the servicer calls ---------------------------------------------------------
+    def _add_metrics(self, registry) -> None:
+        """The per-replica series, labelled `replica`."""
+        self.up_gauge = Gauge(
+            "planserve_replica_up",
+            "1 while the replica's engine is connected and computing.",
+            ["replica"],
+            registry=registry,
+        )
+        self.waiting_gauge = Gauge(
+            "planserve_replica_num_requests_waiting",
+            "Requests waiting on the replica.",
+            ["replica"],
+            registry=registry,
+        )
+        self.running_gauge = Gauge(
+            "planserve_replica_num_requests_running",
+            "Sequences running on the replica.",
+            ["replica"],
+            registry=registry,
+        )
+        self.kv_usage_gauge = Gauge(
+            "planserve_replica_kv_cache_usage_ratio",
+            "Fraction of the replica's usable KV blocks held.",
+            ["replica"],
+            registry=registry,
+        )
+        self.routed = Counter(
+            "planserve_replica_routed_requests",
+            "New requests the router sent to the replica.",
+            ["replica"],
+            registry=registry,
+        )
+        self.drained = Counter(
+            "planserve_replica_drained_requests",
+            "Requests moved off the replica (engine down or replica gone).",
+            ["replica"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "planserve_replica_prompt_tokens",
+            "Prompt tokens of samples finished there.",
+            ["replica"],
+            registry=registry,
+        )
+        self.cached_tokens = Counter(
+            "planserve_replica_prefix_cache_hit_tokens",
+            "Prompt tokens of samples finished there served from its prefix cache.",
+            ["replica"],
+            registry=registry,
+        )
+
+    # ---- what the doors call (EngineFrontend) --------------------------------------------
 
     @property
     def tokens_per_s(self) -> float:
@@ -156,9 +176,17 @@ class ReplicaSet:
         for replica in self.replicas:
             kv = replica.scheduler.kv
             usable, free = kv.num_usable_blocks, kv.num_free_blocks
-            out.append(dict(address=replica.name, serving=replica.up, num_waiting=replica.scheduler.num_waiting,
-                            num_running=len(replica.scheduler.running), num_kv_blocks=usable,
-                            num_free_kv_blocks=free, kv_cache_usage=(usable - free) / usable if usable else 0.0))
+            out.append(
+                dict(
+                    address=replica.name,
+                    serving=replica.up,
+                    num_waiting=replica.scheduler.num_waiting,
+                    num_running=len(replica.scheduler.running),
+                    num_kv_blocks=usable,
+                    num_free_kv_blocks=free,
+                    kv_cache_usage=(usable - free) / usable if usable else 0.0,
+                )
+            )
         return out
 
     # ---- life cycle ------------------------------------------------------------------------
@@ -175,10 +203,16 @@ class ReplicaSet:
             if not tasks or timeout <= 0:
                 if self.config.engine_address.startswith(DNS_PREFIX) and timeout > 0:
                     await asyncio.sleep(min(1.0, timeout))  # no pod yet: resolve again
-                    tasks = {asyncio.ensure_future(self._add(a)) for a in await self._wanted_addresses()}
+                    tasks = {
+                        asyncio.ensure_future(self._add(a)) for a in await self._wanted_addresses()
+                    }
                     continue
-                raise RuntimeError(f"engine_address: no replica of {self.config.engine_address!r} answered")
-            done, tasks = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                raise RuntimeError(
+                    f"engine_address: no replica of {self.config.engine_address!r} answered"
+                )
+            done, tasks = await asyncio.wait(
+                tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         if tasks:
             # One serves; give the others a short while to join (they keep trying after it).
             await asyncio.wait(tasks, timeout=self.config.replica_check_interval_s)
@@ -211,8 +245,12 @@ class ReplicaSet:
             facts = await client.describe(self.config.engine_connect_timeout_s)
             if self.facts is None:
                 self.facts = facts
-                self.tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
-                self.outputs = OutputProcessor(self.tokenizer, facts.eos_token_ids, facts.max_model_len)
+                self.tokenizer = Tokenizer(
+                    facts.tokenizer_json, facts.chat_template, facts.special_tokens
+                )
+                self.outputs = OutputProcessor(
+                    self.tokenizer, facts.eos_token_ids, facts.max_model_len
+                )
             else:
                 why = engine_client.incompatibility(self.facts, facts)
                 if why is not None:
@@ -226,13 +264,22 @@ class ReplicaSet:
         finally:
             self._connecting.discard(address)
         replica = Replica(address, client)
-        replica.loop = EngineLoop(scheduler, client, ReplicaMetrics(self, address),
-                                  on_engine_up=lambda up: self._on_engine_up(replica, up),
-                                  is_compatible=lambda new: engine_client.incompatibility(self.facts, new))
+        replica.loop = EngineLoop(
+            scheduler,
+            client,
+            ReplicaMetrics(self, address),
+            on_engine_up=lambda up: self._on_engine_up(replica, up),
+            is_compatible=lambda new: engine_client.incompatibility(self.facts, new),
+        )
         self.replicas.append(replica)
         replica.loop.start()
         self.up_gauge.labels(address).set(1)
-        log.info("replica_up", replica=address, num_kv_blocks=facts.num_kv_blocks, num_replicas=len(self.replicas))
+        log.info(
+            "replica_up",
+            replica=address,
+            num_kv_blocks=facts.num_kv_blocks,
+            num_replicas=len(self.replicas),
+        )
         self._update_serving()
 
     async def _remove(self, replica: Replica) -> None:
@@ -245,7 +292,9 @@ class ReplicaSet:
         self.replicas.remove(replica)
         # Up replicas first; if they all went down during the stop, any other one (the
         # maintenance pass moves requests off a down replica once one is up).
-        self._drain(replica, force=True, targets=[r for r in self.replicas if r.up] or list(self.replicas))
+        self._drain(
+            replica, force=True, targets=[r for r in self.replicas if r.up] or list(self.replicas)
+        )
         await replica.client.close()
         self.up_gauge.remove(replica.name)
         log.info("replica_removed", replica=replica.name, num_replicas=len(self.replicas))
@@ -268,7 +317,9 @@ class ReplicaSet:
             self._serving = serving
             self._on_serving(serving)
 
-    def _drain(self, replica: Replica, force: bool = False, targets: Optional[list[Replica]] = None) -> None:
+    def _drain(
+        self, replica: Replica, force: bool = False, targets: Optional[list[Replica]] = None
+    ) -> None:
         """Move every request of a replica whose engine is down to the replicas that are up."""
         if replica.up and not force:
             return  # it came back meanwhile
@@ -291,7 +342,9 @@ class ReplicaSet:
         self.drained.labels(replica.name).inc(moved)
         for touched in (replica, *targets):
             self._refresh_gauges(touched)  # its loop updates them only when it steps
-        log.warning("replica_drained", replica=replica.name, num_moved=moved, to=[t.name for t in targets])
+        log.warning(
+            "replica_drained", replica=replica.name, num_moved=moved, to=[t.name for t in targets]
+        )
 
     def _refresh_gauges(self, replica: Replica) -> None:
         scheduler = replica.scheduler
@@ -299,7 +352,8 @@ class ReplicaSet:
         self.waiting_gauge.labels(replica.name).set(scheduler.num_waiting)
         self.running_gauge.labels(replica.name).set(len(scheduler.running))
         self.kv_usage_gauge.labels(replica.name).set(
-            (usable - scheduler.kv.num_free_blocks) / usable if usable else 0.0)
+            (usable - scheduler.kv.num_free_blocks) / usable if usable else 0.0
+        )
 
     async def _maintain(self) -> None:
         """Every replica_check_interval_s: re-resolve and reconcile the set; drain replicas that
@@ -309,7 +363,9 @@ class ReplicaSet:
             try:
                 wanted = set(await self._wanted_addresses())
                 for address in wanted:
-                    if address not in self._connecting and not any(r.name == address for r in self.replicas):
+                    if address not in self._connecting and not any(
+                        r.name == address for r in self.replicas
+                    ):
                         asyncio.ensure_future(self._add(address))
                 if self.config.engine_address.startswith(DNS_PREFIX) and wanted:
                     for replica in [r for r in self.replicas if r.name not in wanted]:

@@ -1,16 +1,18 @@
-"""Which replica a new request goes to: weighted scorers (scheduler_service/engine/scorers), top total wins.
+"""Which replica a new request goes to: weighted scorers (scheduler_service/engine/scorers), top
+total wins.
 
     total(replica) = sum over scorers of weight * score(request, replica)      score in [0, 1]
 
 Ties (equal totals, e.g. an idle set, or no replica caching the prompt) go to the replica holding
 the fewest requests, then round robin, so that equal replicas share the load evenly.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler_service.engine import scorers
 from scheduler_service.core.request import Request
+from scheduler_service.engine import scorers
 from scheduler_service.engine.scorers.base import ReplicaView
 
 DEFAULT_WEIGHTS = "prefix_affinity=2,kv_usage=1,waiting_tokens=1"
@@ -20,7 +22,9 @@ _TIE = 1e-9
 class Router:
     def __init__(self, weights: dict[str, float]):
         self.weights = dict(weights)
-        self.scorers = [(scorers.resolve(name)(), weight) for name, weight in weights.items() if weight > 0]
+        self.scorers = [
+            (scorers.resolve(name)(), weight) for name, weight in weights.items() if weight > 0
+        ]
         self._turn = 0  # round robin among tied replicas
 
     @classmethod

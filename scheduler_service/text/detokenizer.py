@@ -5,6 +5,7 @@ token's text can depend on its neighbours. So we decode a small window twice, wi
 the newest tokens, and emit the difference once it no longer ends in a partial character
 (U+FFFD). Text that could still grow into a stop string is held back until it cannot.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -17,8 +18,9 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 stop_strings: Sequence[str]):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop_strings: Sequence[str]
+    ):
         self._tokenizer = tokenizer
         self._token_ids = list(prompt_token_ids)
         self._prefix_offset = max(len(self._token_ids) - _CONTEXT_TOKENS, 0)
@@ -32,11 +34,12 @@ class IncrementalDetokenizer:
         """Appends one token; returns the stop string if the text now contains one."""
         self._token_ids.append(token_id)
         prefix_text = self._tokenizer.decode(
-            self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._tokenizer.decode(self._token_ids[self._prefix_offset:])
+            self._token_ids[self._prefix_offset : self._read_offset]
+        )
+        new_text = self._tokenizer.decode(self._token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return None  # an incomplete character: wait for the next token
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
 
@@ -67,9 +70,13 @@ class IncrementalDetokenizer:
 
     def take_text(self, final: bool = False) -> str:
         """The text not sent yet; the held-back tail too when the request is over."""
-        end = len(self.text) if final or not self._stop_strings else len(self.text) - self._held_back()
+        end = (
+            len(self.text)
+            if final or not self._stop_strings
+            else len(self.text) - self._held_back()
+        )
         if end <= self._num_chars_sent:
             return ""
-        chunk = self.text[self._num_chars_sent:end]
+        chunk = self.text[self._num_chars_sent : end]
         self._num_chars_sent = end
         return chunk

@@ -4,14 +4,15 @@ Stops are decided here, in the scheduler, never on the model side: eos (unless i
 stop token ids, stop strings (on incrementally detokenized text), max_new_tokens and the
 model's length. `to_pb` is the only place a public-API response chunk is built.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
 from planserve.v1 import common_pb2, generate_pb2
-from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
+from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.text.tokenizer import Tokenizer
 
 
@@ -26,10 +27,12 @@ class OutputProcessor:
 
     def start(self, request: Request) -> None:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self._tokenizer, request.prompt_token_ids, request.stopping.stop_strings)
+            self._tokenizer, request.prompt_token_ids, request.stopping.stop_strings
+        )
 
-    def add_tokens(self, request: Request, token_ids: list[int],
-                   logprobs: Optional[list[TokenLogprob]] = None) -> RequestOutput:
+    def add_tokens(
+        self, request: Request, token_ids: list[int], logprobs: Optional[list[TokenLogprob]] = None
+    ) -> RequestOutput:
         """Appends sampled tokens to the request (up to a stop) and says what the client gets.
 
         Sets request.finish_reason when a stop condition holds; tokens after the stop are
@@ -50,11 +53,16 @@ class OutputProcessor:
                 request.finish_reason = reason
                 break
         final = request.finish_reason is not None
-        output = RequestOutput(token_ids=accepted, text=detokenizer.take_text(final=final),
-                               finish_reason=request.finish_reason, stop_match=stop_match,
-                               usage=request.usage() if final else None, index=request.index)
+        output = RequestOutput(
+            token_ids=accepted,
+            text=detokenizer.take_text(final=final),
+            finish_reason=request.finish_reason,
+            stop_match=stop_match,
+            usage=request.usage() if final else None,
+            index=request.index,
+        )
         if logprobs is not None:
-            output.logprobs = logprobs[:len(accepted)]
+            output.logprobs = logprobs[: len(accepted)]
         if first and request.prompt_logprobs is not None and request.index == 0:
             output.prompt_logprobs = request.prompt_logprobs_out
         return output
@@ -67,8 +75,10 @@ class OutputProcessor:
             return FinishReason.STOP, token_id
         if not stopping.ignore_eos and token_id in self._eos_token_ids:
             return FinishReason.EOS, None
-        if (len(request.output_token_ids) >= stopping.max_new_tokens
-                or request.num_tokens >= self._max_model_len):
+        if (
+            len(request.output_token_ids) >= stopping.max_new_tokens
+            or request.num_tokens >= self._max_model_len
+        ):
             return FinishReason.LENGTH, None
         return None, None
 
@@ -98,8 +108,13 @@ class OutputProcessor:
         request.finish_reason = reason
         detokenizer = self._detokenizers.get(request.request_id)
         text = detokenizer.take_text(final=True) if detokenizer else ""
-        output = RequestOutput(token_ids=[], text=text, finish_reason=reason,
-                               usage=request.usage(), index=request.index)
+        output = RequestOutput(
+            token_ids=[],
+            text=text,
+            finish_reason=reason,
+            usage=request.usage(),
+            index=request.index,
+        )
         held = self._held.pop(request.request_id, None)
         return output if held is None else _merge(held, output)
 
@@ -123,8 +138,11 @@ def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 def to_pb(request: Request, output: RequestOutput) -> generate_pb2.GenerateResponse:
     chunk = generate_pb2.GenerateResponse(
-        request_id=request.public_id, token_ids=output.token_ids, text=output.text,
-        index=output.index)
+        request_id=request.public_id,
+        token_ids=output.token_ids,
+        text=output.text,
+        index=output.index,
+    )
     if output.logprobs:
         chunk.logprobs.extend(_logprobs_to_pb(output.logprobs))
     if output.prompt_logprobs:
@@ -132,10 +150,15 @@ def to_pb(request: Request, output: RequestOutput) -> generate_pb2.GenerateRespo
     if output.finish_reason is not None:
         chunk.finish_reason = int(output.finish_reason)
         usage = output.usage or request.usage()
-        chunk.usage.CopyFrom(generate_pb2.Usage(
-            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-            cached_tokens=usage.cached_tokens, queue_time_us=usage.queue_time_us,
-            time_to_first_token_us=usage.time_to_first_token_us))
+        chunk.usage.CopyFrom(
+            generate_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                queue_time_us=usage.queue_time_us,
+                time_to_first_token_us=usage.time_to_first_token_us,
+            )
+        )
         if isinstance(output.stop_match, str):
             chunk.stop_string = output.stop_match
         elif isinstance(output.stop_match, int):
@@ -144,7 +167,11 @@ def to_pb(request: Request, output: RequestOutput) -> generate_pb2.GenerateRespo
 
 
 def _logprobs_to_pb(entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
-    return [common_pb2.TokenLogprob(
-        token_id=e.token_id, logprob=e.logprob,
-        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
-        for e in entries]
+    return [
+        common_pb2.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top],
+        )
+        for e in entries
+    ]

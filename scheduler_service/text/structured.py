@@ -20,6 +20,7 @@ End-of-sequence tokens are allowed only in the grammar's final states. Preemptio
 special care: a preempted sequence keeps its generated tokens and its guide, which has already
 consumed exactly those tokens.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,13 +39,13 @@ MAX_CHOICES = 1024
 DEFAULT_CACHE_SIZE = 128
 
 
-
 def _any_object_regex() -> str:
     """Any JSON object (StructuredOutput.json_object) whose values nest at most two deep
     (an object of primitives, flat objects and flat arrays). outlines-core's regex for the
     schema {"type": "object"} nests three deep and takes ~13 s to index over a 49k vocabulary;
     this one ~0.8 s."""
     from outlines_core.json_schema import NUMBER, STRING, WHITESPACE
+
     primitive = rf"({STRING}|{NUMBER}|true|false|null)"
 
     def obj(value: str) -> str:
@@ -81,7 +82,8 @@ def spec_from_pb(pb) -> Optional[StructuredSpec]:
     kind = pb.WhichOneof("kind")
     if kind is None:
         raise StructuredOutputError(
-            "structured_output", "one of json_schema, regex, choice or json_object must be set")
+            "structured_output", "one of json_schema, regex, choice or json_object must be set"
+        )
     field = f"structured_output.{kind}"
     if kind == "json_object":
         if not pb.json_object:
@@ -90,22 +92,25 @@ def spec_from_pb(pb) -> Optional[StructuredSpec]:
     if kind == "choice":
         choices = list(pb.choice.choices)
         if not 1 <= len(choices) <= MAX_CHOICES:
-            raise StructuredOutputError(f"{field}.choices",
-                                        f"must hold 1 to {MAX_CHOICES} strings, got {len(choices)}")
+            raise StructuredOutputError(
+                f"{field}.choices", f"must hold 1 to {MAX_CHOICES} strings, got {len(choices)}"
+            )
         for index, choice in enumerate(choices):
             if not choice:
                 raise StructuredOutputError(f"{field}.choices[{index}]", "must not be empty")
         text = json.dumps(choices, ensure_ascii=False)
         if len(text) > MAX_GRAMMAR_CHARS:
-            raise StructuredOutputError(f"{field}.choices",
-                                        f"at most {MAX_GRAMMAR_CHARS} characters in all")
+            raise StructuredOutputError(
+                f"{field}.choices", f"at most {MAX_GRAMMAR_CHARS} characters in all"
+            )
         return StructuredSpec("choice", text)
     text = getattr(pb, kind)
     if not text:
         raise StructuredOutputError(field, "must not be empty")
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise StructuredOutputError(field, f"at most {MAX_GRAMMAR_CHARS} characters, "
-                                           f"got {len(text)}")
+        raise StructuredOutputError(
+            field, f"at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}"
+        )
     if kind == "json_schema":
         try:
             schema = json.loads(text)
@@ -125,15 +130,20 @@ def to_regex(spec: StructuredSpec) -> str:
     if spec.kind == "choice":
         return "(" + "|".join(re.escape(choice) for choice in json.loads(spec.text)) + ")"
     from outlines_core.json_schema import build_regex_from_schema
+
     return build_regex_from_schema(spec.text)
 
 
 # ---- the vocabulary -------------------------------------------------------------------------
 
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE spelling: the printable character standing for each byte."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     spelled = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -182,12 +192,16 @@ def token_bytes(tokenizer_json: str) -> tuple[dict[int, bytes], set[int]]:
     else:
         for token, token_id in vocab.items():
             match = _BYTE_TOKEN.match(token)
-            out[token_id] = (bytes([int(match.group(1), 16)]) if match
-                             else token.replace("▁", " ").encode("utf-8"))
+            out[token_id] = (
+                bytes([int(match.group(1), 16)])
+                if match
+                else token.replace("▁", " ").encode("utf-8")
+            )
     return out, special
 
 
 # ---- compiled grammars and guides -----------------------------------------------------------
+
 
 class Grammar:
     """A compiled grammar (an outlines-core Index), shared by every request that uses it."""
@@ -213,6 +227,7 @@ class GuideState:
 
     def __init__(self, grammar: Grammar):
         from outlines_core import Guide
+
         self.grammar = grammar
         self.guide = Guide(grammar.index)
         self.failed = False  # a token outside the grammar came back (the mask was not applied)
@@ -252,15 +267,19 @@ class GrammarCompiler:
     """Compiles specs into Grammars over the served model's vocabulary, with an LRU cache.
     Thread-safe: `compile` runs in executor threads."""
 
-    def __init__(self, tokenizer_json: str, eos_token_ids: Sequence[int], vocab_size: int,
-                 cache_size: int = DEFAULT_CACHE_SIZE):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ):
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = tuple(sorted(eos_token_ids))
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._cache_size = cache_size
-        self._cache: collections.OrderedDict[StructuredSpec, Grammar] = \
-            collections.OrderedDict()
+        self._cache: collections.OrderedDict[StructuredSpec, Grammar] = collections.OrderedDict()
         self._lock = threading.Lock()
         # Specs being compiled right now -> the grammar's future, for concurrent callers.
         self._compiling: dict[StructuredSpec, concurrent.futures.Future] = {}
@@ -272,17 +291,23 @@ class GrammarCompiler:
         with self._vocabulary_lock:
             if self._vocabulary is None:
                 from outlines_core import Vocabulary
+
                 if not self._eos_token_ids:
                     raise StructuredOutputError(
-                        "structured_output", "the served model has no end-of-sequence token")
+                        "structured_output", "the served model has no end-of-sequence token"
+                    )
                 by_id, special = token_bytes(self._tokenizer_json)
                 eos = set(self._eos_token_ids)
                 by_bytes: dict[bytes, list[int]] = {}
                 for token_id, spelled in by_id.items():
                     # Special and end-of-sequence tokens never match text; EOS is added to the
                     # masks of final states instead.
-                    if (token_id in special or token_id in eos or not spelled
-                            or token_id >= self.vocab_size):
+                    if (
+                        token_id in special
+                        or token_id in eos
+                        or not spelled
+                        or token_id >= self.vocab_size
+                    ):
                         continue
                     by_bytes.setdefault(spelled, []).append(token_id)
                 self._vocabulary = Vocabulary(self._eos_token_ids[0], by_bytes)
@@ -321,6 +346,7 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredSpec) -> Grammar:
         from outlines_core import Index
+
         field = f"structured_output.{spec.kind}"
         if spec.kind == "choice":
             field += ".choices"
@@ -340,10 +366,14 @@ def fill_plan_masks(plan) -> None:
     """Puts every constrained sequence that samples in this step (a decode, or a prefill chunk
     reaching the end of its known tokens) into plan.masked_slots, with its allowed tokens in
     plan.allowed_token_bitmask."""
-    rows = [(slot, request.guide) for request, slot, num_scheduled
-            in zip(plan.requests, plan.slots, plan.num_scheduled_tokens)
-            if request.guide is not None
-            and request.num_computed_tokens + num_scheduled >= request.num_tokens]
+    rows = [
+        (slot, request.guide)
+        for request, slot, num_scheduled in zip(
+            plan.requests, plan.slots, plan.num_scheduled_tokens
+        )
+        if request.guide is not None
+        and request.num_computed_tokens + num_scheduled >= request.num_tokens
+    ]
     if not rows:
         return
     masks = np.zeros((len(rows), rows[0][1].grammar.num_words), dtype="<u4")

@@ -4,6 +4,7 @@ The scheduler needs no model files: the tokenizer arrives as a Hugging Face toke
 document and the chat template as Jinja2 source, rendered the way `transformers` renders it
 (sandboxed, trim_blocks and lstrip_blocks on, `raise_exception` available).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,11 @@ class Tokenizer:
         self._chat_template = None
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
             env.filters["tojson"] = lambda value, indent=None: json.dumps(
-                value, ensure_ascii=False, indent=indent)
+                value, ensure_ascii=False, indent=indent
+            )
             env.globals["raise_exception"] = _raise_exception
             self._chat_template = env.from_string(chat_template)
 
@@ -47,7 +50,8 @@ class Tokenizer:
         if self._chat_template is None:
             raise ValueError("the model has no chat template")
         text = self._chat_template.render(
-            messages=list(messages), add_generation_prompt=True, **self._special_tokens)
+            messages=list(messages), add_generation_prompt=True, **self._special_tokens
+        )
         # The template already wrote every special token it wants.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -61,7 +65,9 @@ class Tokenizer:
         alone once per generated token (at most one entry per vocabulary id)."""
         text = self._single_token_texts.get(token_id)
         if text is None:
-            text = self._single_token_texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=True)
+            text = self._single_token_texts[token_id] = self._tokenizer.decode(
+                [token_id], skip_special_tokens=True
+            )
         return text
 
     def token_to_id(self, token: str) -> Optional[int]:

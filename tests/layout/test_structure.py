@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 # The packages the rules hold for, as paths from the root.
 CHECKED = ("scheduler_service", "tools", "bench/load", "bench/peers")
@@ -34,8 +32,12 @@ def _modules() -> dict[str, Path]:
 
 def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
     """Imports under `if TYPE_CHECKING:`: annotations only, never run."""
-    return {node for block in ast.walk(tree) if isinstance(block, ast.If)
-            and ast.unparse(block.test).endswith("TYPE_CHECKING") for node in ast.walk(block)}
+    return {
+        node
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for node in ast.walk(block)
+    }
 
 
 def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
@@ -53,7 +55,9 @@ def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
+                ).strip(".")
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 targets.add(full if full in modules else base)
@@ -102,8 +106,11 @@ def test_no_import_loop():
 
 
 def test_no_module_above_400_lines():
-    long = {name: n for name, path in _modules().items()
-            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert long == {}
 
 
@@ -124,14 +131,31 @@ def test_the_scheduler_service_imports_neither_torch_nor_the_model_service():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
                 for imported in names:
-                    assert imported.split(".")[0] not in ("torch", "model_service", "tools", "bench"), (
-                        f"{name} imports {imported}")
+                    assert imported.split(".")[0] not in (
+                        "torch",
+                        "model_service",
+                        "tools",
+                        "bench",
+                    ), f"{name} imports {imported}"
     # And at run time, the whole service with its doors (nothing imports them lazily behind it).
-    code = ("import sys, scheduler_service.server, scheduler_service.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'model_service')))")
+    code = (
+        "import sys, scheduler_service.server, scheduler_service.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'model_service')))"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "protos"), str(ROOT)]))
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         check=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     assert out.strip() == "[]"

@@ -1,5 +1,6 @@
 """The public API's bad input: each request must get INVALID_ARGUMENT naming the field
 (`planserve conformance --api --check bad_input`)."""
+
 from __future__ import annotations
 
 import re
@@ -15,6 +16,7 @@ BAD_INPUT_CHECKS: list[Check] = []
 
 # -- bad input: INVALID_ARGUMENT naming the field -------------------------------------------------
 
+
 def _bad_input(name: str, field: str):
     def register(edit: Callable) -> Callable:
         async def run(ctx: ApiContext) -> str:
@@ -23,14 +25,22 @@ def _bad_input(name: str, field: str):
             try:
                 await ctx.complete(request)
             except grpc.aio.AioRpcError as error:
-                expect(error.code() == grpc.StatusCode.INVALID_ARGUMENT,
-                       f"ended with {error.code().name}: {error.details()}")
-                expect(re.search(rf"(?<!\w){re.escape(field)}(?!\w)", error.details() or ""),
-                       f"INVALID_ARGUMENT {error.details()!r} does not name {field}")
+                expect(
+                    error.code() == grpc.StatusCode.INVALID_ARGUMENT,
+                    f"ended with {error.code().name}: {error.details()}",
+                )
+                expect(
+                    re.search(rf"(?<!\w){re.escape(field)}(?!\w)", error.details() or ""),
+                    f"INVALID_ARGUMENT {error.details()!r} does not name {field}",
+                )
                 return f"{error.details()!r}"
             raise CheckFailed("the request was served")
-        BAD_INPUT_CHECKS.append(Check(f"bad_input.{name}", f"{field} -> INVALID_ARGUMENT naming it", run))
+
+        BAD_INPUT_CHECKS.append(
+            Check(f"bad_input.{name}", f"{field} -> INVALID_ARGUMENT naming it", run)
+        )
         return edit
+
     return register
 
 

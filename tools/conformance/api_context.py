@@ -1,5 +1,6 @@
 """What the public-API checks share: the channel, the reference request and the chunk
 helpers (api_suite.py runs the checks, api_bad_input.py the bad input)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -26,14 +27,18 @@ class ApiContext:
 
     async def info(self) -> generate_pb2.GetModelInfoResponse:
         if self._info is None:
-            self._info = await self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
+            self._info = await self.stub.GetModelInfo(
+                generate_pb2.GetModelInfoRequest(), timeout=30
+            )
         return self._info
 
     async def prompt(self, salt: int = 1, length: int = 6) -> list[int]:
         vocab = (await self.info()).vocab_size
         return [(salt * 7919 + 37 * i) % (vocab - 1) + 1 for i in range(length)]
 
-    async def greedy(self, max_new_tokens: int, salt: int = 1, **fields) -> generate_pb2.GenerateRequest:
+    async def greedy(
+        self, max_new_tokens: int, salt: int = 1, **fields
+    ) -> generate_pb2.GenerateRequest:
         request = generate_pb2.GenerateRequest(**fields)
         request.token_ids.ids.extend(await self.prompt(salt))
         request.sampling.temperature = 0.0
@@ -46,7 +51,9 @@ class ApiContext:
         room = (await self.info()).max_model_len - len(await self.prompt()) - 1
         return await self.greedy(min(400, room), **fields)
 
-    async def complete(self, request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:
+    async def complete(
+        self, request: generate_pb2.GenerateRequest
+    ) -> list[generate_pb2.GenerateResponse]:
         return [chunk async for chunk in self.stub.Generate(request, timeout=120)]
 
     async def reference(self) -> list[generate_pb2.GenerateResponse]:
@@ -73,9 +80,9 @@ def reason(value: int) -> str:
 def expect_finished(chunks, want: int) -> None:
     expect(chunks, "the stream ended without a chunk")
     last = chunks[-1]
-    expect(last.finish_reason == want,
-           f"the last chunk's finish_reason is {reason(last.finish_reason)}, expected {reason(want)}")
+    expect(
+        last.finish_reason == want,
+        f"the last chunk's finish_reason is {reason(last.finish_reason)}, expected {reason(want)}",
+    )
     early = [reason(c.finish_reason) for c in chunks[:-1] if c.finish_reason]
     expect(not early, f"chunks before the last carry a finish_reason: {early}")
-
-

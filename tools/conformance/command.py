@@ -1,34 +1,55 @@
 """`planserve conformance`: the argument parser and the entry points."""
+
 from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Optional
+from typing import Any, Optional
 
 from tools.conformance import api_suite, engine_suite
-from tools.conformance.report import (Check, Outcome, format_report, passed,
-                                                   run_checks)
+from tools.conformance.report import Check, Outcome, format_report, passed, run_checks
 
-SUITES = {"engine": (engine_suite.EngineContext, engine_suite.CHECKS, "EngineService"),
-          "api": (api_suite.ApiContext, api_suite.CHECKS, "GenerationService")}
+SUITES: dict[str, tuple[Any, list[Check], str]] = {  # context class, checks, service
+    "engine": (engine_suite.EngineContext, engine_suite.CHECKS, "EngineService"),
+    "api": (api_suite.ApiContext, api_suite.CHECKS, "GenerationService"),
+}
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser(
-        "conformance", help="check that a server speaks planserve's engine contract or public API",
+        "conformance",
+        help="check that a server speaks planserve's engine contract or public API",
         description="Runs the engine-contract suite (--engine) or the public-API suite (--api) "
-                    "against a running server and prints one PASS/FAIL/SKIP line per check; the "
-                    "exit status is 1 when a check failed. Use a server nobody else is using.")
+        "against a running server and prints one PASS/FAIL/SKIP line per check; the "
+        "exit status is 1 when a check failed. Use a server nobody else is using.",
+    )
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--engine", metavar="HOST:PORT", type=host_port,
-                        help="an EngineService (a model service no scheduler is using)")
-    target.add_argument("--api", metavar="HOST:PORT", type=host_port,
-                        help="a GenerationService (a scheduler nobody else is using)")
-    parser.add_argument("--check", action="append", default=None, metavar="NAME",
-                        help="run only this check (or a group such as bad_plan); repeatable")
+    target.add_argument(
+        "--engine",
+        metavar="HOST:PORT",
+        type=host_port,
+        help="an EngineService (a model service no scheduler is using)",
+    )
+    target.add_argument(
+        "--api",
+        metavar="HOST:PORT",
+        type=host_port,
+        help="a GenerationService (a scheduler nobody else is using)",
+    )
+    parser.add_argument(
+        "--check",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="run only this check (or a group such as bad_plan); repeatable",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per check")
-    parser.add_argument("--connect-timeout", type=float, default=10.0,
-                        help="seconds to wait for the server to accept a connection")
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for the server to accept a connection",
+    )
     parser.add_argument("--list", action="store_true", help="list the suite's checks and exit")
     return parser
 
@@ -40,9 +61,13 @@ def host_port(value: str) -> str:
     return value
 
 
-async def run_suite(suite: str, address: str, timeout_s: float = 120.0,
-                    only: Optional[set[str]] = None,
-                    connect_timeout_s: float = 10.0) -> tuple[str, list[Outcome]]:
+async def run_suite(
+    suite: str,
+    address: str,
+    timeout_s: float = 120.0,
+    only: Optional[set[str]] = None,
+    connect_timeout_s: float = 10.0,
+) -> tuple[str, list[Outcome]]:
     """Runs one suite against address; returns (report text, outcomes). A server that cannot be
     reached gives one FAIL line (`connect`) instead of one per check."""
     context_type, checks, service = SUITES[suite]
@@ -50,8 +75,14 @@ async def run_suite(suite: str, address: str, timeout_s: float = 120.0,
     try:
         await asyncio.wait_for(context.channel.channel_ready(), connect_timeout_s)
     except asyncio.TimeoutError:
-        outcomes = [Outcome("connect", "FAIL", f"no gRPC server answered at {address} within "
-                                               f"{connect_timeout_s:g} s", connect_timeout_s)]
+        outcomes = [
+            Outcome(
+                "connect",
+                "FAIL",
+                f"no gRPC server answered at {address} within {connect_timeout_s:g} s",
+                connect_timeout_s,
+            )
+        ]
         checks = [Check("connect", "reach the server", None)]
     else:
         outcomes = await run_checks(checks, context, timeout_s, only)
@@ -72,10 +103,14 @@ def run_command(args: argparse.Namespace) -> int:
     groups = names | {name.split(".")[0] for name in names}
     unknown = sorted(only - groups)
     if unknown:
-        print(f"planserve conformance: no check {', '.join(unknown)} in the {suite} suite; "
-              f"see --list", flush=True)
+        print(
+            f"planserve conformance: no check {', '.join(unknown)} in the {suite} suite; "
+            f"see --list",
+            flush=True,
+        )
         return 2
-    report, outcomes = asyncio.run(run_suite(suite, args.engine or args.api, args.timeout,
-                                             only or None, args.connect_timeout))
+    report, outcomes = asyncio.run(
+        run_suite(suite, args.engine or args.api, args.timeout, only or None, args.connect_timeout)
+    )
     print(report, flush=True)
     return 0 if passed(outcomes) else 1

@@ -1,19 +1,20 @@
 """The engine contract's bad plans: each must end the stream with INVALID_ARGUMENT naming the
 field (`planserve conformance --engine --check bad_plan`)."""
+
 from __future__ import annotations
 
 from typing import Callable
 
-
 from planserve.v1 import common_pb2, engine_pb2
-from tools.conformance.engine_driver import GREEDY
 from tools.conformance.engine_context import EngineContext
+from tools.conformance.engine_driver import GREEDY
 from tools.conformance.report import Check
 
 BAD_PLAN_CHECKS: list[Check] = []
 
 
 # -- bad plans: each must end the stream with INVALID_ARGUMENT naming the field ------------------
+
 
 def _raw_schedule(plan: engine_pb2.BatchPlan, slot: int, tokens: int, block_ids: list[int]) -> None:
     plan.slots.append(slot)
@@ -23,19 +24,26 @@ def _raw_schedule(plan: engine_pb2.BatchPlan, slot: int, tokens: int, block_ids:
 
 
 def _new(slot: int, tokens: list[int]) -> engine_pb2.NewSequence:
-    return engine_pb2.NewSequence(slot=slot, token_ids=tokens, num_prompt_tokens=len(tokens),
-                                  sampling=common_pb2.SamplingParams(**GREEDY))
+    return engine_pb2.NewSequence(
+        slot=slot,
+        token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        sampling=common_pb2.SamplingParams(**GREEDY),
+    )
 
 
 def _bad_plan(name: str, what: str, fields: tuple[str, ...]):
     """Registers a bad-plan check: `build(ctx, stream)` returns the plan (after any setup steps)."""
+
     def register(build: Callable) -> Callable:
         async def run(ctx: EngineContext) -> str:
             async with ctx.stream() as s:
                 plan = await build(ctx, s)
                 return await s.expect_rejected(plan, fields)
+
         BAD_PLAN_CHECKS.append(Check(f"bad_plan.{name}", what + " -> INVALID_ARGUMENT", run))
         return build
+
     return register
 
 
@@ -122,7 +130,9 @@ async def _(ctx, s):
     return plan
 
 
-@_bad_plan("past_known_tokens", "more tokens scheduled than the sequence knows", ("num_scheduled_tokens",))
+@_bad_plan(
+    "past_known_tokens", "more tokens scheduled than the sequence knows", ("num_scheduled_tokens",)
+)
 async def _(ctx, s):
     plan, p = s.plan(), ctx.prompt(1)
     plan.new_sequences.append(_new(0, p))
@@ -130,7 +140,11 @@ async def _(ctx, s):
     return plan
 
 
-@_bad_plan("too_few_blocks", "fewer blocks than the scheduled tokens need", ("num_new_blocks", "new_block_ids"))
+@_bad_plan(
+    "too_few_blocks",
+    "fewer blocks than the scheduled tokens need",
+    ("num_new_blocks", "new_block_ids"),
+)
 async def _(ctx, s):
     plan, p = s.plan(), ctx.prompt(1)
     plan.new_sequences.append(_new(0, p))
@@ -145,7 +159,9 @@ async def _(ctx, s):
     return plan
 
 
-@_bad_plan("unpaired_copies", "copy_src and copy_dst of different lengths", ("copy_src", "copy_dst"))
+@_bad_plan(
+    "unpaired_copies", "copy_src and copy_dst of different lengths", ("copy_src", "copy_dst")
+)
 async def _(ctx, s):
     plan = s.plan()
     plan.copy_src.extend([1, 2])
@@ -153,13 +169,14 @@ async def _(ctx, s):
     return plan
 
 
-@_bad_plan("step_id_not_increasing", "a step_id equal to the previous one (step ids strictly increase)",
-           ("step_id",))
+@_bad_plan(
+    "step_id_not_increasing",
+    "a step_id equal to the previous one (step ids strictly increase)",
+    ("step_id",),
+)
 async def _(ctx, s):
     await s.prefill(0, ctx.prompt(1))
     plan = s.plan()
     plan.step_id = s.last_step_id  # the prefill's own step_id
     s.schedule(plan, 0, 1)
     return plan
-
-

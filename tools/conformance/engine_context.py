@@ -1,5 +1,6 @@
 """What the engine-contract checks share: the channel, the Describe reply, the reference
 sequences (engine_suite.py runs the lifecycle checks, engine_bad_plans.py the bad plans)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,10 @@ class EngineContext:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+        )
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._facts: Optional[engine_pb2.DescribeResponse] = None
@@ -67,7 +70,7 @@ class EngineContext:
 
 
 def same_as_reference(got: list[int], want: list[int], what: str) -> None:
-    expect(got == want[:len(got)] and len(got) <= len(want),
-           f"{what}: greedy tokens {got} differ from the reference {want[:len(got)]}")
-
-
+    expect(
+        got == want[: len(got)] and len(got) <= len(want),
+        f"{what}: greedy tokens {got} differ from the reference {want[: len(got)]}",
+    )

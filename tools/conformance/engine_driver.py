@@ -3,6 +3,7 @@ one Execute stream, a mirror of the slots the engine holds (tokens, computed cou
 table) and a block allocator. Every result is checked against the contract as it arrives:
 step_id echoed, one num_sampled_tokens per scheduled slot, sampled ids in the vocabulary, a
 token exactly when a slot's computed tokens reach its known tokens."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,7 @@ class Slot:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 class Blocks:
@@ -40,8 +41,10 @@ class Blocks:
 
     def take(self, n: int) -> list[int]:
         if n > len(self.free):
-            raise CheckFailed(f"the checks need {n} more KV blocks than the {len(self.free)} free; "
-                              "start the engine with more KV blocks")
+            raise CheckFailed(
+                f"the checks need {n} more KV blocks than the {len(self.free)} free; "
+                "start the engine with more KV blocks"
+            )
         ids = [self.free.pop() for _ in range(n)]
         for i in ids:
             self.refs[i] = 1
@@ -88,18 +91,35 @@ class ExecuteStream:
         getattr(plan, f"{kind}_slots").append(slot)
         self.blocks.release(self.slots.pop(slot).blocks)
 
-    def register(self, plan: engine_pb2.BatchPlan, slot: int, token_ids: list[int],
-                 num_computed_tokens: int = 0, cached_blocks: tuple[int, ...] = (),
-                 prompt_len: Optional[int] = None, **sampling) -> None:
-        plan.new_sequences.append(engine_pb2.NewSequence(
-            slot=slot, token_ids=token_ids, num_computed_tokens=num_computed_tokens,
-            num_prompt_tokens=prompt_len or len(token_ids),
-            sampling=common_pb2.SamplingParams(**(sampling or GREEDY))))
+    def register(
+        self,
+        plan: engine_pb2.BatchPlan,
+        slot: int,
+        token_ids: list[int],
+        num_computed_tokens: int = 0,
+        cached_blocks: tuple[int, ...] = (),
+        prompt_len: Optional[int] = None,
+        **sampling,
+    ) -> None:
+        plan.new_sequences.append(
+            engine_pb2.NewSequence(
+                slot=slot,
+                token_ids=token_ids,
+                num_computed_tokens=num_computed_tokens,
+                num_prompt_tokens=prompt_len or len(token_ids),
+                sampling=common_pb2.SamplingParams(**(sampling or GREEDY)),
+            )
+        )
         self.blocks.share(cached_blocks)
         # The cached blocks are appended by the slot's first schedule() (contract: in the
         # registering plan, the slot's new blocks hold the cached ones first).
-        self.slots[slot] = Slot(list(token_ids), prompt_len or len(token_ids), num_computed_tokens,
-                                list(cached_blocks), len(cached_blocks))
+        self.slots[slot] = Slot(
+            list(token_ids),
+            prompt_len or len(token_ids),
+            num_computed_tokens,
+            list(cached_blocks),
+            len(cached_blocks),
+        )
 
     def schedule(self, plan: engine_pb2.BatchPlan, slot: int, num_tokens: int) -> None:
         seq = self.slots[slot]
@@ -108,7 +128,7 @@ class ExecuteStream:
         needed = -(-end // self.block_size) - len(seq.blocks)
         fresh = self.blocks.take(max(needed, 0))
         seq.blocks += fresh
-        new_ids = seq.blocks[len(seq.blocks) - len(fresh) - cached:]
+        new_ids = seq.blocks[len(seq.blocks) - len(fresh) - cached :]
         seq.pending_cached = 0
         plan.slots.append(slot)
         plan.num_scheduled_tokens.append(num_tokens)
@@ -127,27 +147,38 @@ class ExecuteStream:
             raise RpcFailed(error, plan.step_id) from None
         expect(response is not grpc.aio.EOF, f"step {plan.step_id}: the engine closed the stream")
         result = response.result
-        expect(result.step_id == plan.step_id,
-               f"result echoes step_id {result.step_id}, the plan's is {plan.step_id}")
-        expect(len(result.num_sampled_tokens) == len(plan.slots),
-               f"step {plan.step_id}: {len(result.num_sampled_tokens)} num_sampled_tokens for "
-               f"{len(plan.slots)} scheduled slots (must be parallel to BatchPlan.slots)")
-        expect(len(result.sampled_token_ids) == sum(result.num_sampled_tokens),
-               f"step {plan.step_id}: {len(result.sampled_token_ids)} sampled_token_ids, "
-               f"sum(num_sampled_tokens) is {sum(result.num_sampled_tokens)}")
+        expect(
+            result.step_id == plan.step_id,
+            f"result echoes step_id {result.step_id}, the plan's is {plan.step_id}",
+        )
+        expect(
+            len(result.num_sampled_tokens) == len(plan.slots),
+            f"step {plan.step_id}: {len(result.num_sampled_tokens)} num_sampled_tokens for "
+            f"{len(plan.slots)} scheduled slots (must be parallel to BatchPlan.slots)",
+        )
+        expect(
+            len(result.sampled_token_ids) == sum(result.num_sampled_tokens),
+            f"step {plan.step_id}: {len(result.sampled_token_ids)} sampled_token_ids, "
+            f"sum(num_sampled_tokens) is {sum(result.num_sampled_tokens)}",
+        )
         sampled, at = {}, 0
         for slot, n, k in zip(plan.slots, plan.num_scheduled_tokens, result.num_sampled_tokens):
             seq = self.slots[slot]
             seq.num_computed_tokens += n
             reaches_end = seq.num_computed_tokens == len(seq.tokens)
-            expect(k == (1 if reaches_end else 0),
-                   f"step {plan.step_id}: slot {slot} sampled {k} tokens with {seq.num_computed_tokens} "
-                   f"of {len(seq.tokens)} tokens computed (expected {1 if reaches_end else 0})")
+            expect(
+                k == (1 if reaches_end else 0),
+                f"step {plan.step_id}: slot {slot} sampled {k} tokens with "
+                f"{seq.num_computed_tokens} "
+                f"of {len(seq.tokens)} tokens computed (expected {1 if reaches_end else 0})",
+            )
             if k:
                 token = result.sampled_token_ids[at]
-                expect(token < self.facts.vocab_size,
-                       f"step {plan.step_id}: slot {slot} sampled {token}, outside the vocabulary "
-                       f"[0, {self.facts.vocab_size})")
+                expect(
+                    token < self.facts.vocab_size,
+                    f"step {plan.step_id}: slot {slot} sampled {token}, outside the vocabulary "
+                    f"[0, {self.facts.vocab_size})",
+                )
                 seq.tokens.append(token)
                 sampled[slot] = token
                 at += k
@@ -161,16 +192,24 @@ class ExecuteStream:
         except grpc.aio.AioRpcError as error:
             code, details = error.code(), error.details() or ""
         else:
-            raise CheckFailed("the engine accepted the plan" if response is not grpc.aio.EOF
-                              else "the engine closed the stream without a status code")
-        expect(code == grpc.StatusCode.INVALID_ARGUMENT,
-               f"expected INVALID_ARGUMENT, got {code.name}: {details}")
-        expect(any(f in details for f in fields),
-               f"INVALID_ARGUMENT {details!r} does not name the field ({' or '.join(fields)})")
+            raise CheckFailed(
+                "the engine accepted the plan"
+                if response is not grpc.aio.EOF
+                else "the engine closed the stream without a status code"
+            )
+        expect(
+            code == grpc.StatusCode.INVALID_ARGUMENT,
+            f"expected INVALID_ARGUMENT, got {code.name}: {details}",
+        )
+        expect(
+            any(f in details for f in fields),
+            f"INVALID_ARGUMENT {details!r} does not name the field ({' or '.join(fields)})",
+        )
         return f"INVALID_ARGUMENT {details!r}"
 
-    async def prefill(self, slot: int, token_ids: list[int], chunk: Optional[int] = None,
-                      **sampling) -> int:
+    async def prefill(
+        self, slot: int, token_ids: list[int], chunk: Optional[int] = None, **sampling
+    ) -> int:
         """Registers a slot and computes its prompt (in chunks of `chunk`); the first token."""
         plan = self.plan()
         self.register(plan, slot, token_ids, **sampling)

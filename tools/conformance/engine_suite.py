@@ -8,6 +8,7 @@ computed another way (in chunks, batched with others, from cached blocks, after 
 abort or a preemption in the same slot). An engine that keeps stale state, applies a plan's
 steps in the wrong order or returns results out of slot order gets other tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,12 @@ import json
 from grpc_health.v1 import health_pb2
 
 from tools.conformance.engine_bad_plans import BAD_PLAN_CHECKS
-from tools.conformance.engine_context import CONTRACT_VERSION, SERVICE_NAME, EngineContext, same_as_reference
+from tools.conformance.engine_context import (
+    CONTRACT_VERSION,
+    SERVICE_NAME,
+    EngineContext,
+    same_as_reference,
+)
 from tools.conformance.report import Check, CheckFailed, Skipped, check, expect
 
 __all__ = ["CHECKS", "CONTRACT_VERSION", "SERVICE_NAME", "EngineContext"]
@@ -26,44 +32,65 @@ CHECKS: list[Check] = []
 @check(CHECKS, "describe", "Describe: contract version 1, a consistent capacity, a tokenizer")
 async def check_describe(ctx: EngineContext) -> str:
     f = await ctx.facts()
-    expect(f.contract_version == CONTRACT_VERSION,
-           f"contract_version is {f.contract_version}, the scheduler speaks {CONTRACT_VERSION}")
+    expect(
+        f.contract_version == CONTRACT_VERSION,
+        f"contract_version is {f.contract_version}, the scheduler speaks {CONTRACT_VERSION}",
+    )
     for name in ("vocab_size", "block_size", "max_num_slots", "max_model_len"):
         expect(getattr(f, name) >= 1, f"{name} is {getattr(f, name)}, must be >= 1")
-    expect(f.num_kv_blocks >= 2, f"num_kv_blocks is {f.num_kv_blocks}; block 0 is reserved, so >= 2")
+    expect(
+        f.num_kv_blocks >= 2, f"num_kv_blocks is {f.num_kv_blocks}; block 0 is reserved, so >= 2"
+    )
     bad_eos = [t for t in f.eos_token_ids if t >= f.vocab_size]
     expect(not bad_eos, f"eos_token_ids {bad_eos} are outside the vocabulary [0, {f.vocab_size})")
     if f.HasField("bos_token_id"):
-        expect(f.bos_token_id < f.vocab_size, f"bos_token_id {f.bos_token_id} is outside the vocabulary")
+        expect(
+            f.bos_token_id < f.vocab_size,
+            f"bos_token_id {f.bos_token_id} is outside the vocabulary",
+        )
     expect(f.tokenizer_json != "", "tokenizer_json is empty; the scheduler tokenizes text with it")
     try:
         json.loads(f.tokenizer_json)
     except ValueError as error:
         expect(False, f"tokenizer_json is not JSON: {error}")
-    expect(f.max_model_len >= 4 * f.block_size + 8,
-           f"max_model_len {f.max_model_len} is too short for these checks (need {4 * f.block_size + 8})")
-    return (f"{f.model_name or '(no name)'}: vocab {f.vocab_size}, {f.num_kv_blocks} KV blocks of "
-            f"{f.block_size} tokens, {f.max_num_slots} slots, max length {f.max_model_len}, "
-            f"{f.dtype} on {f.device}")
+    expect(
+        f.max_model_len >= 4 * f.block_size + 8,
+        f"max_model_len {f.max_model_len} is too short for these checks (need "
+        f"{4 * f.block_size + 8})",
+    )
+    return (
+        f"{f.model_name or '(no name)'}: vocab {f.vocab_size}, {f.num_kv_blocks} KV blocks of "
+        f"{f.block_size} tokens, {f.max_num_slots} slots, max length {f.max_model_len}, "
+        f"{f.dtype} on {f.device}"
+    )
 
 
-@check(CHECKS, "health", "grpc.health.v1 reports SERVING for \"\" and planserve.v1.EngineService")
+@check(CHECKS, "health", 'grpc.health.v1 reports SERVING for "" and planserve.v1.EngineService')
 async def check_health(ctx: EngineContext) -> None:
     for service in ("", SERVICE_NAME):
         reply = await ctx.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-        expect(reply.status == health_pb2.HealthCheckResponse.SERVING,
-               f"health of {service!r} is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+        expect(
+            reply.status == health_pb2.HealthCheckResponse.SERVING,
+            f"health of {service!r} is "
+            f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}",
+        )
 
 
-@check(CHECKS, "prefill", "register a sequence and prefill it in one step: one token, step_id echoed")
+@check(
+    CHECKS, "prefill", "register a sequence and prefill it in one step: one token, step_id echoed"
+)
 async def check_prefill(ctx: EngineContext) -> str:
     async with ctx.stream() as s:
         token = await s.prefill(0, ctx.prompt(1))
     return f"{len(ctx.prompt(1))}-token prompt -> token {token}"
 
 
-@check(CHECKS, "decode", "one-token decode steps across a block boundary; greedy is repeatable on "
-                         "another slot and stream")
+@check(
+    CHECKS,
+    "decode",
+    "one-token decode steps across a block boundary; greedy is repeatable on "
+    "another slot and stream",
+)
 async def check_decode(ctx: EngineContext) -> str:
     reference = await ctx.reference(ctx.prompt(1))
     last = (await ctx.facts()).max_num_slots - 1
@@ -74,8 +101,11 @@ async def check_decode(ctx: EngineContext) -> str:
     return f"{len(reference)} tokens"
 
 
-@check(CHECKS, "chunked_prefill", "a prompt computed over several steps samples only at its end, "
-                                  "and the same token")
+@check(
+    CHECKS,
+    "chunked_prefill",
+    "a prompt computed over several steps samples only at its end, and the same token",
+)
 async def check_chunked_prefill(ctx: EngineContext) -> str:
     facts = await ctx.facts()
     if not facts.features.chunked_prefill:
@@ -89,8 +119,11 @@ async def check_chunked_prefill(ctx: EngineContext) -> str:
     return f"chunks of {chunk} tokens"
 
 
-@check(CHECKS, "batch", "slots batched in one step are independent and results follow the "
-                        "plan's slot order")
+@check(
+    CHECKS,
+    "batch",
+    "slots batched in one step are independent and results follow the plan's slot order",
+)
 async def check_batch(ctx: EngineContext) -> str:
     facts = await ctx.facts()
     if facts.max_num_slots < 3:
@@ -106,12 +139,20 @@ async def check_batch(ctx: EngineContext) -> str:
         await s.send(plan)
         await s.decode([first, middle, last], 4)
         for slot in (first, last):
-            same_as_reference(s.slots[slot].generated, reference, f"slot {slot}, scheduled in slots {list(plan.slots)}")
+            same_as_reference(
+                s.slots[slot].generated,
+                reference,
+                f"slot {slot}, scheduled in slots {list(plan.slots)}",
+            )
     return f"slots {[first, middle, last]}"
 
 
-@check(CHECKS, "prefix_cache", "a sequence registered with num_computed_tokens over another's "
-                               "cached blocks continues as if it had computed them")
+@check(
+    CHECKS,
+    "prefix_cache",
+    "a sequence registered with num_computed_tokens over another's "
+    "cached blocks continues as if it had computed them",
+)
 async def check_prefix_cache(ctx: EngineContext) -> str:
     facts = await ctx.facts()
     prompt = ctx.prompt(1)
@@ -120,7 +161,9 @@ async def check_prefix_cache(ctx: EngineContext) -> str:
     async with ctx.stream() as s:
         await s.prefill(0, prompt)
         plan = s.plan()
-        s.register(plan, 1, prompt, num_computed_tokens=cached, cached_blocks=tuple(s.slots[0].blocks[:2]))
+        s.register(
+            plan, 1, prompt, num_computed_tokens=cached, cached_blocks=tuple(s.slots[0].blocks[:2])
+        )
         s.schedule(plan, 1, len(prompt) - cached)
         await s.send(plan)
         await s.decode([0, 1], 2)
@@ -128,8 +171,12 @@ async def check_prefix_cache(ctx: EngineContext) -> str:
     return f"{cached} of {len(prompt)} prompt tokens from slot 0's blocks"
 
 
-@check(CHECKS, "block_copy", "copy_src -> copy_dst runs before the forward: a sequence continues "
-                             "on a copy of another's partial block (copy-on-write)")
+@check(
+    CHECKS,
+    "block_copy",
+    "copy_src -> copy_dst runs before the forward: a sequence continues "
+    "on a copy of another's partial block (copy-on-write)",
+)
 async def check_block_copy(ctx: EngineContext) -> str:
     facts = await ctx.facts()
     if not facts.features.block_copy:
@@ -146,17 +193,27 @@ async def check_block_copy(ctx: EngineContext) -> str:
         plan = s.plan()
         plan.copy_src.append(partial)
         plan.copy_dst.append(copy)
-        s.register(plan, 1, prompt, num_computed_tokens=len(prompt) - 1, cached_blocks=(*full, copy))
+        s.register(
+            plan, 1, prompt, num_computed_tokens=len(prompt) - 1, cached_blocks=(*full, copy)
+        )
         s.schedule(plan, 1, 1)
         await s.send(plan)
         await s.decode([0, 1], 2)  # each writes its own last block now
         for slot in (0, 1):
-            same_as_reference(s.slots[slot].generated, reference, f"slot {slot} after block {partial} was copied to {copy}")
+            same_as_reference(
+                s.slots[slot].generated,
+                reference,
+                f"slot {slot} after block {partial} was copied to {copy}",
+            )
     return f"block {partial} -> {copy}"
 
 
-@check(CHECKS, "swap", "a sequence preempted by swap (device -> host) and resumed by swap-in into "
-                       "other device blocks continues where it was")
+@check(
+    CHECKS,
+    "swap",
+    "a sequence preempted by swap (device -> host) and resumed by swap-in into "
+    "other device blocks continues where it was",
+)
 async def check_swap(ctx: EngineContext) -> str:
     facts = await ctx.facts()
     if not facts.features.swap:
@@ -168,8 +225,11 @@ async def check_swap(ctx: EngineContext) -> str:
         await s.decode([0], 2)
         seq = s.slots[0]
         known, computed, device = list(seq.tokens), seq.num_computed_tokens, list(seq.blocks)
-        expect(len(device) <= facts.num_swap_blocks,
-               f"num_swap_blocks {facts.num_swap_blocks} cannot hold the {len(device)} blocks swapped out")
+        expect(
+            len(device) <= facts.num_swap_blocks,
+            f"num_swap_blocks {facts.num_swap_blocks} cannot hold the {len(device)} blocks "
+            "swapped out",
+        )
         host = list(range(len(device)))
         plan = s.plan()
         s.drop(plan, "preempted", 0)
@@ -182,13 +242,23 @@ async def check_swap(ctx: EngineContext) -> str:
         plan = s.plan()
         plan.swap_in_src.extend(host)
         plan.swap_in_dst.extend(fresh)
-        s.register(plan, 0, known, num_computed_tokens=computed, cached_blocks=tuple(fresh),
-                   prompt_len=len(prompt))
+        s.register(
+            plan,
+            0,
+            known,
+            num_computed_tokens=computed,
+            cached_blocks=tuple(fresh),
+            prompt_len=len(prompt),
+        )
         s.blocks.release(fresh)  # held through the slot's block table from here on
         s.schedule(plan, 0, len(known) - computed)
         await s.send(plan)
         await s.decode([0, 1], 2)
-        same_as_reference(s.slots[0].generated, reference, f"slot 0 swapped out to host blocks {host} and in to {fresh}")
+        same_as_reference(
+            s.slots[0].generated,
+            reference,
+            f"slot 0 swapped out to host blocks {host} and in to {fresh}",
+        )
     return f"{len(device)} blocks out and back in"
 
 
@@ -209,10 +279,14 @@ async def _drop_and_reuse(ctx: EngineContext, kind: str) -> None:
         try:
             await s.send(plan)
         except CheckFailed as failure:
-            raise CheckFailed(f"a plan with {kind}_slots [0, 1] that registers slot 0 again was "
-                              f"refused ({kind} slots must be dropped first): {failure}") from None
+            raise CheckFailed(
+                f"a plan with {kind}_slots [0, 1] that registers slot 0 again was "
+                f"refused ({kind} slots must be dropped first): {failure}"
+            ) from None
         await s.decode([0], 2)
-        same_as_reference(s.slots[0].generated, reference, f"slot 0 after {kind} and registered in the same plan")
+        same_as_reference(
+            s.slots[0].generated, reference, f"slot 0 after {kind} and registered in the same plan"
+        )
         stale = s.plan()
         stale.slots.append(1)
         stale.num_scheduled_tokens.append(1)
@@ -223,19 +297,28 @@ async def _drop_and_reuse(ctx: EngineContext, kind: str) -> None:
             raise CheckFailed(f"scheduling slot 1 after it was {kind}: {failure}") from None
 
 
-@check(CHECKS, "finish", "finished_slots are dropped before the plan's new sequences: a slot is "
-                         "reused at once with no stale state")
+@check(
+    CHECKS,
+    "finish",
+    "finished_slots are dropped before the plan's new sequences: a slot is "
+    "reused at once with no stale state",
+)
 async def check_finish(ctx: EngineContext) -> None:
     await _drop_and_reuse(ctx, "finished")
 
 
-@check(CHECKS, "abort", "aborted_slots are dropped before the plan's new sequences, and stay dropped")
+@check(
+    CHECKS, "abort", "aborted_slots are dropped before the plan's new sequences, and stay dropped"
+)
 async def check_abort(ctx: EngineContext) -> None:
     await _drop_and_reuse(ctx, "aborted")
 
 
-@check(CHECKS, "preempt", "a preempted sequence resumed by recompute (prompt + generated tokens) "
-                          "continues where it was")
+@check(
+    CHECKS,
+    "preempt",
+    "a preempted sequence resumed by recompute (prompt + generated tokens) continues where it was",
+)
 async def check_preempt(ctx: EngineContext) -> None:
     prompt = ctx.prompt(1)
     reference = await ctx.reference(prompt)

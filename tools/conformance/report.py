@@ -2,6 +2,7 @@
 with a name and a one-line description; it returns a short note (PASS), raises `CheckFailed`
 (FAIL, with the reason) or `Skipped` (SKIP: the server does not claim the feature). Any other
 exception, a timeout included, is a FAIL whose reason names the exception."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,9 +40,11 @@ class Outcome:
 
 def check(registry: list[Check], name: str, description: str) -> Callable[[CheckFn], CheckFn]:
     """Decorator: appends the function to a suite's ordered list of checks."""
+
     def register(fn: CheckFn) -> CheckFn:
         registry.append(Check(name, description, fn))
         return fn
+
     return register
 
 
@@ -58,8 +61,9 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-async def run_checks(checks: list[Check], context: Any, timeout_s: float,
-                     only: Optional[set[str]] = None) -> list[Outcome]:
+async def run_checks(
+    checks: list[Check], context: Any, timeout_s: float, only: Optional[set[str]] = None
+) -> list[Outcome]:
     """Runs the checks in order, each bounded by timeout_s; one failure does not stop the rest."""
     outcomes = []
     for item in checks:
@@ -92,8 +96,11 @@ def format_report(title: str, checks: list[Check], outcomes: list[Outcome]) -> s
         if o.detail:
             lines.append(f"      {' ' * width}  -> {o.detail}")
     counts = {s: sum(o.status == s for o in outcomes) for s in ("PASS", "FAIL", "SKIP")}
-    lines += ["", f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped"
-                  f" of {len(outcomes)} checks"]
+    lines += [
+        "",
+        f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped"
+        f" of {len(outcomes)} checks",
+    ]
     if counts["FAIL"]:
         lines.append("failed: " + ", ".join(o.name for o in outcomes if o.status == "FAIL"))
     return "\n".join(lines)

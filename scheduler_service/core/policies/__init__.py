@@ -16,6 +16,7 @@ takes. The scheduler offers every policy the same context (`SCHEDULER_OPTIONS`, 
 the policy does not take is a `TypeError` that names it, so a misspelt `--policy-option` fails
 at start-up instead of being ignored.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,13 +27,22 @@ from typing import Any
 from scheduler_service.core.policies.base import REGISTRY as _REGISTRY
 from scheduler_service.core.policies.base import SchedulingPolicy, path_of, register
 
-__all__ = ["ENTRY_POINT_GROUP", "SCHEDULER_OPTIONS", "SchedulingPolicy", "available", "create",
-           "describe", "register", "resolve"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "SCHEDULER_OPTIONS",
+    "SchedulingPolicy",
+    "available",
+    "create",
+    "describe",
+    "register",
+    "resolve",
+]
 
 ENTRY_POINT_GROUP = "planserve.policies"
 
 #: Options the scheduler passes to every policy; dropped for a policy that does not take them.
 SCHEDULER_OPTIONS = frozenset({"prefix_match_len"})
+
 
 def available() -> list[str]:
     """Every name `create` accepts (registered and entry points), sorted."""
@@ -79,8 +89,11 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 
 
 def _valid_names() -> str:
-    return ("valid names: " + ", ".join(available())
-            + "; or a dotted path such as package.module:ClassName")
+    return (
+        "valid names: "
+        + ", ".join(available())
+        + "; or a dotted path such as package.module:ClassName"
+    )
 
 
 def _import_dotted(spec: str) -> Any:
@@ -116,14 +129,18 @@ def _fit_options(cls: type[SchedulingPolicy], options: dict[str, Any]) -> dict[s
         return options
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return options
-    accepted = {p.name for p in parameters
-                if p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                              inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    accepted = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
     unknown = sorted(set(options) - accepted - SCHEDULER_OPTIONS)
     if unknown:
         takes = ", ".join(sorted(accepted - SCHEDULER_OPTIONS)) or "no options"
-        raise TypeError(f"policy {cls.name or path_of(cls)!r} does not take "
-                        f"{', '.join(unknown)}; it takes: {takes}")
+        raise TypeError(
+            f"policy {cls.name or path_of(cls)!r} does not take "
+            f"{', '.join(unknown)}; it takes: {takes}"
+        )
     return {key: value for key, value in options.items() if key in accepted}
 
 

@@ -9,6 +9,7 @@ Each heap entry is a list `[key, seq, request]`. `seq` is unique (insertion orde
 entries never compare their requests, and it breaks exact key ties first come, first served.
 A removed entry has its request slot set to None.
 """
+
 from __future__ import annotations
 
 import abc
@@ -46,7 +47,7 @@ class LazyHeap:
     def peek_entry(self) -> Optional[tuple[tuple, int, Request]]:
         """(key, seq, request) of the top, for callers that compare heads of several heaps."""
         self._drop_dead_top()
-        return tuple(self._heap[0]) if self._heap else None  # type: ignore[return-value]
+        return tuple(self._heap[0]) if self._heap else None
 
     def pop(self) -> Request:
         self._drop_dead_top()

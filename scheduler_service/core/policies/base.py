@@ -12,6 +12,7 @@ The scheduler tells the policy what happened (`on_scheduled`, `on_finished`) so 
 orders (per-tenant fairness) can keep their counters. Every method runs on the event loop
 thread, once per request per step at most; none may block.
 """
+
 from __future__ import annotations
 
 import abc

@@ -1,11 +1,12 @@
 """Earliest deadline first."""
+
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import HeapPolicy
+from scheduler_service.core.policies.base import register
 from scheduler_service.core.request import Request
 
 

@@ -16,14 +16,14 @@ to at least the smallest counter of the tenants that do have requests waiting (o
 waiting, to the counter of the tenant whose request last left the queue), so that time spent
 idle is not banked as credit to starve the others later.
 """
+
 from __future__ import annotations
 
 import collections
 from typing import Iterator, Optional, Sequence
 
-from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import LazyHeap, fcfs_key
-from scheduler_service.core.policies.base import SchedulingPolicy
+from scheduler_service.core.policies.base import SchedulingPolicy, register
 from scheduler_service.core.request import Request
 
 
@@ -107,15 +107,15 @@ class FairPolicy(SchedulingPolicy):
     # ---- preemption and accounting ----------------------------------------------------------
 
     def select_victim(self, running: Sequence[Request]) -> Request:
-        return max(running, key=lambda r: (self.counters[r.tenant], r.arrival_time,
-                                           r.request_id))
+        return max(running, key=lambda r: (self.counters[r.tenant], r.arrival_time, r.request_id))
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         """Charges the tenant; call before `num_computed_tokens` advances by `num_tokens`."""
         prompt_left = max(0, len(request.prompt_token_ids) - request.num_computed_tokens)
         num_input = min(num_tokens, prompt_left)
-        self.counters[request.tenant] += (self.input_weight * num_input
-                                          + self.output_weight * (num_tokens - num_input))
+        self.counters[request.tenant] += self.input_weight * num_input + self.output_weight * (
+            num_tokens - num_input
+        )
 
     # ---- helpers ----------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """First come, first served: the order of arrival."""
+
 from __future__ import annotations
 
-from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import HeapPolicy, fcfs_key
+from scheduler_service.core.policies.base import register
 from scheduler_service.core.request import Request
 
 

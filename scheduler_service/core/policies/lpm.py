@@ -1,11 +1,11 @@
 """Longest prefix match first: the request with the most prompt tokens already cached."""
+
 from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
-from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import LazyHeap, fcfs_key
-from scheduler_service.core.policies.base import SchedulingPolicy
+from scheduler_service.core.policies.base import SchedulingPolicy, register
 from scheduler_service.core.request import Request
 
 
@@ -22,8 +22,7 @@ class LPMPolicy(SchedulingPolicy):
 
     name = "lpm"
 
-    def __init__(self, *, prefix_match_len: Callable[[Request], int],
-                 max_scan: int = 128) -> None:
+    def __init__(self, *, prefix_match_len: Callable[[Request], int], max_scan: int = 128) -> None:
         if not callable(prefix_match_len):
             raise TypeError(f"prefix_match_len must be callable, got {prefix_match_len!r}")
         if max_scan < 0:

@@ -1,10 +1,11 @@
 """Strict priority: a higher `Request.priority` goes first, and may preempt lower ones."""
+
 from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import HeapPolicy
+from scheduler_service.core.policies.base import register
 from scheduler_service.core.request import Request
 
 

@@ -1,8 +1,9 @@
 """Shortest job first, with aging so that long requests do not starve."""
+
 from __future__ import annotations
 
-from scheduler_service.core.policies.base import register
 from scheduler_service.core.policies._heap import HeapPolicy
+from scheduler_service.core.policies.base import register
 from scheduler_service.core.request import Request
 
 

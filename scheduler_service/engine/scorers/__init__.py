@@ -9,6 +9,7 @@ A name resolves, as a policy does (scheduler_service/core/policies), to:
   2. an entry point of the group `planserve.scorers` (an installed plugin);
   3. a dotted path `package.module:Class`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,9 +18,17 @@ import importlib.metadata
 from scheduler_service.engine.scorers.base import REGISTRY as _REGISTRY
 from scheduler_service.engine.scorers.base import ReplicaScorer, register
 
-__all__ = ["ENTRY_POINT_GROUP", "ReplicaScorer", "available", "parse_weights", "register", "resolve"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ReplicaScorer",
+    "available",
+    "parse_weights",
+    "register",
+    "resolve",
+]
 
 ENTRY_POINT_GROUP = "planserve.scorers"
+
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
@@ -41,14 +50,16 @@ def resolve(spec: str) -> type[ReplicaScorer]:
         except (ImportError, AttributeError) as error:
             raise ValueError(f"router_weights: scorer {spec!r} does not import ({error})") from None
     else:
-        raise ValueError(f"router_weights: unknown scorer {spec!r}; valid: {', '.join(available())}")
+        raise ValueError(
+            f"router_weights: unknown scorer {spec!r}; valid: {', '.join(available())}"
+        )
     if not (isinstance(cls, type) and issubclass(cls, ReplicaScorer)):
         raise ValueError(f"router_weights: {spec!r} is not a ReplicaScorer subclass")
     return cls
 
 
 def parse_weights(text: str) -> dict[str, float]:
-    """"prefix_affinity=2,kv_usage=1" -> {name: weight}; ValueError naming the bad entry."""
+    """ "prefix_affinity=2,kv_usage=1" -> {name: weight}; ValueError naming the bad entry."""
     weights: dict[str, float] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = entry.partition("=")

@@ -1,4 +1,5 @@
 """The scorer interface: how good a place each replica is for one new request."""
+
 from __future__ import annotations
 
 import abc

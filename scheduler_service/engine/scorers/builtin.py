@@ -1,4 +1,5 @@
 """The built-in scorers: load (KV usage, waiting tokens), cache affinity, and a random baseline."""
+
 from __future__ import annotations
 
 import random
@@ -51,7 +52,9 @@ class PrefixAffinity(ReplicaScorer):
 
     def score(self, request: Request, replicas: Sequence[ReplicaView]) -> list[float]:
         length = max(1, len(request.prompt_token_ids))
-        return [replica.scheduler.kv.num_cached_prefix_tokens(request) / length for replica in replicas]
+        return [
+            replica.scheduler.kv.num_cached_prefix_tokens(request) / length for replica in replicas
+        ]
 
 
 @register
