@@ -27,7 +27,8 @@ def convert(out: str) -> None:
     config.tie_word_embeddings = True
     config.torch_dtype = torch.float32
     model = LlamaForCausalLM(config)
-    state = load_gguf(gguf).state_dict
+    weights = load_gguf(gguf).weights  # read tensor by tensor (model_service/gguf_file.py)
+    state = {name: weights.read(name) for name in weights.names()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
     if missing or unexpected:
