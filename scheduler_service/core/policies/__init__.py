@@ -24,8 +24,8 @@ import importlib.metadata
 import inspect
 from typing import Any
 
-from scheduler_service.core.policies.base import REGISTRY as _REGISTRY
-from scheduler_service.core.policies.base import SchedulingPolicy, path_of, register
+from scheduler_service.core.policies.base import POLICIES, SchedulingPolicy, register
+from scheduler_service.registry import path_of
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -38,7 +38,7 @@ __all__ = [
     "resolve",
 ]
 
-ENTRY_POINT_GROUP = "planserve.policies"
+ENTRY_POINT_GROUP = POLICIES.entry_point_group
 
 #: Options the scheduler passes to every policy; dropped for a policy that does not take them.
 SCHEDULER_OPTIONS = frozenset({"prefix_match_len"})
@@ -46,14 +46,14 @@ SCHEDULER_OPTIONS = frozenset({"prefix_match_len"})
 
 def available() -> list[str]:
     """Every name `create` accepts (registered and entry points), sorted."""
-    return sorted(set(_REGISTRY) | set(_entry_points()))
+    return POLICIES.available()
 
 
 def resolve(spec: str) -> type[SchedulingPolicy]:
     """The policy class for a name, an entry point name or a dotted path."""
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
-    entry_point = _entry_points().get(spec)
+    if spec in POLICIES.classes:
+        return POLICIES.classes[spec]
+    entry_point = POLICIES.entry_points().get(spec)
     if entry_point is not None:
         return _checked(entry_point.load(), f"entry point {spec!r} ({entry_point.value})")
     if "." in spec or ":" in spec:
@@ -70,7 +70,7 @@ def create(spec: str, **options: Any) -> SchedulingPolicy:
 def describe() -> str:
     """One line per policy, for `--help`."""
     lines = []
-    entry_points = _entry_points()
+    entry_points = POLICIES.entry_points()
     for name in available():
         try:
             cls = resolve(name)
@@ -82,10 +82,6 @@ def describe() -> str:
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def _valid_names() -> str:

@@ -16,9 +16,10 @@ thread, once per request per step at most; none may block.
 from __future__ import annotations
 
 import abc
-from typing import Iterator, Optional, Sequence, TypeVar
+from typing import Iterator, Optional, Sequence
 
 from scheduler_service.core.request import Request
+from scheduler_service.registry import Registry
 
 
 class SchedulingPolicy(abc.ABC):
@@ -82,23 +83,7 @@ class SchedulingPolicy(abc.ABC):
 
 # ---- the registry: `@register` puts a policy under its name (policies/__init__.py resolves) ----
 
-REGISTRY: dict[str, type[SchedulingPolicy]] = {}
-
-P = TypeVar("P", bound=type[SchedulingPolicy])
-
-
-def register(cls: P) -> P:
-    """Class decorator: registers a policy under `cls.name`."""
-    if not (isinstance(cls, type) and issubclass(cls, SchedulingPolicy)):
-        raise TypeError(f"{cls!r} is not a SchedulingPolicy subclass")
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no `name`")
-    existing = REGISTRY.get(cls.name)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"policy name {cls.name!r} is already taken by {path_of(existing)}")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def path_of(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
+POLICIES: Registry[type[SchedulingPolicy]] = Registry(
+    "policy", SchedulingPolicy, "planserve.policies"
+)
+register = POLICIES.register

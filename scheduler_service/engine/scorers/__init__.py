@@ -15,8 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 
-from scheduler_service.engine.scorers.base import REGISTRY as _REGISTRY
-from scheduler_service.engine.scorers.base import ReplicaScorer, register
+from scheduler_service.engine.scorers.base import SCORERS, ReplicaScorer, register
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -27,22 +26,18 @@ __all__ = [
     "resolve",
 ]
 
-ENTRY_POINT_GROUP = "planserve.scorers"
-
-
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+ENTRY_POINT_GROUP = SCORERS.entry_point_group
 
 
 def available() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_entry_points()))
+    return SCORERS.available()
 
 
 def resolve(spec: str) -> type[ReplicaScorer]:
-    if spec in _REGISTRY:
-        cls = _REGISTRY[spec]
-    elif spec in _entry_points():
-        cls = _entry_points()[spec].load()
+    if spec in SCORERS.classes:
+        cls = SCORERS.classes[spec]
+    elif spec in SCORERS.entry_points():
+        cls = SCORERS.entry_points()[spec].load()
     elif "." in spec or ":" in spec:
         module, _, name = spec.replace(":", ".").rpartition(".")
         try:

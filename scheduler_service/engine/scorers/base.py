@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import abc
-from typing import Protocol, Sequence, TypeVar
+from typing import Protocol, Sequence
 
 from scheduler_service.core.request import Request
+from scheduler_service.registry import Registry
 
 
 class ReplicaView(Protocol):
@@ -30,17 +31,5 @@ class ReplicaScorer(abc.ABC):
 
 # ---- the registry: `@register` puts a scorer under its name (scorers/__init__.py resolves) ----
 
-REGISTRY: dict[str, type[ReplicaScorer]] = {}
-
-S = TypeVar("S", bound=type[ReplicaScorer])
-
-
-def register(cls: S) -> S:
-    """Class decorator: registers a scorer under `cls.name`."""
-    if not (isinstance(cls, type) and issubclass(cls, ReplicaScorer)) or not cls.name:
-        raise TypeError(f"{cls!r} is not a named ReplicaScorer subclass")
-    existing = REGISTRY.get(cls.name)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"scorer name {cls.name!r} is already taken")
-    REGISTRY[cls.name] = cls
-    return cls
+SCORERS: Registry[type[ReplicaScorer]] = Registry("scorer", ReplicaScorer, "planserve.scorers")
+register = SCORERS.register
