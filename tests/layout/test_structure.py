@@ -159,3 +159,21 @@ def test_the_scheduler_service_imports_neither_torch_nor_the_model_service():
         timeout=120,
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_the_planserve_command_imports_no_torch():
+    """`planserve` starts the model service as a child; it reads only its config module."""
+    code = (
+        "import sys, tools.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "protos"), str(ROOT)]))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert out.strip() == "[]"
