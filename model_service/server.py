@@ -9,6 +9,7 @@ concurrent Execute gets FAILED_PRECONDITION. Errors map to status codes here and
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import grpc
@@ -136,6 +137,27 @@ def tls_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCred
     )
 
 
+class PortTaken(Exception):
+    """The model service's port is held by another process (one line for the person)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """PortTaken when `port` on `host` cannot be bound now (0 and unix: addresses need no
+    check). Checked before the model loads, so a taken port fails in a second, not a minute."""
+    if port <= 0 or host.startswith("unix:"):
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise PortTaken(
+                f"--port {port}: cannot listen on {host}:{port} ({error.strerror or error}); "
+                "stop what holds it or choose another port (0 picks a free one)"
+            ) from None
+
+
 async def serve(
     config: ModelServiceConfig,
     runner: ModelRunner | None = None,
@@ -157,6 +179,7 @@ async def serve(
     await asyncio.to_thread(warm_up, runner)
     server = grpc.aio.server(
         options=[
+            ("grpc.so_reuseport", 0),  # a taken port fails instead of sharing its connections
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
         ]
@@ -168,13 +191,16 @@ async def serve(
     # given. `--host unix:/path/engine.sock` binds a Unix socket instead (port unused; the
     # scheduler's --engine takes the same unix:/path).
     address = config.host if config.host.startswith("unix:") else f"{config.host}:{config.port}"
-    port = (
-        server.add_secure_port(address, credentials)
-        if credentials
-        else server.add_insecure_port(address)
-    )
+    try:
+        port = (
+            server.add_secure_port(address, credentials)
+            if credentials
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise RuntimeError(f"port: could not bind {config.host}:{config.port}")
+        raise PortTaken(f"--port {config.port}: cannot listen on {address}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

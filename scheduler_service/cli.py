@@ -25,6 +25,7 @@ from scheduler_service.api.client import build_request, stream_generate
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core import policies
 from scheduler_service.fields import add_flags, from_args
+from scheduler_service.ports import StartupError
 from scheduler_service.server import SchedulerServer
 
 log = structlog.get_logger("planserve.cli")
@@ -166,11 +167,15 @@ RUNNERS = {"scheduler": _scheduler, "generate": _generate}
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs a command of add_commands until it ends (or Ctrl-C)."""
+    """Runs a command of add_commands until it ends (or Ctrl-C); a start-up problem is one line
+    on stderr and exit status 2."""
     try:
         asyncio.run(RUNNERS[args.command](args))
     except KeyboardInterrupt:
         pass
+    except StartupError as error:
+        print(f"planserve: {error}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -107,6 +107,8 @@ def add_flags(
         name = (flag_names or {}).get(field.name) or bound.flag or field.name.replace("_", "-")
         default = field.default if bound.cli_default is _UNSET else bound.cli_default
         text = docs.get(field.name, "") + (helps or {}).get(field.name, "")
+        if not isinstance(field.default, bool) and default is not dataclasses.MISSING:
+            text += f" (default: {'none' if default is None else default})"  # --help shows each
         kwargs: dict[str, Any] = {"dest": field.name, "help": text.replace("%", "%%")}
         if isinstance(field.default, bool):
             # A flag turns a setting on (store_true) or, spelled no-..., off (store_false).

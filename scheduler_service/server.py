@@ -30,6 +30,7 @@ from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.engine.loop import EngineLoop
 from scheduler_service.engine.replicas import ReplicaSet
 from scheduler_service.metrics import Metrics
+from scheduler_service.ports import StartupError, check_port_free
 from scheduler_service.text import structured
 from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
@@ -37,6 +38,13 @@ from scheduler_service.text.tokenizer import Tokenizer
 log = structlog.get_logger("planserve.scheduler")
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+def check_ports(config: SchedulerConfig) -> None:
+    """StartupError naming the first flag whose port is taken, before any door is opened."""
+    check_port_free("--port", config.host, config.port)
+    check_port_free("--metrics-port", config.host, config.metrics_port)
+    check_port_free("--http-port", config.host, config.http_port)
 
 
 class SchedulerServer:
@@ -73,7 +81,9 @@ class SchedulerServer:
         return serving.frontend if serving else None
 
     async def start(self) -> int:
-        """Starts listening (health NOT_SERVING) and returns the bound port."""
+        """Starts listening (health NOT_SERVING) and returns the bound port; StartupError
+        naming the flag of a port that is taken (then nothing is left listening)."""
+        check_ports(self.config)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         generate_pb2_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         reflection.enable_server_reflection(
@@ -82,14 +92,33 @@ class SchedulerServer:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
         credentials = security.server_credentials(self.config)
-        self.port = (
-            self.server.add_secure_port(address, credentials)
-            if credentials
-            else self.server.add_insecure_port(address)
-        )
+        try:
+            self.port = (
+                self.server.add_secure_port(address, credentials)
+                if credentials
+                else self.server.add_insecure_port(address)
+            )
+        except RuntimeError:  # taken between the check and now
+            raise StartupError(f"--port {self.config.port}: cannot listen on {address}") from None
         await self.server.start()
+        try:
+            await self._open_http_doors()
+        except BaseException:
+            await self.server.stop(0)
+            self.metrics.close()
+            raise
+        return self.port
+
+    async def _open_http_doors(self) -> None:
+        """/metrics and the OpenAI HTTP API, each when its port is not -1."""
         if self.config.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            try:
+                self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            except OSError as error:
+                raise StartupError(
+                    f"--metrics-port {self.config.metrics_port}: cannot listen on "
+                    f"{self.config.host}:{self.config.metrics_port} ({error.strerror or error})"
+                ) from None
         if self.config.http_port >= 0:
             # Answers 503 (and /health "starting") until the engine answered Describe.
             self.http = HttpServer(self.admission, self.config.host, self.config.http_port)
@@ -98,7 +127,6 @@ class SchedulerServer:
                     self.http.app, security.read_token(self.config.auth_token_file)
                 )
             self.http_port = await self.http.start()
-        return self.port
 
     async def connect_engine(self) -> None:
         """Describes the model service, builds the scheduler and turns health SERVING."""

@@ -30,7 +30,8 @@ from model_service.config import ModelServiceConfig, parse_bytes
 from scheduler_service import cli as scheduler_cli
 from scheduler_service import logs
 from scheduler_service.fields import add_flags
-from scheduler_service.server import SchedulerServer
+from scheduler_service.ports import StartupError, check_port_free
+from scheduler_service.server import SchedulerServer, check_ports
 from tools import conformance
 
 log = structlog.get_logger("planserve.cli")
@@ -150,10 +151,19 @@ class _ModelServiceSupervisor:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    # Every port is tried before anything starts: a taken one ends here, with nothing running.
+    check_port_free("--engine-port", "127.0.0.1", args.engine_port)
+    config = scheduler_cli.scheduler_config(args, f"127.0.0.1:{args.engine_port}")
+    check_ports(config)
     supervisor = _ModelServiceSupervisor(args)
-    engine_port = await supervisor.start()
     try:
-        server = SchedulerServer(scheduler_cli.scheduler_config(args, f"127.0.0.1:{engine_port}"))
+        engine_port = await supervisor.start()
+    except RuntimeError as error:  # the child said why on stderr
+        raise StartupError(str(error)) from None
+    try:
+        server = SchedulerServer(
+            dataclasses.replace(config, engine_address=f"127.0.0.1:{engine_port}")
+        )
         await server.start()
         await server.connect_engine()
         scheduler_cli.announce(server)
@@ -171,10 +181,15 @@ def _add_serve(commands) -> None:
     _add_model_flags(serve)
     scheduler_cli.add_scheduler_flags(serve)
     serve.add_argument(
-        "--engine-port", type=int, default=50052, help="model service port (0 picks a free one)"
+        "--engine-port",
+        type=int,
+        default=50052,
+        help="model service port (0 picks a free one) (default: 50052)",
     )
     serve.add_argument(
-        "--sample", default=None, help="once serving, stream a completion of this chat prompt"
+        "--sample",
+        default=None,
+        help="once serving, stream a completion of this chat prompt (default: none)",
     )
 
 
@@ -182,12 +197,16 @@ def _add_model_service(commands) -> None:
     model = commands.add_parser("model-service", help="the model service alone")
     _add_model_flags(model)
     add_flags(model, ModelServiceConfig, only=_MODEL_ADDRESS_FIELDS)  # its own defaults
-    model.add_argument("--tls-cert", default="", help="PEM certificate: serve over TLS")
-    model.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    model.add_argument(
+        "--tls-cert", default="", help="PEM certificate: serve over TLS (default: plaintext)"
+    )
+    model.add_argument(
+        "--tls-key", default="", help="PEM private key of --tls-cert (default: none)"
+    )
     model.add_argument(
         "--tls-client-ca",
         default="",
-        help="PEM CA: require client certificates it signed (mutual TLS)",
+        help="PEM CA: require client certificates it signed (mutual TLS) (default: none)",
     )
 
 
@@ -232,6 +251,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             asyncio.run(_serve(args))
         except KeyboardInterrupt:
             pass
+        except StartupError as error:
+            print(f"planserve: {error}", file=sys.stderr, flush=True)
+            return 2
         return 0
     return scheduler_cli.run(args)
 

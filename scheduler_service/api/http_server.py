@@ -12,6 +12,7 @@ import uvicorn
 
 from scheduler_service.api.admission import Admission
 from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.ports import StartupError
 
 log = structlog.get_logger("planserve.openai")
 
@@ -43,8 +44,9 @@ class HttpServer:
             sock.bind((self._host, self._requested_port))
         except OSError as error:
             sock.close()
-            raise RuntimeError(
-                f"http_port {self._requested_port} on {self._host}: {error.strerror or error}"
+            raise StartupError(
+                f"--http-port {self._requested_port}: cannot listen on {self._host}:"
+                f"{self._requested_port} ({error.strerror or error})"
             ) from None
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]

@@ -111,8 +111,11 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def server_options(config: SchedulerConfig) -> list[tuple[str, int]]:
-    """Limits of the public API's gRPC server: concurrent streams and message size."""
+    """Limits of the public API's gRPC server: concurrent streams and message size; and no
+    SO_REUSEPORT (gRPC's default on Linux), so a second server on a taken port fails instead of
+    silently sharing its connections."""
     return [
+        ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ]

@@ -24,6 +24,8 @@ def _modules() -> dict[str, Path]:
     for top in CHECKED:
         for path in sorted((ROOT / top).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if any(part.startswith(".") for part in parts):  # ignored scratch: bench/peers/.work
+                continue
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join(parts)] = path
