@@ -117,7 +117,8 @@ class SchedulerConfig:
     requests UNAVAILABLE meanwhile) before the process exits anyway."""
 
     tls_cert: str = ""
-    """PEM certificate chain of the public API (with tls_key): TLS instead of plaintext."""
+    """PEM certificate chain of the public API (with tls_key): TLS instead of plaintext, on the
+    gRPC port and the OpenAI HTTP port (HTTPS) alike."""
 
     tls_key: str = ""
     """PEM private key of tls_cert."""

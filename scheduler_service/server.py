@@ -121,7 +121,12 @@ class SchedulerServer:
                 ) from None
         if self.config.http_port >= 0:
             # Answers 503 (and /health "starting") until the engine answered Describe.
-            self.http = HttpServer(self.admission, self.config.host, self.config.http_port)
+            self.http = HttpServer(
+                self.admission,
+                self.config.host,
+                self.config.http_port,
+                security.http_ssl_options(self.config),
+            )
             if self.config.auth_token_file:
                 security.add_http_bearer_auth(
                     self.http.app, security.read_token(self.config.auth_token_file)

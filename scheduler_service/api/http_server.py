@@ -28,9 +28,13 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     """The OpenAI-compatible API on its own port, in the running event loop."""
 
-    def __init__(self, admission: Admission, host: str, port: int):
+    def __init__(
+        self, admission: Admission, host: str, port: int, ssl_options: Optional[dict] = None
+    ):
+        """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP."""
         self.app = OpenAIApp(admission).app
         self._host, self._requested_port = host, port
+        self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None
         self._server: Optional[_Uvicorn] = None
         self._task: Optional[asyncio.Task] = None
@@ -57,6 +61,7 @@ class HttpServer:
             lifespan="off",
             timeout_graceful_shutdown=5,
             server_header=False,
+            **self._ssl_options,
         )
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -65,7 +70,7 @@ class HttpServer:
                 self._task.result()  # raises what stopped it
                 raise RuntimeError("the HTTP server stopped during start")
             await asyncio.sleep(0.01)
-        log.info("openai http api serving", port=self.port)
+        log.info("openai http api serving", port=self.port, tls=bool(self._ssl_options))
         return self.port
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -1,16 +1,18 @@
-"""TLS, mutual TLS and bearer-token authentication of the scheduler's gRPC edges.
+"""TLS, mutual TLS and bearer-token authentication of the scheduler's edges.
 
 The public API takes TLS (`tls_cert` + `tls_key`), optionally requiring client certificates
-signed by `tls_client_ca` (mutual TLS), and optionally a bearer token (`auth_token_file`): every
-call but health checks and reflection must carry `authorization: Bearer <token>`, else
-UNAUTHENTICATED. The channel to the model service takes TLS (`engine_tls_ca`) and a client
-certificate (`engine_tls_cert` + `engine_tls_key`) for a model service that requires mTLS.
+signed by `tls_client_ca` (mutual TLS), on its gRPC port and on the OpenAI HTTP port alike, and
+optionally a bearer token (`auth_token_file`): every call but health checks and reflection must
+carry `authorization: Bearer <token>`, else UNAUTHENTICATED (HTTP: 401). The channel to the
+model service takes TLS (`engine_tls_ca`) and a client certificate (`engine_tls_cert` +
+`engine_tls_key`) for a model service that requires mTLS.
 """
 
 from __future__ import annotations
 
 import hmac
 import inspect
+import ssl
 from typing import Optional
 
 import grpc
@@ -42,6 +44,17 @@ def server_credentials(config: SchedulerConfig) -> Optional[grpc.ServerCredentia
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )
+
+
+def http_ssl_options(config: SchedulerConfig) -> dict:
+    """uvicorn's TLS settings for the OpenAI HTTP API: the same certificate, key and client CA
+    as the gRPC API (empty: plain HTTP)."""
+    if not config.tls_cert:
+        return {}
+    options = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+    if config.tls_client_ca:
+        options.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
 
 
 def engine_channel_credentials(config: SchedulerConfig) -> Optional[grpc.ChannelCredentials]:

@@ -9,6 +9,7 @@ import ipaddress
 import os
 import subprocess
 import sys
+import ssl
 import urllib.error
 import urllib.request
 
@@ -213,24 +214,53 @@ async def test_calls_without_the_bearer_token_get_unauthenticated(secure_server,
     await channel.close()
 
 
-def _http_get(port: int, path: str, token: str | None) -> int:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+def _client_tls(pki: Pki, client: Pki | None) -> ssl.SSLContext:
+    """A client's TLS: trusts pki's CA, presents client's certificate (None: none)."""
+    context = ssl.create_default_context(cafile=pki.ca)
+    if client is not None:
+        context.load_cert_chain(client.client_cert, client.client_key)
+    return context
+
+
+def _http_get(port: int, path: str, token: str | None, context: ssl.SSLContext | None = None,
+              scheme: str = "https") -> int:
+    request = urllib.request.Request(f"{scheme}://127.0.0.1:{port}{path}")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
 
 
-async def test_http_api_requires_the_same_token_except_health(secure_server):
-    port = secure_server.http_port
+async def test_http_api_requires_the_same_token_except_health(secure_server, pki):
+    port, tls = secure_server.http_port, _client_tls(pki, pki)
     run = asyncio.get_running_loop().run_in_executor
-    assert await run(None, _http_get, port, "/v1/models", None) == 401
-    assert await run(None, _http_get, port, "/v1/models", "wrong") == 401
-    assert await run(None, _http_get, port, "/v1/models", TOKEN) == 200
-    assert await run(None, _http_get, port, "/health", None) == 200
+    assert await run(None, _http_get, port, "/v1/models", None, tls) == 401
+    assert await run(None, _http_get, port, "/v1/models", "wrong", tls) == 401
+    assert await run(None, _http_get, port, "/v1/models", TOKEN, tls) == 200
+    assert await run(None, _http_get, port, "/health", None, tls) == 200
+
+
+async def test_http_api_speaks_tls_with_the_grpc_certificates(secure_server, pki, rogue_pki):
+    """The OpenAI port takes --tls-cert/--tls-key/--tls-client-ca as the gRPC port does: the
+    openai client over HTTPS with a trusted client certificate is served; plain HTTP, HTTPS
+    without a client certificate and one from another CA are refused."""
+    import httpx
+    import openai
+
+    port = secure_server.http_port
+    http_client = httpx.Client(verify=_client_tls(pki, pki))
+    client = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=TOKEN, http_client=http_client)
+    run = asyncio.get_running_loop().run_in_executor
+    completion = await run(None, lambda: client.completions.create(
+        model=client.models.list().data[0].id, prompt="Hello", max_tokens=3, temperature=0.0))
+    assert completion.usage.completion_tokens == 3
+    http_client.close()
+    for scheme, context in (("http", None), ("https", _client_tls(pki, None)), ("https", _client_tls(pki, rogue_pki))):
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            await run(None, _http_get, port, "/health", TOKEN, context, scheme)
 
 
 # ---- limits -------------------------------------------------------------------------------
