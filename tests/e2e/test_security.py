@@ -4,12 +4,13 @@ concurrent streams, the engine's loopback default, and no prompt or output in th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import ipaddress
 import os
+import ssl
 import subprocess
 import sys
-import ssl
 import urllib.error
 import urllib.request
 
@@ -377,3 +378,40 @@ async def test_no_prompt_or_output_in_the_logs_at_info_level():
     assert "4242, 4243" not in logs and "4242,4243" not in logs
     for output in (text.text, ids.text):
         assert len(output.strip()) > 8 and output.strip() not in logs
+
+
+# ---- the conformance kit against secured servers ------------------------------------------
+
+async def test_the_api_suite_passes_over_mtls_with_a_token(secure_server, pki):
+    """`planserve conformance --api` with --tls-ca/--tls-cert/--tls-key/--auth-token-file: the
+    whole suite passes against the mTLS + token server; without the token it fails, naming the
+    refusal (so the flags are what made it pass)."""
+    from tools.conformance import run_suite
+    from tools.conformance.connection import Connection
+    from tools.conformance.report import passed
+
+    address = f"127.0.0.1:{secure_server.port}"
+    mtls = Connection(tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
+    secured = dataclasses.replace(mtls, auth_token_file=secure_server.config.auth_token_file)
+    report, outcomes = await run_suite("api", address, connection=secured)
+    assert passed(outcomes), report
+    report, outcomes = await run_suite("api", address, only={"generate"}, connection=mtls)
+    assert not passed(outcomes) and "UNAUTHENTICATED" in report, report
+
+
+def test_the_engine_suite_passes_against_an_mtls_engine_via_the_cli(pki):
+    engine = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64",
+                           "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+                           "--tls-client-ca", pki.ca)
+    try:
+        command = [sys.executable, "-m", "tools", "conformance", "--engine", engine.address,
+                   "--check", "describe", "--check", "prefill", "--check", "decode", "--check", "abort"]
+        tls = ["--tls-ca", pki.ca, "--tls-cert", pki.client_cert, "--tls-key", pki.client_key]
+        result = subprocess.run(command + tls, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "4 passed, 0 failed" in result.stdout, result.stdout
+        plain = subprocess.run(command + ["--connect-timeout", "2"], capture_output=True, text=True,
+                               timeout=300)
+        assert plain.returncode == 1 and "FAIL  connect" in plain.stdout, plain.stdout
+    finally:
+        engine.stop()

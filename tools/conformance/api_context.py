@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
+from tools.conformance.connection import PLAINTEXT, Connection
 from tools.conformance.report import expect
 
 SERVICE_NAME = "planserve.v1.GenerationService"
@@ -17,9 +17,9 @@ FinishReason = generate_pb2.FinishReason
 
 
 class ApiContext:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, connection: Connection = PLAINTEXT) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = connection.channel(address)
         self.stub = generate_pb2_grpc.GenerationServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._info: Optional[generate_pb2.GetModelInfoResponse] = None

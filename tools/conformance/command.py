@@ -7,6 +7,7 @@ import asyncio
 from typing import Any, Optional
 
 from tools.conformance import api_suite, engine_suite
+from tools.conformance.connection import PLAINTEXT, Connection
 from tools.conformance.report import Check, Outcome, format_report, passed, run_checks
 
 SUITES: dict[str, tuple[Any, list[Check], str]] = {  # context class, checks, service
@@ -51,6 +52,22 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="seconds to wait for the server to accept a connection",
     )
     parser.add_argument("--list", action="store_true", help="list the suite's checks and exit")
+    secured = parser.add_argument_group("a secured server")
+    secured.add_argument(
+        "--tls-ca", default="", help="PEM CA that signed the server's certificate: TLS"
+    )
+    secured.add_argument(
+        "--tls-cert", default="", help="PEM client certificate, for mutual TLS (with --tls-key)"
+    )
+    secured.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    secured.add_argument(
+        "--tls-server-name",
+        default="",
+        help="the name to check the server's certificate against (default: the address's host)",
+    )
+    secured.add_argument(
+        "--auth-token-file", default="", help="file holding the bearer token every call carries"
+    )
     return parser
 
 
@@ -67,11 +84,13 @@ async def run_suite(
     timeout_s: float = 120.0,
     only: Optional[set[str]] = None,
     connect_timeout_s: float = 10.0,
+    connection: Connection = PLAINTEXT,
 ) -> tuple[str, list[Outcome]]:
-    """Runs one suite against address; returns (report text, outcomes). A server that cannot be
-    reached gives one FAIL line (`connect`) instead of one per check."""
+    """Runs one suite against address (reached as `connection` says: TLS, mTLS, a token);
+    returns (report text, outcomes). A server that cannot be reached gives one FAIL line
+    (`connect`) instead of one per check."""
     context_type, checks, service = SUITES[suite]
-    context = context_type(address)
+    context = context_type(address, connection)
     try:
         await asyncio.wait_for(context.channel.channel_ready(), connect_timeout_s)
     except asyncio.TimeoutError:
@@ -79,7 +98,8 @@ async def run_suite(
             Outcome(
                 "connect",
                 "FAIL",
-                f"no gRPC server answered at {address} within {connect_timeout_s:g} s",
+                f"no gRPC server answered at {address} within {connect_timeout_s:g} s"
+                + (" (over TLS)" if connection.tls_ca else ""),
                 connect_timeout_s,
             )
         ]
@@ -109,8 +129,22 @@ def run_command(args: argparse.Namespace) -> int:
             flush=True,
         )
         return 2
+    try:
+        connection = Connection(
+            args.tls_ca, args.tls_cert, args.tls_key, args.auth_token_file, args.tls_server_name
+        ).validate()
+    except ValueError as error:
+        print(f"planserve conformance: {error}", flush=True)
+        return 2
     report, outcomes = asyncio.run(
-        run_suite(suite, args.engine or args.api, args.timeout, only or None, args.connect_timeout)
+        run_suite(
+            suite,
+            args.engine or args.api,
+            args.timeout,
+            only or None,
+            args.connect_timeout,
+            connection,
+        )
     )
     print(report, flush=True)
     return 0 if passed(outcomes) else 1

@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator, Optional
 
-import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from planserve.v1 import engine_pb2, engine_pb2_grpc
+from tools.conformance.connection import PLAINTEXT, Connection
 from tools.conformance.engine_driver import ExecuteStream
 from tools.conformance.report import expect
 
@@ -20,11 +20,11 @@ CONTRACT_VERSION = 1
 class EngineContext:
     """What the checks share: the channel, the Describe reply and the reference sequences."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, connection: Connection = PLAINTEXT) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = connection.channel(
             address,
-            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+            options=(("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)),
         )
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
