@@ -143,7 +143,8 @@ class PortTaken(Exception):
 
 def check_port_free(host: str, port: int) -> None:
     """PortTaken when `port` on `host` cannot be bound now (0 and unix: addresses need no
-    check). Checked before the model loads, so a taken port fails in a second, not a minute."""
+    check). Checked before the model loads, so a taken port fails in a second, not a minute.
+    The scheduler's twin is scheduler_service/ports.py: the two services share no package."""
     if port <= 0 or host.startswith("unix:"):
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
