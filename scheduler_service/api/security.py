@@ -51,7 +51,7 @@ def http_ssl_options(config: SchedulerConfig) -> dict:
     as the gRPC API (empty: plain HTTP)."""
     if not config.tls_cert:
         return {}
-    options = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+    options: dict[str, object] = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
     if config.tls_client_ca:
         options.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     return options
