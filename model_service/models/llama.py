@@ -1,7 +1,7 @@
 """Llama forward over a packed mixed batch with a paged KV cache.
 
 Checkpoints arrive in Hugging Face's `LlamaForCausalLM` naming
-(`model.layers.N.self_attn.q_proj.weight`, ...). At load, `fuse_hf_state_dict` concatenates q/k/v
+(`model.layers.N.self_attn.q_proj.weight`, ...). At load, model_service/build.py concatenates q/k/v
 into one `qkv_proj` and gate/up into one `gate_up_proj`, so a layer runs two fewer GEMMs;
 `hf_state_dict` hands the HF names back (views into the fused weights) for parity checks against
 transformers.
@@ -233,21 +233,6 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-
-
-def fuse_hf_state_dict(
-    state: dict[str, torch.Tensor], arch: LlamaArchConfig
-) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> ours: each layer's q/k/v rows concatenated into qkv_proj, gate/up into
-    gate_up_proj (in that order; the forward splits them back by head counts). Other keys pass."""
-    out = dict(state)
-    for layer in range(arch.num_hidden_layers):
-        prefix = f"model.layers.{layer}."
-        for fused, parts in _FUSED.items():
-            names = [f"{prefix}{part}.weight" for part in parts]
-            if all(name in out for name in names):
-                out[f"{prefix}{fused}.weight"] = torch.cat([out.pop(name) for name in names], dim=0)
-    return out
 
 
 def split_fused_state_dict(

@@ -16,7 +16,9 @@ import torch
 from bench import measure
 from cython_ext import layer_ops as native
 from model_service import layer_ops
-from model_service.models.llama import LlamaDecoderLayer, fuse_hf_state_dict, split_fused_state_dict
+from model_service.build import build_model
+from model_service.models.llama import LlamaDecoderLayer
+from model_service.weights import TensorDictWeights
 from model_service.models.rope import rope_table
 
 SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
@@ -231,13 +233,14 @@ def test_errors_name_the_field():
 
 
 def test_fused_state_dict_round_trips(tiny_loaded):
-    """HF names -> fused (q|k|v, gate|up rows) -> HF names gives the same tensors; the model's
-    own hf_state_dict splits its fused weights the same way."""
+    """HF names -> our fused layers (model_service/build.py: q|k|v and gate|up rows) -> HF names
+    (hf_state_dict, split by the head counts) gives the same tensors."""
     hf = tiny_loaded.state_dict()
     assert "model.layers.0.self_attn.q_proj.weight" in hf and "model.layers.0.mlp.up_proj.weight" in hf
-    fused = fuse_hf_state_dict(hf, tiny_loaded.arch)
+    rebuilt = build_model(tiny_loaded.arch, TensorDictWeights(hf), torch.float32, "cpu")
+    fused = rebuilt.state_dict()
     assert "model.layers.0.self_attn.qkv_proj.weight" in fused and "model.layers.0.self_attn.q_proj.weight" not in fused
-    back = split_fused_state_dict(fused, tiny_loaded.model.model.layers[0].self_attn)
+    back = rebuilt.hf_state_dict()
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[name], hf[name]) for name in hf)
-    assert isinstance(tiny_loaded.model.model.layers[0], LlamaDecoderLayer)
+    assert isinstance(rebuilt.model.layers[0], LlamaDecoderLayer)
