@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import structlog
 
@@ -40,7 +40,10 @@ ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
 # The model service's flags for fields named otherwise (model_service/__main__.py): byte sizes
 # are given with suffixes (2GiB) and passed on as given.
 _MODEL_FLAG_NAMES = {"kv_cache_memory_bytes": "kv-cache-memory", "swap_space_bytes": "swap-space"}
-_MODEL_FLAG_TYPES = {"kv_cache_memory_bytes": str, "swap_space_bytes": str}
+_MODEL_FLAG_TYPES: dict[str, Callable[[str], Any]] = {
+    "kv_cache_memory_bytes": str,
+    "swap_space_bytes": str,
+}
 # Where the model service listens: `serve` places it itself (--engine-port).
 _MODEL_ADDRESS_FIELDS = ("host", "port")
 
@@ -83,8 +86,10 @@ def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[
 async def _start_model_service(argv: list[str]) -> tuple[asyncio.subprocess.Process, int]:
     """Starts the model service and waits for the line that tells its port."""
     child = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    stdout = child.stdout
+    assert stdout is not None  # stdout=PIPE
     while True:
-        line = await child.stdout.readline()
+        line = await stdout.readline()
         if not line:
             await child.wait()
             raise RuntimeError(
@@ -123,6 +128,7 @@ class _ModelServiceSupervisor:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            assert self.child is not None  # start() made it
             status = await self.child.wait()
             delay_s = self.FIRST_DELAY_S if loop.time() - started > self.HEALTHY_S else delay_s
             log.warning("model_service_died", status=status, restart_in_s=delay_s)

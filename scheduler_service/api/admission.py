@@ -81,6 +81,12 @@ class Admission:
         self.serving: Optional[Serving] = None
         self.draining = False  # SIGTERM: new requests get UNAVAILABLE, running ones finish
 
+    def _ready(self) -> Serving:
+        """The serving state; the doors answer UNAVAILABLE before it is set, never come here."""
+        if self.serving is None:
+            raise RuntimeError("admission before the model service answered Describe")
+        return self.serving
+
     def count_rejection(self, reason: str) -> None:
         metrics = self.serving.frontend.metrics if self.serving is not None else None
         if metrics is not None:
@@ -95,7 +101,7 @@ class Admission:
     def check(self, pb: generate_pb2.GenerateRequest) -> Request:
         """Validates a request against every bound and the queue's room; `Rejected` says which
         status it gets instead."""
-        serving = self.serving
+        serving = self._ready()
         if self.draining:
             self.count_rejection("draining")
             raise Rejected(
@@ -122,7 +128,7 @@ class Admission:
     def _check_queue_room(self, request: Request) -> None:
         """RESOURCE_EXHAUSTED with a retry hint when the waiting queue is full, by requests or by
         tokens (a request arriving at an empty queue is always taken)."""
-        frontend, config = self.serving.frontend, self.config
+        frontend, config = self._ready().frontend, self.config
         scheduler = frontend.scheduler
         waiting_tokens = overload.num_waiting_tokens(scheduler)
         if scheduler.num_waiting >= config.max_queue_len:
@@ -152,7 +158,8 @@ class Admission:
         queued. Rejected (INVALID_ARGUMENT naming the field) when it does not compile."""
         if request.structured is None:
             return
-        grammars = self.serving.grammars
+        grammars = self._ready().grammars
+        assert grammars is not None  # set with the serving state
         try:
             grammar = await asyncio.get_running_loop().run_in_executor(
                 None, grammars.compile, request.structured
@@ -164,7 +171,7 @@ class Admission:
     def tokenize(self, pb: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
         """Text or chat turns to ids, exactly as Generate would turn them into its prompt
         (chat turns checked the same way); Rejected names the field."""
-        serving = self.serving
+        serving = self._ready()
         if pb.WhichOneof("input") == "messages":
             as_prompt = generate_pb2.GenerateRequest(messages=pb.messages)
             try:
@@ -180,7 +187,8 @@ class Admission:
         )
 
     def detokenize(self, pb: generate_pb2.DetokenizeRequest) -> generate_pb2.DetokenizeResponse:
-        facts = self.serving.facts
+        serving = self._ready()
+        facts = serving.facts
         if len(pb.token_ids) > facts.max_model_len:
             raise Rejected.invalid(
                 "token_ids",
@@ -193,7 +201,5 @@ class Admission:
                     f"token_ids[{index}]",
                     f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
                 )
-        text = self.serving.tokenizer.decode(
-            pb.token_ids, skip_special_tokens=pb.skip_special_tokens
-        )
+        text = serving.tokenizer.decode(pb.token_ids, skip_special_tokens=pb.skip_special_tokens)
         return generate_pb2.DetokenizeResponse(text=text)

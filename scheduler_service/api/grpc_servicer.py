@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, NoReturn, Optional
 
 import grpc
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, Rejected, Serving
-from scheduler_service.api.streams import Outstanding, outputs_of
+from scheduler_service.api.streams import Outstanding, StreamCut, outputs_of
 from scheduler_service.core.request import Request, RequestOutput
+from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.text import outputs
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, trailing_metadata=()
+) -> NoReturn:
+    """context.abort, typed as what it does: it raises, and the call ends with this status."""
+    await context.abort(code, message, trailing_metadata)
+    raise AssertionError("grpc's context.abort returned")
 
 
 class _Tagged:
@@ -43,15 +52,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         return self.admission.serving
 
     async def _serving(self, context: grpc.aio.ServicerContext) -> Serving:
-        if self.admission.serving is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "the model service has not answered Describe yet"
+        serving = self.admission.serving
+        if serving is None:
+            await _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "the model service has not answered Describe yet",
             )
-        return self.admission.serving
+        return serving
 
-    async def _overflowed(self, context: grpc.aio.ServicerContext, item: overload.Overflowed):
+    async def _overflowed(self, context: grpc.aio.ServicerContext, message: str) -> NoReturn:
         self.admission.count_rejection("stream_buffer_full")
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, item.message)
+        await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -60,16 +72,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         try:
             req = await self.admission.admit(request)
         except Rejected as rejected:
-            await context.abort(rejected.code, rejected.message, rejected.trailing_metadata)
+            await _abort(context, rejected.code, rejected.message, rejected.trailing_metadata)
         req.outputs = overload.StreamBuffer(
             self._max_buffered, lambda: frontend.abort_request(req.request_id)
         )
         # aclosing: a client gone mid-stream aborts the request now, not when collected.
-        async with contextlib.aclosing(outputs_of(frontend, req)) as stream:
-            async for output in stream:
-                if isinstance(output, overload.Overflowed):
-                    await self._overflowed(context, output)
-                yield outputs.to_pb(req, output)
+        try:
+            async with contextlib.aclosing(outputs_of(frontend, req)) as stream:
+                async for output in stream:
+                    yield outputs.to_pb(req, output)
+        except StreamCut as cut:
+            await self._overflowed(context, cut.message)
 
     async def Session(
         self, request_iterator, context: grpc.aio.ServicerContext
@@ -82,7 +95,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         sink = overload.StreamBuffer(self._max_buffered, outstanding.abort_all)  # one bound
         done_reading = object()
         reader = asyncio.ensure_future(
-            self._read_session(request_iterator, outstanding, sink, done_reading)
+            self._read_session(request_iterator, frontend, outstanding, sink, done_reading)
         )
         reading = True
         try:
@@ -91,7 +104,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 if item is done_reading:
                     reading = False
                 elif isinstance(item, overload.Overflowed):
-                    await self._overflowed(context, item)
+                    await self._overflowed(context, item.message)
                 elif isinstance(item, generate_pb2.SessionResponse):
                     yield item
                 else:
@@ -103,7 +116,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             outstanding.abort_all()  # the client went away: free their blocks
 
     async def _read_session(
-        self, request_iterator, outstanding: Outstanding, sink: asyncio.Queue, done: object
+        self,
+        request_iterator,
+        frontend: EngineFrontend,
+        outstanding: Outstanding,
+        sink: asyncio.Queue,
+        done: object,
     ) -> None:
         """A Session's reader: admits its requests (a refusal is an error on the stream, which
         goes on) and applies its aborts; puts `done` in the sink when the client is done."""
@@ -117,7 +135,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 )
             )
 
-        frontend = self.admission.serving.frontend
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
@@ -153,7 +170,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     ) -> generate_pb2.AbortResponse:
         serving = await self._serving(context)
         if not serving.frontend.abort_request(request.request_id):
-            await context.abort(
+            await _abort(
+                context,
                 grpc.StatusCode.NOT_FOUND,
                 f"request_id: no request {request.request_id!r} in flight",
             )
@@ -179,7 +197,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         try:
             return self.admission.tokenize(request)
         except Rejected as rejected:
-            await context.abort(rejected.code, rejected.message)
+            await _abort(context, rejected.code, rejected.message)
 
     async def Detokenize(
         self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
@@ -188,7 +206,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         try:
             return self.admission.detokenize(request)
         except Rejected as rejected:
-            await context.abort(rejected.code, rejected.message)
+            await _abort(context, rejected.code, rejected.message)
 
     async def GetModelInfo(self, request, context) -> generate_pb2.GetModelInfoResponse:
         facts = (await self._serving(context)).facts

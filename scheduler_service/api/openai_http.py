@@ -88,9 +88,10 @@ class OpenAIApp:
         self.app = FastAPI(
             title="planserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
-        self.app.add_exception_handler(ApiError, self._api_error)
-        self.app.add_exception_handler(RequestValidationError, self._validation_error)
-        self.app.add_exception_handler(StarletteHTTPException, self._http_error)
+        # Starlette types a handler as taking any Exception; each of these gets its own class.
+        self.app.add_exception_handler(ApiError, self._api_error)  # type: ignore[arg-type]
+        self.app.add_exception_handler(RequestValidationError, self._validation_error)  # type: ignore[arg-type]
+        self.app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]
         self.app.get("/health")(self.health)
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
@@ -267,7 +268,7 @@ class _Response:
     def _chunk(
         self, choices: list[dict], usage: Optional[dict] = None, with_usage: bool = False
     ) -> str:
-        payload = {
+        payload: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,

@@ -10,7 +10,7 @@ naming the public request's field; `rejected_error` names the body's parameter f
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union, cast
+from typing import Any, Mapping, Optional, Union, cast
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -63,7 +63,7 @@ class ApiError(Exception):
         )
         self.retry_after_ms = retry_after_ms
 
-    def response(self, headers: Optional[dict] = None) -> JSONResponse:
+    def response(self, headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
         if self.retry_after_ms is not None:
             # HTTP's Retry-After counts whole seconds; round up so a client never comes too early.
             headers = dict(headers or {}, **{"Retry-After": str(-(-self.retry_after_ms // 1000))})
@@ -226,7 +226,7 @@ def _structured_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
         return
     out = pb.structured_output
     if param == "guided_regex":
-        out.regex = body.guided_regex
+        out.regex = body.guided_regex or ""  # set: structured_param chose it
     elif param == "guided_choice":
         out.choice.choices.extend(body.guided_choice)
         out.choice.SetInParent()
@@ -234,7 +234,7 @@ def _structured_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
         schema = body.guided_json
         out.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
     else:
-        _response_format_to_pb(body.response_format, out)
+        _response_format_to_pb(body.response_format or {}, out)
 
 
 def _response_format_to_pb(response_format: dict, out) -> None:

@@ -71,7 +71,7 @@ class StreamBuffer(asyncio.Queue):
     calls `on_overflow` (abort the stream's requests) once, queues an Overflowed marker and drops
     everything after it."""
 
-    def __init__(self, max_chunks: int, on_overflow: Callable[[], None]):
+    def __init__(self, max_chunks: int, on_overflow: Callable[[], object]):
         super().__init__()
         self.max_chunks = max_chunks
         self._on_overflow = on_overflow

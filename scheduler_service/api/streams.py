@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncGenerator, Optional, Union, cast
+from typing import AsyncGenerator, Optional, cast
 
 from scheduler_service.api.overload import Overflowed
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -63,12 +63,21 @@ class Outstanding:
             self._frontend.abort_request(request_id)
 
 
+class StreamCut(Exception):
+    """A bounded stream buffer (overload.StreamBuffer) the client stopped reading: its requests
+    were aborted; the door ends the call with RESOURCE_EXHAUSTED and this message."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
 async def outputs_of(
     frontend: EngineFrontend, request: Request
-) -> AsyncGenerator[Union[RequestOutput, Overflowed], None]:
+) -> AsyncGenerator[RequestOutput, None]:
     """Queues `request` (on the first read, so a client gone before leaves nothing behind) and
-    yields its outputs until every sample has ended; stopping early aborts it. An `Overflowed`
-    marker (a bounded stream buffer the client stopped reading) is passed on, last."""
+    yields its outputs until every sample has ended; stopping early aborts it. A bounded buffer
+    the client stopped reading raises StreamCut."""
     outputs = cast(asyncio.Queue, request.outputs)  # a queue of the door's: it reads it
     outstanding = Outstanding(frontend)
     outstanding.add(request)
@@ -76,8 +85,7 @@ async def outputs_of(
         while outstanding:
             output = await outputs.get()
             if isinstance(output, Overflowed):
-                yield output
-                return
+                raise StreamCut(output.message)
             outstanding.count(request, output)
             yield output
     finally:
