@@ -80,7 +80,7 @@ extensions = [
         extra_compile_args=OPT,
     )
     for path in sorted(glob.glob("cython_ext/*.pyx"))
-    if not path.endswith(("paged_attention.pyx", "layer_ops.pyx", "gemm.pyx"))
+    if not path.endswith(("paged_attention.pyx", "layer_ops.pyx", "gemm.pyx", "decoder.pyx"))
 ]
 def native_kernel(name: str, compile_args: list[str]) -> Extension:
     """cython_ext/NAME.pyx over csrc/NAME_dispatch.cpp and csrc/NAME_portable.cpp (C++, OpenMP);
@@ -100,7 +100,17 @@ def native_kernel(name: str, compile_args: list[str]) -> Extension:
 attention = native_kernel("paged_attention", CXX_FLAGS)
 layer_ops = native_kernel("layer_ops", CXX_FLAGS_LAYER_OPS)
 gemm = native_kernel("gemm", CXX_FLAGS)
-extensions += [attention, layer_ops, gemm]
+# The decoder loop calls the three kernels above through the addresses their modules hand out: it
+# compiles none of them again (csrc/decoder.h).
+decoder = Extension(
+    "cython_ext.decoder",
+    ["cython_ext/decoder.pyx", f"{CSRC}/decoder.cpp"],
+    language="c++",
+    include_dirs=["cython_ext"],
+    extra_compile_args=CXX_FLAGS,
+    depends=sorted(glob.glob(f"{CSRC}/*.h")),
+)
+extensions += [attention, layer_ops, gemm, decoder]
 # cythonize() copies Extensions: found by name
 ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES, layer_ops.name: LAYER_OPS_ISA_SOURCES,
                   gemm.name: GEMM_ISA_SOURCES, "cython_ext.block_pool": BLOCK_POOL_ISA_SOURCES}

@@ -20,7 +20,9 @@ A per-op profile of one batch-16 bf16 decode step (torch.profiler, top ops by se
 written beside the results as <out>.profile.<label>.txt, headed by where the step's time goes by
 part (GEMMs, attention, the row-wise layer ops, the rest: Python and torch glue), timed around
 each call, for decode at batch 1, 16 and 64: native kernels are no torch ops, so the table alone
-does not show them.
+does not show them. Where the native decoder loop applies (model_service/decoder_loop.py), each
+case is timed on a second copy of the model on the Python loop too ("ms_python_loop"), and the
+split by part and the profile are of the Python loop (the native loop's calls are not Python's).
 
 The script only uses the model API (load_model, KVCache, build_attention_metadata), so it runs
 unchanged on older trees: that is how the "before" figures were taken.
@@ -133,6 +135,28 @@ def _slug(label: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in label.lower()).split())
 
 
+def decoder_loop(model, config) -> tuple[str, object]:
+    """Which decoder loop `model` runs (trees before the native loop: "python"), and where that is
+    the native one, a second copy of the model on the Python loop (None otherwise)."""
+    try:
+        from model_service import decoder_loop as loops
+    except ImportError:
+        return "python", None
+    reason = loops.unsupported_reason(model)
+    if reason is not None:
+        return f"python ({reason})", None
+    os.environ[loops.LOOP_ENV] = "python"
+    try:
+        python_model = load_model(config).model
+        arch = python_model.arch
+        first = measure.Step([(8, 1)], torch.bfloat16, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
+        with torch.inference_mode():  # a model decides its loop on its first forward
+            python_model(*first.args())
+    finally:
+        del os.environ[loops.LOOP_ENV]
+    return "native", python_model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", default="after", help="key of this run in the results file")
@@ -150,32 +174,42 @@ def main() -> None:
           f"float32 {rates['float32'] / 1e9:.0f} GFLOP/s", file=sys.stderr)
     run = {"variants": {}}
     for label, dtype_name, quant in VARIANTS:
-        loaded = load_model(ModelServiceConfig(model="smollm2", dtype=dtype_name, quantization=quant, device="cpu"))
+        config = ModelServiceConfig(model="smollm2", dtype=dtype_name, quantization=quant, device="cpu")
+        loaded = load_model(config)
         model, arch, dtype = loaded.model, loaded.arch, getattr(torch, dtype_name)
+        loop, python_model = decoder_loop(model, config)
         weights = weight_bytes(model)
-        out = run["variants"][label] = {"weight_bytes": weights, "steps": {}}
+        out = run["variants"][label] = {"weight_bytes": weights, "decoder_loop": loop, "steps": {}}
         parts = {}
         for name, seqs in cases():
             step = measure.Step(seqs, dtype, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, spare_factor=2)
+            min_seconds = 1.0 if len(seqs) > 1 or seqs[0][1] == 1 else 0.0
             with torch.inference_mode():
-                seconds = measure.median_seconds(lambda: model(*step.args()), min_reps=10, min_seconds=1.0 if len(seqs) > 1 or seqs[0][1] == 1 else 0.0)
+                seconds = measure.median_seconds(lambda: model(*step.args()), min_reps=10, min_seconds=min_seconds)
+                python_seconds = python_model and measure.median_seconds(
+                    lambda: python_model(*step.args()), min_reps=10, min_seconds=min_seconds)
             flops = step_flops(arch, seqs)
             memory_floor = (weights + step.kv_bytes) / bandwidth
             compute_floor = flops / rates[dtype_name]
             floor = max(memory_floor, compute_floor)
             out["steps"][name] = {"ms": seconds * 1e3, "memory_floor_ms": memory_floor * 1e3, "compute_floor_ms": compute_floor * 1e3,
                                   "x_of_floor": seconds / floor, "tokens_per_s": sum(n for _, n in seqs) / seconds, "gflop": flops / 1e9}
+            if python_model:
+                out["steps"][name]["ms_python_loop"] = python_seconds * 1e3
             print(f"{label:9s} {name:14s} {seconds * 1e3:8.1f} ms  floor {floor * 1e3:6.1f} ms "
-                  f"({'memory' if memory_floor > compute_floor else 'compute'})  {seconds / floor:5.1f}x", file=sys.stderr, flush=True)
+                  f"({'memory' if memory_floor > compute_floor else 'compute'})  {seconds / floor:5.1f}x"
+                  + (f"  (Python loop {python_seconds * 1e3:.1f} ms)" if python_model else ""), file=sys.stderr, flush=True)
             if label == "bfloat16" and name.startswith("decode") and not args.no_profile:
-                parts[name] = out["steps"][name]["ms_by_part"] = parts_of_step(model, step)
+                # By part, timed around each Python-level call: the Python loop's (the native loop
+                # makes the same kernel calls from C++, all of it "rest" here).
+                parts[name] = out["steps"][name]["ms_by_part"] = parts_of_step(python_model or model, step)
                 if name == "decode b=16":
                     profile_step = step
             del step
         if parts:
-            profile_decode(model, profile_step, f"{os.path.splitext(args.out)[0]}.profile.{_slug(args.label)}.txt", parts)
+            profile_decode(python_model or model, profile_step, f"{os.path.splitext(args.out)[0]}.profile.{_slug(args.label)}.txt", parts)
             del profile_step
-        del model, loaded
+        del model, loaded, python_model
     run["machine"] = {"cpu": measure.cpu_model(), **measure.thread_settings(), "read_bandwidth_gb_s": bandwidth / 1e9,
                       "gemm_gflops": {k: v / 1e9 for k, v in rates.items()}, "load_avg_before_after": [load_before, os.getloadavg()[0]],
                       "torch": torch.__version__}

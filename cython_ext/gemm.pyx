@@ -26,6 +26,16 @@ cdef _check(int code, str op):
         raise ValueError(f"{op}: {gm_error_message(code).decode()}")
 
 
+def kernel_addresses() -> dict:
+    """The GEMM entry points' addresses, for the native decoder loop (cython_ext/decoder.pyx):
+    one compiled copy of each kernel, whichever loop calls it."""
+    return {"linear_bf16": <uintptr_t>&gm_linear_bf16, "linear_int8": <uintptr_t>&gm_linear_int8}
+
+
+def error_message(int code) -> str:
+    return gm_error_message(code).decode()
+
+
 def packed_bf16_elems(int64_t n, int64_t k) -> int:
     return gm_packed_bf16_elems(n, k)
 

@@ -28,6 +28,16 @@ cdef _check(int code, str op):
         raise ValueError(f"{op}: {lo_error_message(code).decode()}")
 
 
+def kernel_addresses() -> dict:
+    """The operations' entry points' addresses, for the native decoder loop (cython_ext/decoder.pyx)."""
+    return {"add_rms_norm": <uintptr_t>&lo_add_rms_norm, "rope": <uintptr_t>&lo_rope,
+            "silu_mul": <uintptr_t>&lo_silu_mul}
+
+
+def error_message(int code) -> str:
+    return lo_error_message(code).decode()
+
+
 def add_rms_norm(uintptr_t residual, uintptr_t delta, uintptr_t weight, uintptr_t out, int64_t rows, int64_t hidden,
                  float eps, int dtype, int isa, int num_threads) -> None:
     """residual [rows, hidden] += delta (0: no add), then out = RMSNorm(residual) * weight."""

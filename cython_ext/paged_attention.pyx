@@ -27,6 +27,15 @@ def best_isa() -> str:
     return "portable"
 
 
+def kernel_addresses() -> dict:
+    """The kernel's entry points' addresses, for the native decoder loop (cython_ext/decoder.pyx)."""
+    return {"paged_attention": <uintptr_t>&pa_paged_attention, "check_indices": <uintptr_t>&pa_check_indices}
+
+
+def error_message(int code) -> str:
+    return pa_error_message(code).decode()
+
+
 cdef const int64_t* _address(object array):
     cdef const int64_t[::1] view = array
     return &view[0] if view.shape[0] else <const int64_t*>NULL
@@ -56,6 +65,12 @@ cdef class AttentionStep:
         self.args.max_blocks_per_seq = tables.shape[1]
         self.checked_blocks = -1
         self.checked_block_size = -1
+
+    @property
+    def args_address(self) -> int:
+        """The address of the step's pa_args (the indices; valid while this object lives), for
+        the native decoder loop, which fills the per-layer fields in a copy."""
+        return <uintptr_t>&self.args
 
     def run(self, uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t k_cache, uintptr_t v_cache,
             uintptr_t out, *, int num_heads, int num_kv_heads, int head_dim, int block_size,

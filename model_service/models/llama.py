@@ -30,8 +30,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from model_service import layer_ops
+from model_service import decoder_loop, layer_ops
 from model_service.attention import AttentionMetadata, paged_attention
+from model_service.decoder_loop import NativeLayers
 from model_service.kv_cache import KVCache
 from model_service.models.rope import RopeScaling, rope_table
 
@@ -179,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.tie_weights()
         self._rope: torch.Tensor | None = None  # made on the first forward, on the model's device
+        self._native_layers: NativeLayers | None = None
+        self.decoder_loop_reason: str | None = "not decided"  # None: the native loop runs
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
@@ -197,6 +200,16 @@ class LlamaForCausalLM(nn.Module):
             )
         return self._rope
 
+    def native_layers(self, rope: torch.Tensor) -> NativeLayers | None:
+        """The native decoder loop (model_service/decoder_loop.py) where it applies, else None
+        (the Python loop below); decided on the first forward, after the loader packed the
+        linears, and kept (`decoder_loop_reason` says why not)."""
+        if self.decoder_loop_reason == "not decided":
+            self.decoder_loop_reason = decoder_loop.unsupported_reason(self)
+            if self.decoder_loop_reason is None:
+                self._native_layers = NativeLayers(self, rope)
+        return self._native_layers
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -209,10 +222,14 @@ class LlamaForCausalLM(nn.Module):
         logits_indices [R]."""
         residual = self.model.embed_tokens(input_ids).contiguous()
         rope = self.rope_table(residual.device)
-        delta = None
-        for index, layer in enumerate(self.model.layers):
-            k_cache, v_cache = kv_cache.layer(index)
-            delta = layer(delta, residual, positions, rope, k_cache, v_cache, meta)
+        native = self.native_layers(rope)
+        if native is not None and meta.native_step is not None:
+            delta = native.run(residual, positions, meta, kv_cache)
+        else:
+            delta = None
+            for index, layer in enumerate(self.model.layers):
+                k_cache, v_cache = kv_cache.layer(index)
+                delta = layer(delta, residual, positions, rope, k_cache, v_cache, meta)
         # The last add, the norm and lm_head only for the rows that get sampled: a prefill chunk
         # needs none.
         x = self.model.norm(

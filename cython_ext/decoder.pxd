@@ -1,0 +1,73 @@
+"""The decoder's layers in one native call: the C contract (csrc/decoder.h) as Cython sees it."""
+from libc.stdint cimport int64_t, uint8_t, uint16_t
+
+from cython_ext.paged_attention cimport pa_args
+
+
+cdef extern from "csrc/decoder.h" nogil:
+    ctypedef int (*dl_linear_bf16_fn)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                      const uint16_t*, void*, int64_t, int, int, int)
+    ctypedef int (*dl_linear_int8_fn)(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
+                                      const uint16_t*, void*, int64_t, int, int, int)
+    ctypedef int (*dl_add_rms_norm_fn)(void*, const void*, const void*, void*, int64_t, int64_t, float, int, int, int)
+    ctypedef int (*dl_rope_fn)(void*, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*, int64_t, int,
+                               int, int)
+    ctypedef int (*dl_silu_mul_fn)(const void*, void*, int64_t, int64_t, int, int, int)
+    ctypedef int (*dl_attention_fn)(const pa_args*, int)
+    ctypedef int (*dl_check_indices_fn)(const pa_args*)
+
+    ctypedef struct dl_kernels:
+        dl_linear_bf16_fn linear_bf16
+        dl_linear_int8_fn linear_int8
+        dl_add_rms_norm_fn add_rms_norm
+        dl_rope_fn rope
+        dl_silu_mul_fn silu_mul
+        dl_attention_fn attention
+        dl_check_indices_fn check_indices
+
+    ctypedef struct dl_linear:
+        const void* packed
+        const uint16_t* bias
+        int64_t n
+        int64_t k
+        int int8
+
+    ctypedef struct dl_layer:
+        const uint16_t* input_norm
+        const uint16_t* post_attention_norm
+        dl_linear qkv
+        dl_linear o
+        dl_linear gate_up
+        dl_linear down
+        void* k_cache
+        void* v_cache
+
+    ctypedef struct dl_model:
+        int64_t num_layers
+        int64_t hidden
+        int64_t num_heads
+        int64_t num_kv_heads
+        int64_t head_dim
+        int64_t intermediate
+        float eps
+        float scale
+        const float* rope
+        int64_t rope_rows
+        int gemm_isa
+        int layer_ops_isa
+        int attention_isa
+        const dl_layer* layers
+
+    ctypedef struct dl_buffers:
+        int64_t rows
+        const int64_t* positions
+        void* residual
+        void* delta
+        void* x
+        void* qkv
+        void* attn
+        void* gate_up
+        void* act
+
+    int dl_run_layers(const dl_kernels* kernels, const dl_model* model, const pa_args* step,
+                      const dl_buffers* buffers, int num_threads, int* failed_op, int64_t* failed_layer)

@@ -1,0 +1,111 @@
+"""A step's decoder layers in one native call (contract: decoder.pxd, csrc/decoder.h).
+
+`DecoderLayers` holds a model's layer table (the packed weights' and norms' addresses, each
+layer's KV cache) and runs every layer of a step with one call that releases the GIL: the same
+kernel calls, in the same order, as the Python loop of model_service/models/llama.py, without a
+Python wrapper and a tensor allocation around each (model_service/decoder_loop.py builds it and
+keeps the tensors alive). The kernels come from their own extensions by address.
+"""
+from libc.stdint cimport int64_t, uint16_t, uintptr_t
+from libc.math cimport pow
+from libc.stdlib cimport calloc, free
+
+from cython_ext.paged_attention cimport pa_args
+
+from cython_ext import gemm, layer_ops, paged_attention
+
+# dl_op order; each op's kernel module, for its error message.
+OPS = ("none", "check_indices", "input_norm", "qkv", "rope", "attention", "o", "post_attention_norm",
+       "gate_up", "silu_mul", "down")
+_MESSAGES = {"check_indices": paged_attention, "attention": paged_attention, "input_norm": layer_ops,
+             "rope": layer_ops, "post_attention_norm": layer_ops, "silu_mul": layer_ops}
+
+
+cdef dl_linear _linear(tuple spec):
+    """(packed address, bias address or 0, n, k, int8) -> dl_linear."""
+    cdef dl_linear w
+    w.packed = <const void*><uintptr_t>spec[0]
+    w.bias = <const uint16_t*><uintptr_t>spec[1] if spec[1] else NULL
+    w.n, w.k, w.int8 = spec[2], spec[3], 1 if spec[4] else 0
+    return w
+
+
+cdef class DecoderLayers:
+    """The layer table of one model: `set_layer` each layer once, `set_caches` when the KV cache
+    is (re)made, then `run` once per step."""
+    cdef dl_kernels kernels
+    cdef dl_model model
+    cdef dl_layer* layers
+
+    def __cinit__(self, int64_t num_layers, *args, **kwargs):
+        self.layers = <dl_layer*>calloc(max(num_layers, 1), sizeof(dl_layer))
+        if self.layers == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.layers)
+
+    def __init__(self, int64_t num_layers, *, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t intermediate, float eps, uintptr_t rope, int64_t rope_rows,
+                 int gemm_isa, int layer_ops_isa, int attention_isa):
+        """Shapes of the model, its float32 RoPE table [rope_rows, head_dim] (address) and each
+        kernel's ISA index (into gemm.ISAS, layer_ops.ISAS, paged_attention.ISAS)."""
+        addresses = {**gemm.kernel_addresses(), **layer_ops.kernel_addresses(),
+                     **paged_attention.kernel_addresses()}
+        self.kernels.linear_bf16 = <dl_linear_bf16_fn><uintptr_t>addresses["linear_bf16"]
+        self.kernels.linear_int8 = <dl_linear_int8_fn><uintptr_t>addresses["linear_int8"]
+        self.kernels.add_rms_norm = <dl_add_rms_norm_fn><uintptr_t>addresses["add_rms_norm"]
+        self.kernels.rope = <dl_rope_fn><uintptr_t>addresses["rope"]
+        self.kernels.silu_mul = <dl_silu_mul_fn><uintptr_t>addresses["silu_mul"]
+        self.kernels.attention = <dl_attention_fn><uintptr_t>addresses["paged_attention"]
+        self.kernels.check_indices = <dl_check_indices_fn><uintptr_t>addresses["check_indices"]
+        self.model.num_layers = num_layers
+        self.model.hidden, self.model.intermediate = hidden, intermediate
+        self.model.num_heads, self.model.num_kv_heads, self.model.head_dim = num_heads, num_kv_heads, head_dim
+        self.model.eps = eps
+        self.model.scale = <float>pow(<double>head_dim, -0.5)  # as Python's head_dim ** -0.5
+        self.model.rope, self.model.rope_rows = <const float*>rope, rope_rows
+        self.model.gemm_isa, self.model.layer_ops_isa = gemm_isa, layer_ops_isa
+        self.model.attention_isa = attention_isa
+        self.model.layers = self.layers
+
+    def set_layer(self, int64_t index, uintptr_t input_norm, uintptr_t post_attention_norm, tuple qkv, tuple o,
+                  tuple gate_up, tuple down):
+        """Layer `index`: its norms' bfloat16 weights and its four linears, each
+        (packed, bias or 0, out features, in features, int8)."""
+        if not 0 <= index < self.model.num_layers:
+            raise IndexError(f"layer {index} outside 0..{self.model.num_layers - 1}")
+        cdef dl_layer* layer = &self.layers[index]
+        layer.input_norm = <const uint16_t*>input_norm
+        layer.post_attention_norm = <const uint16_t*>post_attention_norm
+        layer.qkv, layer.o = _linear(qkv), _linear(o)
+        layer.gate_up, layer.down = _linear(gate_up), _linear(down)
+
+    def set_caches(self, uintptr_t k_first, uintptr_t v_first, int64_t layer_bytes):
+        """Layer i's K/V caches start layer_bytes * i past the first layer's."""
+        cdef int64_t i
+        for i in range(self.model.num_layers):
+            self.layers[i].k_cache = <void*>(k_first + i * layer_bytes)
+            self.layers[i].v_cache = <void*>(v_first + i * layer_bytes)
+
+    def run(self, uintptr_t step_args, int64_t block_size, int64_t num_blocks, int64_t split_positions,
+            int64_t rows, uintptr_t positions, uintptr_t residual, uintptr_t delta, uintptr_t x, uintptr_t qkv,
+            uintptr_t attn, uintptr_t gate_up, uintptr_t act, int num_threads):
+        """Every layer over `rows` token rows: step_args is the step's AttentionStep.args_address;
+        the buffers' addresses as csrc/decoder.h lays them out. On return `delta` holds the last
+        layer's MLP output, not yet added into `residual`."""
+        cdef pa_args step = (<pa_args*>step_args)[0]
+        cdef dl_buffers b
+        cdef int code, op
+        cdef int64_t layer
+        step.block_size, step.num_blocks, step.split_positions = block_size, num_blocks, split_positions
+        b.rows, b.positions = rows, <const int64_t*>positions
+        b.residual, b.delta, b.x, b.qkv = <void*>residual, <void*>delta, <void*>x, <void*>qkv
+        b.attn, b.gate_up, b.act = <void*>attn, <void*>gate_up, <void*>act
+        with nogil:
+            code = dl_run_layers(&self.kernels, &self.model, &step, &b, num_threads, &op, &layer)
+        if code != 0:
+            name = OPS[op]
+            message = _MESSAGES.get(name, gemm).error_message(code)
+            where = f"layer {layer} {name}" if layer >= 0 else name
+            raise ValueError(f"decoder loop, {where}: {message}")

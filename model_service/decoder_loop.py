@@ -1,0 +1,191 @@
+"""The decoder's layers in one native call per step (cython_ext/decoder.pyx over csrc/decoder.cpp).
+
+The Python loop in models/llama.py makes nine native calls a layer, each behind a wrapper that
+checks its tensors and allocates its output: ~1.4 ms of a 20 ms bf16 decode step at batch 16 on
+two cores, ~1.1 ms of 9.6 at batch 1 (docs/design-notes.md). `NativeLayers` makes the same calls
+in the same order on the same kernels from C++, into buffers allocated once per step, with the
+GIL released for the whole step: the same bits as the Python loop by construction, so batch
+invariance holds as it does there (tests/model_service/test_ms_decoder_loop.py checks the logits
+bit for bit).
+
+It applies where every kernel of a layer is native: a bfloat16 model on the CPU with its linears
+packed (model_service/gemm.py), the native attention and layer-op paths, and no per-head q/k norm
+or sliding window (Qwen3, Mistral with a window: those run the Python loop). `unsupported_reason`
+says why a model runs the Python loop; $PLANSERVE_DECODER_LOOP=python forces it (A/B checks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from cython_ext import decoder as native
+from cython_ext import gemm as native_gemm
+from cython_ext import layer_ops as native_layer_ops
+from cython_ext import paged_attention as native_attention
+from model_service import attention, layer_ops
+from model_service.attention import AttentionMetadata
+from model_service.gemm import PackedLinear
+from model_service.kv_cache import KVCache
+
+LOOP_ENV = "PLANSERVE_DECODER_LOOP"
+LOOPS = ("native", "python")
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def requested_loop() -> str:
+    """$PLANSERVE_DECODER_LOOP: native (the default: wherever it applies) or python."""
+    loop = os.environ.get(LOOP_ENV, "") or "native"
+    if loop not in LOOPS:
+        raise ValueError(f"{LOOP_ENV}={loop!r}: expected one of {LOOPS}")
+    return loop
+
+
+def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ]
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `model` (a LlamaForCausalLM) runs the Python loop; None where the native loop applies."""
+    if requested_loop() == "python":
+        return f"{LOOP_ENV}=python"
+    arch = model.arch
+    if arch.qk_norm:
+        return "per-head q/k norm"
+    if arch.sliding_window is not None:
+        return "sliding-window attention"
+    if attention.ATTENTION_ISA == attention.TORCH_PATH:
+        return "torch attention path"
+    if layer_ops.LAYER_OPS_ISA == layer_ops.TORCH_PATH:
+        return "torch layer-ops path"
+    layers = model.model.layers
+    for layer in layers:
+        if not all(isinstance(m, PackedLinear) for m in _linears(layer)):
+            return "linears not packed (float32, tensor-parallel, or torch's GEMM path)"
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in norms):
+            return "norm weights not bfloat16 on the CPU"
+    if len({m.isa for layer in layers for m in _linears(layer)}) > 1:
+        return "linears packed for different GEMM paths"
+    return None
+
+
+def _linear_spec(module: PackedLinear) -> tuple[int, int, int, int, bool]:
+    bias = 0 if module.bias is None else module.bias.data_ptr()
+    return (module.packed.data_ptr(), bias, module.out_features, module.in_features, module.int8)
+
+
+class NativeLayers:
+    """One model's layer table for the native loop; `run` is one step (see the module docstring).
+    Holds the model, so every address it handed over stays valid."""
+
+    def __init__(self, model: torch.nn.Module, rope: torch.Tensor) -> None:
+        arch, layers = model.arch, model.model.layers
+        first = layers[0].self_attn
+        self.model, self.rope = model, rope
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+        )
+        self.intermediate = layers[0].mlp.down_proj.in_features
+        self.hidden = arch.hidden_size
+        isa = layers[0].self_attn.qkv_proj.isa
+        self.table = native.DecoderLayers(
+            len(layers),
+            hidden=self.hidden,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate=self.intermediate,
+            eps=layers[0].input_layernorm.eps,
+            rope=rope.data_ptr(),
+            rope_rows=rope.shape[0],
+            gemm_isa=native_gemm.ISAS.index(isa),
+            layer_ops_isa=native_layer_ops.ISAS.index(layer_ops.LAYER_OPS_ISA),
+            attention_isa=native_attention.ISAS.index(attention.ATTENTION_ISA),
+        )
+        # The tensors whose addresses the table holds, kept alive here even if a module were
+        # replaced later (a stale weight, never a dangling pointer).
+        self._tensors: list[torch.Tensor] = [rope]
+        for index, layer in enumerate(layers):
+            linears = _linears(layer)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            self._tensors += [*norms, *(m.packed for m in linears)]
+            self._tensors += [m.bias for m in linears if m.bias is not None]
+            qkv, o, gate_up, down = (_linear_spec(m) for m in linears)
+            self.table.set_layer(
+                index,
+                norms[0].data_ptr(),
+                norms[1].data_ptr(),
+                qkv,
+                o,
+                gate_up,
+                down,
+            )
+        self._caches: tuple[int, int] | None = None
+
+    def _set_caches(self, kv_cache: KVCache) -> None:
+        k, v = kv_cache.k, kv_cache.v
+        expected = (len(self.model.model.layers), self.num_kv_heads, self.head_dim)
+        shape = (k.shape[0], k.shape[2], k.shape[4])
+        if shape != expected or k.dtype != torch.bfloat16 or not k.is_contiguous():
+            raise ValueError(
+                f"native decoder loop: KV cache [layers, blocks, kv_heads, block, head_dim] "
+                f"{list(k.shape)} {k.dtype}, expected layers/kv_heads/head_dim {list(expected)} "
+                "contiguous bfloat16"
+            )
+        if self._caches != (k.data_ptr(), v.data_ptr()):
+            self.table.set_caches(k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size())
+            self._caches = (k.data_ptr(), v.data_ptr())
+
+    def run(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Every layer over residual [T, hidden] (bfloat16, updated in place); returns the last
+        layer's output (to be added by the final norm), as the Python loop does."""
+        rows = residual.shape[0]
+        if residual.dtype != torch.bfloat16 or not residual.is_contiguous():
+            raise ValueError("native decoder loop: residual must be contiguous bfloat16")
+        if (
+            positions.dtype != torch.int64
+            or not positions.is_contiguous()
+            or positions.shape != (rows,)
+        ):
+            raise ValueError(f"native decoder loop: positions must be contiguous int64 [{rows}]")
+        self._set_caches(kv_cache)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+        def buffer(width: int) -> torch.Tensor:
+            return residual.new_empty((rows, width))
+
+        delta, x = buffer(self.hidden), buffer(self.hidden)
+        qkv, attn = buffer((h + 2 * kvh) * d), buffer(h * d)
+        gate_up, act = buffer(2 * self.intermediate), buffer(self.intermediate)
+        self.table.run(
+            meta.native_step.args_address,
+            kv_cache.block_size,
+            kv_cache.num_blocks,
+            attention.split_positions(kv_cache.block_size),
+            rows,
+            positions.data_ptr(),
+            residual.data_ptr(),
+            delta.data_ptr(),
+            x.data_ptr(),
+            qkv.data_ptr(),
+            attn.data_ptr(),
+            gate_up.data_ptr(),
+            act.data_ptr(),
+            meta.num_threads,
+        )
+        return delta
