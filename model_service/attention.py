@@ -146,17 +146,7 @@ def paged_attention(
         return _torch_attention(q, k, v, k_cache, v_cache, meta, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
-    dtype = _DTYPES.get(q.dtype)
-    if dtype is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(
-            f"paged_attention: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}; float32 or "
-            "bfloat16, all alike"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(
-            "paged_attention: the KV caches must be contiguous [num_blocks, kv_heads, block_size, "
-            "head_dim]"
-        )
+    dtype = _native_dtype(q, k_cache, v_cache)
     # Rows may lie apart (views of a fused QKV output); within a row, heads and dims are dense.
     q, k, v = (_dense_rows(t.to(q.dtype)) for t in (q, k, v))
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -182,6 +172,23 @@ def paged_attention(
         v_new_row_stride=v.stride(0),
     )
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _native_dtype(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The kernel's dtype index for q and the caches (float32 or bfloat16, all alike; contiguous
+    caches), or ValueError naming what is wrong."""
+    dtype = _DTYPES.get(q.dtype)
+    if dtype is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"paged_attention: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}; float32 or "
+            "bfloat16, all alike"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(
+            "paged_attention: the KV caches must be contiguous [num_blocks, kv_heads, block_size, "
+            "head_dim]"
+        )
+    return dtype
 
 
 def _dense_rows(x: torch.Tensor) -> torch.Tensor:
