@@ -42,15 +42,35 @@ def _run(config: ModelServiceConfig, loop: str, monkeypatch) -> tuple[dict, dict
     return tokens, driver.logprobs, loaded.model.decoder_loop_reason
 
 
+@pytest.fixture(scope="module")
+def qwen_folders(tmp_path_factory):
+    """Tiny random Qwen2 (q/k/v bias) and Qwen3 (per-head q/k norm) Hugging Face folders."""
+    from hf_folders import family_config, write_family_folder
+    from transformers import Qwen2Config, Qwen3Config
+
+    root = tmp_path_factory.mktemp("decoder-loop")
+    return {
+        name: write_family_folder(str(root / name), family_config(config_class))
+        for name, config_class in (("qwen2", Qwen2Config), ("qwen3", Qwen3Config))
+    }
+
+
 @pytest.mark.parametrize(
     "model,quantization",
-    [("tiny", "none"), ("tiny", "int8"), ("smollm2", "none"), ("smollm2", "int8")],
+    [
+        ("tiny", "none"),
+        ("tiny", "int8"),
+        ("smollm2", "none"),
+        ("smollm2", "int8"),
+        ("qwen2", "none"),
+    ],
 )
 def test_native_loop_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
-    model, quantization, monkeypatch
+    model, quantization, monkeypatch, qwen_folders
 ):
+    """qwen2 adds the q/k/v bias the native loop passes to the GEMM."""
     config = ModelServiceConfig(
-        model=model,
+        model=qwen_folders.get(model, model),
         dtype="bfloat16",
         quantization=quantization,
         num_kv_blocks=128,
@@ -65,10 +85,12 @@ def test_native_loop_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
     assert all(len(t) == 10 for t in native_tokens.values())
 
 
-def test_models_it_does_not_take_run_the_python_loop_and_say_why(monkeypatch):
+def test_models_it_does_not_take_run_the_python_loop_and_say_why(monkeypatch, qwen_folders):
     monkeypatch.delenv(decoder_loop.LOOP_ENV, raising=False)
     float32 = load_model(tiny_config(dtype="float32")).model
     assert decoder_loop.unsupported_reason(float32).startswith("linears not packed")
+    qwen3 = ModelServiceConfig(model=qwen_folders["qwen3"], dtype="bfloat16", num_kv_blocks=64)
+    assert decoder_loop.unsupported_reason(load_model(qwen3).model) == "per-head q/k norm"
     monkeypatch.setenv(decoder_loop.LOOP_ENV, "fastest")
     with pytest.raises(ValueError, match=r"PLANSERVE_DECODER_LOOP='fastest': expected one of"):
         decoder_loop.requested_loop()
