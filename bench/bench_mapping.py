@@ -48,7 +48,7 @@ def main() -> None:
     print(f"{'workload':<40} {'rows':>6} {'cython':>10} {'numpy':>10} {'speedup':>9}")
     for name, specs in workloads():
         w = make_workload(specs, max_num_slots=MAX_NUM_SLOTS, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE)
-        c = w.cache
+        c = w.slot_table
         builder = StepInputBuilder(4096, MAX_NUM_SLOTS, c.max_blocks_per_seq, BLOCK_SIZE)
         args = (c.tokens, c.block_table, c.num_computed, c.num_tokens, w.slots, w.num_scheduled)
         x = builder.build(*args)

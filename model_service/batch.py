@@ -1,4 +1,5 @@
-"""The model service's protobuf edge: ExecuteRequest -> StepPlan, StepOutput -> ExecuteResponse.
+"""The model service's protobuf edge, both ways: ExecuteRequest -> PlanArrays (from_pb),
+ComputedStep -> ExecuteResponse (result_to_pb), DescribedFacts -> DescribeResponse (facts_to_pb).
 
 Nothing else in model_service imports the generated stubs. Stateless checks (array lengths, id
 ranges) happen here; checks against the slot state happen in the runner before any state changes.
@@ -38,7 +39,10 @@ class PlanLimits:
 
 
 @dataclasses.dataclass
-class NewSequenceData:
+class SlotRegistration:
+    """One BatchPlan NewSequence as the model service registers it in a slot (the scheduler's
+    side of it is scheduler_service/core/plan.py NewSequence)."""
+
     slot: int
     token_ids: np.ndarray  # int32
     num_computed_tokens: int
@@ -81,11 +85,12 @@ NO_PROCESSING = LogitsProcessing()
 
 
 @dataclasses.dataclass
-class StepPlan:
-    """One BatchPlan as plain arrays (int64 unless noted)."""
+class PlanArrays:
+    """One BatchPlan as the model service receives it, in plain arrays (int64 unless noted); the
+    scheduler's side of it is scheduler_service/core/plan.py StepPlan."""
 
     step_id: int
-    new_sequences: list[NewSequenceData]
+    new_sequences: list[SlotRegistration]
     slots: np.ndarray
     num_scheduled_tokens: np.ndarray
     num_new_blocks: np.ndarray
@@ -114,9 +119,12 @@ class StepPlan:
 
 
 @dataclasses.dataclass
-class StepOutput:
+class ComputedStep:
+    """What the model service computed in one step, sent back as a StepResult (which the
+    scheduler reads as scheduler_service/core/plan.py StepResult)."""
+
     step_id: int
-    num_sampled_tokens: np.ndarray  # parallel to StepPlan.slots
+    num_sampled_tokens: np.ndarray  # parallel to PlanArrays.slots
     sampled_token_ids: np.ndarray  # flattened in slot order
     forward_ns: int
     sample_ns: int
@@ -145,7 +153,7 @@ def _check_range(field: str, values: np.ndarray, low: int, high: int) -> None:
         raise PlanError(field, f"{bad} is outside [{low}, {high})")
 
 
-def _new_sequence(index: int, msg, limits: PlanLimits) -> NewSequenceData:
+def _new_sequence(index: int, msg, limits: PlanLimits) -> SlotRegistration:
     field = f"new_sequences[{index}]"
     tokens = np.asarray(msg.token_ids, dtype=np.int64)
     if tokens.size == 0:
@@ -178,7 +186,7 @@ def _new_sequence(index: int, msg, limits: PlanLimits) -> NewSequenceData:
     processing = _processing(field, msg, tokens.size, limits)
     # Speculation only where the rule needs no per-token state: no logits processing, no logprobs.
     speculate = msg.speculate and not processing.changes_logits and processing.num_logprobs < 0
-    return NewSequenceData(
+    return SlotRegistration(
         msg.slot,
         tokens.astype(np.int32),
         msg.num_computed_tokens,
@@ -236,12 +244,12 @@ def _processing(field: str, msg, num_tokens: int, limits: PlanLimits) -> LogitsP
     )
 
 
-def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> StepPlan:
+def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> PlanArrays:
     """Convert and check one ExecuteRequest; raises PlanError naming the field."""
     if not request.HasField("plan"):
         raise PlanError("plan", "missing")
     p = request.plan
-    plan = StepPlan(
+    plan = PlanArrays(
         step_id=p.step_id,
         new_sequences=[_new_sequence(i, ns, limits) for i, ns in enumerate(p.new_sequences)],
         slots=_arr(p.slots),
@@ -318,7 +326,7 @@ def _bitmasks(p, limits: PlanLimits) -> np.ndarray:
     return usable
 
 
-def result_to_pb(output: StepOutput, total_ns: int) -> engine_pb2.ExecuteResponse:
+def result_to_pb(output: ComputedStep, total_ns: int) -> engine_pb2.ExecuteResponse:
     response = engine_pb2.ExecuteResponse()
     r = response.result
     r.step_id = output.step_id
@@ -338,7 +346,7 @@ def result_to_pb(output: StepOutput, total_ns: int) -> engine_pb2.ExecuteRespons
     return response
 
 
-def _check_swaps(plan: StepPlan, limits: PlanLimits) -> None:
+def _check_swaps(plan: PlanArrays, limits: PlanLimits) -> None:
     """Swap ids: device blocks in [1, num_kv_blocks), host blocks in [0, num_swap_blocks), pairs of
     equal length, and no destination written twice in one plan."""
     for src, dst in (("swap_out_src", "swap_out_dst"), ("swap_in_src", "swap_in_dst")):
@@ -359,7 +367,7 @@ def _check_swaps(plan: StepPlan, limits: PlanLimits) -> None:
 
 
 def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
-    """runner.EngineFacts -> DescribeResponse (contract version 1)."""
+    """runner.DescribedFacts -> DescribeResponse (contract version 1)."""
     response = engine_pb2.DescribeResponse(
         contract_version=1,
         model_name=facts.model_name,

@@ -3,7 +3,7 @@ proposes k tokens per speculating slot by sampling, and hands its distributions 
 verification rule (model_service/speculative.py) with them.
 
 The draft keeps its own paged KV cache with the target's block layout: the same block ids, the
-same block tables (RequestCache), so the scheduler's allocation covers both models. Per slot it
+same block tables (SlotTable), so the scheduler's allocation covers both models. Per slot it
 remembers how many tokens it has computed; each step it first catches up on what it has not seen
 (a new sequence's prompt, or the tokens the last verification emitted) in one batched forward,
 which also yields the distribution of the first draft, then runs k - 1 one-token forwards. After
@@ -51,7 +51,7 @@ class DraftModelDrafter:
             )
         self.model = self.loaded.model
         self.device = runner.device
-        self.cache = runner.cache  # tokens and block tables are the target's
+        self.slot_table = runner.slot_table  # tokens and block tables are the target's
         self.kv_cache = KVCache(
             arch.num_hidden_layers,
             runner.limits.num_kv_blocks,
@@ -62,11 +62,11 @@ class DraftModelDrafter:
             self.device,
         )
         self.block_size = runner.block_size
-        self.num_computed = np.zeros(self.cache.max_num_slots, dtype=np.int64)
+        self.num_computed = np.zeros(self.slot_table.max_num_slots, dtype=np.int64)
         self.inputs = StepInputBuilder(
             max(self.loaded.max_model_len, config.max_num_slots),
             config.max_num_slots,
-            self.cache.max_blocks_per_seq,
+            self.slot_table.max_blocks_per_seq,
             self.block_size,
         )
 
@@ -80,7 +80,7 @@ class DraftModelDrafter:
 
     def _forward(self, slots: np.ndarray, n: np.ndarray, num_tokens: np.ndarray) -> torch.Tensor:
         """One draft forward computing n[i] tokens of slots[i]; logits of each slot's last row."""
-        c = self.cache
+        c = self.slot_table
         x = self.inputs.build(c.tokens, c.block_table, self.num_computed, num_tokens, slots, n)
         meta = build_attention_metadata(
             self._dev(x.slot_mapping),
@@ -106,7 +106,7 @@ class DraftModelDrafter:
         self, logits: torch.Tensor, slots: np.ndarray, positions: np.ndarray
     ) -> tuple[np.ndarray, torch.Tensor]:
         """Draft tokens at `positions` and the distributions they were drawn from (normalized)."""
-        c = self.cache
+        c = self.slot_table
         params = SamplingBatch(
             temperature=c.temperature[slots],
             top_k=c.top_k[slots],
@@ -121,10 +121,10 @@ class DraftModelDrafter:
         tokens = np.where(greedy, logits.argmax(dim=-1).cpu().numpy(), tokens)
         return tokens.astype(np.int64), weights / weights.sum(dim=-1, keepdim=True)
 
-    def propose_batch(self, cache, slots: np.ndarray, rooms: np.ndarray) -> list[Draft]:
+    def propose_batch(self, slot_table, slots: np.ndarray, rooms: np.ndarray) -> list[Draft]:
         """Up to rooms[i] drafts for each of slots (decoding: every known token but the last is
-        computed by the target). Writes the drafts after the known tokens in RequestCache.tokens."""
-        c = self.cache
+        computed by the target). Writes the drafts after the known tokens in SlotTable.tokens."""
+        c = self.slot_table
         lengths = c.num_tokens[slots].copy()
         num_tokens = c.num_tokens.copy()
         # Catch up on everything the draft has not computed, up to the last known token.

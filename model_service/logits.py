@@ -2,7 +2,7 @@
 constrained-decoding masks (before), and logprobs (after).
 
 Rows are the step's sample rows (runner: x.sample_slots, one per sampling slot). Most steps have
-no row that needs any of this: the runner checks the RequestCache's mirror arrays and calls in
+no row that needs any of this: the runner checks the SlotTable's mirror arrays and calls in
 only for the rows that do, so the common path stays one vectorized sample().
 
 Order, as vLLM and Hugging Face apply it: repetition penalty (prompt and output tokens),
@@ -17,17 +17,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.request_cache import RequestCache
+from model_service.slot_table import SlotTable
 
 
 def apply_processing(
-    logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, cache: RequestCache
+    logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, slot_table: SlotTable
 ) -> None:
     """Penalties, bias and min-token suppression, in place, for logits rows `rows` of `slots`."""
     vocab = logits.shape[-1]
     for row, slot in zip(rows.tolist(), slots.tolist()):
-        p = cache.processing[slot]
-        known = cache.tokens[slot, : cache.num_tokens[slot]]
+        p = slot_table.processing[slot]
+        known = slot_table.tokens[slot, : slot_table.num_tokens[slot]]
         output = known[p.num_prompt_tokens :]
         line = logits[row]
         if p.repetition_penalty != 1.0:
@@ -104,21 +104,21 @@ def gather_logprobs(
 
 
 def prompt_logprob_rows(
-    slots: np.ndarray, num_scheduled: np.ndarray, query_start: np.ndarray, cache: RequestCache
+    slots: np.ndarray, num_scheduled: np.ndarray, query_start: np.ndarray, slot_table: SlotTable
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Packed rows whose logits give prompt logprobs this step, with their target tokens and
     alternative counts: for each scheduled slot that asked (in plan order), each computed
     position p whose next token p + 1 is still a prompt token. Call before computed advances."""
     rows, targets, counts = [], [], []
-    for b in np.flatnonzero(cache.num_prompt_logprobs[slots] >= 0).tolist():
+    for b in np.flatnonzero(slot_table.num_prompt_logprobs[slots] >= 0).tolist():
         slot = int(slots[b])
-        start = int(cache.num_computed[slot])
-        end = min(start + int(num_scheduled[b]), cache.processing[slot].num_prompt_tokens - 1)
+        start = int(slot_table.num_computed[slot])
+        end = min(start + int(num_scheduled[b]), slot_table.processing[slot].num_prompt_tokens - 1)
         if end <= start:
             continue
         rows.append(query_start[b] + np.arange(end - start))
-        targets.append(cache.tokens[slot, start + 1 : end + 1])
-        counts.append(np.full(end - start, cache.num_prompt_logprobs[slot]))
+        targets.append(slot_table.tokens[slot, start + 1 : end + 1])
+        counts.append(np.full(end - start, slot_table.num_prompt_logprobs[slot]))
     if not rows:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty

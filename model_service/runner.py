@@ -1,4 +1,4 @@
-"""The model runner: applies one StepPlan to the slot state, runs one forward, samples.
+"""The model runner: applies one PlanArrays to the slot state, runs one forward, samples.
 
 Order of application (engine.proto, BatchPlan):
   1. drop finished / preempted / aborted slots;
@@ -36,7 +36,7 @@ import torch
 from cython_ext.mapping import StepInputBuilder
 from model_service import threads
 from model_service.attention import ATTENTION_ISA, build_attention_metadata
-from model_service.batch import PlanError, PlanLimits, StepOutput, StepPlan
+from model_service.batch import ComputedStep, PlanArrays, PlanError, PlanLimits
 from model_service.config import ModelServiceConfig
 from model_service.gemm import PackedLinear
 from model_service.kv_cache import (
@@ -48,16 +48,17 @@ from model_service.kv_cache import (
 from model_service.layer_ops import LAYER_OPS_ISA
 from model_service.loaded import LoadedModel
 from model_service.logits import apply_masks, apply_processing, gather_logprobs, prompt_logprob_rows
-from model_service.request_cache import RequestCache
 from model_service.sampler import SamplingBatch, filtered_probs, sample
+from model_service.slot_table import SlotTable
 from model_service.speculative import NgramDrafter, uniforms, verify, verify_greedy
 
 log = structlog.get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineFacts:
-    """What Describe reports, as plain values."""
+class DescribedFacts:
+    """What this model service describes about itself in Describe, as plain values (the
+    scheduler's reading of the reply is scheduler_service/engine/client.py EngineFacts)."""
 
     model_name: str
     architecture: str
@@ -136,12 +137,12 @@ class ModelRunner:
             self.device,
         )
         self.kv_cache.allocate_swap(config.swap_space_bytes // self.kv_cache.block_bytes)
-        self.cache = RequestCache(config.max_num_slots, loaded.max_model_len, self.block_size)
+        self.slot_table = SlotTable(config.max_num_slots, loaded.max_model_len, self.block_size)
         # Row capacity is a first guess (no token budget is configured here); the builder grows it.
         self.inputs = StepInputBuilder(
             max(loaded.max_model_len, config.max_num_slots),
             config.max_num_slots,
-            self.cache.max_blocks_per_seq,
+            self.slot_table.max_blocks_per_seq,
             self.block_size,
         )
         self.limits = PlanLimits(
@@ -184,9 +185,9 @@ class ModelRunner:
             **self.compute,
         )
 
-    def describe_facts(self) -> EngineFacts:
+    def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
-        return EngineFacts(
+        return DescribedFacts(
             model_name=lm.name,
             architecture="llama",
             dtype=self.config.resolved_dtype(),
@@ -211,12 +212,12 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every slot (the Execute stream ended)."""
         with self._lock:
-            self.cache.drop_all()
+            self.slot_table.drop_all()
 
     # -- plan checks against the slot state -------------------------------------------------
 
-    def _check(self, plan: StepPlan) -> None:
-        c = self.cache
+    def _check(self, plan: PlanArrays) -> None:
+        c = self.slot_table
         active = c.active.copy()
         for name in ("finished_slots", "preempted_slots", "aborted_slots"):
             for slot in getattr(plan, name):
@@ -287,12 +288,12 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: PlanArrays) -> ComputedStep:
         with self._lock, torch.inference_mode():
             return self._execute(plan)
 
-    def _apply_diff(self, plan: StepPlan) -> None:
-        c = self.cache
+    def _apply_diff(self, plan: PlanArrays) -> None:
+        c = self.slot_table
         for dropped in (plan.finished_slots, plan.preempted_slots, plan.aborted_slots):
             c.drop(dropped)
         for seq in plan.new_sequences:
@@ -333,13 +334,13 @@ class ModelRunner:
             self.device, non_blocking=True
         )
 
-    def _execute(self, plan: StepPlan) -> StepOutput:
+    def _execute(self, plan: PlanArrays) -> ComputedStep:
         self._check(plan)
         self._apply_diff(plan)
-        c, bs, slots, n = self.cache, self.block_size, plan.slots, plan.num_scheduled_tokens
+        c, bs, slots, n = self.slot_table, self.block_size, plan.slots, plan.num_scheduled_tokens
         if slots.size == 0:
             empty = np.zeros(0, dtype=np.int64)
-            return StepOutput(plan.step_id, empty, empty, 0, 0)
+            return ComputedStep(plan.step_id, empty, empty, 0, 0)
 
         # Speculation: decoding slots granted 1 + k tokens get their drafts appended for this step;
         # n becomes what is computed (1 + drafts), the drafts count as known tokens for the build.
@@ -389,7 +390,7 @@ class ModelRunner:
 
         start = time.perf_counter_ns()
         sample_slots = x.sample_slots
-        output = StepOutput(
+        output = ComputedStep(
             plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), forward_ns, 0
         )
         if sample_slots.size:
@@ -427,7 +428,7 @@ class ModelRunner:
         self, slots: np.ndarray, n: np.ndarray
     ) -> tuple[dict, np.ndarray, np.ndarray]:
         """({plan index: Draft}, tokens computed per slot, known tokens per slot incl. drafts)."""
-        c = self.cache
+        c = self.slot_table
         if self.drafter is None:
             return {}, n, c.num_tokens
         decoding = (n > 1) & (c.num_tokens[slots] - c.num_computed[slots] == 1) & c.speculate[slots]
@@ -457,11 +458,11 @@ class ModelRunner:
         x,
         draft_logits: torch.Tensor,
         sample_logits: torch.Tensor,
-        output: StepOutput,
+        output: ComputedStep,
     ) -> dict:
         """{plan index: (emitted tokens, drafts accepted)} by speculative.verify; the target at a
         slot's drafted positions are its draft rows, one past them its ordinary sample row."""
-        c = self.cache
+        c = self.slot_table
         row_of_slot = {int(slot): row for row, slot in enumerate(x.sample_slots.tolist())}
         emitted, first = {}, 0
         for b, draft in drafts.items():
@@ -492,10 +493,10 @@ class ModelRunner:
             output.num_accepted_draft_tokens += result[1]
         return emitted
 
-    def _apply_emitted(self, emitted: dict, slots: np.ndarray, output: StepOutput) -> None:
+    def _apply_emitted(self, emitted: dict, slots: np.ndarray, output: ComputedStep) -> None:
         """Replaces the plain samples of speculating slots by what verification emitted: the
         slot keeps the accepted drafts' KV (computed = known - 1, the decode invariant)."""
-        c = self.cache
+        c = self.slot_table
         counts = output.num_sampled_tokens
         per_slot = np.split(output.sampled_token_ids, np.cumsum(counts)[:-1]) if counts.size else []
         for b, (tokens, accepted) in emitted.items():
@@ -511,11 +512,11 @@ class ModelRunner:
         )
 
     def _sample(
-        self, logits: torch.Tensor, sample_slots: np.ndarray, plan: StepPlan, output: StepOutput
+        self, logits: torch.Tensor, sample_slots: np.ndarray, plan: PlanArrays, output: ComputedStep
     ) -> np.ndarray:
         """Logits processing, sampling and logprobs for the sample rows; returns the token ids
         (and fills output's logprob arrays)."""
-        c = self.cache
+        c = self.slot_table
         raw = logits
         processed = np.flatnonzero(c.changes_logits[sample_slots])
         if processed.size or plan.masked_slots.size:

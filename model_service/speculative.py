@@ -106,10 +106,10 @@ class NgramDrafter:
     def on_register(self, slot: int) -> None:
         """Nothing to forget: the lookup reads the sequence's tokens each time."""
 
-    def propose_batch(self, cache, slots: np.ndarray, rooms: np.ndarray) -> list[Draft]:
-        """Drafts for each decoding slot (at most rooms[i] tokens), from RequestCache tokens."""
+    def propose_batch(self, slot_table, slots: np.ndarray, rooms: np.ndarray) -> list[Draft]:
+        """Drafts for each decoding slot (at most rooms[i] tokens), from SlotTable tokens."""
         return [
-            self.propose(cache.tokens[slot, : cache.num_tokens[slot]], int(room))
+            self.propose(slot_table.tokens[slot, : slot_table.num_tokens[slot]], int(room))
             for slot, room in zip(slots.tolist(), rooms.tolist())
         ]
 

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model_service.batch import PlanError, StepOutput, StepPlan
+from model_service.batch import ComputedStep, PlanArrays, PlanError
 from model_service.config import ModelServiceConfig
 from model_service.loader import load_model
 from model_service.parallel import RankShare, TPGroup, free_tcp_port, init_group, threads_per_rank
-from model_service.runner import EngineFacts, ModelRunner
+from model_service.runner import DescribedFacts, ModelRunner
 
 log = structlog.get_logger(__name__)
 
@@ -173,13 +173,13 @@ class TensorParallelRunner:
         self._lock = threading.Lock()
         self._watcher = watcher
 
-    def describe_facts(self) -> EngineFacts:
+    def describe_facts(self) -> DescribedFacts:
         return self.runner.describe_facts()
 
-    def _broadcast(self, kind: str, plan: Optional[StepPlan] = None) -> None:
+    def _broadcast(self, kind: str, plan: Optional[PlanArrays] = None) -> None:
         dist.broadcast_object_list([(kind, plan)], src=0, group=self.group.control)
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: PlanArrays) -> ComputedStep:
         with self._lock:
             self._broadcast(EXECUTE, plan)
             return self.runner.execute(plan)

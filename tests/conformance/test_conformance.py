@@ -93,7 +93,7 @@ def test_an_unknown_check_name_is_refused():
 # -- engines broken on purpose: our runner with one rule of the contract bent -----------------
 
 def _broken_runners():
-    from model_service.batch import StepOutput
+    from model_service.batch import ComputedStep
     from model_service.runner import ModelRunner
 
     class DropsFinishedLate(ModelRunner):
@@ -133,7 +133,7 @@ def _broken_runners():
             output = super().execute(plan)
             tokens = np.split(output.sampled_token_ids, np.cumsum(output.num_sampled_tokens)[:-1])
             order = np.argsort(plan.slots, kind="stable")
-            return StepOutput(output.step_id, output.num_sampled_tokens[order],
+            return ComputedStep(output.step_id, output.num_sampled_tokens[order],
                               np.concatenate([tokens[i] for i in order] or [_EMPTY]).astype(np.int64),
                               output.forward_ns, output.sample_ns)
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from model_service.batch import LogitsProcessing, NewSequenceData, StepPlan
+from model_service.batch import LogitsProcessing, SlotRegistration, PlanArrays
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -36,7 +36,7 @@ class Driver:
         self.next_block = 1
         self.step_id = 0
         self.seqs: dict[int, Seq] = {}
-        self._pending_new: list[NewSequenceData] = []
+        self._pending_new: list[SlotRegistration] = []
         self._pending_drop: list[int] = []
         self._preset: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[float]] = {}  # slot -> each sampled token's logprob (with_logprobs)
@@ -51,7 +51,7 @@ class Driver:
         if with_logprobs:
             self.logprobs[slot] = []
         self._pending_new.append(
-            NewSequenceData(slot, np.asarray(token_ids, dtype=np.int32), computed, temperature, top_k, top_p, seed,
+            SlotRegistration(slot, np.asarray(token_ids, dtype=np.int32), computed, temperature, top_k, top_p, seed,
                             processing)
         )
 
@@ -71,7 +71,7 @@ class Driver:
                 self.next_block += need
             seq.blocks += ids
             slots.append(slot), counts.append(n), num_new.append(len(ids)), new_ids.extend(ids)
-        plan = StepPlan(
+        plan = PlanArrays(
             self.step_id, self._pending_new, _a(slots), _a(counts), _a(num_new), _a(new_ids),
             _a(self._pending_drop), _EMPTY, _EMPTY, _EMPTY, _EMPTY,
         )

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_service.batch import PlanError, StepPlan, facts_to_pb, from_pb
+from model_service.batch import PlanError, PlanArrays, facts_to_pb, from_pb
 from model_service.config import ModelServiceConfig, parse_bytes
 from model_service.kv_cache import available_memory_bytes
 from model_service.runner import ModelRunner
@@ -82,19 +82,19 @@ def _a(values) -> np.ndarray:
     return np.asarray(list(values), dtype=np.int64)
 
 
-def _plan(step_id, new=(), slots=(), counts=(), new_blocks=(), block_ids=(), **fields) -> StepPlan:
+def _plan(step_id, new=(), slots=(), counts=(), new_blocks=(), block_ids=(), **fields) -> PlanArrays:
     values = dict(
         step_id=step_id, new_sequences=list(new), slots=_a(slots), num_scheduled_tokens=_a(counts),
         num_new_blocks=_a(new_blocks), new_block_ids=_a(block_ids), finished_slots=_E, preempted_slots=_E,
         aborted_slots=_E, copy_src=_E, copy_dst=_E)
     values.update({k: _a(v) for k, v in fields.items()})
-    return StepPlan(**values)
+    return PlanArrays(**values)
 
 
 def _new(slot, tokens, computed=0):
-    from model_service.batch import NewSequenceData
+    from model_service.batch import SlotRegistration
 
-    return NewSequenceData(slot, np.asarray(tokens, dtype=np.int32), computed, 0.0, 0, 1.0, 0)
+    return SlotRegistration(slot, np.asarray(tokens, dtype=np.int32), computed, 0.0, 0, 1.0, 0)
 
 
 def _greedy(runner, prompt, num_new, swap_after=None):

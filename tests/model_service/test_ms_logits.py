@@ -6,14 +6,14 @@ import torch
 
 from model_service.batch import LogitsProcessing, PlanError, PlanLimits, from_pb
 from model_service.logits import apply_masks, apply_processing, gather_logprobs
-from model_service.request_cache import RequestCache
+from model_service.slot_table import SlotTable
 from planserve.v1 import engine_pb2
 
 VOCAB = 40
 
 
 def _cache_with(slot, token_ids, processing):
-    cache = RequestCache(max_num_slots=4, max_model_len=64, block_size=16)
+    cache = SlotTable(max_num_slots=4, max_model_len=64, block_size=16)
     cache.register(slot, np.asarray(token_ids, dtype=np.int32), 0, 1.0, 0, 1.0, 0, processing)
     return cache
 

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cython_ext.mapping import StepInputBuilder
-from model_service.request_cache import RequestCache
+from model_service.slot_table import SlotTable
 
 
-def numpy_step_inputs(c: RequestCache, slots: np.ndarray, n: np.ndarray, bs: int) -> dict:
+def numpy_step_inputs(c: SlotTable, slots: np.ndarray, n: np.ndarray, bs: int) -> dict:
     """runner.py's _execute input building before the Cython builder (the oracle)."""
     computed = c.num_computed[slots]
     total = int(n.sum())
@@ -40,7 +40,7 @@ def numpy_step_inputs(c: RequestCache, slots: np.ndarray, n: np.ndarray, bs: int
 
 @dataclasses.dataclass
 class Workload:
-    cache: RequestCache
+    slot_table: SlotTable
     slots: np.ndarray
     num_scheduled: np.ndarray
     block_size: int
@@ -52,7 +52,7 @@ def make_workload(specs, *, max_num_slots=16, max_model_len=256, block_size=16, 
     Every block-table entry is a random id (also past the blocks a slot needs), so a gather that
     reads the wrong column or row shows up."""
     rng = np.random.default_rng(seed)
-    cache = RequestCache(max_num_slots, max_model_len, block_size)
+    cache = SlotTable(max_num_slots, max_model_len, block_size)
     cache.tokens[:] = rng.integers(0, 2**31 - 1, size=cache.tokens.shape, dtype=np.int32)
     cache.block_table[:] = rng.integers(1, 2**31 - 1, size=cache.block_table.shape, dtype=np.int32)
     for slot, num_tokens, num_computed, _ in specs:
@@ -66,17 +66,17 @@ def make_workload(specs, *, max_num_slots=16, max_model_len=256, block_size=16, 
 
 
 def build(builder: StepInputBuilder, w: Workload):
-    c = w.cache
+    c = w.slot_table
     return builder.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, w.slots, w.num_scheduled)
 
 
 def new_builder(w: Workload, max_num_tokens: int = 4096) -> StepInputBuilder:
-    return StepInputBuilder(max_num_tokens, w.cache.max_num_slots, w.cache.max_blocks_per_seq, w.block_size)
+    return StepInputBuilder(max_num_tokens, w.slot_table.max_num_slots, w.slot_table.max_blocks_per_seq, w.block_size)
 
 
 def assert_parity(builder: StepInputBuilder, w: Workload):
     got = build(builder, w)
-    want = numpy_step_inputs(w.cache, w.slots, w.num_scheduled, w.block_size)
+    want = numpy_step_inputs(w.slot_table, w.slots, w.num_scheduled, w.block_size)
     for name, expected in want.items():
         value = getattr(got, name)
         if isinstance(expected, np.ndarray):
@@ -203,14 +203,14 @@ def test_out_of_bounds_rows_raise(specs_override, match):
 
 def test_negative_computed_raises():
     w = make_workload([(0, 50, 49, 1)])
-    w.cache.num_computed[0] = -1
+    w.slot_table.num_computed[0] = -1
     with pytest.raises(ValueError, match="computed -1"):
         build(new_builder(w), w)
 
 
 def test_shape_mismatches_raise():
     w = make_workload([(0, 50, 49, 1), (1, 30, 0, 30)])
-    c = w.cache
+    c = w.slot_table
     builder = new_builder(w)
     with pytest.raises(ValueError, match="num_scheduled has length 1"):
         builder.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, w.slots, w.num_scheduled[:1])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from model_service.batch import NewSequenceData, StepPlan
+from model_service.batch import SlotRegistration, PlanArrays
 from model_service.runner import ModelRunner
 from model_service.sampler import draw
 from model_service.speculative import Draft, NgramDrafter, uniforms, verify, verify_greedy
@@ -154,7 +154,7 @@ def _generate(runner, prompts, new_tokens, lookahead):
     """A minimal scheduler: whole-prompt prefill, then decodes granted 1 + lookahead tokens;
     computed advances by what came back for decodes (the scheduler's rule)."""
     seqs = {slot: dict(tokens=list(p), computed=0, blocks=[]) for slot, p in enumerate(prompts)}
-    new = [NewSequenceData(slot, np.asarray(p, dtype=np.int32), 0, 0.0, 0, 1.0, 0, None, True) for slot, p in enumerate(prompts)]
+    new = [SlotRegistration(slot, np.asarray(p, dtype=np.int32), 0, 0.0, 0, 1.0, 0, None, True) for slot, p in enumerate(prompts)]
     next_block, step = 1, 0
     while any(len(s["tokens"]) - len(prompts[slot]) < new_tokens for slot, s in seqs.items()):
         slots, counts, num_new, ids = [], [], [], []
@@ -166,7 +166,7 @@ def _generate(runner, prompts, new_tokens, lookahead):
             next_block += len(fresh)
             s["blocks"] += fresh
             slots.append(slot), counts.append(n), num_new.append(len(fresh)), ids.extend(fresh)
-        plan = StepPlan(step, new, np.array(slots), np.array(counts), np.array(num_new), np.array(ids, dtype=np.int64), _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        plan = PlanArrays(step, new, np.array(slots), np.array(counts), np.array(num_new), np.array(ids, dtype=np.int64), _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
         new, step = [], step + 1
         out = runner.execute(plan)
         at = 0

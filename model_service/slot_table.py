@@ -25,7 +25,9 @@ import numpy as np
 from model_service.batch import NO_PROCESSING, LogitsProcessing
 
 
-class RequestCache:
+class SlotTable:
+    """The model service's state of every slot (the module docstring draws the arrays)."""
+
     def __init__(self, max_num_slots: int, max_model_len: int, block_size: int) -> None:
         self.max_num_slots = max_num_slots
         self.max_model_len = max_model_len
