@@ -54,6 +54,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY protos/ protos/
 COPY cython_ext/ cython_ext/
+COPY config_fields/ config_fields/
 COPY scheduler_service/ scheduler_service/
 COPY model_service/ model_service/
 COPY tools/ tools/

@@ -48,7 +48,7 @@ protos: $(PY)
 # (pyproject.toml) on the scheduler service and the tools. The shape rules (no import loop,
 # modules up to 400 lines, functions up to 60) are a test: tests/layout/test_structure.py (the
 # model service is not in it yet: runner.py is 551 lines).
-LINT_PATHS := scheduler_service model_service tools bench/load bench/peers tests/layout
+LINT_PATHS := config_fields scheduler_service model_service tools bench/load bench/peers tests/layout
 
 lint: install-test
 	$(VENV)/bin/ruff check $(LINT_PATHS)

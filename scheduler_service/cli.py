@@ -5,7 +5,7 @@
 
 The `planserve` command (tools/cli.py) has these and the ones that run the model service too
 (serve, model-service) and the tools (bench, conformance). The scheduler's flags are made from
-SchedulerConfig's fields (fields.py): one declaration per field gives the default, the bound,
+SchedulerConfig's fields (config_fields): one declaration per field gives the default, the bound,
 the flag and its help.
 """
 
@@ -19,12 +19,12 @@ from typing import Optional
 
 import structlog
 
+from config_fields import add_flags, from_args
 from planserve.v1 import generate_pb2
 from scheduler_service import logs
 from scheduler_service.api.client import build_request, stream_generate
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core import policies
-from scheduler_service.fields import add_flags, from_args
 from scheduler_service.ports import StartupError
 from scheduler_service.server import SchedulerServer
 

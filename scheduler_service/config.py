@@ -3,7 +3,7 @@
 Run-time capacity (KV blocks, slots, model length) is not configured here: it comes back from
 the model service's Describe reply and is held by the scheduler, never written into this object.
 
-Each field is declared once (fields.py): its default, its bound and its flag in the `setting`,
+Each field is declared once (config_fields): its default, its bound and its flag in the `setting`,
 its help in the docstring under it; the CLI's flags (cli.py) are made from them.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from config_fields import check_bounds, setting
 from scheduler_service.core import policies
-from scheduler_service.fields import check_bounds, setting
 
 CHUNKING_MODES = ("interleaved", "prefill-first", "decode-priority")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -149,7 +149,7 @@ class SchedulerConfig:
     """Largest request message the public API accepts (bigger ones get RESOURCE_EXHAUSTED)."""
 
     def validate(self) -> "SchedulerConfig":
-        """Every field's declared bound (fields.check_bounds), then the rules that tie fields
+        """Every field's declared bound (config_fields.check_bounds), then the rules that tie fields
         together or need a lookup; ValueError names the field. Returns self."""
         check_bounds(self)
         if any(":" not in part for part in self.engine_address.split(",")):

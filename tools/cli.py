@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional
 import structlog
 
 from bench.load import cli as bench_cli
+from config_fields import add_flags
 from model_service.config import ModelServiceConfig, parse_bytes
 from scheduler_service import cli as scheduler_cli
 from scheduler_service import logs
-from scheduler_service.fields import add_flags
 from scheduler_service.ports import StartupError, check_port_free
 from scheduler_service.server import SchedulerServer, check_ports
 from tools import conformance
