@@ -1,5 +1,6 @@
-"""The model service's OpenMP thread settings, tried on the peer workload through `planserve serve`
-on a quiet machine and on a loaded one. A plain script, not a test; ~6-8 minutes on 2 cores.
+"""The model service's OpenMP thread settings (and its decoder loop), tried on the peer workload
+through `planserve serve` on a quiet machine and on a loaded one. A plain script, not a test; ~1
+minute a setting and machine on 2 cores.
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_threads.py [--settings NAME ...] [--label TEXT]
 
@@ -46,6 +47,9 @@ SETTINGS = {
     "spin, threads bound to cores": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "300000", "OMP_NUM_THREADS": "2",
                                      "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
     "service default": {},
+    # Not a thread setting: the Python loop over the layers (nine native calls a layer, each
+    # retaking the GIL) against the default native loop, under the same two machines.
+    "service default, Python decoder loop": {"PLANSERVE_DECODER_LOOP": "python"},
 }
 
 
