@@ -31,6 +31,16 @@ cdef struct SlotState:
     uint32_t* token_ids             # token_ids[0:num_tokens]
 
 
+cdef class StepCore
+
+
+# What a Request reads of its slot while it holds one (Request.num_computed_tokens, .block_ids):
+# one per slot, made with the core; admit/fork bind the request to it, release unbinds it.
+cdef class SlotView:
+    cdef StepCore core
+    cdef readonly int32_t slot
+
+
 # The packed arrays of one plan, owned by the plan (plans may run ahead of results).
 cdef class PackedPlan:
     cdef readonly Py_ssize_t num_entries
@@ -53,6 +63,7 @@ cdef class StepCore:
 
     cdef SlotState* _slots               # [max_num_slots]
     cdef list _requests                  # [max_num_slots] the Request in each slot, or None
+    cdef tuple _views                    # [max_num_slots] the SlotView of each slot
     cdef int32_t* _running               # [max_num_slots] running slots, admission order
     cdef readonly int32_t num_running
     cdef int32_t* _snap                  # [max_num_slots] the running order a pass iterates
@@ -80,6 +91,7 @@ cdef class StepCore:
 
     cdef SlotState* _state(self, int32_t slot) except NULL
     cdef bint _is_live(self, PackedPlan packed, Py_ssize_t i)
+    cdef int _bind(self, int32_t slot, object request) except -1
     cdef int _reserve_slot_buffers(self, SlotState* s, int32_t num_blocks,
                                    int64_t num_tokens) except -1
     cdef int64_t _chunk(self, int64_t num_tokens_to_compute) noexcept nogil

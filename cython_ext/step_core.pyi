@@ -12,6 +12,18 @@ def packed_uint32_field(field: int, values: Sequence[int]) -> bytes:
     """A packed repeated uint32 protobuf field of `values` in wire format (b"" for none):
     `Message.MergeFromString` sets it. OverflowError for a value outside uint32."""
 
+class SlotView:
+    """A slot's computed count and block table as a Request reads them while it holds the slot
+    (Request.slot_view, bound by StepCore.admit/fork, unbound by release). Read-only."""
+
+    @property
+    def slot(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def block_ids(self) -> list[int]:
+        """The block table (a new list)."""
+
 class PackedPlan:
     """One plan's packed arrays, owned by the plan (C copies)."""
 
@@ -59,15 +71,16 @@ class StepCore:
         `hits`: BlockPool.match_prefix's answer for these tokens and salt, nothing allocated
         since; their digests are taken from the pool, not hashed again (a hit with no digest is
         hashed). ValueError if the slot is taken, a hit id is invalid or the hits cover more
-        than the tokens."""
+        than the tokens. Binds `request.slot_view` to the slot's SlotView."""
     def fork(self, parent_slot: int, slot: int, request: Any, num_prompt_tokens: int,
              max_num_tokens: int) -> Optional[tuple[int, int]]:
         """Starts `request` in `slot` as a parallel sample sharing the parent's computed prompt
         blocks; it recomputes the last prompt token. Returns the copy-on-write (src, dst) of the
-        block that token lands in when the parent already wrote into it, else None.
-        `request.block_ids` must hold the shared blocks; the copy's id is appended."""
+        block that token lands in when the parent already wrote into it, else None. Binds
+        `request.slot_view` to the slot's SlotView."""
     def release(self, slot: int) -> None:
-        """Frees the slot's blocks in table order and drops it from the running order."""
+        """Frees the slot's blocks in table order and drops it from the running order; its
+        request is unbound (slot_view None) with its last computed count set on it."""
     def append_tokens(self, slot: int, token_ids: Sequence[int]) -> None: ...
 
     # The step.
@@ -86,9 +99,9 @@ class StepCore:
         """(requests, slots, num_scheduled_tokens, num_new_blocks, new_block_ids, packed)."""
     def advance(self, packed: PackedPlan, num_sampled_tokens: Sequence[int],
                 cache_blocks: bool = True) -> tuple[list[int], list[int]]:
-        """Computed counts advance (mirrored to Request.num_computed_tokens), newly full blocks are
-        hashed and cached (unless cache_blocks is False); returns (entry indices, sampled-token
-        offsets) of live entries that sampled tokens."""
+        """Computed counts advance, newly full blocks are hashed and cached (unless cache_blocks
+        is False); returns (entry indices, sampled-token offsets) of live entries that sampled
+        tokens."""
 
     # Overlap: plans committed before their results.
     def sampling_entries(self, packed: PackedPlan) -> list[int]:

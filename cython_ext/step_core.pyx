@@ -15,9 +15,10 @@ running sequences. A step, as the Scheduler drives it:
     advance(packed, num_sampled)         (update) computed counts, prefix hashes of full blocks
 
 Per-slot state (SlotState) and the plan buffers are allocated once; a step allocates only the
-plan's own objects. Each Request mirrors what Python code reads: `num_computed_tokens` (set by
-advance and admit) and `block_ids` (appended when blocks are allocated, which a decode does once
-per block_size steps).
+plan's own objects. The core is the one owner of a running sequence's computed count and block
+table: while a Request holds a slot it is bound to that slot's SlotView (admit, fork) and its
+`num_computed_tokens` and `block_ids` read the SlotState through it; release unbinds it and leaves
+the last count on the Request (scheduler_service/core/request.py).
 
 Plan entry layout (all uint32, one entry per scheduled sequence, in scheduling order):
 
@@ -114,6 +115,22 @@ def packed_uint32_field(uint32_t field, values):
         c_free(buf)
 
 
+cdef class SlotView:
+    """A slot's computed count and block table as a Request reads them while it holds the slot
+    (Request.slot_view). Read-only: they change only through the core."""
+
+    @property
+    def num_computed_tokens(self):
+        return self.core._slots[self.slot].num_computed_tokens
+
+    @property
+    def block_ids(self):
+        """The block table (a new list)."""
+        cdef SlotState* s = &self.core._slots[self.slot]
+        cdef int32_t i
+        return [s.block_ids[i] for i in range(s.num_blocks)]
+
+
 cdef class PackedPlan:
     """The packed arrays of one plan (C copies, owned here) and their protobuf encoding."""
 
@@ -147,7 +164,15 @@ cdef class StepCore:
         self._on_blocks_exhausted = on_blocks_exhausted
         self._on_scheduled = on_scheduled
         self._requests = [None] * max_num_slots
-        cdef Py_ssize_t n = max_num_slots
+        cdef Py_ssize_t i, n = max_num_slots
+        cdef SlotView view
+        views = []
+        for i in range(n):
+            view = SlotView.__new__(SlotView)
+            view.core = self
+            view.slot = <int32_t>i
+            views.append(view)
+        self._views = tuple(views)
         self._slots = <SlotState*>calloc(n, sizeof(SlotState))
         self._running = <int32_t*>malloc(n * sizeof(int32_t))
         self._snap = <int32_t*>malloc(n * sizeof(int32_t))
@@ -164,7 +189,6 @@ cdef class StepCore:
                 and self._out_slots and self._out_num_scheduled and self._out_num_new_blocks
                 and self._out_epochs and self._out_block_ids):
             raise MemoryError(f"cannot allocate step core arrays for {n} slots")
-        cdef Py_ssize_t i
         for i in range(n):
             self._slots[i].scheduled_step = -1
 
@@ -193,6 +217,14 @@ cdef class StepCore:
         # release bumps the epoch, so a new sequence in the same slot does not match either).
         cdef uint32_t slot = packed.slots[i]
         return self._slots[slot].epoch == packed.epochs[i] and self._requests[slot] is not None
+
+    cdef int _bind(self, int32_t slot, object request) except -1:
+        # The request now holds the slot: its counts and table are read from here.
+        self._requests[slot] = request
+        request.slot_view = self._views[slot]
+        self._running[self.num_running] = slot
+        self.num_running += 1
+        return 0
 
     cdef SlotState* _state(self, int32_t slot) except NULL:
         if slot < 0 or slot >= self.max_num_slots:
@@ -245,16 +277,13 @@ cdef class StepCore:
                             int64_t num_blocks) except -1:
         cdef SlotState* s = &self._slots[slot]
         cdef int32_t start, count, j
-        cdef list mirror
         if num_blocks > self.pool.num_free:
             raise MemoryError(f"slot {slot}: {num_blocks} blocks wanted, "
                               f"{self.pool.num_free} free")
         if num_blocks > 0:
             self._reserve_slot_buffers(s, s.num_blocks + <int32_t>num_blocks, 0)
-            mirror = self._requests[slot].block_ids
             for j in range(<int32_t>num_blocks):
                 s.block_ids[s.num_blocks] = self.pool._take_head()
-                mirror.append(s.block_ids[s.num_blocks])
                 s.num_blocks += 1
         # A new sequence's block table starts empty on the model side: its first entry sends all
         # of it (prefix hits or blocks shared with a parent first); later ones what was appended.
@@ -385,9 +414,7 @@ cdef class StepCore:
         s.num_blocks = <int32_t>num_hits
         s.num_blocks_sent = 0
         s.num_hashed = <int32_t>num_hits
-        self._requests[slot] = request
-        self._running[self.num_running] = slot
-        self.num_running += 1
+        self._bind(slot, request)
 
     def fork(self, int32_t parent_slot, int32_t slot, request, int64_t num_prompt_tokens,
              int64_t max_num_tokens):
@@ -426,7 +453,6 @@ cdef class StepCore:
             dst = self.pool._take_head()
             s.block_ids[num_full] = dst
             s.num_blocks += 1
-            request.block_ids.append(dst)
         s.num_tokens = num_prompt_tokens
         s.num_computed_tokens = num_computed
         s.max_num_tokens = max_num_tokens
@@ -435,22 +461,24 @@ cdef class StepCore:
         s.num_blocks_sent = 0
         s.num_hashed = <int32_t>_min(num_full, parent.num_hashed)
         s.scheduled_step = -1
-        self._requests[slot] = request
-        self._running[self.num_running] = slot
-        self.num_running += 1
+        self._bind(slot, request)
         return (src, dst) if copy else None
 
     def release(self, int32_t slot):
-        """Frees the slot's blocks (in table order) and drops it from the running order."""
+        """Frees the slot's blocks (in table order) and drops it from the running order. The
+        request is unbound from the slot, its last computed count left on it."""
         cdef SlotState* s = self._state(slot)
         cdef int32_t j
-        if self._requests[slot] is None:
+        request = self._requests[slot]
+        if request is None:
             raise ValueError(f"slot {slot} is not running")
         for j in range(s.num_blocks):
             if self.pool._ref[s.block_ids[j]] <= 0:
                 raise ValueError(f"double free: block {s.block_ids[j]} has ref count 0")
         for j in range(s.num_blocks):
             self.pool._decref_one(s.block_ids[j])
+        request.slot_view = None
+        request.num_computed_tokens = s.num_computed_tokens
         s.num_blocks = 0
         s.num_hashed = 0
         s.num_tokens = 0
@@ -600,7 +628,7 @@ cdef class StepCore:
 
     def advance(self, PackedPlan packed not None, num_sampled_tokens, bint cache_blocks=True):
         """Applies a plan's result to the sequences still in their slots: computed counts advance
-        (mirrored to Request.num_computed_tokens) and newly full blocks enter the prefix cache
+        and newly full blocks enter the prefix cache
         (later, by cache_blocks(), when `cache_blocks` is False: overlap commits a plan before
         its tokens are known). Returns (entry indices, offsets into the sampled token ids) of the
         live entries that sampled tokens, for Python's output processing."""
@@ -622,7 +650,6 @@ cdef class StepCore:
                     s.num_computed_tokens += num_sampled
                 else:
                     s.num_computed_tokens += packed.num_scheduled_tokens[i]
-                self._requests[slot].num_computed_tokens = s.num_computed_tokens
                 if self.enable_prefix_caching and cache_blocks:
                     self._cache_full_blocks(s)
                 if num_sampled:

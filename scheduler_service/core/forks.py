@@ -52,7 +52,6 @@ class ParallelSamples(SchedulerPart):
         child.status = RequestStatus.RUNNING
         child.slot = self.slots.allocate()
         child.first_scheduled_time = time.monotonic()
-        child.block_ids = parent.block_ids[: num_computed // self.kv.block_size]
         copy = self.core.fork(
             parent.slot,
             child.slot,
@@ -60,7 +59,7 @@ class ParallelSamples(SchedulerPart):
             num_prompt_tokens,
             num_prompt_tokens + child.stopping.max_new_tokens,
         )
-        child.num_computed_tokens = child.num_cached_tokens = num_computed
+        child.num_cached_tokens = num_computed
         self._pending_forks[child.slot] = (
             self._new_sequence(child, list(child.prompt_token_ids)),
             copy,

@@ -1,7 +1,7 @@
 """The scheduler's KV blocks: the Cython block pool and prefix-cache lookups for waiting requests.
 
 A running request holds ceil(num_computed_tokens / block_size) blocks after each step; its table
-lives in cython_ext/step_core.pyx (per slot, mirrored to Request.block_ids), is append-only while
+lives in cython_ext/step_core.pyx (per slot, read through Request.block_ids), is append-only while
 it runs and released whole when it finishes, is aborted or is preempted. Every block that fills up
 is registered (by step_core, in update) under a SHA-256 digest chained on its parent and salted
 (salt_of: the request's cache_salt, and its tenant when the scope is "tenant"); released blocks

@@ -55,13 +55,12 @@ class Preemption(SchedulerPart):
         if by_swap:
             plan.swap_out_src.extend(self.core.block_ids(slot)[:num_swap_blocks])
             plan.swap_out_dst.extend(self.swap.swap_out(request, num_swap_blocks))
-            request.num_computed_tokens = num_kept
         self.running.remove(request)
         self._free_blocks(request)
         self.slots.free(slot)
         request.slot = None
-        if not by_swap:
-            request.num_computed_tokens = 0
+        # Out of its slot: the count it resumes from is the request's own again.
+        request.num_computed_tokens = num_kept if by_swap else 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.policy.add_preempted(request)
@@ -71,14 +70,13 @@ class Preemption(SchedulerPart):
             self.core.release(request.slot)
         else:  # waiting: it may hold swap blocks
             self.swap.discard(request)
-        request.block_ids = []
 
     def _swap_in(self, plan: StepPlan, request: Request) -> None:
         """A swapped-out request just admitted: its first blocks are filled from swap space
         before the forward (its block table was sent whole with this plan)."""
         host = self.swap.swap_in(request)
         plan.swap_in_src.extend(host)
-        plan.swap_in_dst.extend(request.block_ids[: len(host)])
+        plan.swap_in_dst.extend(self.core.block_ids(request.slot)[: len(host)])
 
     def _usable_swap_blocks(self, facts: EngineFacts) -> int:
         if self.config.preemption_mode == "recompute":

@@ -4,6 +4,10 @@ A sequence has no prefill or decode phase. It has `all_token_ids` (prompt, then 
 and `num_computed_tokens` (how many of them have their KV in the cache, on the model side);
 each step schedules some of the difference. The model service samples a token whenever the
 computed count reaches the known tokens, so a decode is simply "one token left to compute".
+
+While a request holds a slot, its computed count and block table have one owner: the StepCore
+(cython_ext/step_core.pyx), read through the slot's view the core binds to `slot_view`. Out of a
+slot the request keeps its count itself (the one a resume starts from) and holds no block.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ class OutputSink(Protocol):
     a bounded StreamBuffer (api/overload.py), or a Session's shared queue (tagged)."""
 
     def put_nowait(self, output: "RequestOutput") -> None: ...
+
+
+class SlotFacts(Protocol):
+    """What a request reads of the slot it holds: a cython_ext.step_core.SlotView, bound by
+    StepCore.admit/fork and unbound by release (the tests' pure-Python oracle binds its own)."""
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def block_ids(self) -> list[int]: ...
 
 
 class RequestStatus(enum.Enum):
@@ -128,10 +142,13 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    block_ids: list[int] = dataclasses.field(default_factory=list)
     slot: Optional[int] = None
+    # The StepCore's view of `slot` while the request holds it (None out of a slot).
+    slot_view: Optional[SlotFacts] = dataclasses.field(default=None, init=False, repr=False)
+    # Out of a slot: the count a resume starts from (0, or what a swap-out kept), or the one the
+    # core left at release.
+    _num_computed_tokens: int = dataclasses.field(default=0, init=False, repr=False)
     finish_reason: Optional[FinishReason] = None
 
     first_scheduled_time: Optional[float] = None
@@ -145,6 +162,28 @@ class Request:
     # sequence's walk through it (a structured.GuideState, set once compiled, before admission).
     structured: Optional[Any] = dataclasses.field(default=None, repr=False)
     guide: Optional[Any] = dataclasses.field(default=None, repr=False)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens with their KV computed: the StepCore's count while the request holds a slot."""
+        view = self.slot_view
+        return self._num_computed_tokens if view is None else view.num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self.slot_view is not None:
+            raise AttributeError(
+                f"request {self.request_id!r} holds slot {self.slot}: its computed count is the "
+                "StepCore's"
+            )
+        self._num_computed_tokens = value
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The block table (a new list): the StepCore's while the request holds a slot, else
+        empty."""
+        view = self.slot_view
+        return [] if view is None else view.block_ids
 
     @property
     def public_id(self) -> str:

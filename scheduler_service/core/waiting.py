@@ -42,11 +42,9 @@ class WaitingAdmission(SchedulerPart):
             if num_blocks + num_free_hits + reserve > kv.num_free_blocks:
                 return  # wait for room rather than overtake (the policy's order holds)
             policy.pop(now)
-            if hits:
-                request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
-            self._admit(plan, request, hits)
+            self._admit(plan, request, hits, num_cached)
             core.schedule_admitted(request.slot, num_new_tokens, num_blocks)
             if swapped:
                 self._swap_in(plan, request)
@@ -79,24 +77,25 @@ class WaitingAdmission(SchedulerPart):
                 return
             self._preempt(victim, plan)
 
-    def _admit(self, plan: StepPlan, request: Request, hits: list[int]) -> None:
+    def _admit(self, plan: StepPlan, request: Request, hits: list[int], num_computed: int) -> None:
+        """Starts `request` in a slot with `num_computed` tokens computed (its prefix-cache hits,
+        or what its swap-out kept); from here the StepCore owns its count and block table."""
         request.status = RequestStatus.RUNNING
-        request.slot = self.slots.allocate()
+        slot = request.slot = self.slots.allocate()
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         token_ids = request.all_token_ids
-        plan.new_sequences.append(self._new_sequence(request, token_ids))
-        request.block_ids = list(hits)
         self.core.admit(
-            request.slot,
+            slot,
             request,
             token_ids,
-            request.num_computed_tokens,
+            num_computed,
             hits,
             len(request.prompt_token_ids) + request.stopping.max_new_tokens,
             self.kv.salt(request),
             self._lookahead(request),
         )
+        plan.new_sequences.append(self._new_sequence(request, token_ids))
         self.running.append(request)
 
     def _lookahead(self, request: Request) -> int:

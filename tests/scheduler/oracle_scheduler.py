@@ -7,6 +7,9 @@ its pure-Python hash. test_golden_parity.py drives both with the same workloads 
 results and compares every plan field by field, step by step, and the final block pools.
 bench/bench_schedule.py times both.
 
+Its requests' computed counts and block tables live in Python: each request is bound, for its
+whole life here, to an OracleSlotFacts (Request.slot_view) that this file writes.
+
 One deliberate change from the original: `_schedule_running` skips a request already scheduled in
 this step. Without it, prefill-first could schedule a decode twice in one plan when it was
 preempted by a prompt chunk and re-admitted from the queue in the same step (the Cython core
@@ -29,6 +32,21 @@ from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.core.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.core.policies.base import SchedulingPolicy
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, RequestStatus
+
+
+@dataclasses.dataclass
+class OracleSlotFacts:
+    """A request's computed count and block table, kept in Python (what the StepCore owns for
+    the native scheduler); satisfies request.SlotFacts."""
+
+    num_computed_tokens: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+def facts_of(request: Request) -> OracleSlotFacts:
+    facts = request.slot_view
+    assert isinstance(facts, OracleSlotFacts), request.request_id
+    return facts
 
 
 def cdiv(a: int, b: int) -> int:
@@ -74,7 +92,7 @@ class OracleKVBlockManager:
 
     def allocate(self, request: Request, num_blocks: int) -> list[int]:
         new_block_ids = self.pool.allocate(num_blocks) if num_blocks else []
-        request.block_ids.extend(new_block_ids)
+        facts_of(request).block_ids.extend(new_block_ids)
         return new_block_ids
 
     # ---- prefix caching -------------------------------------------------------------------
@@ -97,11 +115,11 @@ class OracleKVBlockManager:
         """Shares the hit blocks with the request; their tokens count as computed."""
         self.pool.incref(hits)
         num_tokens = len(hits) * self.block_size
-        request.block_ids = list(hits)
+        facts_of(request).block_ids = list(hits)
         # The request's next blocks chain on the hashes of these.
         self.hashes[request.request_id] = self.pool.block_hashes(
             request.all_token_ids[:num_tokens], self.block_size, salt_of(request.cache_salt))
-        request.num_computed_tokens = num_tokens
+        facts_of(request).num_computed_tokens = num_tokens
 
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Prompt tokens a waiting request would find cached (the `lpm` policy's key)."""
@@ -126,9 +144,10 @@ class OracleKVBlockManager:
             hashes.append(parent)
 
     def free(self, request: Request) -> None:
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-            request.block_ids = []
+        facts = facts_of(request)
+        if facts.block_ids:
+            self.pool.free(facts.block_ids)
+            facts.block_ids = []
         self.hashes.pop(request.request_id, None)
 
 
@@ -192,6 +211,7 @@ class OracleScheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise KeyError(request.request_id)
+        request.slot_view = OracleSlotFacts()
         self.requests[request.request_id] = request
         self.outputs.start(request)
         if request.deadline is not None:
@@ -410,7 +430,7 @@ class OracleScheduler:
         self.kv.free(request)
         self.slots.free(slot)
         request.slot = None
-        request.num_computed_tokens = 0
+        facts_of(request).num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.policy.add_preempted(request)
@@ -469,7 +489,7 @@ class OracleScheduler:
             offset += num_sampled
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted, expired or preempted after this plan was built
-            request.num_computed_tokens += num_scheduled
+            facts_of(request).num_computed_tokens += num_scheduled
             self.kv.cache_full_blocks(request)
             if not token_ids:
                 continue  # a prompt chunk that did not reach the end yet
@@ -496,6 +516,7 @@ class OracleScheduler:
         needs_copy = num_computed % block_size != 0
         for index in range(1, parent.n):
             child = parent.fork_sample(index)
+            child.slot_view = OracleSlotFacts()
             self.requests[child.request_id] = child
             members.append(child)
             self.outputs.start(child)
@@ -510,14 +531,15 @@ class OracleScheduler:
             child.first_scheduled_time = time.monotonic()
             shared = parent.block_ids[:num_shared]
             self.kv.pool.incref(shared)
-            child.block_ids = list(shared)
+            child_facts = facts_of(child)
+            child_facts.block_ids = list(shared)
             self.kv.hashes[child.request_id] = self.kv.hashes.get(parent.request_id, [])[:num_shared]
             copy = None
             if needs_copy:
                 destination = self.kv.pool.allocate(1)[0]
                 copy = (parent.block_ids[num_shared], destination)
-                child.block_ids.append(destination)
-            child.num_computed_tokens = child.num_cached_tokens = num_computed
+                child_facts.block_ids.append(destination)
+            child_facts.num_computed_tokens = child.num_cached_tokens = num_computed
             self._pending_forks[child.slot] = (NewSequence(
                 slot=child.slot, token_ids=list(child.prompt_token_ids), sampling=child.sampling,
                 num_computed_tokens=num_computed,
