@@ -50,18 +50,18 @@ class ParallelSamples(SchedulerPart):
         num_prompt_tokens = len(parent.prompt_token_ids)
         num_computed = num_prompt_tokens - 1
         child.status = RequestStatus.RUNNING
-        child.slot = self.slots.allocate()
+        slot = child.slot = self.slots.allocate()
         child.first_scheduled_time = time.monotonic()
         copy = self.core.fork(
-            parent.slot,
-            child.slot,
+            parent.running_slot,
+            slot,
             child,
             num_prompt_tokens,
             num_prompt_tokens + child.stopping.max_new_tokens,
         )
         child.num_cached_tokens = num_computed
-        self._pending_forks[child.slot] = (
-            self._new_sequence(child, list(child.prompt_token_ids)),
+        self._pending_forks[slot] = (
+            self._new_sequence(child, slot, list(child.prompt_token_ids)),
             copy,
         )
         self.running.append(child)

@@ -52,10 +52,13 @@ class Overlap(SchedulerPart):
         token is discarded when its result comes, the slot having been released), blocks
         enter the prefix cache. Entries whose sequence left its slot since (preempted, aborted)
         are skipped; a preempted one recomputes and samples that token again."""
+        packed = plan.packed
+        if packed is None:
+            raise ValueError("reconcile needs a plan built by schedule()")
         outputs: list[tuple[Request, RequestOutput]] = []
         if result.prompt_logprobs:
             self._take_prompt_logprobs(plan, result, plan.prompt_starts)
-        live = set(self.core.live_entries(plan.packed))
+        live = set(self.core.live_entries(packed))
         now = time.monotonic()
         logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
         offset = 0
@@ -75,7 +78,7 @@ class Overlap(SchedulerPart):
             )
             if output is not None:
                 outputs.append((request, output))
-        self.core.cache_blocks(plan.packed)
+        self.core.cache_blocks(packed)
         return outputs
 
     def _take_prompt_logprobs(

@@ -20,12 +20,14 @@ class Preemption(SchedulerPart):
         """StepCore's call when the sequence in `slot` needs more blocks than are free: preempts
         the policy's victim among the running sequences not yet scheduled in this step. True when
         the victim is that sequence itself (nothing else fits either)."""
-        core = self.core
+        core, plan = self.core, self._plan
+        if plan is None:
+            raise RuntimeError(f"slot {slot} ran out of blocks outside schedule()")
         request = self.running_in(slot)
         victim = self.policy.select_victim(
-            [r for r in self.running if not core.is_scheduled(r.slot)]
+            [r for r in self.running if not core.is_scheduled(r.running_slot)]
         )
-        self._preempt(victim, self._plan)
+        self._preempt(victim, plan)
         return victim is request
 
     def running_in(self, slot: int) -> Request:
@@ -40,7 +42,7 @@ class Preemption(SchedulerPart):
         forward; it resumes where it stopped, scheduler_service/core/swap.py), else by recompute
         (it starts over from its tokens). The model service drops the slot before this step
         runs (unless it never heard of it: a pending fork, always recomputed)."""
-        slot = request.slot
+        slot = request.running_slot
         self.num_preemptions_total += 1
         known = self._pending_forks.pop(slot, None) is None
         if known:
@@ -71,12 +73,12 @@ class Preemption(SchedulerPart):
         else:  # waiting: it may hold swap blocks
             self.swap.discard(request)
 
-    def _swap_in(self, plan: StepPlan, request: Request) -> None:
-        """A swapped-out request just admitted: its first blocks are filled from swap space
-        before the forward (its block table was sent whole with this plan)."""
+    def _swap_in(self, plan: StepPlan, request: Request, slot: int) -> None:
+        """A swapped-out request just admitted in `slot`: its first blocks are filled from swap
+        space before the forward (its block table was sent whole with this plan)."""
         host = self.swap.swap_in(request)
         plan.swap_in_src.extend(host)
-        plan.swap_in_dst.extend(self.core.block_ids(request.slot)[: len(host)])
+        plan.swap_in_dst.extend(self.core.block_ids(slot)[: len(host)])
 
     def _usable_swap_blocks(self, facts: EngineFacts) -> int:
         if self.config.preemption_mode == "recompute":

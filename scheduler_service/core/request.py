@@ -114,6 +114,11 @@ class Usage:
     time_to_first_token_us: int
 
 
+def _output_queue() -> asyncio.Queue[RequestOutput]:
+    """A request's own outputs queue: its default sink, read by a door with `get`."""
+    return asyncio.Queue()
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
@@ -155,7 +160,7 @@ class Request:
     first_token_time: Optional[float] = None
 
     # Where this request's outputs go (the engine loop puts them; a door may set its own sink).
-    outputs: OutputSink = dataclasses.field(default_factory=asyncio.Queue, repr=False)
+    outputs: OutputSink = dataclasses.field(default_factory=_output_queue, repr=False)
     # Tokens per chunk the client gets (GenerateRequest.stream_interval); 1 = every step.
     stream_interval: int = 1
     # Structured output: the grammar (a structured.StructuredSpec, set by intake) and this
@@ -177,6 +182,14 @@ class Request:
                 "StepCore's"
             )
         self._num_computed_tokens = value
+
+    @property
+    def running_slot(self) -> int:
+        """The slot of a request that holds one (ValueError when it holds none)."""
+        slot = self.slot
+        if slot is None:
+            raise ValueError(f"request {self.request_id!r} holds no slot")
+        return slot
 
     @property
     def block_ids(self) -> list[int]:

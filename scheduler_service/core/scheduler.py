@@ -33,7 +33,7 @@ from scheduler_service.core.overlap import LogprobReader, Overlap
 from scheduler_service.core.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.core.policies.base import SchedulingPolicy
 from scheduler_service.core.preemption import Preemption
-from scheduler_service.core.request import Request, RequestOutput, RequestStatus
+from scheduler_service.core.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from scheduler_service.core.slots import SlotAllocator
 from scheduler_service.core.swap import SwapSpace
 from scheduler_service.core.waiting import WaitingAdmission
@@ -305,6 +305,8 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         self.num_accepted_draft_tokens_total += result.num_accepted_draft_tokens
         if result.prompt_logprobs:
             self._take_prompt_logprobs(plan, result)
+        if plan.packed is None:
+            raise ValueError("update needs a plan built by schedule()")
         indices, offsets = self.core.advance(plan.packed, result.num_sampled_tokens)
         if not indices:
             return outputs
@@ -330,7 +332,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         self,
         request: Request,
         token_ids: list[int],
-        entries,
+        entries: Optional[list[TokenLogprob]],
         now: float,
         placeholder: Optional[int] = None,
     ) -> Optional[RequestOutput]:
@@ -341,14 +343,15 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
             request.first_token_time = now
         output = self.outputs.add_tokens(request, token_ids, entries)
         if placeholder is None:
-            self.core.append_tokens(request.slot, output.token_ids)
+            self.core.append_tokens(request.running_slot, output.token_ids)
         elif output.token_ids:
-            self.core.set_token(request.slot, placeholder, output.token_ids[0])
+            self.core.set_token(request.running_slot, placeholder, output.token_ids[0])
+        shown: Optional[RequestOutput] = output
         if request.stream_interval > 1:
-            output = self.outputs.coalesce(request, output)  # None: held back
+            shown = self.outputs.coalesce(request, output)  # None: held back
         if not request.forked and request.n > 1:
             self._fork_samples(request)
         if request.finish_reason is not None:
             self.running.remove(request)
             self._release(request, self._finished_slots)
-        return output
+        return shown

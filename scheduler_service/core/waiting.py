@@ -27,8 +27,9 @@ class WaitingAdmission(SchedulerPart):
         reserve = core.decode_reserve_blocks()
         while len(policy) and core.budget_open and self.slots.num_free > 0:
             request = policy.peek(now)
-            if policy.admission_veto(request, self.running):
+            if request is None or policy.admission_veto(request, self.running):
                 return
+            hits: list[int]
             swapped = self.swap.held_blocks(request) is not None
             if swapped:  # resumes at its computed count, its KV swapped back in
                 hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
@@ -44,16 +45,17 @@ class WaitingAdmission(SchedulerPart):
             policy.pop(now)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
-            self._admit(plan, request, hits, num_cached)
-            core.schedule_admitted(request.slot, num_new_tokens, num_blocks)
+            slot = self._admit(plan, request, hits, num_cached)
+            core.schedule_admitted(slot, num_new_tokens, num_blocks)
             if swapped:
-                self._swap_in(plan, request)
-            reserve += core.reserve_blocks_of(request.slot, num_new_tokens)
+                self._swap_in(plan, request, slot)
+            reserve += core.reserve_blocks_of(slot, num_new_tokens)
 
     def _fits(self, request: Request) -> bool:
         """Whether the waiting request's first chunk could be admitted right now."""
         if len(self.running) >= self.max_num_seqs or self.slots.num_free == 0:
             return False
+        hits: list[int]
         if self.swap.held_blocks(request) is not None:
             hits, num_free_hits, num_cached = [], 0, request.num_computed_tokens
         else:
@@ -77,9 +79,10 @@ class WaitingAdmission(SchedulerPart):
                 return
             self._preempt(victim, plan)
 
-    def _admit(self, plan: StepPlan, request: Request, hits: list[int], num_computed: int) -> None:
+    def _admit(self, plan: StepPlan, request: Request, hits: list[int], num_computed: int) -> int:
         """Starts `request` in a slot with `num_computed` tokens computed (its prefix-cache hits,
-        or what its swap-out kept); from here the StepCore owns its count and block table."""
+        or what its swap-out kept); from here the StepCore owns its count and block table.
+        Returns the slot."""
         request.status = RequestStatus.RUNNING
         slot = request.slot = self.slots.allocate()
         if request.first_scheduled_time is None:
@@ -95,8 +98,9 @@ class WaitingAdmission(SchedulerPart):
             self.kv.salt(request),
             self._lookahead(request),
         )
-        plan.new_sequences.append(self._new_sequence(request, token_ids))
+        plan.new_sequences.append(self._new_sequence(request, slot, token_ids))
         self.running.append(request)
+        return slot
 
     def _lookahead(self, request: Request) -> int:
         """Draft tokens granted to each decode of `request`: the engine's k when it speculates
@@ -116,8 +120,9 @@ class WaitingAdmission(SchedulerPart):
             return 0
         return k
 
-    def _new_sequence(self, request: Request, token_ids: list[int]) -> NewSequence:
-        """How the model service learns of a sequence (at admission, resume or fork)."""
+    def _new_sequence(self, request: Request, slot: int, token_ids: list[int]) -> NewSequence:
+        """How the model service learns of a sequence in `slot` (at admission, resume or
+        fork)."""
         stopping = request.stopping
         suppressed: tuple[int, ...] = ()
         if stopping.min_new_tokens:
@@ -132,7 +137,7 @@ class WaitingAdmission(SchedulerPart):
         ):
             prompt_logprobs = None
         return NewSequence(
-            slot=request.slot,
+            slot=slot,
             token_ids=token_ids,
             sampling=request.sampling,
             num_computed_tokens=request.num_computed_tokens,

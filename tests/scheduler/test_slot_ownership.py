@@ -112,3 +112,13 @@ def test_step_core_binds_on_admit_and_unbinds_on_release():
     assert request.slot_view is None and request.block_ids == []
     assert request.num_computed_tokens == 6  # left on the request by release
     assert core.num_computed_tokens(1) == 0 and pool.num_free == pool.num_usable
+
+
+def test_running_slot_is_the_slot_held_or_an_error():
+    scheduler = make_scheduler()
+    request = make_request()
+    with pytest.raises(ValueError, match="holds no slot"):
+        request.running_slot
+    scheduler.add_request(request)
+    run_step(scheduler)
+    assert request.running_slot == request.slot == request.slot_view.slot

@@ -44,10 +44,14 @@ class LazyHeap:
         self._drop_dead_top()
         return self._heap[0][2] if self._heap else None
 
-    def peek_entry(self) -> Optional[tuple[tuple, int, Request]]:
-        """(key, seq, request) of the top, for callers that compare heads of several heaps."""
+    def peek_entry(self) -> tuple[tuple, int, Request]:
+        """(key, seq, request) of the top, for callers that compare heads of several heaps.
+        IndexError when empty (as pop)."""
         self._drop_dead_top()
-        return tuple(self._heap[0]) if self._heap else None
+        if not self._heap:
+            raise IndexError("peek at an empty queue")
+        key, seq, request = self._heap[0]
+        return key, seq, request
 
     def pop(self) -> Request:
         self._drop_dead_top()

@@ -72,10 +72,10 @@ class FairPolicy(SchedulingPolicy):
             return self._peeked[2]
         best = None
         for tenant, queue in self._queues.items():
-            key, seq, request = queue.peek_entry()  # never empty: emptied queues are dropped
+            key, seq, head = queue.peek_entry()  # never empty: emptied queues are dropped
             rank = (self.counters[tenant], key, seq)
             if best is None or rank < best[0]:
-                best = (rank, request)
+                best = (rank, head)
         request = None if best is None else best[1]
         self._peeked = (now, self._version, request) if request is not None else None
         return request
