@@ -12,6 +12,7 @@ import os
 import sys
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 # Event fields that would carry a user's prompt or output.
 CONTENT_KEYS = frozenset(
@@ -29,7 +30,7 @@ CONTENT_KEYS = frozenset(
 )
 
 
-def redact_content(logger, method_name: str, event_dict: dict) -> dict:
+def redact_content(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
     """Replaces content fields by their size, except in debug events."""
     if method_name != "debug":
         for key in CONTENT_KEYS.intersection(event_dict):

@@ -168,8 +168,8 @@ class SchedulerServer:
             on_serving=self._on_engine_up,
             make_client=self._engine_client,
         )
-        facts = await replicas.connect()
-        return facts, replicas.tokenizer, replicas, None
+        facts, tokenizer = await replicas.connect()
+        return facts, tokenizer, replicas, None
 
     async def _connect_engine(self) -> tuple[EngineFacts, Tokenizer, EngineFrontend, Optional[str]]:
         """One model service: its scheduler and engine loop; the fourth value says why the

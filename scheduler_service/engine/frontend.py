@@ -9,8 +9,21 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
-from scheduler_service.core.request import Request
-from scheduler_service.metrics import Metrics
+from scheduler_service.core.request import Request, RequestOutput
+
+
+class EngineMetrics(Protocol):
+    """What an engine loop reports into and the doors count refusals with: the server's
+    Metrics, or a replica's ReplicaMetrics (engine/merged.py) that labels and totals them."""
+
+    def on_step(
+        self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int
+    ) -> None: ...
+    def on_forward(self, forward_ns: int) -> None: ...
+    def on_speculation(self, num_draft_tokens: int, num_accepted_tokens: int) -> None: ...
+    def on_engine_up(self, up: bool) -> None: ...
+    def on_output(self, request: Request, output: RequestOutput) -> None: ...
+    def on_rejected(self, reason: str) -> None: ...
 
 
 class KVView(Protocol):
@@ -29,7 +42,10 @@ class KVView(Protocol):
 class SchedulerView(Protocol):
     """The scheduler's state the doors read: one Scheduler, or the replicas' merged."""
 
-    kv: KVView
+    # Read-only: a Scheduler's KVBlockManager (or the replicas' merged view) is a KVView, and
+    # a protocol's plain attribute would have to be exactly KVView.
+    @property
+    def kv(self) -> KVView: ...
 
     def find(self, request_id: str) -> Optional[Request]: ...
 
@@ -50,7 +66,7 @@ class EngineFrontend(Protocol):
     def scheduler(self) -> SchedulerView: ...
 
     @property
-    def metrics(self) -> Optional[Metrics]: ...
+    def metrics(self) -> Optional[EngineMetrics]: ...
 
     @property
     def tokens_per_s(self) -> float:

@@ -30,7 +30,7 @@ import structlog
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineClient, EngineFacts, EngineUnavailable
-from scheduler_service.metrics import Metrics
+from scheduler_service.engine.frontend import EngineMetrics
 
 log = structlog.get_logger("planserve.loop")
 
@@ -49,7 +49,7 @@ class EngineLoop:
         self,
         scheduler: Scheduler,
         client: EngineClient,
-        metrics: Optional[Metrics] = None,
+        metrics: Optional[EngineMetrics] = None,
         on_engine_up: Optional[Callable[[bool], None]] = None,
         engine_check_interval_s: float = 1.0,
         is_compatible: Optional[Callable[[EngineFacts], Optional[str]]] = None,

@@ -74,7 +74,10 @@ class _MergedKV:
 
     @property
     def block_size(self) -> int:
-        return self._replicas.facts.block_size
+        facts = self._replicas.facts
+        if facts is None:
+            raise RuntimeError("no replica has connected yet")
+        return facts.block_size
 
 
 class MergedScheduler:

@@ -57,7 +57,7 @@ log = structlog.get_logger("planserve.replicas")
 class Replica:
     name: str  # the engine address, as configured or resolved
     client: EngineClient
-    loop: Optional[EngineLoop] = None
+    loop: EngineLoop
 
     @property
     def scheduler(self) -> Scheduler:
@@ -65,7 +65,7 @@ class Replica:
 
     @property
     def up(self) -> bool:
-        return self.loop is not None and self.loop.engine_up
+        return self.loop.engine_up
 
 
 def move_waiting_request(request: Request, src: Scheduler, dst: Scheduler) -> None:
@@ -191,10 +191,11 @@ class ReplicaSet:
 
     # ---- life cycle ------------------------------------------------------------------------
 
-    async def connect(self) -> EngineFacts:
+    async def connect(self) -> tuple[EngineFacts, Tokenizer]:
         """Connects every replica the address names; returns once all did, or once one serves
-        and replica_check_interval_s passed (the others join when they come up). RuntimeError
-        when none serves within the connect timeout."""
+        and replica_check_interval_s passed (the others join when they come up), with the first
+        replica's facts and the tokenizer they share. RuntimeError when none serves within the
+        connect timeout."""
         addresses = await self._wanted_addresses()
         tasks = {asyncio.ensure_future(self._add(address)) for address in addresses}
         deadline = asyncio.get_running_loop().time() + self.config.engine_connect_timeout_s
@@ -217,7 +218,9 @@ class ReplicaSet:
             # One serves; give the others a short while to join (they keep trying after it).
             await asyncio.wait(tasks, timeout=self.config.replica_check_interval_s)
         self._maintainer = asyncio.get_running_loop().create_task(self._maintain(), name="replicas")
-        return self.facts
+        if self.facts is None or self.tokenizer is None:  # a replica joined: both were made
+            raise RuntimeError("replicas joined without the first one's facts")
+        return self.facts, self.tokenizer
 
     async def stop(self) -> None:
         if self._maintainer is not None:
@@ -243,19 +246,8 @@ class ReplicaSet:
         client = self._make_client(address)
         try:
             facts = await client.describe(self.config.engine_connect_timeout_s)
-            if self.facts is None:
-                self.facts = facts
-                self.tokenizer = Tokenizer(
-                    facts.tokenizer_json, facts.chat_template, facts.special_tokens
-                )
-                self.outputs = OutputProcessor(
-                    self.tokenizer, facts.eos_token_ids, facts.max_model_len
-                )
-            else:
-                why = engine_client.incompatibility(self.facts, facts)
-                if why is not None:
-                    raise RuntimeError(f"replica {address} is not like the others: {why}")
-            scheduler = Scheduler(self.config, facts, self.outputs)
+            first, outputs = self._join(address, facts)
+            scheduler = Scheduler(self.config, facts, outputs)
             await client.probe(scheduler.take_step_ids(2), facts)
         except Exception as error:  # noqa: BLE001 - unreachable, timed out, incompatible: retried
             log.warning("replica_connect_failed", replica=address, error=repr(error))
@@ -263,16 +255,17 @@ class ReplicaSet:
             return
         finally:
             self._connecting.discard(address)
-        replica = Replica(address, client)
-        replica.loop = EngineLoop(
+        replica: Replica  # the loop's callback reads it once the loop runs
+        loop = EngineLoop(
             scheduler,
             client,
             ReplicaMetrics(self, address),
             on_engine_up=lambda up: self._on_engine_up(replica, up),
-            is_compatible=lambda new: engine_client.incompatibility(self.facts, new),
+            is_compatible=lambda new: engine_client.incompatibility(first, new),
         )
+        replica = Replica(address, client, loop)
         self.replicas.append(replica)
-        replica.loop.start()
+        loop.start()
         self.up_gauge.labels(address).set(1)
         log.info(
             "replica_up",
@@ -281,6 +274,21 @@ class ReplicaSet:
             num_replicas=len(self.replicas),
         )
         self._update_serving()
+
+    def _join(self, address: str, facts: EngineFacts) -> tuple[EngineFacts, OutputProcessor]:
+        """The first replica's facts and the OutputProcessor every replica shares, both made
+        from the first replica to connect; RuntimeError for one not like it."""
+        if self.facts is None or self.outputs is None:
+            self.facts = facts
+            self.tokenizer = Tokenizer(
+                facts.tokenizer_json, facts.chat_template, facts.special_tokens
+            )
+            self.outputs = OutputProcessor(self.tokenizer, facts.eos_token_ids, facts.max_model_len)
+            return facts, self.outputs
+        why = engine_client.incompatibility(self.facts, facts)
+        if why is not None:
+            raise RuntimeError(f"replica {address} is not like the others: {why}")
+        return self.facts, self.outputs
 
     async def _remove(self, replica: Replica) -> None:
         """A replica that left (its address no longer resolves): stop it, move its requests.

@@ -8,12 +8,15 @@ model's length. `to_pb` is the only place a public-API response chunk is built.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from planserve.v1 import common_pb2, generate_pb2
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
 from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from scheduler_service.text.structured import GuideState
 
 
 class OutputProcessor:
@@ -48,7 +51,7 @@ class OutputProcessor:
             stop_string = detokenizer.add_token(token_id)
             reason, stop_match = self._check_stop(request, token_id, stop_string)
             if reason is None and request.guide is not None:
-                reason = self._check_grammar(request, token_id)
+                reason = self._check_grammar(request.guide, token_id)
             if reason is not None:
                 request.finish_reason = reason
                 break
@@ -82,13 +85,13 @@ class OutputProcessor:
             return FinishReason.LENGTH, None
         return None, None
 
-    def _check_grammar(self, request: Request, token_id: int) -> Optional[FinishReason]:
+    def _check_grammar(self, guide: GuideState, token_id: int) -> Optional[FinishReason]:
         """Structured output: advances the request's guide by the token. An end-of-sequence
         token (allowed only once the grammar is complete) ends it even with ignore_eos; a token
         outside the grammar (the model service did not apply the mask) ends it with ERROR."""
         if token_id in self._eos_token_ids:
             return FinishReason.EOS
-        if not request.guide.accept(token_id):
+        if not guide.accept(token_id):
             return FinishReason.ERROR
         return None
 
@@ -129,7 +132,9 @@ def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     merged = dataclasses.replace(then)
     for field in dataclasses.fields(RequestOutput):
         a, b = getattr(first, field.name), getattr(then, field.name)
-        if isinstance(a, (list, str)) and isinstance(b, (list, str)):
+        if isinstance(a, list) and isinstance(b, list):
+            setattr(merged, field.name, a + b)
+        elif isinstance(a, str) and isinstance(b, str):
             setattr(merged, field.name, a + b)
         elif a is not None and b is None:
             setattr(merged, field.name, a)

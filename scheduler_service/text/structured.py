@@ -29,7 +29,7 @@ import dataclasses
 import json
 import re
 import threading
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -270,7 +270,7 @@ class GrammarCompiler:
     def __init__(
         self,
         tokenizer_json: str,
-        eos_token_ids: Sequence[int],
+        eos_token_ids: Iterable[int],
         vocab_size: int,
         cache_size: int = DEFAULT_CACHE_SIZE,
     ):
@@ -282,7 +282,7 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[StructuredSpec, Grammar] = collections.OrderedDict()
         self._lock = threading.Lock()
         # Specs being compiled right now -> the grammar's future, for concurrent callers.
-        self._compiling: dict[StructuredSpec, concurrent.futures.Future] = {}
+        self._compiling: dict[StructuredSpec, concurrent.futures.Future[Grammar]] = {}
         self._vocabulary = None
         self._vocabulary_lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and logs
@@ -322,12 +322,12 @@ class GrammarCompiler:
             if grammar is not None:
                 self._cache.move_to_end(spec)
                 return grammar
-            compiling = self._compiling.get(spec)
-            owner = compiling is None
-            if owner:
-                compiling = self._compiling[spec] = concurrent.futures.Future()
-        if not owner:
-            return compiling.result()  # the owner's grammar, or its error
+            owners = self._compiling.get(spec)
+            if owners is None:  # this call compiles it
+                compiling: concurrent.futures.Future[Grammar] = concurrent.futures.Future()
+                self._compiling[spec] = compiling
+        if owners is not None:
+            return owners.result()  # the owner's grammar, or its error
         try:
             grammar = self._compile(spec)
         except BaseException as error:
