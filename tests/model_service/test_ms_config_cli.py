@@ -111,3 +111,35 @@ def test_int8_tiny_runs_and_rows_match_dequantized(dtype):
         torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
+
+
+def _options(parser) -> set[str]:
+    return {o for action in parser._actions for o in action.option_strings if o.startswith("--")}
+
+
+def test_every_model_flag_is_one_declaration_on_every_command():
+    """ModelServiceConfig's fields make the flags of `python -m model_service`, `planserve
+    model-service` (the same set) and `planserve serve` (all but where the model service listens:
+    serve places it itself); a flag parses to the same value everywhere."""
+    import dataclasses
+
+    from config_fields import flag_of
+    from model_service.__main__ import build_parser as model_parser
+    from model_service.__main__ import parse_args
+    from tools import cli
+
+    subcommands = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
+    fields = {f.name: flag_of(ModelServiceConfig, f.name) for f in dataclasses.fields(ModelServiceConfig)}
+    alone, planserve_alone = _options(model_parser()), _options(subcommands["model-service"])
+    assert set(fields.values()) <= alone
+    assert planserve_alone == alone
+    served = {flag for name, flag in fields.items() if name not in cli._MODEL_LISTENER_FIELDS}
+    assert served <= _options(subcommands["serve"])
+    argv = ["--block-size", "32", "--max-num-slots", "8", "--ngram-max", "2", "--null-eos-at", "7",
+            "--kv-cache-memory", "1MiB", "--model", "null"]
+    args = cli.build_parser().parse_args(["serve", *argv])
+    cli.check_model_flags(args)
+    passed = cli._model_service_argv(args, "127.0.0.1", 0)[3:]
+    for config in (parse_args(argv), parse_args(passed)):
+        assert (config.block_size, config.max_num_slots, config.ngram_max, config.null_eos_at) == (32, 8, 2, 7)
+        assert config.kv_cache_memory_bytes == 1 << 20
