@@ -23,8 +23,13 @@ of a freed block comes before any write of a fresh one.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from model_service.config import ModelServiceConfig
+    from model_service.loaded import LoadedModel
 
 
 def kv_block_bytes(
@@ -141,3 +146,43 @@ def agree_on_num_blocks(num_blocks: int, device: torch.device) -> int:
     )
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     return int(count.item())
+
+
+def count_kv_blocks(
+    config: ModelServiceConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> int:
+    """The blocks to allocate: num_kv_blocks as configured (or as the model fixes it), else as
+    many as the memory budget holds (ValueError naming the budget's field below 2)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if loaded.num_kv_blocks is not None:
+        return loaded.num_kv_blocks
+    arch = loaded.arch
+    # Under tensor parallelism each rank caches only its own KV heads.
+    per_block = kv_block_bytes(
+        arch.num_hidden_layers,
+        config.block_size,
+        loaded.num_kv_heads_per_rank,
+        arch.head_dim,
+        dtype,
+    )
+    budget = kv_cache_budget_bytes(
+        config.kv_cache_memory_bytes,
+        config.kv_cache_memory_fraction,
+        device,
+        loaded.tensor_parallel_size,
+    )
+    num_blocks = budget // per_block
+    if config.kv_cache_memory_fraction is not None and loaded.tensor_parallel_size > 1:
+        num_blocks = agree_on_num_blocks(num_blocks, device)  # free memory differs per rank
+    if num_blocks < 2:
+        field = (
+            "kv_cache_memory_bytes"
+            if config.kv_cache_memory_fraction is None
+            else "kv_cache_memory_fraction"
+        )
+        raise ValueError(
+            f"{field}: a budget of {budget} bytes holds {num_blocks} blocks of {per_block} "
+            "bytes; need >= 2"
+        )
+    return num_blocks

@@ -1,0 +1,144 @@
+"""A step's speculative decoding, around the runner's one forward: drafts proposed before it,
+verified after it (the rule itself, and the drafters, are model_service/speculative.py and
+model_service/draft_model.py).
+
+    propose        decoding slots granted 1 + k tokens get up to k drafts appended to their
+                   known tokens for this step (the plan index -> Draft)
+    draft_rows     the rows whose logits verification needs: each drafted position
+    verify         {plan index: (emitted tokens, drafts accepted)}: the target at a slot's
+                   drafted positions is its draft rows, one past them its ordinary sample row
+    apply_emitted  what verification emitted replaces the plain sample of those slots
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import numpy as np
+import torch
+
+from model_service.batch import ComputedStep
+from model_service.sampler import SamplingBatch, filtered_probs
+from model_service.slot_table import SlotTable
+from model_service.speculative import Draft, uniforms, verify, verify_greedy
+
+
+class Drafter(Protocol):
+    """What proposes drafts: speculative.NgramDrafter, draft_model.DraftModelDrafter."""
+
+    def on_register(self, slot: int) -> None: ...
+
+    def propose_batch(
+        self, slot_table: SlotTable, slots: np.ndarray, rooms: np.ndarray
+    ) -> list[Draft]: ...
+
+
+def propose(
+    table: SlotTable,
+    drafter: Optional[Drafter],
+    max_model_len: int,
+    slots: np.ndarray,
+    n: np.ndarray,
+) -> tuple[dict[int, Draft], np.ndarray, np.ndarray]:
+    """({plan index: Draft}, tokens computed per slot, known tokens per slot incl. drafts)."""
+    if drafter is None:
+        return {}, n, table.num_tokens
+    decoding = (
+        (n > 1)
+        & (table.num_tokens[slots] - table.num_computed[slots] == 1)
+        & table.speculate[slots]
+    )
+    if not decoding.any():
+        return {}, n, table.num_tokens
+    n, num_tokens, drafts = n.copy(), table.num_tokens.copy(), {}
+    entries = np.flatnonzero(decoding)
+    rooms = np.minimum(n[entries] - 1, max_model_len - table.num_tokens[slots[entries]])
+    entries, rooms = entries[rooms > 0], rooms[rooms > 0]
+    if not entries.size:
+        return {}, n, table.num_tokens
+    proposals = drafter.propose_batch(table, slots[entries], rooms)
+    for b, draft in zip(entries.tolist(), proposals):
+        slot, length = int(slots[b]), int(table.num_tokens[slots[b]])
+        d = len(draft.token_ids)
+        n[b] = 1 + d
+        if d:
+            table.tokens[slot, length : length + d] = draft.token_ids
+            num_tokens[slot] = length + d
+            drafts[b] = draft
+    return drafts, n, num_tokens
+
+
+def draft_rows(drafts: dict[int, Draft], query_start: np.ndarray) -> np.ndarray:
+    """The packed rows of every drafted position, in plan order of the drafting slots."""
+    rows = [query_start[b] + np.arange(len(draft.token_ids)) for b, draft in drafts.items()]
+    return np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+
+
+def verify_drafts(
+    table: SlotTable,
+    drafts: dict[int, Draft],
+    slots: np.ndarray,
+    sample_slots: np.ndarray,
+    draft_logits: torch.Tensor,
+    sample_logits: torch.Tensor,
+    output: ComputedStep,
+) -> dict[int, tuple[list[int], int]]:
+    """{plan index: (emitted tokens, drafts accepted)} by speculative.verify; the target at a
+    slot's drafted positions are its draft rows, one past them its ordinary sample row."""
+    row_of_slot = {int(slot): row for row, slot in enumerate(sample_slots.tolist())}
+    emitted, first = {}, 0
+    for b, draft in drafts.items():
+        slot, d = int(slots[b]), len(draft.token_ids)
+        target_logits = torch.cat(
+            (
+                draft_logits[first : first + d],
+                sample_logits[row_of_slot[slot] : row_of_slot[slot] + 1],
+            )
+        )
+        first += d
+        emitted[b] = _verify_one(table, slot, draft, target_logits)
+        output.num_draft_tokens += d
+        output.num_accepted_draft_tokens += emitted[b][1]
+    return emitted
+
+
+def _verify_one(
+    table: SlotTable, slot: int, draft: Draft, target_logits: torch.Tensor
+) -> tuple[list[int], int]:
+    d = len(draft.token_ids)
+    length = int(table.num_tokens[slot])  # the first draft's position
+    if table.temperature[slot] == 0:
+        return verify_greedy(target_logits.argmax(dim=-1).cpu().numpy(), draft)
+    params = SamplingBatch(
+        temperature=np.repeat(table.temperature[slot], d + 1),
+        top_k=np.repeat(table.top_k[slot], d + 1),
+        top_p=np.repeat(table.top_p[slot], d + 1),
+        seed=np.repeat(table.seed[slot], d + 1),
+        position=np.arange(length, length + d + 1),
+        min_p=np.repeat(table.min_p[slot], d + 1),
+    )
+    accept_u, draw_u = uniforms(int(table.seed[slot]), length, d + 1)
+    return verify(filtered_probs(target_logits, params), draft, accept_u[:d], draw_u)
+
+
+def apply_emitted(
+    table: SlotTable,
+    emitted: dict[int, tuple[list[int], int]],
+    slots: np.ndarray,
+    output: ComputedStep,
+) -> None:
+    """Replaces the plain samples of speculating slots by what verification emitted: the
+    slot keeps the accepted drafts' KV (computed = known - 1, the decode invariant)."""
+    counts = output.num_sampled_tokens
+    per_slot = np.split(output.sampled_token_ids, np.cumsum(counts)[:-1]) if counts.size else []
+    for b, (tokens, accepted) in emitted.items():
+        slot = int(slots[b])
+        length = int(table.num_tokens[slot]) - 1  # the step appended one plain sample: undo it
+        table.tokens[slot, length : length + len(tokens)] = tokens
+        table.num_tokens[slot] = length + len(tokens)
+        table.num_computed[slot] = length + accepted
+        per_slot[b] = np.asarray(tokens, dtype=np.int64)
+        counts[b] = len(tokens)
+    output.sampled_token_ids = (
+        np.concatenate(per_slot) if len(per_slot) else output.sampled_token_ids
+    )
