@@ -286,7 +286,6 @@ def _special_tokens(reader, tokens: list[str]) -> dict[str, str]:
 def load_gguf_tokenizer(path: str) -> GGUFTokenizer:
     """Rebuild the file's byte-level BPE tokenizer; ids match transformers' GGUF tokenizer."""
     import gguf
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     reader = gguf.GGUFReader(path)
     model_type = _field(reader, "tokenizer.ggml.model")
@@ -297,6 +296,29 @@ def load_gguf_tokenizer(path: str) -> GGUFTokenizer:
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     merges: list[str] = _field(reader, "tokenizer.ggml.merges")
     types = list(_field(reader, "tokenizer.ggml.token_type", []))
+
+    tokenizer = _byte_level_bpe(reader, tokens, merges, types)
+
+    special = _special_tokens(reader, tokens)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    # DescribeResponse.bos_token_id means "prepended to text prompts", which only holds when the
+    # file says add_bos_token (llama.cpp's default for byte-level vocabularies is false).
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    return GGUFTokenizer(
+        tokenizer_json=tokenizer.to_str(),
+        chat_template=_field(reader, "tokenizer.chat_template", "") or "",
+        eos_token_ids=() if eos is None else (int(eos),),
+        bos_token_id=int(bos) if (bos is not None and add_bos) else None,
+        special_tokens=special,
+        vocab_size=len(tokens),
+    )
+
+
+def _byte_level_bpe(reader, tokens: list[str], merges: list[str], types: list):
+    """The tokenizers.Tokenizer the file describes: BPE over the byte alphabet, its
+    pre-tokenizer split, and its control and user-defined tokens as added tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
@@ -330,18 +352,4 @@ def load_gguf_tokenizer(path: str) -> GGUFTokenizer:
     user = [t for t, k in zip(tokens, types) if k == _TOKEN_USER_DEFINED and t in vocab]
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-
-    special = _special_tokens(reader, tokens)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    # DescribeResponse.bos_token_id means "prepended to text prompts", which only holds when the
-    # file says add_bos_token (llama.cpp's default for byte-level vocabularies is false).
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    return GGUFTokenizer(
-        tokenizer_json=tokenizer.to_str(),
-        chat_template=_field(reader, "tokenizer.chat_template", "") or "",
-        eos_token_ids=() if eos is None else (int(eos),),
-        bos_token_id=int(bos) if (bos is not None and add_bos) else None,
-        special_tokens=special,
-        vocab_size=len(tokens),
-    )
+    return tokenizer

@@ -113,6 +113,34 @@ def load_hf_folder(folder: str) -> HFFolderContents:
         token = _token_string(tokenizer_config.get(key))
         if token is not None:
             special[key] = token
+    eos, bos = _eos_and_bos(tokenizer, config, generation, special)
+    sampling_defaults = {
+        k: float(generation[k]) for k in ("temperature", "top_p", "top_k") if k in generation
+    }
+    if sampling_defaults:
+        log.info("generation_config_sampling_not_applied", **sampling_defaults)
+
+    weights = _checked_weights(folder, arch)
+    return HFFolderContents(
+        arch=arch,
+        weights=weights,
+        name=os.path.basename(os.path.normpath(folder)),
+        tokenizer=GGUFTokenizer(
+            tokenizer_json=tokenizer_json,
+            chat_template=_chat_template(folder, tokenizer_config),
+            eos_token_ids=tuple(eos),
+            bos_token_id=bos,
+            special_tokens=special,
+            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        ),
+        sampling_defaults=sampling_defaults,
+    )
+
+
+def _eos_and_bos(
+    tokenizer, config: dict, generation: dict, special: dict
+) -> tuple[list[int], Optional[int]]:
+    """(EOS ids, the BOS id prepended to text prompts or None)."""
     # generation_config.json decides what ends generation; config.json, then the tokenizer's
     # eos_token, are fallbacks.
     eos = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
@@ -129,12 +157,11 @@ def load_hf_folder(folder: str) -> HFFolderContents:
     if bos_ids:
         encoded = tokenizer.encode("a", add_special_tokens=True).ids
         bos = bos_ids[0] if encoded and encoded[0] == bos_ids[0] else None
-    sampling_defaults = {
-        k: float(generation[k]) for k in ("temperature", "top_p", "top_k") if k in generation
-    }
-    if sampling_defaults:
-        log.info("generation_config_sampling_not_applied", **sampling_defaults)
+    return eos, bos
 
+
+def _checked_weights(folder: str, arch: LlamaArchConfig) -> SafetensorsWeights:
+    """The folder's safetensors, checked against config.json's vocabulary and tying."""
     weights = SafetensorsWeights(folder)
     if "model.embed_tokens.weight" in weights.names():
         rows = weights.shape("model.embed_tokens.weight")[0]
@@ -146,17 +173,4 @@ def load_hf_folder(folder: str) -> HFFolderContents:
         raise ValueError(
             "model: config.json says tie_word_embeddings=false but there is no lm_head.weight"
         )
-    return HFFolderContents(
-        arch=arch,
-        weights=weights,
-        name=os.path.basename(os.path.normpath(folder)),
-        tokenizer=GGUFTokenizer(
-            tokenizer_json=tokenizer_json,
-            chat_template=_chat_template(folder, tokenizer_config),
-            eos_token_ids=tuple(eos),
-            bos_token_id=bos,
-            special_tokens=special,
-            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        ),
-        sampling_defaults=sampling_defaults,
-    )
+    return weights

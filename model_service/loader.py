@@ -95,47 +95,14 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
         return load_null_model(config)
     share = share or RankShare()
     dtype, device = DTYPES[config.resolved_dtype()], config.resolved_device()
-    tokenizer = None
-    if config.model == "tiny":
-        arch, weights, name, tok_path = (
-            TINY_ARCH,
-            TensorDictWeights(tiny_state_dict()),
-            "tiny-llama",
-            smollm2_path(),
-        )
-    elif is_hf_folder(config.model):
-        contents = load_hf_folder(config.model)
-        arch, weights, name, tokenizer = (
-            contents.arch,
-            contents.weights,
-            contents.name,
-            contents.tokenizer,
-        )
-    else:
-        path = smollm2_path() if config.model == "smollm2" else config.model
-        if not os.path.isfile(path):
-            raise ValueError(f"model: GGUF file {path!r} does not exist")
-        contents = load_gguf(path)
-        arch, weights, tok_path = contents.arch, contents.weights, path
-        name = os.path.basename(path).split(".")[0]
-    if tokenizer is None:
-        tokenizer = load_gguf_tokenizer(tok_path)
+    arch, weights, name, tokenizer = _read_source(config)
     name = config.served_model_name or name
     if tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(
             f"model: tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
             f"{arch.vocab_size}"
         )
-    max_model_len = arch.max_position_embeddings
-    if config.max_model_len is not None:
-        if config.max_model_len > max_model_len:
-            raise ValueError(
-                f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}"
-            )
-        max_model_len = config.max_model_len
-    if arch.sliding_window is not None and arch.sliding_window >= max_model_len:
-        # No sequence outgrows the window: full attention is the same, and runs the native kernel.
-        arch = dataclasses.replace(arch, sliding_window=None)
+    arch, max_model_len = _served_length(config, arch)
     model = build_model(arch, weights, dtype, device, config.quantization, share)
     log.info(
         "model_loaded",
@@ -160,3 +127,38 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
         max_model_len=max_model_len,
         tensor_parallel_size=share.world_size,
     )
+
+
+def _read_source(config: ModelServiceConfig):
+    """(arch, weights, name, tokenizer) of config.model: the tiny test model, a Hugging Face
+    folder, or a GGUF file (smollm2: the packaged one)."""
+    if config.model == "tiny":
+        tokenizer = load_gguf_tokenizer(smollm2_path())  # the shipped model's, for real text
+        return TINY_ARCH, TensorDictWeights(tiny_state_dict()), "tiny-llama", tokenizer
+    if is_hf_folder(config.model):
+        contents = load_hf_folder(config.model)
+        return contents.arch, contents.weights, contents.name, contents.tokenizer
+    path = smollm2_path() if config.model == "smollm2" else config.model
+    if not os.path.isfile(path):
+        raise ValueError(f"model: GGUF file {path!r} does not exist")
+    gguf = load_gguf(path)
+    name = os.path.basename(path).split(".")[0]
+    return gguf.arch, gguf.weights, name, load_gguf_tokenizer(path)
+
+
+def _served_length(
+    config: ModelServiceConfig, arch: LlamaArchConfig
+) -> tuple[LlamaArchConfig, int]:
+    """The longest sequence served (max_model_len may only shorten the model's), and the arch
+    without a sliding window no sequence can outgrow."""
+    max_model_len = arch.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}"
+            )
+        max_model_len = config.max_model_len
+    if arch.sliding_window is not None and arch.sliding_window >= max_model_len:
+        # No sequence outgrows the window: full attention is the same, and runs the native kernel.
+        arch = dataclasses.replace(arch, sliding_window=None)
+    return arch, max_model_len
