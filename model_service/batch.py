@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from typing import Optional
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class SlotRegistration:
     top_k: int  # 0 = off
     top_p: float
     seed: int
-    processing: "LogitsProcessing" = None  # type: ignore[assignment]
+    processing: Optional[LogitsProcessing] = None  # None: NO_PROCESSING
     speculate: bool = False
 
 

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import signal
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import structlog
 import torch
@@ -86,7 +86,7 @@ def setup_rank(
 def worker_loop(runner: ModelRunner, group: TPGroup) -> None:
     """Ranks 1..N-1: run what rank 0 broadcasts until it says stop."""
     while True:
-        message = [None]
+        message: list[Any] = [None]  # rank 0's (kind, plan)
         dist.broadcast_object_list(message, src=0, group=group.control)
         kind, plan = message[0]
         if kind == EXECUTE:
