@@ -44,10 +44,9 @@ build: $(PY)
 protos: $(PY)
 	PYTHON=$(PY) scripts/gen_protos.sh
 
-# ruff (lint + format) on the scheduler service, the model service and the tools; mypy
-# (pyproject.toml) on the scheduler service and the tools. The shape rules (no import loop,
-# modules up to 400 lines, functions up to 60) are a test: tests/layout/test_structure.py (the
-# model service is not in it yet: runner.py is 551 lines).
+# ruff (lint + format) and mypy (pyproject.toml) on both services, config_fields and the tools.
+# The shape rules (no import loop, modules up to 400 lines, functions up to 60) are a test:
+# tests/layout/test_structure.py.
 LINT_PATHS := config_fields scheduler_service model_service tools bench/load bench/peers tests/layout
 
 lint: install-test

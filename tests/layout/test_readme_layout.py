@@ -1,8 +1,7 @@
 """The README's layout table against the tree (as tests/e2e/test_examples.py checks the examples):
-for the scheduler service, the tools and the benchmarks, a row per package names every module
-and subpackage in it (`name`, `name/`, or a `prefix_*` pattern) and nothing that is not there;
-every top-level folder has a row. The model service's rows are not checked yet: its rewrite is
-under way (they join these rules when it has landed)."""
+for both services, config_fields, the tools and the benchmarks, a row per package names every
+module and subpackage in it (`name`, `name/`, or a `prefix_*` pattern) and nothing that is not
+there; every top-level folder has a row."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKED = ("scheduler_service", "tools", "bench")
+CHECKED = ("scheduler_service", "model_service", "config_fields", "tools", "bench")
 
 
 def _rows() -> dict[str, str]:

@@ -1,7 +1,7 @@
-"""The shape rules of the scheduler service and the tools beside it (issue 17), checked on the
-tree as it is: no import loop, no module above 400 lines, no function above 60, and the
-scheduler service imports neither torch nor the model service. The model service joins these
-rules once its rewrite has landed (MODEL_SERVICE_LATER)."""
+"""The shape rules of both services, the tools beside them and config_fields (issue 17), checked
+on the tree as it is: no import loop, no module above 400 lines, no function above 60; the
+scheduler service imports neither torch nor the model service, the model service not the
+scheduler service, and config_fields neither service (both declare their configs with it)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # The packages the rules hold for, as paths from the root.
-CHECKED = ("scheduler_service", "tools", "bench/load", "bench/peers")
+CHECKED = (
+    "scheduler_service",
+    "model_service",
+    "config_fields",
+    "tools",
+    "bench/load",
+    "bench/peers",
+)
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -127,27 +134,42 @@ def test_no_function_above_60_lines():
     assert long == {}
 
 
-def test_the_scheduler_service_imports_neither_torch_nor_the_model_service():
+def _imported_tops(prefix: str) -> dict[str, set[str]]:
+    """For each checked module under `prefix`: the top-level packages it imports (anywhere)."""
+    found = {}
     for name, path in _modules().items():
-        if not name.startswith("scheduler_service"):
+        if not name.startswith(prefix):
             continue
+        tops = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = (
-                    [a.name for a in node.names]
-                    if isinstance(node, ast.Import)
-                    else [node.module or ""]
-                )
-                for imported in names:
-                    assert imported.split(".")[0] not in (
-                        "torch",
-                        "model_service",
-                        "tools",
-                        "bench",
-                    ), f"{name} imports {imported}"
+            if isinstance(node, ast.Import):
+                tops.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                tops.add((node.module or "").split(".")[0])
+        found[name] = tops
+    return found
+
+
+def test_the_scheduler_service_imports_neither_torch_nor_the_model_service():
+    for name, tops in _imported_tops("scheduler_service").items():
+        banned = tops & {"torch", "model_service", "tools", "bench"}
+        assert not banned, f"{name} imports {sorted(banned)}"
     # And at run time, the whole service with its doors (nothing imports them lazily behind it).
     loaded = _top_packages_loaded_by("import scheduler_service.server, scheduler_service.cli")
     assert loaded.isdisjoint({"torch", "model_service"}), sorted(loaded)
+
+
+def test_the_model_service_imports_neither_the_scheduler_service_nor_the_tools():
+    for name, tops in _imported_tops("model_service").items():
+        banned = tops & {"scheduler_service", "tools", "bench"}
+        assert not banned, f"{name} imports {sorted(banned)}"
+
+
+def test_config_fields_imports_neither_service():
+    """Both services declare their configs with it; it stays light (no torch)."""
+    for name, tops in _imported_tops("config_fields").items():
+        banned = tops & {"torch", "model_service", "scheduler_service", "tools", "bench"}
+        assert not banned, f"{name} imports {sorted(banned)}"
 
 
 def test_the_planserve_command_imports_no_torch():
