@@ -85,6 +85,11 @@ class LogitsProcessing:
 NO_PROCESSING = LogitsProcessing()
 
 
+def _empty(dtype: type, shape: tuple[int, ...] = (0,)):
+    """A dataclass field that defaults to an empty array of its own."""
+    return dataclasses.field(default_factory=lambda: np.zeros(shape, dtype=dtype))
+
+
 @dataclasses.dataclass
 class PlanArrays:
     """One BatchPlan as the model service receives it, in plain arrays (int64 unless noted); the
@@ -102,21 +107,13 @@ class PlanArrays:
     copy_src: np.ndarray
     copy_dst: np.ndarray
     # Constrained decoding: slots and their allowed-token bitmasks [len(masked_slots), words].
-    masked_slots: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, dtype=np.int64)
-    )
-    allowed_token_bitmask: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros((0, 0), dtype=np.uint32)
-    )
+    masked_slots: np.ndarray = _empty(np.int64)
+    allowed_token_bitmask: np.ndarray = _empty(np.uint32, (0, 0))
     # Swaps (device block -> host swap block out, host -> device in), run with the block copies.
-    swap_out_src: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, dtype=np.int64)
-    )
-    swap_out_dst: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, dtype=np.int64)
-    )
-    swap_in_src: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    swap_in_dst: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    swap_out_src: np.ndarray = _empty(np.int64)
+    swap_out_dst: np.ndarray = _empty(np.int64)
+    swap_in_src: np.ndarray = _empty(np.int64)
+    swap_in_dst: np.ndarray = _empty(np.int64)
 
 
 @dataclasses.dataclass
@@ -130,16 +127,10 @@ class ComputedStep:
     forward_ns: int
     sample_ns: int
     # engine.proto StepResult 4, 5, 9, 10 (empty unless a slot asked).
-    logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.float32))
-    logprob_token_ids: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, dtype=np.int64)
-    )
-    prompt_logprobs: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, dtype=np.float32)
-    )
-    prompt_logprob_token_ids: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, dtype=np.int64)
-    )
+    logprobs: np.ndarray = _empty(np.float32)
+    logprob_token_ids: np.ndarray = _empty(np.int64)
+    prompt_logprobs: np.ndarray = _empty(np.float32)
+    prompt_logprob_token_ids: np.ndarray = _empty(np.int64)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
 
