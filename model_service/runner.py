@@ -41,7 +41,8 @@ from model_service.batch import ComputedStep, PlanArrays, PlanLimits
 from model_service.config import ModelServiceConfig
 from model_service.draft_step import Drafter
 from model_service.gemm import PackedLinear
-from model_service.kv_cache import KVCache, count_kv_blocks
+from model_service.kv_budget import count_kv_blocks
+from model_service.kv_cache import KVCache
 from model_service.layer_ops import LAYER_OPS_ISA
 from model_service.loaded import LoadedModel
 from model_service.logits import gather_logprobs, prompt_logprob_rows

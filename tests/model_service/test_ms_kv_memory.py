@@ -7,7 +7,7 @@ import torch
 
 from model_service.batch import PlanError, PlanArrays, facts_to_pb, from_pb
 from model_service.config import ModelServiceConfig, parse_bytes
-from model_service.kv_cache import available_memory_bytes
+from model_service.kv_budget import available_memory_bytes
 from model_service.runner import ModelRunner
 from planserve.v1 import engine_pb2
 
