@@ -76,6 +76,15 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def describe(model: torch.nn.Module) -> str:
+    """The loop `model` runs, as Describe's compute map reports it: "native", "python (why)", or
+    "none" for a model without decoder layers (the null model)."""
+    if not hasattr(model, "decoder_loop_reason"):
+        return "none"
+    reason = unsupported_reason(model)
+    return "native" if reason is None else f"python ({reason})"
+
+
 def _linear_spec(module: PackedLinear) -> tuple[int, int, int, int, bool]:
     bias = 0 if module.bias is None else module.bias.data_ptr()
     return (module.packed.data_ptr(), bias, module.out_features, module.in_features, module.int8)

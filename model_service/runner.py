@@ -35,7 +35,7 @@ import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder, StepInputs
-from model_service import draft_step, threads
+from model_service import decoder_loop, draft_step, threads
 from model_service.attention import ATTENTION_ISA, build_attention_metadata
 from model_service.batch import ComputedStep, PlanArrays, PlanLimits
 from model_service.config import ModelServiceConfig
@@ -171,6 +171,7 @@ class ModelRunner:
             "gemm": next(
                 (m.isa for m in self.model.modules() if isinstance(m, PackedLinear)), "torch"
             ),
+            "decoder_loop": decoder_loop.describe(self.model),
         }
 
     def describe_facts(self) -> DescribedFacts:

@@ -170,6 +170,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
+UNDECIDED = "undecided: no forward yet"  # LlamaForCausalLM.decoder_loop_reason before one
+
+
 class LlamaForCausalLM(nn.Module):
     """Fused weights, our forward: packed tokens in, logits of the sampled rows out."""
 
@@ -181,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self._rope: torch.Tensor | None = None  # made on the first forward, on the model's device
         self._native_layers: NativeLayers | None = None
-        self.decoder_loop_reason: str | None = "not decided"  # None: the native loop runs
+        self.decoder_loop_reason: str | None = UNDECIDED  # None: the native loop runs
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
@@ -204,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         """The native decoder loop (model_service/decoder_loop.py) where it applies, else None
         (the Python loop below); decided on the first forward, after the loader packed the
         linears, and kept (`decoder_loop_reason` says why not)."""
-        if self.decoder_loop_reason == "not decided":
+        if self.decoder_loop_reason == UNDECIDED:
             self.decoder_loop_reason = decoder_loop.unsupported_reason(self)
             if self.decoder_loop_reason is None:
                 self._native_layers = NativeLayers(self, rope)

@@ -87,8 +87,12 @@ def test_native_loop_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
 
 def test_models_it_does_not_take_run_the_python_loop_and_say_why(monkeypatch, qwen_folders):
     monkeypatch.delenv(decoder_loop.LOOP_ENV, raising=False)
-    float32 = load_model(tiny_config(dtype="float32")).model
-    assert decoder_loop.unsupported_reason(float32).startswith("linears not packed")
+    float32 = load_model(tiny_config(dtype="float32"))
+    assert decoder_loop.unsupported_reason(float32.model).startswith("linears not packed")
+    runner = ModelRunner(float32, tiny_config(dtype="float32"))
+    assert runner.compute["decoder_loop"].startswith("python (linears not packed")
+    bf16 = tiny_config(dtype="bfloat16")
+    assert ModelRunner(load_model(bf16), bf16).compute["decoder_loop"] == "native"
     qwen3 = ModelServiceConfig(model=qwen_folders["qwen3"], dtype="bfloat16", num_kv_blocks=64)
     assert decoder_loop.unsupported_reason(load_model(qwen3).model) == "per-head q/k norm"
     monkeypatch.setenv(decoder_loop.LOOP_ENV, "fastest")
