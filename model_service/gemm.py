@@ -40,23 +40,25 @@ class PackedLinear(nn.Module):
     """A bfloat16 or int8 linear layer (no float weight kept) whose weight is packed for the native
     kernel. `weight` unpacks a dense copy (for checks); the state dict carries the dense weight."""
 
+    packed: torch.Tensor  # buffers, declared for the type checker (nn.Module's getattr is untyped)
+    bias: torch.Tensor | None
+
     def __init__(self, source: nn.Linear | Int8Linear, isa: str) -> None:
         super().__init__()
         self.isa, self._isa_index = isa, native.ISAS.index(isa)
         if isinstance(source, Int8Linear):
             q, scale = source.w.qweight, source.w.scale.to(torch.float32).contiguous()
-            self.out_features, self.in_features = q.shape
+            n, k = int(q.shape[0]), int(q.shape[1])
             self.int8 = True
-            packed = torch.empty(native.packed_int8_bytes(*q.shape), dtype=torch.uint8)
-            native.pack_int8(
-                q.contiguous().data_ptr(), scale.data_ptr(), *q.shape, packed.data_ptr()
-            )
+            packed = torch.empty(native.packed_int8_bytes(n, k), dtype=torch.uint8)
+            native.pack_int8(q.contiguous().data_ptr(), scale.data_ptr(), n, k, packed.data_ptr())
         else:
             weight = source.weight.detach()
-            self.out_features, self.in_features = weight.shape
+            n, k = int(weight.shape[0]), int(weight.shape[1])
             self.int8 = False
-            packed = torch.empty(native.packed_bf16_elems(*weight.shape), dtype=torch.bfloat16)
-            native.pack_bf16(weight.data_ptr(), *weight.shape, weight.stride(0), packed.data_ptr())
+            packed = torch.empty(native.packed_bf16_elems(n, k), dtype=torch.bfloat16)
+            native.pack_bf16(weight.data_ptr(), n, k, weight.stride(0), packed.data_ptr())
+        self.out_features, self.in_features = n, k
         self.register_buffer("packed", packed)
         bias = getattr(source, "bias", None)
         self.register_buffer(
@@ -184,6 +186,7 @@ def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) 
     count = 0
     for name in names:
         module = model.get_submodule(name)
+        assert isinstance(module, (nn.Linear, Int8Linear))  # packable() said so
         tied = embeddings.get(id(getattr(module, "weight", None)))
         packed = PackedLinear(module, isa)
         model.set_submodule(name, packed)

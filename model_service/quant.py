@@ -53,6 +53,9 @@ def quantize_blocks(
 class Int8Weight(nn.Module):
     """The int8 matrix and its block scales; shared by the tied embedding and lm_head."""
 
+    qweight: torch.Tensor  # buffers, declared for the type checker
+    scale: torch.Tensor
+
     def __init__(
         self,
         weight: torch.Tensor | None = None,
@@ -85,6 +88,8 @@ class Int8Weight(nn.Module):
 
 
 class Int8Linear(nn.Module):
+    w: Int8Weight
+
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.w = weight
