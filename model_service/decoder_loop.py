@@ -105,7 +105,7 @@ class NativeLayers:
         )
         self.intermediate = layers[0].mlp.down_proj.in_features
         self.hidden = arch.hidden_size
-        isa = layers[0].self_attn.qkv_proj.isa
+        isa = first.qkv_proj.isa
         self.table = native.DecoderLayers(
             len(layers),
             hidden=self.hidden,
