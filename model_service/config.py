@@ -121,6 +121,12 @@ class ModelServiceConfig:
     loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable), instead of kv_cache_memory_bytes.
     num_kv_blocks, when set, wins over both."""
 
+    profile_step_tokens: int = setting(2048, low=1)
+    """CUDA: tokens of the largest step the scheduler will send (its max_num_batched_tokens;
+    `planserve serve` passes the scheduler's). Before the KV cache is allocated, steps of this
+    many tokens run on a scratch cache and the KV budget leaves their peak memory free
+    (model_service/profile_step.py). Not used on the CPU."""
+
     swap_space_bytes: int = setting(0, low=0, flag="swap-space", parse=parse_bytes)
     """Host memory for swapped-out KV blocks (pinned on CUDA); Describe reports the blocks it
     holds as num_swap_blocks, and features.swap when there is at least one. 0: no swap space."""

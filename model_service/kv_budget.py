@@ -1,6 +1,13 @@
 """How many KV blocks to allocate: as configured, or as many as a memory budget holds (a byte
 count, or a fraction of the device's free memory after the weights are loaded).
 
+On CUDA the runner first measures the activation memory of the largest step
+(model_service/profile_step.py). With a fraction, the KV cache gets that fraction of the free
+memory less the step's peak and CUDA_RESERVE_BYTES; with a byte count or a block count, a cache
+that leaves less than the peak and the reserve free refuses to start (naming the field), instead
+of running out of memory at the first long prefill. On the CPU there is no profile: the host's
+MemAvailable is the budget's base, and a step's activations are small beside it.
+
 Tensor-parallel ranks each cache their own KV heads and measure their own free memory; with a
 fraction they agree on the smallest count, so every block id the scheduler hands out exists on
 every rank.
@@ -15,6 +22,11 @@ import torch
 from model_service.config import ModelServiceConfig
 from model_service.kv_cache import kv_block_bytes
 from model_service.loaded import LoadedModel
+
+# CUDA memory the KV budget leaves free beside the profiled step's peak: what the caching
+# allocator does not count (the CUDA context's growth as kernels load, NCCL's buffers under tensor
+# parallelism) and its fragmentation.
+CUDA_RESERVE_BYTES = 256 << 20
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -62,14 +74,15 @@ def agree_on_num_blocks(num_blocks: int, device: torch.device) -> int:
 
 
 def count_kv_blocks(
-    config: ModelServiceConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+    config: ModelServiceConfig,
+    loaded: LoadedModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    step_peak_bytes: int | None = None,
 ) -> int:
     """The blocks to allocate: num_kv_blocks as configured (or as the model fixes it), else as
-    many as the memory budget holds (ValueError naming the budget's field below 2)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if loaded.num_kv_blocks is not None:
-        return loaded.num_kv_blocks
+    many as the memory budget holds (ValueError naming the budget's field below 2).
+    step_peak_bytes (CUDA: the profiled step's peak) is left free beside CUDA_RESERVE_BYTES."""
     arch = loaded.arch
     # Under tensor parallelism each rank caches only its own KV heads.
     per_block = kv_block_bytes(
@@ -79,23 +92,52 @@ def count_kv_blocks(
         arch.head_dim,
         dtype,
     )
+    fixed = config.num_kv_blocks if config.num_kv_blocks is not None else loaded.num_kv_blocks
+    if fixed is not None:
+        if step_peak_bytes is not None:
+            check_fits("num_kv_blocks", fixed * per_block, step_peak_bytes, device)
+        return fixed
     budget = kv_cache_budget_bytes(
         config.kv_cache_memory_bytes,
         config.kv_cache_memory_fraction,
         device,
         loaded.tensor_parallel_size,
     )
+    field = (
+        "kv_cache_memory_bytes"
+        if config.kv_cache_memory_fraction is None
+        else "kv_cache_memory_fraction"
+    )
+    if step_peak_bytes is not None:
+        if config.kv_cache_memory_fraction is None:
+            check_fits(field, budget, step_peak_bytes, device)
+        else:
+            budget = max(0, budget - step_peak_bytes - CUDA_RESERVE_BYTES)
     num_blocks = budget // per_block
     if config.kv_cache_memory_fraction is not None and loaded.tensor_parallel_size > 1:
         num_blocks = agree_on_num_blocks(num_blocks, device)  # free memory differs per rank
     if num_blocks < 2:
-        field = (
-            "kv_cache_memory_bytes"
-            if config.kv_cache_memory_fraction is None
-            else "kv_cache_memory_fraction"
+        left = (
+            ""
+            if step_peak_bytes is None
+            else f" (after the largest step's {step_peak_bytes} bytes and a reserve of "
+            f"{CUDA_RESERVE_BYTES}: lower profile_step_tokens or max_num_slots)"
         )
         raise ValueError(
-            f"{field}: a budget of {budget} bytes holds {num_blocks} blocks of {per_block} "
+            f"{field}: a budget of {budget} bytes{left} holds {num_blocks} blocks of {per_block} "
             "bytes; need >= 2"
         )
     return num_blocks
+
+
+def check_fits(field: str, cache_bytes: int, step_peak_bytes: int, device: torch.device) -> None:
+    """A KV cache of cache_bytes must leave the largest step's peak and the reserve free on
+    `device` (ValueError naming the field that sized the cache)."""
+    free = available_memory_bytes(device)
+    needed = cache_bytes + step_peak_bytes + CUDA_RESERVE_BYTES
+    if needed > free:
+        raise ValueError(
+            f"{field}: a KV cache of {cache_bytes} bytes, the largest step's {step_peak_bytes} "
+            f"bytes and a reserve of {CUDA_RESERVE_BYTES} need {needed} bytes; {device} has "
+            f"{free} free (lower {field} or profile_step_tokens)"
+        )

@@ -35,7 +35,7 @@ import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder, StepInputs
-from model_service import decoder_loop, draft_step, threads
+from model_service import decoder_loop, draft_step, profile_step, threads
 from model_service.attention import ATTENTION_ISA, build_attention_metadata
 from model_service.batch import ComputedStep, PlanArrays, PlanLimits
 from model_service.config import ModelServiceConfig
@@ -108,19 +108,11 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size
-        num_blocks = count_kv_blocks(config, loaded, self.dtype, self.device)
-        arch = loaded.arch
-        # Under tensor parallelism each rank caches only its own KV heads.
-        self.kv_cache = KVCache(
-            arch.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            loaded.num_kv_heads_per_rank,
-            arch.head_dim,
-            self.dtype,
-            self.device,
-        )
-        self.kv_cache.allocate_swap(config.swap_space_bytes // self.kv_cache.block_bytes)
+        # execute() runs in a worker thread; reset() may come from the event loop when a stream
+        # ends.
+        self._lock = threading.Lock()
+        self.drafter: Drafter | None = None  # none while the largest step is profiled
+        self.num_speculative_tokens = 0
         self.slot_table = SlotTable(config.max_num_slots, loaded.max_model_len, self.block_size)
         # Row capacity is a first guess (no token budget is configured here); the builder grows it.
         self.inputs = StepInputBuilder(
@@ -129,18 +121,15 @@ class ModelRunner:
             self.slot_table.max_blocks_per_seq,
             self.block_size,
         )
-        self.limits = PlanLimits(
-            vocab_size=arch.vocab_size,
-            num_kv_blocks=num_blocks,
-            max_num_slots=config.max_num_slots,
-            max_model_len=loaded.max_model_len,
-            num_swap_blocks=self.kv_cache.num_swap_blocks,
+        step_peak_bytes = self._profile_largest_step() if self._profiles() else None
+        num_blocks = count_kv_blocks(config, loaded, self.dtype, self.device, step_peak_bytes)
+        self._allocate_cache(num_blocks)
+        self.kv_cache.allocate_swap(config.swap_space_bytes // self.kv_cache.block_bytes)
+        self.limits: PlanLimits = dataclasses.replace(
+            self.limits, num_swap_blocks=self.kv_cache.num_swap_blocks
         )
         self.drafter = self._drafter()
         self.num_speculative_tokens = 0 if self.drafter is None else config.num_speculative_tokens
-        # execute() runs in a worker thread; reset() may come from the event loop when a stream
-        # ends.
-        self._lock = threading.Lock()
         self.compute = self._compute_paths()
         log.info(
             "runner_ready",
@@ -150,6 +139,45 @@ class ModelRunner:
             num_kv_blocks=num_blocks,
             **self.compute,
         )
+
+    def _allocate_cache(self, num_blocks: int) -> None:
+        """The KV cache of num_blocks blocks, and the plan limits that follow from it."""
+        arch = self.loaded.arch
+        # Under tensor parallelism each rank caches only its own KV heads.
+        self.kv_cache = KVCache(
+            arch.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            self.loaded.num_kv_heads_per_rank,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.limits = PlanLimits(
+            vocab_size=arch.vocab_size,
+            num_kv_blocks=num_blocks,
+            max_num_slots=self.config.max_num_slots,
+            max_model_len=self.loaded.max_model_len,
+        )
+
+    def _profiles(self) -> bool:
+        """The largest step is profiled on CUDA, for a model that computes (kv_budget.py)."""
+        return self.device.type == "cuda" and self.loaded.num_kv_blocks is None
+
+    def _profile_largest_step(self) -> int:
+        """Runs the largest steps on a scratch cache (profile_step.py); returns their peak bytes.
+        The scratch cache is released before the real one is sized."""
+        lengths = profile_step.sequence_lengths(
+            self.config.profile_step_tokens, self.config.max_num_slots, self.loaded.max_model_len
+        )
+        self._allocate_cache(profile_step.blocks_needed(lengths, self.block_size))
+        peak = profile_step.peak_step_bytes(
+            self, lengths, self.block_size, self.loaded.arch.vocab_size, self.device
+        )
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        log.info("largest_step_profiled", tokens=self.config.profile_step_tokens, peak_bytes=peak)
+        return peak
 
     def _drafter(self) -> Drafter | None:
         """Speculative decoding: the drafter proposes, draft_step.verify_drafts decides."""

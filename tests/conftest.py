@@ -75,3 +75,15 @@ async def smollm2_server(smollm2_engine):
     server = await start_scheduler(smollm2_engine, max_num_batched_tokens=64)
     yield server
     await server.stop(grace_s=1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: skipped, saying so, without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

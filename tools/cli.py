@@ -31,6 +31,7 @@ from config_fields import add_flags, flag_of, parsed
 from model_service.config import ModelServiceConfig
 from scheduler_service import cli as scheduler_cli
 from scheduler_service import logs
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.ports import StartupError, check_port_free
 from scheduler_service.server import SchedulerServer, check_ports
 from tools import conformance
@@ -141,12 +142,24 @@ class _ModelServiceSupervisor:
                 await asyncio.wait_for(child.wait(), 10)
 
 
+def profiling_the_token_budget(
+    args: argparse.Namespace, config: SchedulerConfig
+) -> argparse.Namespace:
+    """`serve`'s model flags with the largest step the model service profiles on CUDA set to the
+    scheduler's token budget, unless --profile-step-tokens was given."""
+    if args.profile_step_tokens is not None:
+        return args
+    return argparse.Namespace(
+        **{**vars(args), "profile_step_tokens": config.max_num_batched_tokens}
+    )
+
+
 async def _serve(args: argparse.Namespace) -> None:
     # Every port is tried before anything starts: a taken one ends here, with nothing running.
     check_port_free("--engine-port", "127.0.0.1", args.engine_port)
     config = scheduler_cli.scheduler_config(args, f"127.0.0.1:{args.engine_port}")
     check_ports(config)
-    supervisor = _ModelServiceSupervisor(args)
+    supervisor = _ModelServiceSupervisor(profiling_the_token_budget(args, config))
     try:
         engine_port = await supervisor.start()
     except RuntimeError as error:  # the child said why on stderr

@@ -1,0 +1,164 @@
+"""The profiling forward that sizes the KV cache on CUDA (model_service/profile_step.py,
+kv_budget.py).
+
+On the CPU the profiled steps themselves run through a real runner (the tiny model in the
+default dtype, bf16 on these machines, and float32), and the budget arithmetic is checked with the
+device's free memory pinned to a known figure: the CPU has no allocator statistics to profile, so
+that one number is what the real device cannot show here. The `gpu` tests run the whole start-up
+on CUDA and are skipped without one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ms_driver import Driver
+
+from model_service import kv_budget, profile_step
+from model_service.config import ModelServiceConfig
+from model_service.loader import load_model
+from model_service.runner import ModelRunner
+
+
+def _config(**overrides) -> ModelServiceConfig:
+    return ModelServiceConfig(**{"model": "tiny", "num_kv_blocks": 512, "max_num_slots": 16,
+                                 **overrides})
+
+
+@pytest.fixture(scope="module", params=["auto", "float32"])
+def dtype(request) -> str:
+    return request.param  # "auto": the default, bf16 on a CPU with native bf16
+
+
+@pytest.fixture(scope="module")
+def loaded(dtype):
+    return load_model(_config(dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    "tokens, slots, max_len, expected",
+    [
+        (2048, 256, 8192, [[2048], [8] * 256]),
+        (2048, 256, 512, [[512] * 4, [8] * 256]),
+        (100, 16, 40, [[40, 40, 20], [7] * 4 + [6] * 12]),
+        (10, 16, 512, [[10], [1] * 10]),
+        (5000, 4, 1000, [[1000] * 4]),  # the slots hold 4,000 tokens: both shapes are the same
+    ],
+)
+def test_profiled_lengths_fill_the_token_count_within_the_bounds(tokens, slots, max_len, expected):
+    lengths = profile_step.sequence_lengths(tokens, slots, max_len)
+    assert lengths == expected
+    for step in lengths:
+        assert sum(step) == min(tokens, slots * max_len)
+        assert len(step) <= slots and max(step) <= max_len
+
+
+def test_scratch_blocks_cover_the_larger_step_and_the_reserved_block():
+    assert profile_step.blocks_needed([[40, 40, 20], [7] * 16], 16) == 1 + 16
+    assert profile_step.blocks_needed([[512]], 16) == 1 + 32
+
+
+def _greedy_tokens(runner: ModelRunner) -> dict[int, list[int]]:
+    driver = Driver(runner)
+    driver.add(0, list(range(3, 40)))
+    driver.add(1, list(range(50, 61)), temperature=0.8, top_p=0.9, seed=7)
+    driver.step({0: 37, 1: 11})
+    for _ in range(6):
+        driver.step({0: 1, 1: 1})
+    return {slot: seq.generated for slot, seq in driver.seqs.items()}
+
+
+def test_profiled_steps_run_sample_every_sequence_and_leave_no_trace(loaded, dtype):
+    runner = ModelRunner(loaded, _config(dtype=dtype))
+    lengths = profile_step.sequence_lengths(600, 16, loaded.max_model_len)
+    steps = profile_step.run_profile_steps(runner, lengths, 16, loaded.arch.vocab_size)
+
+    for step, computed in zip(lengths, steps):
+        assert computed.num_sampled_tokens.tolist() == [1] * len(step)
+        assert computed.sampled_token_ids.size == len(step)
+        assert computed.logprob_token_ids.size > 0  # the logprob gather ran
+    assert not runner.slot_table.active.any()
+    # A profiled runner serves the same tokens as a fresh one (sampling is keyed by seed and
+    # position, and the profiled blocks are overwritten before they are read).
+    fresh = ModelRunner(loaded, _config(dtype=dtype))
+    assert _greedy_tokens(runner) == _greedy_tokens(fresh)
+
+
+def _pinned_free_memory(monkeypatch, free: int) -> None:
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda device: free)
+
+
+def test_a_fraction_leaves_the_largest_step_and_the_reserve_free(loaded, monkeypatch):
+    free = 1 << 30
+    _pinned_free_memory(monkeypatch, free)
+    config = _config(num_kv_blocks=None, kv_cache_memory_fraction=0.5)
+    per_block = kv_budget.kv_block_bytes(2, 16, 2, 16, next(loaded.model.parameters()).dtype)
+    device = torch.device("cpu")
+    dtype = next(loaded.model.parameters()).dtype
+    peak = 100 << 20
+
+    unprofiled = kv_budget.count_kv_blocks(config, loaded, dtype, device)
+    profiled = kv_budget.count_kv_blocks(config, loaded, dtype, device, step_peak_bytes=peak)
+    assert unprofiled == (free // 2) // per_block
+    assert profiled == (free // 2 - peak - kv_budget.CUDA_RESERVE_BYTES) // per_block
+
+
+def test_a_step_larger_than_the_fraction_refuses_to_start_naming_the_fixes(loaded, monkeypatch):
+    _pinned_free_memory(monkeypatch, 1 << 30)
+    config = _config(num_kv_blocks=None, kv_cache_memory_fraction=0.5)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction: a budget of 0 bytes \(after the "
+                       r"largest step's 1073741824 bytes.*lower profile_step_tokens or max_num_slots"):
+        kv_budget.count_kv_blocks(config, loaded, torch.float32, torch.device("cpu"),
+                                  step_peak_bytes=1 << 30)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"num_kv_blocks": 4000}, "num_kv_blocks"),
+        ({"num_kv_blocks": None, "kv_cache_memory_bytes": 64 << 20}, "kv_cache_memory_bytes"),
+    ],
+)
+def test_a_fixed_cache_that_leaves_too_little_refuses_to_start(loaded, monkeypatch, overrides, field):
+    _pinned_free_memory(monkeypatch, 1 << 30)
+    config = _config(**overrides)
+    # 4,000 blocks of the tiny model in float32 (32 MiB), or 64 MiB, a 900 MiB step and the reserve:
+    # over 1 GiB.
+    with pytest.raises(ValueError, match=rf"{field}: a KV cache of \d+ bytes, the largest step's "
+                       rf"943718400 bytes .* has 1073741824 free \(lower {field} or profile_step_tokens\)"):
+        kv_budget.count_kv_blocks(config, loaded, torch.float32, torch.device("cpu"),
+                                  step_peak_bytes=900 << 20)
+    # The same cache beside a small step starts.
+    assert kv_budget.count_kv_blocks(config, loaded, torch.float32, torch.device("cpu"),
+                                     step_peak_bytes=1 << 20) >= 2
+
+
+def test_the_cpu_runner_does_not_profile(loaded, monkeypatch):
+    def fail(*args):
+        raise AssertionError("profiled on the CPU")
+
+    monkeypatch.setattr(profile_step, "peak_step_bytes", fail)
+    runner = ModelRunner(loaded, _config(num_kv_blocks=None, kv_cache_memory_fraction=0.001))
+    assert runner.limits.num_kv_blocks >= 2
+
+
+@pytest.mark.gpu
+def test_cuda_start_up_profiles_the_largest_step_and_then_runs_it():
+    config = ModelServiceConfig(model="tiny", device="cuda", num_kv_blocks=None,
+                                kv_cache_memory_fraction=0.5, profile_step_tokens=1024)
+    runner = ModelRunner(load_model(config), config)
+    free, _total = torch.cuda.mem_get_info()
+    assert runner.kv_cache.k.numel() * runner.kv_cache.k.element_size() * 2 <= 0.5 * (
+        free + runner.kv_cache.k.numel() * runner.kv_cache.k.element_size() * 2)
+    lengths = profile_step.sequence_lengths(1024, config.max_num_slots, runner.loaded.max_model_len)
+    steps = profile_step.run_profile_steps(runner, lengths, config.block_size,
+                                           runner.loaded.arch.vocab_size)
+    assert [int(s.num_sampled_tokens.sum()) for s in steps] == [len(step) for step in lengths]
+    assert not runner.slot_table.active.any()
+
+
+@pytest.mark.gpu
+def test_cuda_start_up_refuses_a_block_count_the_device_cannot_hold():
+    config = ModelServiceConfig(model="tiny", device="cuda", num_kv_blocks=10**9)
+    with pytest.raises(ValueError, match="num_kv_blocks: a KV cache of"):
+        ModelRunner(load_model(config), config)
