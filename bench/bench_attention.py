@@ -5,7 +5,8 @@ each beside its floor measured in the same run. A plain script, not a test; ~3-5
         [--label TEXT] [--out bench/results/attention.json]
 
 Attention cases use SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64, blocks of 16):
-decode at batch 1, 16 and 64 with contexts of 280..320 positions, and a 2,048-token prompt
+decode at batch 1, 16 and 64 with contexts of 280..320 positions (b=16 also walking 30 layers' caches,
+as a forward does: one layer's KV stays in L3 between calls, 30 layers' do not), and a 2,048-token prompt
 prefilled in one chunk and in the scheduler's default chunks of 512. Every sequence has its own KV
 blocks, shuffled across a cache several times larger than the step reads, so the KV comes from
 memory, not from a cache another sequence warmed. Each figure is the median of at least 10 calls
@@ -37,6 +38,7 @@ from bench.measure import median_seconds  # noqa: E402
 from model_service import attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+MODEL_LAYERS = 30
 DECODE_BATCHES = (1, 16, 64)
 PREFILL, CHUNK = 2048, 512
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention.json")
@@ -45,8 +47,8 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "atten
 class Step(measure.Step):
     """A one-layer step with SmolLM2's attention shapes, plus its q, k, v rows."""
 
-    def __init__(self, seqs, dtype, spare_factor: int = 4, seed: int = 0):
-        super().__init__(seqs, dtype, 1, KV_HEADS, HEAD_DIM, spare_factor, seed)
+    def __init__(self, seqs, dtype, spare_factor: int = 4, seed: int = 0, num_layers: int = 1):
+        super().__init__(seqs, dtype, num_layers, KV_HEADS, HEAD_DIM, spare_factor, seed)
         gen = torch.Generator().manual_seed(seed)
         self.q = torch.randn(self.num_rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
         self.k = torch.randn(self.num_rows, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -56,14 +58,25 @@ class Step(measure.Step):
 def attention_case(step: Step, isa: str | None) -> float:
     meta = step.build()
     kwargs = {"isa": isa} if isa and "isa" in inspect.signature(attention.paged_attention).parameters else {}
-    k_cache, v_cache = step.kv.layer(0)
-    return median_seconds(lambda: attention.paged_attention(step.q, step.k, step.v, k_cache, v_cache, meta, **kwargs))
+    layers = [step.kv.layer(i) for i in range(step.kv.k.shape[0])]
+    calls = iter(range(1 << 62))
+
+    def call():  # each call the next layer's cache, as a forward walks them
+        k_cache, v_cache = layers[next(calls) % len(layers)]
+        return attention.paged_attention(step.q, step.k, step.v, k_cache, v_cache, meta, **kwargs)
+
+    return median_seconds(call)
 
 
 def attention_cases(dtype: torch.dtype):
     rng = np.random.default_rng(1)
     for b in DECODE_BATCHES:
-        yield f"decode b={b}", [Step([(int(c), 1) for c in rng.integers(280, 321, size=b)], dtype)]
+        contexts = [(int(c), 1) for c in rng.integers(280, 321, size=b)]
+        yield f"decode b={b}", [Step(contexts, dtype)]
+        if b == 16:
+            # One layer's KV at b=16 (~3.7 MB in bf16) stays in L3 from call to call; SmolLM2's 30
+            # layers (~110 MB) do not, so in a forward every block comes from memory.
+            yield f"decode b={b}, {MODEL_LAYERS} layers", [Step(contexts, dtype, num_layers=MODEL_LAYERS)]
     yield f"prefill {PREFILL} (one chunk)", [Step([(0, PREFILL)], dtype)]
     yield f"prefill {PREFILL} (chunks of {CHUNK})", [Step([(start, CHUNK)], dtype) for start in range(0, PREFILL, CHUNK)]
 
@@ -133,7 +146,7 @@ def main() -> None:
             for name, steps in attention_cases(dtype):
                 seconds = sum(attention_case(step, isa) for step in steps)
                 attended = sum(s.attended for s in steps)
-                kv_bytes = sum(s.kv_bytes for s in steps)
+                kv_bytes = sum(s.kv_bytes // s.kv.k.shape[0] for s in steps)  # one layer's
                 flops = 4.0 * HEADS * HEAD_DIM * attended
                 memory_floor, compute_floor = kv_bytes / bandwidth, flops / rates[str(dtype).replace("torch.", "")]
                 per_dtype[name] = {"ms_per_layer": seconds * 1e3, "memory_floor_ms": memory_floor * 1e3,
