@@ -162,3 +162,29 @@ def test_cuda_start_up_refuses_a_block_count_the_device_cannot_hold():
     config = ModelServiceConfig(model="tiny", device="cuda", num_kv_blocks=10**9)
     with pytest.raises(ValueError, match="num_kv_blocks: a KV cache of"):
         ModelRunner(load_model(config), config)
+
+
+def test_the_runner_profiles_on_a_scratch_cache_then_sizes_and_serves(loaded, dtype, monkeypatch):
+    """The CUDA start-up's sequence, on the CPU: only the allocator's peak (which the CPU does not
+    keep) is a stand-in; the profiled steps run for real on the scratch cache."""
+    ran, peak, free = [], 16 << 20, 600 << 20
+    _pinned_free_memory(monkeypatch, free)
+
+    def peak_of_real_steps(runner, lengths, block_size, vocab_size, device):
+        ran.append((runner.limits.num_kv_blocks, lengths))
+        profile_step.run_profile_steps(runner, lengths, block_size, vocab_size)
+        return peak
+
+    monkeypatch.setattr(profile_step, "peak_step_bytes", peak_of_real_steps)
+    monkeypatch.setattr(ModelRunner, "_profiles", lambda self: True)
+    config = _config(dtype=dtype, num_kv_blocks=None, kv_cache_memory_fraction=0.5,
+                     profile_step_tokens=300)
+    runner = ModelRunner(loaded, config)
+
+    lengths = profile_step.sequence_lengths(300, 16, loaded.max_model_len)
+    assert ran == [(profile_step.blocks_needed(lengths, 16), lengths)]  # on the scratch cache
+    per_block = runner.kv_cache.block_bytes
+    expected = (free // 2 - peak - kv_budget.CUDA_RESERVE_BYTES) // per_block
+    assert runner.limits.num_kv_blocks == runner.kv_cache.k.shape[1] == expected
+    fresh = ModelRunner(loaded, _config(dtype=dtype))
+    assert _greedy_tokens(runner) == _greedy_tokens(fresh)
