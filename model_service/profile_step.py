@@ -128,14 +128,12 @@ def peak_step_bytes(
     device: torch.device,
 ) -> int:
     """CUDA: the bytes the profiled steps allocate at their peak above what was allocated
-    before them (weights and the scratch cache), from the caching allocator's statistics. Cached
-    blocks are released afterwards so the KV cache can take them."""
+    before them (weights and the scratch cache), from the caching allocator's statistics. The
+    runner releases the cached blocks once the scratch cache is gone too."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     run_profile_steps(runner, lengths, block_size, vocab_size)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    torch.cuda.empty_cache()
-    return int(peak)
+    return int(torch.cuda.max_memory_allocated(device) - before)

@@ -175,7 +175,7 @@ class ModelRunner:
             self, lengths, self.block_size, self.loaded.arch.vocab_size, self.device
         )
         del self.kv_cache
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the scratch cache's and the steps' blocks, for the real cache
         log.info("largest_step_profiled", tokens=self.config.profile_step_tokens, peak_bytes=peak)
         return peak
 
