@@ -1,0 +1,105 @@
+"""Where the CPU goes while `planserve serve` runs the peer workload: CPU seconds of the scheduler
+process, the model service and the client (this process), the model service's busiest threads,
+and its forward time per step (the planserve_model_forward_seconds histogram). A plain script, not
+a test; ~1 minute on 2 cores, best on a quiet machine.
+
+    PYTHONPATH=protos:. .venv/bin/python bench/bench_serve_cpu.py [NAME=VALUE ...]
+
+NAME=VALUE pairs go into the served processes' environment (e.g. PLANSERVE_DECODER_LOOP=python).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, ROOT)
+
+from bench import measure  # noqa: E402
+from bench.load import report, workloads  # noqa: E402
+from bench.load.loadgen import GrpcBackend, run_workload  # noqa: E402
+
+PORT, METRICS_PORT = 18431, 18432
+TICKS = os.sysconf("SC_CLK_TCK")
+FORWARD = "planserve_model_forward_seconds"
+
+
+def _cpu_seconds(stat_path: str) -> tuple[str, float]:
+    """(name, user + system seconds) from a /proc .../stat file."""
+    text = open(stat_path).read()
+    fields = text.rsplit(")", 1)[1].split()
+    return text.split("(", 1)[1].rsplit(")", 1)[0], (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _threads(pid: int) -> dict[str, float]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name, seconds = _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+        except FileNotFoundError:  # the thread ended
+            continue
+        out[f"{name}:{tid}"] = seconds
+    return out
+
+
+def _forward_metrics() -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics").read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith(FORWARD)}
+
+
+async def _run(env_extra: dict[str, str]) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "protos"), ROOT]), **env_extra)
+    serve = subprocess.Popen([sys.executable, "-m", "tools", "serve", "--port", str(PORT), "--engine-port", "0",
+                              "--http-port", "-1", "--metrics-port", str(METRICS_PORT)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
+                             start_new_session=True)
+    try:
+        for line in serve.stdout:
+            if line.startswith("PLANSERVE_PORT="):
+                threading.Thread(target=lambda: [None for _ in serve.stdout], daemon=True).start()
+                break
+        else:
+            raise RuntimeError(f"planserve serve exited with {serve.wait()}")
+        model = int(subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True, text=True).stdout.split()[0])
+        peer = workloads.load("peer")
+        async with GrpcBackend(f"127.0.0.1:{PORT}") as backend:
+            await run_workload(backend, [workloads.BenchRequest("warmup", 0.0, peer[0].prompt_ids, 8)], progress=False)
+            before = (_cpu_seconds(f"/proc/{serve.pid}/stat")[1], _cpu_seconds(f"/proc/{model}/stat")[1],
+                      resource.getrusage(resource.RUSAGE_SELF), _threads(model), _forward_metrics())
+            start = time.perf_counter()
+            results, elapsed = await run_workload(backend, peer, progress=False)
+            wall = time.perf_counter() - start
+            after = (_cpu_seconds(f"/proc/{serve.pid}/stat")[1], _cpu_seconds(f"/proc/{model}/stat")[1],
+                     resource.getrusage(resource.RUSAGE_SELF), _threads(model), _forward_metrics())
+    finally:
+        serve.terminate()
+        serve.wait(20)
+    summary = report.summarize(results, elapsed, request_rate=None, workload="peer")
+    client = sum(getattr(after[2], f) - getattr(before[2], f) for f in ("ru_utime", "ru_stime"))
+    steps = after[4][f"{FORWARD}_count"] - before[4][f"{FORWARD}_count"]
+    forward = after[4][f"{FORWARD}_sum"] - before[4][f"{FORWARD}_sum"]
+    print(f"{measure.cpu_model()}, {os.cpu_count()} cores; env {env_extra or '(service defaults)'}")
+    print(f"peer workload: {summary['output_tokens_per_s']:.1f} output tok/s, {wall:.2f} s, {steps:.0f} steps, "
+          f"forward {forward:.2f} s (mean {1e3 * forward / steps:.1f} ms)")
+    print(f"CPU seconds: scheduler {after[0] - before[0]:.2f}, model service {after[1] - before[1]:.2f}, "
+          f"client {client:.2f} (cores x wall = {os.cpu_count() * wall:.2f})")
+    busiest = sorted(after[3], key=lambda t: before[3].get(t, 0) - after[3][t])[:4]
+    print("model service threads: " + ", ".join(f"{t} {after[3][t] - before[3].get(t, 0):.2f}" for t in busiest))
+    print("forward time per step (steps at or below each bound):")
+    below = 0
+    for key, count in after[4].items():
+        if key.endswith("_bucket") or "_bucket{" in key:
+            steps_here = count - before[4].get(key, 0) - below
+            if steps_here:
+                print(f"  <= {key.split('le=')[1].strip('}').strip(chr(34))} s: {steps_here:.0f}")
+            below += steps_here
+
+
+if __name__ == "__main__":
+    asyncio.run(_run(dict(arg.split("=", 1) for arg in sys.argv[1:])))
