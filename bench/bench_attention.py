@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import os
 import sys
 
@@ -59,7 +60,7 @@ def attention_case(step: Step, isa: str | None) -> float:
     meta = step.build()
     kwargs = {"isa": isa} if isa and "isa" in inspect.signature(attention.paged_attention).parameters else {}
     layers = [step.kv.layer(i) for i in range(step.kv.k.shape[0])]
-    calls = iter(range(1 << 62))
+    calls = itertools.count()
 
     def call():  # each call the next layer's cache, as a forward walks them
         k_cache, v_cache = layers[next(calls) % len(layers)]

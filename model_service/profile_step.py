@@ -23,6 +23,7 @@ On the CPU no profile runs: the host budget comes from MemAvailable, and a step'
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import numpy as np
@@ -99,22 +100,19 @@ def run_profile_steps(
     """Executes each profiled step, then drops its slots (a plan of finished slots only);
     returns what each profiled step computed."""
     computed = []
+    empty = np.zeros(0, dtype=np.int64)
     for step_id, step in enumerate(lengths):
-        computed.append(runner.execute(profile_plan(-1 - step_id, step, block_size, vocab_size)))
-        empty = np.zeros(0, dtype=np.int64)
+        plan = profile_plan(-1 - step_id, step, block_size, vocab_size)
+        computed.append(runner.execute(plan))
         runner.execute(
-            PlanArrays(
-                step_id=-1 - step_id,
+            dataclasses.replace(
+                plan,
                 new_sequences=[],
                 slots=empty,
                 num_scheduled_tokens=empty,
                 num_new_blocks=empty,
                 new_block_ids=empty,
-                finished_slots=np.arange(len(step), dtype=np.int64),
-                preempted_slots=empty,
-                aborted_slots=empty,
-                copy_src=empty,
-                copy_dst=empty,
+                finished_slots=plan.slots,
             )
         )
     return computed
