@@ -64,19 +64,28 @@ static inline void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t r1,
     }
 }
 
-// Work items: (group of NR panels, block of MB rows), group-major, so a thread's static share is
-// a run of whole groups: it reads its share of the weight once and keeps it in L2 across row
-// blocks. Few items' worth of work runs on the calling thread (a parallel region costs microseconds).
+// Work items: (slice of at most NR panels, block of MB rows), slice-major, so a thread's static
+// share is a run of whole slices: it reads its share of the weight once and keeps it in L2 across
+// row blocks. The panels are cut into a multiple of the thread count of near-equal slices: in
+// groups of NR, SmolLM2's 576-column projections were 9 groups, 5 on one thread and 4 on the other.
+// Few items' worth of work runs on the calling thread (a parallel region costs microseconds).
 struct Plan {
-    int64_t pairs, panels, groups, row_blocks, items;
+    int64_t pairs, panels, slices, row_blocks, items;
     bool parallel;
     Plan(int64_t rows, int64_t n, int64_t k, int num_threads) {
         pairs = (k + 1) / 2;
         panels = (n + GM_PANEL - 1) / GM_PANEL;
-        groups = (panels + NR - 1) / NR;
+        const int64_t groups = (panels + NR - 1) / NR;
         row_blocks = (rows + MB - 1) / MB;
-        items = groups * row_blocks;
-        parallel = num_threads > 1 && items > 1 && (n * k >= 32768 || rows * n * k >= (int64_t)1 << 20);
+        parallel = num_threads > 1 && groups * row_blocks > 1 && (n * k >= 32768 || rows * n * k >= (int64_t)1 << 20);
+        slices = parallel ? (groups + num_threads - 1) / num_threads * num_threads : groups;
+        items = slices * row_blocks;
+    }
+    // Panels [first, first + count) of slice `slice` (count <= NR; 0 for an empty slice of a
+    // weight with fewer panels than threads).
+    void slice_panels(int64_t slice, int64_t* first, int* count) const {
+        *first = slice * panels / slices;
+        *count = (int)((slice + 1) * panels / slices - *first);
     }
 };
 
@@ -87,9 +96,11 @@ static void linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint
     const int64_t panel_stride = plan.pairs * PAIR;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (plan.parallel)
     for (int64_t item = 0; item < plan.items; ++item) {
-        const int64_t group = item / plan.row_blocks, r0 = (item % plan.row_blocks) * MB;
-        const int64_t p0 = group * NR;
-        const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
+        const int64_t r0 = (item % plan.row_blocks) * MB;
+        int64_t p0;
+        int nr;
+        plan.slice_panels(item / plan.row_blocks, &p0, &nr);
+        if (nr == 0) continue;
         block(x, ldx, r0, std::min(rows, r0 + MB), packed + p0 * panel_stride, panel_stride, plan.pairs, p0, nr, n, bias,
               out, ldo, f32);
     }
@@ -108,9 +119,10 @@ static void linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint
         for (int64_t r = 0; r < rows; ++r) quantize_row(x + r * ldx, k, xq.data() + r * k, xd.data() + r * blocks);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < plan.items; ++item) {
-            const int64_t group = item / plan.row_blocks, r0 = (item % plan.row_blocks) * MB;
-            const int64_t p0 = group * NR, r1 = std::min(rows, r0 + MB);
-            const int nr = (int)std::min<int64_t>(NR, plan.panels - p0);
+            const int64_t r0 = (item % plan.row_blocks) * MB, r1 = std::min(rows, r0 + MB);
+            int64_t p0;
+            int nr;
+            plan.slice_panels(item / plan.row_blocks, &p0, &nr);
             for (int64_t r = r0; r < r1; r += MR_Q8) {
                 const int mr = (int)std::min<int64_t>(MR_Q8, r1 - r);
                 for (int64_t p = p0; p < p0 + nr; p += NR_Q8) {

@@ -149,6 +149,31 @@ def test_batch_invariant_at_every_row_count(isa, kind, in_features, out_features
             assert torch.equal(layer_ops.linear(packed, x[:rows]), full[:rows]), rows
 
 
+@pytest.mark.parametrize("isa", SUPPORTED)
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_thread_count_changes_no_bit(isa, kind):
+    """The panels are cut into as many near-equal slices per thread as it takes (csrc/gemm_driver.h):
+    1..5 threads give the same bits, for a weight of 9 groups of panels (SmolLM2's 576 columns),
+    odd panels, and fewer panels than threads (slices left empty)."""
+    threads = torch.get_num_threads()
+    for in_features, out_features in [(576, 576), (64, 200), (1536, 32)]:
+        layer = _linear(in_features, out_features) if kind == "bf16" else _int8(in_features, out_features)
+        packed = gemm.PackedLinear(layer, isa)
+        x = _randn(130, in_features, seed=17)  # two row blocks
+        outs = {}
+        try:
+            for n in range(1, 6):
+                torch.set_num_threads(n)
+                with torch.inference_mode():
+                    outs[n] = (packed(x[:16]), packed(x))
+        finally:
+            torch.set_num_threads(threads)
+        for n in range(2, 6):
+            assert torch.equal(outs[n][0], outs[1][0]) and torch.equal(outs[n][1], outs[1][1]), (in_features, out_features, n)
+        if kind == "bf16":  # and the bits are the right ones (int8's arithmetic has its own test above)
+            _assert_near_float64(outs[1][1], x, layer.weight)
+
+
 def test_paths_agree_within_rounding():
     """Every supported path gives results within one bf16 rounding of each other."""
     layer = _linear(576, 960)
