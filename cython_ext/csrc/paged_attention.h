@@ -77,7 +77,8 @@ typedef struct pa_item {
 #define PA_PARTIAL_FLOATS(d) ((d) + 2)
 // Query rows of one work item at most (a tile shares each K/V block read among its rows).
 #define PA_MAX_TILE_ROWS 16
-// KV blocks requested ahead of the one being attended (pa_prefetch_block).
+// KV blocks requested ahead of the one being attended (the first ones whole by pa_prefetch_block,
+// then each one's lines spread over the block PA_PREFETCH_BLOCKS before it by PrefetchCursor).
 #ifndef PA_PREFETCH_BLOCKS
 #define PA_PREFETCH_BLOCKS 2
 #endif

