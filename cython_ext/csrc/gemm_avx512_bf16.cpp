@@ -19,8 +19,12 @@ static inline __m512bh broadcast_pair(const uint16_t* a) {
 
 static inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-// Prefetch distance in pairs: 16 pairs = 1 KiB ahead in each panel's stream.
-constexpr int64_t kAhead = 16;
+// Prefetch distance in pairs, in each panel's stream: 16 pairs = 1 KiB ahead. A tile of 4 rows or
+// more spends long enough on a pair that 16 pairs ahead is too close for memory to answer, so it
+// asks 48 ahead (decode at 16 rows: ~4% less GEMM time); for fewer rows the hardware prefetcher
+// keeps up and farther software prefetches only cost (one row: ~6% more at 48).
+template <int MR>
+constexpr int64_t kAhead = MR >= 4 ? 48 : 16;
 
 template <int MR, int NR>
 static inline void store(__m512 (&acc)[MR][NR], const uint16_t* bias, void* c, int64_t ldc, int cols, int f32) {
@@ -54,7 +58,7 @@ void tile(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel_strid
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) {
             const uint16_t* line = b + j * panel_stride + p * 2 * GM_PANEL;
-            _mm_prefetch((const char*)(line + kAhead * 2 * GM_PANEL), _MM_HINT_T0);
+            _mm_prefetch((const char*)(line + kAhead<MR> * 2 * GM_PANEL), _MM_HINT_T0);
             w[j] = (__m512bh)_mm512_loadu_si512(line);
         }
 #pragma GCC unroll 8
