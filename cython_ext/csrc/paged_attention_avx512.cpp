@@ -142,19 +142,19 @@ static PA_INLINE void axpy_rows_nv(float* acc, const float* alpha, const float* 
 }
 
 // s_r[16 g .. 16 g + 16) = (q_r . k_j) * scale for R rows against key group g (key-minor K of
-// `columns` columns). Each row keeps PA_SCORE_CHAINS FMA (or VDPBF16PS) chains, chain i over the
-// columns c = i mod PA_SCORE_CHAINS in order, added pairwise at the end: a decode row's three heads
+// `columns` columns). Each row keeps kScoreChains FMA (or VDPBF16PS) chains, chain i over the
+// columns c = i mod kScoreChains in order, added pairwise at the end: a decode row's three heads
 // with one chain each waited on the instruction's latency (~20% of decode attention). The K column
 // is loaded once for the R rows. Every row count uses the same chains, so a row's bits do not
 // depend on how many rows share the pass.
-constexpr int PA_SCORE_CHAINS = 4;
+constexpr int kScoreChains = 4;
 
 template <int R, bool BF16>
 static PA_INLINE void scores_block(const float* q, int64_t q_stride, const float* kg, int64_t columns, float scale, float* s,
                                    int64_t s_stride) {
-    __m512 acc[R][PA_SCORE_CHAINS];
+    __m512 acc[R][kScoreChains];
     for (int r = 0; r < R; ++r)
-        for (int i = 0; i < PA_SCORE_CHAINS; ++i) acc[r][i] = _mm512_setzero_ps();
+        for (int i = 0; i < kScoreChains; ++i) acc[r][i] = _mm512_setzero_ps();
     auto step = [&](int r, int i, int64_t c, __m512 kc) {
 #ifdef PA_AVX512_BF16
         if (BF16) {
@@ -166,8 +166,8 @@ static PA_INLINE void scores_block(const float* q, int64_t q_stride, const float
         acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * q_stride + c]), kc, acc[r][i]);
     };
     int64_t c = 0;
-    for (; c + PA_SCORE_CHAINS <= columns; c += PA_SCORE_CHAINS)
-        for (int i = 0; i < PA_SCORE_CHAINS; ++i) {
+    for (; c + kScoreChains <= columns; c += kScoreChains)
+        for (int i = 0; i < kScoreChains; ++i) {
             const __m512 kc = _mm512_loadu_ps(kg + (c + i) * 16);
             for (int r = 0; r < R; ++r) step(r, i, c + i, kc);
         }
@@ -176,6 +176,7 @@ static PA_INLINE void scores_block(const float* q, int64_t q_stride, const float
         for (int r = 0; r < R; ++r) step(r, i, c, kc);
     }
     const __m512 sv = _mm512_set1_ps(scale);
+    static_assert(kScoreChains == 4, "the sum below adds four chains");
     for (int r = 0; r < R; ++r) {
         const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
         _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(sum, sv));
