@@ -23,32 +23,56 @@ import torch
 
 from cython_ext.mapping import StepInputBuilder
 from model_service.attention import build_attention_metadata
-from model_service.kv_cache import KVCache
+from model_service.kv_cache import KVCache, kv_block_bytes
+from model_service.loaded import LoadedModel
 from model_service.sampler import SamplingBatch, draw, filtered_probs, uniform_for
 from model_service.speculative import Draft
 
 DRAFT_STREAM = np.uint64(0xA0761D6478BD642F)
 
 
-class DraftModelDrafter:
-    def __init__(self, config, runner) -> None:
-        from model_service.loader import load_model
+def load_draft(config, target: LoadedModel) -> LoadedModel | None:
+    """The draft model of `config` (None unless speculative_method is "draft"): loaded before the
+    target's KV cache is sized, so its weights are out of the free memory the budget measures and
+    its cache is counted in each block's bytes (kv_budget.count_kv_blocks)."""
+    from model_service.loader import load_model
 
-        draft_config = dataclasses.replace(
-            config,
-            model=config.draft_model,
-            speculative_method="none",
-            draft_model=None,
-            served_model_name=None,
-            quantization="none",
+    if config.speculative_method != "draft":
+        return None
+
+    draft_config = dataclasses.replace(
+        config,
+        model=config.draft_model,
+        speculative_method="none",
+        draft_model=None,
+        served_model_name=None,
+        quantization="none",
+    )
+    loaded = load_model(draft_config)
+    if loaded.arch.vocab_size != target.arch.vocab_size:
+        raise ValueError(
+            f"draft_model: vocabulary of {loaded.arch.vocab_size} tokens, the target's has "
+            f"{target.arch.vocab_size}"
         )
-        self.loaded = load_model(draft_config)
+    return loaded
+
+
+def draft_block_bytes(loaded: LoadedModel | None, block_size: int) -> int:
+    """Bytes one block of the draft's own KV cache takes (the draft is never tensor-parallel);
+    0 without a draft model."""
+    if loaded is None:
+        return 0
+    arch = loaded.arch
+    dtype = next(loaded.model.parameters()).dtype
+    return kv_block_bytes(
+        arch.num_hidden_layers, block_size, arch.num_key_value_heads, arch.head_dim, dtype
+    )
+
+
+class DraftModelDrafter:
+    def __init__(self, config, runner, loaded: LoadedModel) -> None:
+        self.loaded = loaded
         arch = self.loaded.arch
-        if arch.vocab_size != runner.loaded.arch.vocab_size:
-            raise ValueError(
-                f"draft_model: vocabulary of {arch.vocab_size} tokens, the target's has "
-                f"{runner.loaded.arch.vocab_size}"
-            )
         self.model = self.loaded.model
         self.device = runner.device
         self.slot_table = runner.slot_table  # tokens and block tables are the target's

@@ -79,13 +79,16 @@ def count_kv_blocks(
     dtype: torch.dtype,
     device: torch.device,
     step_peak_bytes: int | None = None,
+    draft_block_bytes: int = 0,
 ) -> int:
     """The blocks to allocate: num_kv_blocks as configured (or as the model fixes it), else as
     many as the memory budget holds (ValueError naming the budget's field below 2).
-    step_peak_bytes (CUDA: the profiled step's peak) is left free beside CUDA_RESERVE_BYTES."""
+    step_peak_bytes (CUDA: the profiled step's peak) is left free beside CUDA_RESERVE_BYTES.
+    draft_block_bytes: a draft model's KV per block (draft_model.py), which keeps its own cache
+    of the same block count: the budget holds both caches."""
     arch = loaded.arch
     # Under tensor parallelism each rank caches only its own KV heads.
-    per_block = kv_block_bytes(
+    per_block = draft_block_bytes + kv_block_bytes(
         arch.num_hidden_layers,
         config.block_size,
         loaded.num_kv_heads_per_rank,

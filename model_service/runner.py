@@ -35,7 +35,7 @@ import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder, StepInputs
-from model_service import decoder_loop, draft_step, profile_step, threads
+from model_service import decoder_loop, draft_model, draft_step, profile_step, threads
 from model_service.attention import ATTENTION_ISA, build_attention_metadata
 from model_service.batch import ComputedStep, PlanArrays, PlanLimits
 from model_service.config import ModelServiceConfig
@@ -121,14 +121,19 @@ class ModelRunner:
             self.slot_table.max_blocks_per_seq,
             self.block_size,
         )
+        # A draft model is loaded first: the budget holds its KV cache beside the target's.
+        draft = draft_model.load_draft(config, loaded)
         step_peak_bytes = self._profile_largest_step() if self._profiles() else None
-        num_blocks = count_kv_blocks(config, loaded, self.dtype, self.device, step_peak_bytes)
+        draft_bytes = draft_model.draft_block_bytes(draft, self.block_size)
+        num_blocks = count_kv_blocks(
+            config, loaded, self.dtype, self.device, step_peak_bytes, draft_bytes
+        )
         self._allocate_cache(num_blocks)
         self.kv_cache.allocate_swap(config.swap_space_bytes // self.kv_cache.block_bytes)
         self.limits: PlanLimits = dataclasses.replace(
             self.limits, num_swap_blocks=self.kv_cache.num_swap_blocks
         )
-        self.drafter = self._drafter()
+        self.drafter = self._drafter(draft)
         self.num_speculative_tokens = 0 if self.drafter is None else config.num_speculative_tokens
         self.compute = self._compute_paths()
         log.info(
@@ -179,14 +184,12 @@ class ModelRunner:
         log.info("largest_step_profiled", tokens=self.config.profile_step_tokens, peak_bytes=peak)
         return peak
 
-    def _drafter(self) -> Drafter | None:
+    def _drafter(self, draft: LoadedModel | None) -> Drafter | None:
         """Speculative decoding: the drafter proposes, draft_step.verify_drafts decides."""
         if self.config.speculative_method == "ngram":
             return NgramDrafter(max_n=self.config.ngram_max)
-        if self.config.speculative_method == "draft":
-            from model_service.draft_model import DraftModelDrafter
-
-            return DraftModelDrafter(self.config, self)
+        if draft is not None:
+            return draft_model.DraftModelDrafter(self.config, self, draft)
         return None
 
     def _compute_paths(self) -> dict[str, str]:

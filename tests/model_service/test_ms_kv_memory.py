@@ -32,6 +32,33 @@ def test_blocks_derived_from_the_memory_budget(tiny_loaded):
     assert facts_to_pb(runner.describe_facts()).num_kv_blocks == 100
 
 
+def test_the_budget_holds_a_draft_models_cache_too(tiny_loaded):
+    """A draft model keeps its own KV cache of the same block count (draft_model.py): the budget
+    is for both caches, so each block costs the target's bytes and the draft's (the tiny model
+    drafting for itself: twice one block)."""
+    runner = _runner(tiny_loaded, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32,
+                     speculative_method="draft", draft_model="tiny", num_speculative_tokens=2)
+    assert runner.describe_facts().num_kv_blocks == 50
+    draft_cache = runner.drafter.kv_cache
+    assert draft_cache.k.shape[1] == 50 and draft_cache.block_bytes == TINY_BLOCK_BYTES_FP32
+    cache_bytes = (runner.kv_cache.k.numel() + runner.kv_cache.v.numel() + draft_cache.k.numel()
+                   + draft_cache.v.numel()) * 4
+    assert cache_bytes <= 100 * TINY_BLOCK_BYTES_FP32
+    # Without a draft the same budget holds the target's 100 blocks.
+    assert _runner(tiny_loaded, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32).describe_facts().num_kv_blocks == 100
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(tiny_loaded, monkeypatch):
+    import dataclasses
+
+    # A stand-in for a draft checkpoint of another vocabulary: the tiny model with one more token.
+    arch = dataclasses.replace(tiny_loaded.arch, vocab_size=tiny_loaded.arch.vocab_size + 1)
+    monkeypatch.setattr("model_service.loader.load_model", lambda config: dataclasses.replace(tiny_loaded, arch=arch))
+    with pytest.raises(ValueError, match=r"draft_model: vocabulary of \d+ tokens, the target's has \d+"):
+        _runner(tiny_loaded, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32,
+                speculative_method="draft", draft_model="tiny", num_speculative_tokens=2)
+
+
 def test_num_kv_blocks_wins_over_the_budget(tiny_loaded):
     runner = _runner(tiny_loaded, num_kv_blocks=40, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32)
     assert runner.describe_facts().num_kv_blocks == 40
