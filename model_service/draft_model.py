@@ -35,10 +35,9 @@ def load_draft(config, target: LoadedModel) -> LoadedModel | None:
     """The draft model of `config` (None unless speculative_method is "draft"): loaded before the
     target's KV cache is sized, so its weights are out of the free memory the budget measures and
     its cache is counted in each block's bytes (kv_budget.count_kv_blocks)."""
-    from model_service.loader import load_model
-
     if config.speculative_method != "draft":
         return None
+    from model_service.loader import load_model
 
     draft_config = dataclasses.replace(
         config,
@@ -57,32 +56,36 @@ def load_draft(config, target: LoadedModel) -> LoadedModel | None:
     return loaded
 
 
-def draft_block_bytes(loaded: LoadedModel | None, block_size: int) -> int:
-    """Bytes one block of the draft's own KV cache takes (the draft is never tensor-parallel);
-    0 without a draft model."""
-    if loaded is None:
-        return 0
+def _cache_shape(loaded: LoadedModel) -> tuple[int, int, int, torch.dtype]:
+    """The draft's own KV cache: (layers, KV heads, head dim, dtype), all of its heads (the draft
+    is never tensor-parallel). One owner for the budget (draft_block_bytes) and the cache."""
     arch = loaded.arch
     dtype = next(loaded.model.parameters()).dtype
-    return kv_block_bytes(
-        arch.num_hidden_layers, block_size, arch.num_key_value_heads, arch.head_dim, dtype
-    )
+    return arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, dtype
+
+
+def draft_block_bytes(loaded: LoadedModel | None, block_size: int) -> int:
+    """Bytes one block of the draft's own KV cache takes; 0 without a draft model."""
+    if loaded is None:
+        return 0
+    layers, kv_heads, head_dim, dtype = _cache_shape(loaded)
+    return kv_block_bytes(layers, block_size, kv_heads, head_dim, dtype)
 
 
 class DraftModelDrafter:
     def __init__(self, config, runner, loaded: LoadedModel) -> None:
         self.loaded = loaded
-        arch = self.loaded.arch
         self.model = self.loaded.model
         self.device = runner.device
         self.slot_table = runner.slot_table  # tokens and block tables are the target's
+        layers, kv_heads, head_dim, dtype = _cache_shape(loaded)
         self.kv_cache = KVCache(
-            arch.num_hidden_layers,
+            layers,
             runner.limits.num_kv_blocks,
             runner.block_size,
-            arch.num_key_value_heads,
-            arch.head_dim,
-            next(self.model.parameters()).dtype,
+            kv_heads,
+            head_dim,
+            dtype,
             self.device,
         )
         self.block_size = runner.block_size
