@@ -83,7 +83,7 @@ class Step:
     cache with `num_layers` layers; `args()` are the model's forward arguments."""
 
     def __init__(self, seqs, dtype, num_layers: int = 1, kv_heads: int = 3, head_dim: int = 64,
-                 spare_factor: int = 4, seed: int = 0):
+                 spare_factor: int = 4, seed: int = 0, device: str = "cpu"):
         rng = np.random.default_rng(seed)
         computed = np.array([c for c, _ in seqs], dtype=np.int64)
         scheduled = np.array([n for _, n in seqs], dtype=np.int64)
@@ -99,13 +99,13 @@ class Step:
         rows = [(b, p) for b in range(len(seqs)) for p in range(computed[b], context[b])]
         slots = np.array([tables[b, p // BLOCK] * BLOCK + p % BLOCK for b, p in rows], dtype=np.int64)
         query_start = np.concatenate(([0], np.cumsum(scheduled)[:-1])).astype(np.int64)
-        t = torch.from_numpy
+        t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         # Older trees split mixed steps into groups from the host copies; pass them where accepted.
         host = {"host_num_scheduled": scheduled, "host_context_lens": context} \
             if "host_num_scheduled" in inspect.signature(attention.build_attention_metadata).parameters else {}
         self.build = lambda: attention.build_attention_metadata(  # noqa: E731
             t(slots), t(query_start), t(scheduled), t(context), t(tables), BLOCK, int(scheduled.max()), int(context.max()), **host)
-        self.kv = KVCache(num_layers, num_blocks, BLOCK, kv_heads, head_dim, dtype, "cpu")
+        self.kv = KVCache(num_layers, num_blocks, BLOCK, kv_heads, head_dim, dtype, device)
         self.kv.k.normal_(), self.kv.v.normal_()
         self.kv.k[:, 0] = self.kv.v[:, 0] = 0
         self.num_rows = len(rows)
@@ -113,7 +113,7 @@ class Step:
         self.kv_bytes = int(context.sum()) * kv_heads * head_dim * 2 * self.kv.k.element_size() * num_layers
         positions = np.concatenate([np.arange(c, c + n) for c, n in seqs]).astype(np.int64)
         self.positions = t(positions)
-        self.input_ids = torch.randint(100, 40000, (len(positions),), generator=torch.Generator().manual_seed(seed))
+        self.input_ids = torch.randint(100, 40000, (len(positions),), generator=torch.Generator().manual_seed(seed)).to(device)
         self.logits_indices = t((np.cumsum(scheduled) - 1).astype(np.int64))
         self.meta = None
 

