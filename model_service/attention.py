@@ -37,6 +37,7 @@ or with a block size the kernel does not take, use `_torch_attention` (gather + 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,16 @@ def resolve_isa(name: str | None = None) -> str:
 
 
 ATTENTION_ISA = resolve_isa()
+
+
+def cuda_path(k_cache: torch.Tensor) -> str:
+    """The attention path a model with this (5-D, all layers') cache runs off the CPU, for
+    Describe's `compute`: "triton", or "torch (why)"."""
+    if os.environ.get(ISA_ENV) == TORCH_PATH:
+        return f"torch ({ISA_ENV}=torch)"
+    probe = torch.empty(1, 1, k_cache.shape[-1], dtype=k_cache.dtype, device=k_cache.device)
+    reason = cuda_attention.unsupported_reason(probe, k_cache[0])
+    return "triton" if reason is None else f"torch ({reason})"
 
 
 def split_positions(block_size: int) -> int:

@@ -35,8 +35,8 @@ import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder, StepInputs
-from model_service import decoder_loop, draft_model, draft_step, profile_step, threads
-from model_service.attention import ATTENTION_ISA, build_attention_metadata
+from model_service import cuda_graphs, decoder_loop, draft_model, draft_step, profile_step, threads
+from model_service.attention import ATTENTION_ISA, build_attention_metadata, cuda_path
 from model_service.batch import ComputedStep, PlanArrays, PlanLimits
 from model_service.config import ModelServiceConfig
 from model_service.draft_step import Drafter
@@ -112,6 +112,7 @@ class ModelRunner:
         # ends.
         self._lock = threading.Lock()
         self.drafter: Drafter | None = None  # none while the largest step is profiled
+        self.graphs: cuda_graphs.DecodeGraphs | None = None  # none until the cache is sized
         self.num_speculative_tokens = 0
         self.slot_table = SlotTable(config.max_num_slots, loaded.max_model_len, self.block_size)
         # Row capacity is a first guess (no token budget is configured here); the builder grows it.
@@ -135,7 +136,8 @@ class ModelRunner:
         )
         self.drafter = self._drafter(draft)
         self.num_speculative_tokens = 0 if self.drafter is None else config.num_speculative_tokens
-        self.compute = self._compute_paths()
+        self.graphs, graphs_path = cuda_graphs.capture(self)  # CUDA decode steps, where they apply
+        self.compute = {**self._compute_paths(), "cuda_graphs": graphs_path}
         log.info(
             "runner_ready",
             model=loaded.name,
@@ -197,7 +199,7 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         return {
             **threads.settings(),
-            "attention": ATTENTION_ISA if on_cpu else "torch",
+            "attention": ATTENTION_ISA if on_cpu else cuda_path(self.kv_cache.k),
             "layer_ops": LAYER_OPS_ISA if on_cpu else "torch",
             "gemm": next(
                 (m.isa for m in self.model.modules() if isinstance(m, PackedLinear)), "torch"
@@ -336,6 +338,9 @@ class ModelRunner:
         return _LogitsRows(x.sample_slots.size, draft, prompt, targets, counts, indices)
 
     def _forward(self, x: StepInputs, n: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor:
+        if self.graphs and (logits := self.graphs.run(x, n, logits_indices)) is not None:
+            self._sync()
+            return logits
         meta = build_attention_metadata(
             self._dev(x.slot_mapping),
             self._dev(x.query_start),

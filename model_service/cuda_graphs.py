@@ -1,0 +1,139 @@
+"""Decode steps on CUDA replayed from captured CUDA graphs, one graph per padded batch size.
+
+Why: a SmolLM2-135M step launches ~1,200 kernels (30 layers of ~40 ops). On an H100 the GPU was
+busy ~3.6 ms of a 27-48 ms bf16 decode step (torch.profiler; bench/results/cuda_forward.json):
+the step was the host launching kernels one by one. A graph launches them all in one call.
+
+What is captured: the model's forward for a decode-only step (every sequence one new row whose
+logits are sampled: no prompt chunk, prompt logprobs or draft rows), once per size in BUCKETS up to
+max_num_slots, largest first, all in one memory pool. A step of B sequences replays the smallest
+size >= B; the rows after B are padding: num_scheduled 0, so the attention kernel skips them, and
+their K/V rows go to the reserved block 0, which no block table reads. Every other step runs
+eagerly, as before.
+
+Inputs live in static device buffers (each size reads the first rows of them); a step writes its
+host arrays into a pinned staging buffer, copies it over in two transfers, and replays.
+
+Where graphs are not used (`unsupported_reason`): off CUDA; with PLANSERVE_CUDA_GRAPHS=0; where
+attention runs the torch path (it sizes its gather from the step's longest context on the host,
+which a graph would freeze); under tensor parallelism (the ranks would have to replay in
+lockstep; not built).
+
+Numerics: a padded size runs the GEMMs at its own row count, and cuBLAS picks its kernels by shape,
+so a row's logits may differ in the last bits from an eager step of B rows. cuBLAS is no more
+batch invariant eagerly: on CUDA, batch invariance holds for the attention kernel only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from model_service import cuda_attention
+from model_service.attention import ISA_ENV, TORCH_PATH, build_attention_metadata
+
+ENV = "PLANSERVE_CUDA_GRAPHS"
+# The captured batch sizes (and max_num_slots), as vLLM's: every size up to 8, then steps of 16.
+BUCKETS = (1, 2, 4, 8, *range(16, 257, 16))
+
+
+def unsupported_reason(runner) -> str | None:
+    """Why a runner's decode steps run eagerly, or None where they are captured."""
+    if runner.device.type != "cuda":
+        return f"device {runner.device.type}"
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if os.environ.get(ISA_ENV) == TORCH_PATH:
+        return "attention on the torch path"
+    probe_q = torch.empty(
+        1, 1, runner.loaded.arch.head_dim, dtype=runner.dtype, device=runner.device
+    )
+    reason = cuda_attention.unsupported_reason(probe_q, runner.kv_cache.layer(0)[0])
+    if reason is not None:
+        return f"attention on the torch path: {reason}"
+    if runner.loaded.tensor_parallel_size > 1:
+        return "tensor parallel"
+    return None
+
+
+def capture(runner) -> tuple[DecodeGraphs | None, str]:
+    """A runner's decode graphs (captured now) and the path Describe reports, or None and why."""
+    reason = unsupported_reason(runner)
+    if reason is not None:
+        return None, f"none ({reason})"
+    config = runner.config
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_cache, runner.block_size, config.max_num_slots,
+        runner.slot_table.max_blocks_per_seq,
+    )  # fmt: skip
+    return graphs, f"decode, batch sizes {','.join(map(str, graphs.sizes))}"
+
+
+class DecodeGraphs:
+    """The captured decode step of each size, and the static buffers they read."""
+
+    def __init__(self, model, kv_cache, block_size: int, max_rows: int, max_blocks_per_seq: int):
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.sizes = [b for b in BUCKETS if b < max_rows] + [max_rows]
+        device = kv_cache.k.device
+        # Staging rows: input ids, positions, slot mapping, context lengths, num_scheduled.
+        self.staging = torch.zeros((5, max_rows), dtype=torch.int64).pin_memory()
+        self.staged_tables = torch.zeros((max_rows, max_blocks_per_seq), dtype=torch.int64)
+        self.staged_tables = self.staged_tables.pin_memory()
+        self.inputs = torch.zeros((5, max_rows), dtype=torch.int64, device=device)
+        self.tables = torch.zeros((max_rows, max_blocks_per_seq), dtype=torch.int64, device=device)
+        self.rows = torch.arange(max_rows, device=device)  # query starts and logits rows alike
+        self.replays = 0  # steps served by a replay (tests, and the note's figures)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.inputs[3:5] = 1  # warm-up and capture: every row a decode at position 0 of block 0
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: the smaller reuse its pool's memory
+            self._capture(size, pool)
+
+    def _args(self, size: int):
+        ids, positions, slots, context_lens, num_scheduled = self.inputs[:, :size]
+        # max_context_len is the torch path's alone; the kernel reads context_lens on the device.
+        meta = build_attention_metadata(
+            slots, self.rows[:size], num_scheduled, context_lens, self.tables[:size],
+            self.block_size, 1, self.tables.shape[1] * self.block_size,
+        )  # fmt: skip
+        return ids, positions, meta, self.kv_cache, self.rows[:size]
+
+    def _capture(self, size: int, pool) -> None:
+        args = self._args(size)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            self.model(*args)  # warm-up: Triton compiles, cuBLAS chooses, nothing is recorded
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            self.logits[size] = self.model(*args)
+        self.graphs[size] = graph
+
+    def run(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor | None:
+        """The step's logits [B, vocab] from a replay, or None where the step must run eagerly."""
+        count = num_scheduled.size
+        if (
+            x.max_query_len != 1
+            or count > self.sizes[-1]
+            or not np.array_equal(logits_indices, np.arange(count))  # every row sampled
+            or x.block_tables.shape[1] > self.tables.shape[1]
+        ):
+            return None
+        size = next(b for b in self.sizes if b >= count)
+        host = self.staging.numpy()
+        host[:, count:size] = 0  # padding rows: token 0 at position 0, slot 0, nothing scheduled
+        for row, values in enumerate((x.input_ids, x.positions, x.slot_mapping, x.context_lens)):
+            host[row, :count] = values[:count]
+        host[4, :count] = 1
+        width = x.block_tables.shape[1]
+        self.staged_tables.numpy()[:count, :width] = x.block_tables[:count]
+        self.inputs[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        self.tables[:count, :width].copy_(self.staged_tables[:count, :width], non_blocking=True)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.logits[size][:count]
