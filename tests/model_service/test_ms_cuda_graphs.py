@@ -58,3 +58,19 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
     tolerance = 1e-4 if dtype == "float32" else 5e-2
     for slot, values in logprobs.items():
         assert max(abs(a - b) for a, b in zip(values, eager_logprobs[slot])) <= tolerance
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_float16_on_cuda_gives_float32s_first_16_greedy_tokens():
+    """--dtype float16, for GPUs without bf16: the Triton kernel and the graphs in float16."""
+    tokens = {}
+    for dtype in ("float32", "float16"):
+        config = tiny_config(device="cuda", dtype=dtype)
+        runner = ModelRunner(load_model(config), config)
+        assert runner.compute["attention"] == "triton" and runner.graphs is not None
+        driver = Driver(runner)
+        driver.add(0, list(range(3, 40)))
+        driver.add(1, list(range(50, 61)))
+        tokens[dtype] = driver.run_to_completion(16, chunk=16)
+    assert tokens["float16"] == tokens["float32"]
