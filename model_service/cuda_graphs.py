@@ -11,8 +11,11 @@ size >= B; the rows after B are padding: num_scheduled 0, so the attention kerne
 their K/V rows go to the reserved block 0, which no block table reads. Every other step runs
 eagerly, as before.
 
-Inputs live in static device buffers (each size reads the first rows of them); a step writes its
-host arrays into a pinned staging buffer, copies it over in two transfers, and replays.
+Inputs and logits live in static device buffers (each size uses the first rows of them); a step
+writes its host arrays into a pinned staging buffer, copies it over in two transfers, and replays.
+Each graph copies its logits into the one static output, so nothing it allocated outlives its
+capture and the next (smaller) capture reuses the pool's memory: the graphs hold about one
+largest decode step's activations (logged at start as decode_graphs_captured), not one per size.
 
 Where graphs are not used (`unsupported_reason`): off CUDA; with PLANSERVE_CUDA_GRAPHS=0; where
 attention runs the torch path (it sizes its gather from the step's longest context on the host,
@@ -29,11 +32,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import structlog
 import torch
 
 from model_service import cuda_attention
 from model_service.attention import ISA_ENV, TORCH_PATH, build_attention_metadata
 
+log = structlog.get_logger(__name__)
 ENV = "PLANSERVE_CUDA_GRAPHS"
 # The captured batch sizes (and max_num_slots), as vLLM's: every size up to 8, then steps of 16.
 BUCKETS = (1, 2, 4, 8, *range(16, 257, 16))
@@ -64,10 +69,13 @@ def capture(runner) -> tuple[DecodeGraphs | None, str]:
     if reason is not None:
         return None, f"none ({reason})"
     config = runner.config
+    before = torch.cuda.memory_reserved(runner.device)
     graphs = DecodeGraphs(
         runner.model, runner.kv_cache, runner.block_size, config.max_num_slots,
         runner.slot_table.max_blocks_per_seq,
     )  # fmt: skip
+    held = torch.cuda.memory_reserved(runner.device) - before
+    log.info("decode_graphs_captured", sizes=len(graphs.sizes), bytes=held)
     return graphs, f"decode, batch sizes {','.join(map(str, graphs.sizes))}"
 
 
@@ -87,7 +95,7 @@ class DecodeGraphs:
         self.rows = torch.arange(max_rows, device=device)  # query starts and logits rows alike
         self.replays = 0  # steps served by a replay (tests, and the note's figures)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits = torch.empty(0)  # [max_rows, vocab] once the first (largest) warm-up ran
         self.inputs[3:5] = 1  # warm-up and capture: every row a decode at position 0 of block 0
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller reuse its pool's memory
@@ -107,11 +115,15 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(side):
-            self.model(*args)  # warm-up: Triton compiles, cuBLAS chooses, nothing is recorded
+            warm = self.model(*args)  # warm-up: Triton compiles, cuBLAS chooses, nothing recorded
         torch.cuda.current_stream().wait_stream(side)
+        if self.logits.numel() == 0:
+            self.logits = torch.empty((self.rows.numel(), warm.shape[1]), dtype=warm.dtype,
+                                      device=warm.device)  # fmt: skip
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            self.logits[size] = self.model(*args)
+            self.logits[:size].copy_(self.model(*args))
         self.graphs[size] = graph
 
     def run(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor | None:
@@ -136,4 +148,4 @@ class DecodeGraphs:
         self.tables[:count, :width].copy_(self.staged_tables[:count, :width], non_blocking=True)
         self.graphs[size].replay()
         self.replays += 1
-        return self.logits[size][:count]
+        return self.logits[:count]

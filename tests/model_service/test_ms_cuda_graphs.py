@@ -49,6 +49,7 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
     assert graphed.compute["attention"] == "triton"
     tokens, logprobs = _run(graphed)
     assert graphed.graphs.replays >= 10  # the decode steps (prefill steps run eagerly)
+    assert graphed.graphs.logits.shape == (16, loaded.arch.vocab_size)  # one output for all sizes
 
     monkeypatch.setenv(cuda_graphs.ENV, "0")
     eager = ModelRunner(loaded, config)
