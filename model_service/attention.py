@@ -242,8 +242,8 @@ def _write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
 def _torch_attention(
     q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window: int | None = None
 ) -> torch.Tensor:
-    """Gather + SDPA in plain torch, for devices without a native kernel here (CUDA: the real
-    paged kernel is the forward-speed part 3's). Same layouts and semantics as the CPU kernel."""
+    """Gather + SDPA in plain torch, where neither the CPU kernel nor the Triton one runs (and for
+    A/B checks). Same layouts and semantics as the CPU kernel."""
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     _write_kv(k, v, k_cache, v_cache, meta)
     width = -(-meta.max_context_len // block_size)
