@@ -35,8 +35,7 @@ import numpy as np
 import structlog
 import torch
 
-from model_service import cuda_attention
-from model_service.attention import ISA_ENV, TORCH_PATH, build_attention_metadata
+from model_service.attention import build_attention_metadata, cuda_path
 
 log = structlog.get_logger(__name__)
 ENV = "PLANSERVE_CUDA_GRAPHS"
@@ -50,14 +49,9 @@ def unsupported_reason(runner) -> str | None:
         return f"device {runner.device.type}"
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    if os.environ.get(ISA_ENV) == TORCH_PATH:
-        return "attention on the torch path"
-    probe_q = torch.empty(
-        1, 1, runner.loaded.arch.head_dim, dtype=runner.dtype, device=runner.device
-    )
-    reason = cuda_attention.unsupported_reason(probe_q, runner.kv_cache.layer(0)[0])
-    if reason is not None:
-        return f"attention on the torch path: {reason}"
+    attention = cuda_path(runner.kv_cache.k)
+    if attention != "triton":
+        return f"attention runs {attention}"
     if runner.loaded.tensor_parallel_size > 1:
         return "tensor parallel"
     return None
