@@ -27,14 +27,20 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
+def meta_on(meta, device: str):
+    """The step's index tensors moved to `device`, as the runner builds them off the CPU (no
+    native step: that is the CPU kernel's view)."""
+    for name in ("slot_mapping", "query_start", "num_scheduled", "context_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    meta.native_step = None
+    return meta
+
+
 def run_kernel(batch: Batch, device: str, sliding_window=None):
     """(output [T, H, D] on the CPU, caches after the write) of the Triton kernel on `device`."""
-    meta = batch.meta()
+    meta = meta_on(batch.meta(), device)
     to = lambda t: t.to(device)  # noqa: E731
     k_cache, v_cache = to(batch.k_cache.clone()), to(batch.v_cache.clone())
-    meta.slot_mapping, meta.block_tables = to(meta.slot_mapping), to(meta.block_tables)
-    meta.query_start, meta.num_scheduled = to(meta.query_start), to(meta.num_scheduled)
-    meta.context_lens = to(meta.context_lens)
     _write_kv(to(batch.k), to(batch.v), k_cache, v_cache, meta)
     out = cuda_attention.paged_attention(
         to(batch.q), k_cache, v_cache, meta.query_start, meta.num_scheduled, meta.context_lens,
@@ -120,10 +126,7 @@ def test_a_block_size_the_kernel_does_not_take_runs_the_torch_path_on_cuda():
     batch = Batch([1, 9, 1], [300, 20, 0], 6, 2, 64, 8, torch.float32, seed=3)
     assert cuda_attention.unsupported_reason(batch.q.cuda(), batch.k_cache.cuda()) == (
         "block_size 8 (a power of two >= 16 is needed)")
-    meta = batch.meta()
-    for name in ("slot_mapping", "query_start", "num_scheduled", "context_lens", "block_tables"):
-        setattr(meta, name, getattr(meta, name).cuda())
-    meta.native_step = None
+    meta = meta_on(batch.meta(), "cuda")
     k_cache, v_cache = batch.k_cache.cuda(), batch.v_cache.cuda()
     out = attention.paged_attention(batch.q.cuda(), batch.k.cuda(), batch.v.cuda(), k_cache, v_cache, meta)
     ref = batch.reference(k_cache.cpu(), v_cache.cpu())
@@ -148,9 +151,7 @@ def test_cuda_row_is_bitwise_the_same_alone_in_a_batch_and_in_a_chunk(dtype, len
     real = attention.paged_attention
 
     def on_cuda(q, k, v, k_cache, v_cache, meta, isa=None):
-        for name in ("slot_mapping", "query_start", "num_scheduled", "context_lens", "block_tables"):
-            setattr(meta, name, getattr(meta, name).cuda())
-        meta.native_step = None
+        meta = meta_on(meta, "cuda")
         out = real(q.cuda(), k.cuda(), v.cuda(), k_cache.cuda(), v_cache.cuda(), meta)
         return out.cpu()
 
