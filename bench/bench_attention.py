@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench import measure  # noqa: E402
 from bench.measure import median_seconds  # noqa: E402
-from model_service import attention  # noqa: E402
+from model_service.attention import paged as attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 MODEL_LAYERS = 30
@@ -86,7 +86,7 @@ def forward_cases(isa: str | None, bandwidth: float, rates: dict) -> dict:
     """SmolLM2's whole forward (bf16 and float32): decode at batch 16 (contexts 280..320) and a
     2,048-token prompt in chunks of 512, against weights+KV bytes / bandwidth and FLOPs / rate."""
     from model_service.config import ModelServiceConfig
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
 
     if isa:
         os.environ[attention.ISA_ENV] = isa

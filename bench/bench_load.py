@@ -2,7 +2,7 @@
 shape: hidden 2048, 22 layers, 32 query / 4 KV heads, MLP 5632; SmolLM2's vocabulary of 49152 so
 its tokenizer fits; untied) written as
 bf16 safetensors in two shards with model.safetensors.index.json, random weights, then loaded by
-`model_service.loader.load_model` in a fresh process per case, bfloat16, at tensor parallel 1 and
+`model_service.loading.loader.load_model` in a fresh process per case, bfloat16, at tensor parallel 1 and
 as rank 0 of 2 (that rank's share only: the collectives are not needed to load).
 
 Measured: RssAnon (anonymous memory: the memory-mapped safetensors pages count in RSS but not
@@ -58,8 +58,8 @@ def write_checkpoint(folder: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from model_service.gguf_file import load_gguf_tokenizer
-    from model_service.loader import smollm2_path
+    from model_service.loading.gguf_file import load_gguf_tokenizer
+    from model_service.loading.loader import smollm2_path
 
     os.makedirs(folder, exist_ok=True)
     names = sorted(_shapes().items())
@@ -90,9 +90,9 @@ def measure_in_this_process(folder: str, case: str) -> dict:
     import torch
 
     from model_service.config import ModelServiceConfig
-    from model_service.loader import load_model
-    from model_service.parallel import RankShare
-    from model_service.quant import weight_bytes
+    from model_service.loading.loader import load_model
+    from model_service.models.parallel import RankShare
+    from model_service.kernels.quant import weight_bytes
 
     world_size = 2 if case.startswith("tp2") else 1
     quantization = "int8" if case.endswith("int8") else "none"

@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from model_service import attention
-from model_service.kv_cache import KVCache
+from model_service.attention import paged as attention
+from model_service.attention.kv_cache import KVCache
 
 BLOCK = 16
 

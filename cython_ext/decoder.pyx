@@ -3,7 +3,7 @@
 `DecoderLayers` holds a model's layer table (the packed weights' and norms' addresses, each
 layer's KV cache) and runs every layer of a step with one call that releases the GIL: the same
 kernel calls, in the same order, as the Python loop of model_service/models/llama.py, without a
-Python wrapper and a tensor allocation around each (model_service/decoder_loop.py builds it and
+Python wrapper and a tensor allocation around each (model_service/models/decoder_loop.py builds it and
 keeps the tensors alive). The kernels come from their own extensions by address.
 """
 from libc.stdint cimport int64_t, uint16_t, uintptr_t

@@ -1,7 +1,7 @@
 """Small-batch GEMMs over prepacked weights (contract: gemm.pxd, csrc/gemm.h).
 
 Tensors cross as raw addresses, as in layer_ops.pyx (torch stays out of this module);
-model_service/gemm.py checks dtypes, shapes and contiguity before handing addresses over.
+model_service/kernels/gemm.py checks dtypes, shapes and contiguity before handing addresses over.
 Each call releases the GIL. Errors come back as ValueError with the C side's message.
 """
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uintptr_t

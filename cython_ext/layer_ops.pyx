@@ -1,7 +1,7 @@
 """Row-wise layer operations of the decoder (contract: layer_ops.pxd, csrc/layer_ops.h).
 
 Tensors cross as raw addresses, as in paged_attention.pyx (torch stays out of this module);
-model_service/layer_ops.py checks dtypes, shapes and contiguity before handing addresses over.
+model_service/kernels/layer_ops.py checks dtypes, shapes and contiguity before handing addresses over.
 Each call releases the GIL. Errors come back as ValueError with the C side's message.
 """
 from libc.stdint cimport int64_t, uintptr_t

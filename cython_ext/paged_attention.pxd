@@ -1,7 +1,7 @@
 """Paged attention kernel: the C contract (csrc/paged_attention.h) as Cython sees it.
 
 paged_attention.pyx wraps it for Python (paged_attention.pyi is the Python view); the tensor
-layouts are drawn in csrc/paged_attention.h and in model_service/attention.py.
+layouts are drawn in csrc/paged_attention.h and in model_service/attention/paged.py.
 """
 from libc.stdint cimport int64_t
 

@@ -3,7 +3,7 @@
 One AttentionStep per forward step holds the step's index arrays (shared by every layer); its
 run() is one layer's call: write the step's K/V rows into the cache, attend every query row in
 place through the block table. Tensors cross as raw addresses (torch stays out of this module, so
-the package builds without torch headers); model_service/attention.py checks dtypes, shapes and
+the package builds without torch headers); model_service/attention/paged.py checks dtypes, shapes and
 contiguity before handing addresses over.
 """
 from libc.stdint cimport int64_t, uintptr_t

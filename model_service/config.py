@@ -65,7 +65,7 @@ class ModelServiceConfig:
     deterministic random Llama for tests), "null" (deterministic tokens, no compute; for measuring
     orchestration, see model_service/models/null.py), a path to a `.gguf` file, or a
     Hugging Face folder of a served family: Llama, Mistral, Qwen2, Qwen3 (config.json,
-    *.safetensors, tokenizer.json; model_service/hf_folder.py, models/families.py)."""
+    *.safetensors, tokenizer.json; model_service/loading/hf_folder.py, models/families.py)."""
 
     null_step_delay_ms: float = setting(0.0, low=0)
     """--model null only: milliseconds each step sleeps, standing in for a model of that speed."""
@@ -87,7 +87,7 @@ class ModelServiceConfig:
 
     quantization: str = setting("none", choices=_QUANTIZATIONS)
     """Weight quantization at load: "none" or "int8" (weight-only, blocks of 32 input columns, for
-    every Linear and the tied embedding/lm_head; see model_service/quant.py)."""
+    every Linear and the tied embedding/lm_head; see model_service/kernels/quant.py)."""
 
     device: str = "auto"
     """Torch device; "auto" picks "cuda" when available, else "cpu"."""
@@ -125,7 +125,7 @@ class ModelServiceConfig:
     """CUDA: tokens of the largest step the scheduler will send (its max_num_batched_tokens;
     `planserve serve` passes the scheduler's). Before the KV cache is allocated, steps of this
     many tokens run on a scratch cache and the KV budget leaves their peak memory free
-    (model_service/profile_step.py). Not used on the CPU."""
+    (model_service/step/profile_step.py). Not used on the CPU."""
 
     swap_space_bytes: int = setting(0, low=0, flag="swap-space", parse=parse_bytes)
     """Host memory for swapped-out KV blocks (pinned on CUDA); Describe reports the blocks it
@@ -148,7 +148,7 @@ class ModelServiceConfig:
     """Speculative decoding: "none", "ngram" (prompt lookup: propose what followed the latest
     earlier
     occurrence of the last few tokens; no extra model) or "draft" (a smaller model, `draft_model`,
-    proposes by sampling; model_service/speculative.py)."""
+    proposes by sampling; model_service/speculative/verify.py)."""
 
     num_speculative_tokens: int = setting(3, low=1, high=16)
     """Draft tokens per decoding sequence and step (k); Describe reports it and the scheduler

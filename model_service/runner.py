@@ -35,21 +35,23 @@ import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder, StepInputs
-from model_service import cuda_graphs, decoder_loop, draft_model, draft_step, profile_step, threads
-from model_service.attention import ATTENTION_ISA, build_attention_metadata, cuda_path
+from model_service import threads
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.paged import ATTENTION_ISA, build_attention_metadata, cuda_path
 from model_service.batch import ComputedStep, PlanArrays, PlanLimits
 from model_service.config import ModelServiceConfig
-from model_service.draft_step import Drafter
-from model_service.gemm import PackedLinear
-from model_service.kv_budget import count_kv_blocks
-from model_service.kv_cache import KVCache
-from model_service.layer_ops import LAYER_OPS_ISA
-from model_service.loaded import LoadedModel
-from model_service.logits import gather_logprobs, prompt_logprob_rows
-from model_service.sample_step import sample_rows
-from model_service.slot_checks import check_plan
-from model_service.slot_table import SlotTable
-from model_service.speculative import Draft, NgramDrafter
+from model_service.kernels.gemm import PackedLinear
+from model_service.kernels.layer_ops import LAYER_OPS_ISA
+from model_service.loading.loaded import LoadedModel
+from model_service.models import decoder_loop
+from model_service.speculative import draft_model, draft_step
+from model_service.speculative.verify import Draft, NgramDrafter
+from model_service.step import cuda_graphs, profile_step
+from model_service.step.kv_budget import count_kv_blocks
+from model_service.step.logits import gather_logprobs, prompt_logprob_rows
+from model_service.step.sample_step import sample_rows
+from model_service.step.slot_checks import check_plan
+from model_service.step.slot_table import SlotTable
 
 log = structlog.get_logger(__name__)
 
@@ -77,9 +79,8 @@ class DescribedFacts:
     block_copy: bool = True
     num_swap_blocks: int = 0
     num_speculative_tokens: int = 0  # > 0: speculation on, this many drafts per decode at most
-    compute: dict[str, str] = dataclasses.field(
-        default_factory=dict
-    )  # threads and kernel paths (threads.py)
+    # threads and kernel paths (threads.py)
+    compute: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -111,7 +112,7 @@ class ModelRunner:
         # execute() runs in a worker thread; reset() may come from the event loop when a stream
         # ends.
         self._lock = threading.Lock()
-        self.drafter: Drafter | None = None  # none while the largest step is profiled
+        self.drafter: draft_step.Drafter | None = None  # none while the largest step is profiled
         self.graphs: cuda_graphs.DecodeGraphs | None = None  # none until the cache is sized
         self.num_speculative_tokens = 0
         self.slot_table = SlotTable(config.max_num_slots, loaded.max_model_len, self.block_size)
@@ -186,7 +187,7 @@ class ModelRunner:
         log.info("largest_step_profiled", tokens=self.config.profile_step_tokens, peak_bytes=peak)
         return peak
 
-    def _drafter(self, draft: LoadedModel | None) -> Drafter | None:
+    def _drafter(self, draft: LoadedModel | None) -> draft_step.Drafter | None:
         """Speculative decoding: the drafter proposes, draft_step.verify_drafts decides."""
         if self.config.speculative_method == "ngram":
             return NgramDrafter(max_n=self.config.ngram_max)
@@ -269,7 +270,7 @@ class ModelRunner:
             )
             c.block_table[rows, cols] = plan.new_block_ids
             c.num_blocks[plan.slots] += plan.num_new_blocks
-        # Reads of freed blocks before writes of fresh ones (order in model_service/kv_cache.py).
+        # Reads of freed blocks before writes of fresh ones (order in attention/kv_cache.py).
         if plan.swap_out_src.size:
             self.kv_cache.swap_out(
                 self._dev(plan.swap_out_src), torch.from_numpy(plan.swap_out_dst)

@@ -31,8 +31,14 @@ import torch.multiprocessing as mp
 
 from model_service.batch import ComputedStep, PlanArrays, PlanError
 from model_service.config import ModelServiceConfig
-from model_service.loader import load_model
-from model_service.parallel import RankShare, TPGroup, free_tcp_port, init_group, threads_per_rank
+from model_service.loading.loader import load_model
+from model_service.models.parallel import (
+    RankShare,
+    TPGroup,
+    free_tcp_port,
+    init_group,
+    threads_per_rank,
+)
 from model_service.runner import DescribedFacts, ModelRunner
 
 log = structlog.get_logger(__name__)

@@ -23,7 +23,7 @@ TINY_EOS_IDS = [2, 0]  # generation_config's list; config.json says 2 only
 
 def write_tiny_hf_folder(folder: str) -> str:
     from model_service.config import ModelServiceConfig
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
     from reference import hf_llama_from_loaded
 
     os.makedirs(folder, exist_ok=True)
@@ -70,8 +70,8 @@ def write_family_folder(folder: str, config, max_shard_size=None) -> str:
 
 
 def _write_tokenizer_files(folder: str) -> None:
-    from model_service.gguf_file import load_gguf_tokenizer
-    from model_service.loader import smollm2_path
+    from model_service.loading.gguf_file import load_gguf_tokenizer
+    from model_service.loading.loader import smollm2_path
 
     tokenizer = load_gguf_tokenizer(smollm2_path())
     with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -79,7 +79,7 @@ def _write_tokenizer_files(folder: str) -> None:
     with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump({"chat_template": tokenizer.chat_template, "eos_token": {"content": "<|im_end|>"},
                    "bos_token": "<|im_start|>", "add_bos_token": False}, f)
-    # Sampling defaults are read, logged and not applied (model_service/hf_folder.py).
+    # Sampling defaults are read, logged and not applied (model_service/loading/hf_folder.py).
     with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump({"eos_token_id": TINY_EOS_IDS, "bos_token_id": 1, "temperature": 0.6, "top_p": 0.9}, f)
 
@@ -87,7 +87,7 @@ def _write_tokenizer_files(folder: str) -> None:
 def _build_smollm2_folder(folder: str) -> None:
     import transformers
 
-    from model_service.loader import smollm2_path
+    from model_service.loading.loader import smollm2_path
 
     path = smollm2_path()
     source, name = os.path.dirname(path), os.path.basename(path)
@@ -103,7 +103,7 @@ def _build_smollm2_folder(folder: str) -> None:
 
 
 def smollm2_hf_folder() -> str:
-    from model_service.loader import smollm2_path
+    from model_service.loading.loader import smollm2_path
 
     stat = os.stat(smollm2_path())
     folder = os.path.join(tempfile.gettempdir(), f"planserve-hf-smollm2-{stat.st_size}-{int(stat.st_mtime)}")

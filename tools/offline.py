@@ -180,7 +180,7 @@ class LLM:
         **engine_options,
     ):
         from model_service.config import ModelServiceConfig
-        from model_service.loader import load_model
+        from model_service.loading.loader import load_model
         from model_service.runner import ModelRunner
         from model_service.server import warm_up
 

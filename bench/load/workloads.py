@@ -161,8 +161,8 @@ def smollm2_encode():
     """SmolLM2's tokenizer (needs the model extra: gguf)."""
     from tokenizers import Tokenizer
 
-    from model_service.gguf_file import load_gguf_tokenizer
-    from model_service.loader import smollm2_path
+    from model_service.loading.gguf_file import load_gguf_tokenizer
+    from model_service.loading.loader import smollm2_path
 
     tokenizer = Tokenizer.from_str(load_gguf_tokenizer(smollm2_path()).tokenizer_json)
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids

@@ -3,8 +3,8 @@
     .venv/bin/python bench/peers/convert_smollm2_hf.py bench/peers/.work/smollm2-hf
 
 The config and tokenizer come from transformers' own GGUF loading; the weights are the very tensors
-planserve serves (model_service.gguf_file: Q4_1 dequantized to float32, Q/K rows back in HF order),
-copied into a plain LlamaForCausalLM and saved with save_pretrained. So every engine of the
+planserve serves (model_service.loading.gguf_file: Q4_1 dequantized to float32, Q/K rows back in HF
+order), copied into a plain LlamaForCausalLM and saved with save_pretrained. So every engine of the
 benchmark multiplies the same numbers. A greedy check against our loader runs at the end.
 """
 
@@ -16,8 +16,8 @@ import sys
 import torch
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
-from model_service.gguf_file import load_gguf
-from model_service.loader import SMOLLM2_FILE, smollm2_path
+from model_service.loading.gguf_file import load_gguf
+from model_service.loading.loader import SMOLLM2_FILE, smollm2_path
 
 
 def convert(out: str) -> None:
@@ -27,7 +27,7 @@ def convert(out: str) -> None:
     config.tie_word_embeddings = True
     config.torch_dtype = torch.float32
     model = LlamaForCausalLM(config)
-    weights = load_gguf(gguf).weights  # read tensor by tensor (model_service/gguf_file.py)
+    weights = load_gguf(gguf).weights  # read tensor by tensor (model_service/loading/gguf_file.py)
     state = {name: weights.read(name) for name in weights.names()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding

@@ -183,7 +183,7 @@ class LlamaCpp(Server):
         return None
 
     def start(self, log) -> None:
-        from model_service.loader import smollm2_path
+        from model_service.loading.loader import smollm2_path
 
         argv = [
             LLAMA_SERVER,

@@ -53,7 +53,7 @@ typedef struct dl_kernels {
     dl_check_indices_fn check_indices;
 } dl_kernels;
 
-// A packed linear layer (model_service/gemm.py's PackedLinear): out [T, n] = x [T, k] @ W^T + bias.
+// A packed linear layer (model_service/kernels/gemm.py's PackedLinear): out [T, n] = x [T, k] @ W^T + bias.
 typedef struct dl_linear {
     const void* packed;
     const uint16_t* bias;  // NULL: none

@@ -1,10 +1,10 @@
 """Llama forward over a packed mixed batch with a paged KV cache.
 
 Checkpoints arrive in Hugging Face's `LlamaForCausalLM` naming
-(`model.layers.N.self_attn.q_proj.weight`, ...). At load, model_service/build.py concatenates q/k/v
-into one `qkv_proj` and gate/up into one `gate_up_proj`, so a layer runs two fewer GEMMs;
-`hf_state_dict` hands the HF names back (views into the fused weights) for parity checks against
-transformers.
+(`model.layers.N.self_attn.q_proj.weight`, ...). At load, model_service/loading/build.py
+concatenates q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`, so a layer runs two
+fewer GEMMs; `hf_state_dict` hands the HF names back (views into the fused weights) for parity
+checks against transformers.
 
 One decoder layer per step, every token row of the step packed together:
 
@@ -15,10 +15,10 @@ One decoder layer per step, every token row of the step packed together:
     x = add_rms_norm_(residual, delta)
     delta = down_proj(silu_mul(gate_up_proj(x)))
 
-The residual add is folded into the next norm (model_service/layer_ops.py), the norm and lm_head
-run only on the rows that get sampled. Numerics follow transformers: RMSNorm in float32 with the
-same roundings, rotate-half RoPE with inv_freq computed the same way, SwiGLU MLP. Every row-wise
-operation is batch-invariant by construction (layer_ops.py); the GEMMs are torch's, through
+The residual add is folded into the next norm (model_service/kernels/layer_ops.py), the norm and
+lm_head run only on the rows that get sampled. Numerics follow transformers: RMSNorm in float32
+with the same roundings, rotate-half RoPE with inv_freq computed the same way, SwiGLU MLP. Every
+row-wise operation is batch-invariant by construction (layer_ops.py); the GEMMs are torch's, through
 layer_ops.linear, which keeps them batch-invariant too.
 """
 
@@ -30,10 +30,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from model_service import decoder_loop, layer_ops
-from model_service.attention import AttentionMetadata, paged_attention
-from model_service.decoder_loop import NativeLayers
-from model_service.kv_cache import KVCache
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.paged import AttentionMetadata, paged_attention
+from model_service.kernels import layer_ops
+from model_service.models import decoder_loop
+from model_service.models.decoder_loop import NativeLayers
 from model_service.models.rope import RopeScaling, rope_table
 
 
@@ -204,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
         return self._rope
 
     def native_layers(self, rope: torch.Tensor) -> NativeLayers | None:
-        """The native decoder loop (model_service/decoder_loop.py) where it applies, else None
-        (the Python loop below); decided on the first forward, after the loader packed the
+        """The native decoder loop (model_service/models/decoder_loop.py) where it applies, else
+        None (the Python loop below); decided on the first forward, after the loader packed the
         linears, and kept (`decoder_loop_reason` says why not)."""
         if self.decoder_loop_reason == UNDECIDED:
             self.decoder_loop_reason = decoder_loop.unsupported_reason(self)

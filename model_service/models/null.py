@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from model_service.loaded import LoadedModel
+from model_service.loading.loaded import LoadedModel
 from model_service.models.llama import LlamaArchConfig
 
 NULL_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
@@ -134,7 +134,7 @@ class NullLM(nn.Module):
 
 
 def load_null_model(config):
-    """The LoadedModel of `--model null` (model_service.loader.load_model calls this)."""
+    """The LoadedModel of `--model null` (model_service.loading.loader.load_model calls this)."""
 
     max_model_len = NULL_MAX_MODEL_LEN
     if config.max_model_len is not None:

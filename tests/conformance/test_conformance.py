@@ -151,7 +151,7 @@ def _broken_runners():
 ])
 async def test_a_broken_engine_fails_the_check_it_breaks_with_a_readable_report(broken, failing, reason):
     from model_service.config import ModelServiceConfig
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
     from model_service.server import serve
 
     config = ModelServiceConfig(model="tiny", dtype="float32", host="127.0.0.1", port=0,

@@ -55,7 +55,7 @@ def _check(outputs, references, label):
 @pytest.fixture(scope="module")
 def tiny_reference_model():
     from model_service.config import ModelServiceConfig
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
     return hf_llama_from_loaded(load_model(ModelServiceConfig(model="tiny", dtype="float32")))
 
 
@@ -86,7 +86,7 @@ async def test_smollm2_greedy_parity_with_transformers_gguf(smollm2_server):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model_service.loader import smollm2_path
+    from model_service.loading.loader import smollm2_path
 
     path = pathlib.Path(smollm2_path())
     folder, gguf = path.parent, path.name

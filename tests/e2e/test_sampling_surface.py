@@ -17,7 +17,7 @@ ALTERNATIVE_TOLERANCE = 1e-3
 @pytest.fixture(scope="module")
 def tiny_reference_model():
     from model_service.config import ModelServiceConfig
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
     return hf_llama_from_loaded(load_model(ModelServiceConfig(model="tiny", dtype="float32")))
 
 

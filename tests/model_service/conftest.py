@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from model_service.config import ModelServiceConfig
-from model_service.loader import load_model
+from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cython_ext import paged_attention as native
-from model_service.attention import _torch_attention, build_attention_metadata, paged_attention, resolve_isa, split_positions
+from model_service.attention.paged import _torch_attention, build_attention_metadata, paged_attention, resolve_isa, split_positions
 
 SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from model_service.config import ModelServiceConfig
-from model_service.loader import load_model
+from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 from ms_driver import Driver
 from planserve.v1 import engine_pb2, engine_pb2_grpc
@@ -92,7 +92,7 @@ def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_tiny_runs_and_rows_match_dequantized(dtype):
-    from model_service.quant import Int8Linear, Int8Weight
+    from model_service.kernels.quant import Int8Linear, Int8Weight
 
     config = tiny_config(dtype=dtype, quantization="int8")
     driver = Driver(ModelRunner(load_model(config), config))

@@ -1,4 +1,4 @@
-"""The CUDA paged attention kernel (model_service/cuda_attention.py, Triton).
+"""The CUDA paged attention kernel (model_service/attention/cuda_attention.py, Triton).
 
 On a machine without a GPU, the kernel's own code runs under Triton's interpreter (numpy, on CPU
 tensors) against the float64 reference of the CPU kernel's tests, in float32 only: the
@@ -19,8 +19,9 @@ import pytest
 import torch
 from test_ms_attention import MIXED, Batch, Sequence, assert_close_to_reference, run_together
 
-from model_service import attention, cuda_attention
-from model_service.attention import _torch_attention, _write_kv
+from model_service.attention import paged as attention
+from model_service.attention import cuda_attention
+from model_service.attention.paged import _torch_attention, _write_kv
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -177,7 +178,7 @@ def test_cuda_row_is_bitwise_the_same_alone_in_a_batch_and_in_a_chunk(dtype, len
 def test_cuda_greedy_tokens_equal_the_cpus_in_float32():
     from ms_driver import Driver
 
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
     from model_service.runner import ModelRunner
     from conftest import tiny_config
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (model_service/cuda_graphs.py).
+"""CUDA graphs of the decode step (model_service/step/cuda_graphs.py).
 
 The `gpu` tests run the tiny model on CUDA with graphs and without (PLANSERVE_CUDA_GRAPHS=0) through
 the same plans: sequences of several lengths prefilled in chunks, joined and finished mid-run, so
@@ -14,8 +14,8 @@ import torch
 from conftest import tiny_config
 from ms_driver import Driver
 
-from model_service import cuda_graphs
-from model_service.loader import load_model
+from model_service.step import cuda_graphs
+from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""The native decoder loop (model_service/decoder_loop.py) gives the Python loop's bits.
+"""The native decoder loop (model_service/models/decoder_loop.py) gives the Python loop's bits.
 
 It makes the same kernel calls in the same order, so the claim is exact equality: tokens and
 logprobs of a mixed batch (chunked prefills of different lengths, decodes, a sequence joining
@@ -14,12 +14,12 @@ import torch
 from conftest import tiny_config
 from ms_driver import Driver
 
-from model_service import decoder_loop
-from model_service.attention import build_attention_metadata
+from model_service.models import decoder_loop
+from model_service.attention.paged import build_attention_metadata
 from model_service.config import ModelServiceConfig
-from model_service.gemm import GEMM_ISA, TORCH_PATH
-from model_service.kv_cache import KVCache
-from model_service.loader import load_model
+from model_service.kernels.gemm import GEMM_ISA, TORCH_PATH
+from model_service.attention.kv_cache import KVCache
+from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(

@@ -19,7 +19,7 @@ import torch
 
 from hf_folders import family_config, write_family_folder
 from model_service.config import ModelServiceConfig
-from model_service.loader import load_model
+from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 from ms_driver import Driver
 from reference import compare_up_to_near_tie, greedy_reference, reference_logprobs
@@ -219,7 +219,7 @@ def _write_llama3_gguf(folder: str, path: str) -> None:
     import numpy as np
     import transformers
 
-    from model_service.loader import smollm2_path
+    from model_service.loading.loader import smollm2_path
     from model_service.models.rope import RopeScaling, inverse_frequencies
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -293,7 +293,7 @@ def test_llama3_gguf_with_rope_freqs_matches_transformers(family_folders, tmp_pa
 
 
 def test_gguf_rope_scaling_we_do_not_compute_is_refused():
-    from model_service.gguf_file import arch_from_metadata
+    from model_service.loading.gguf_file import arch_from_metadata
 
     meta = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
             "llama.feed_forward_length": 128, "llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,

@@ -1,4 +1,4 @@
-"""The native GEMMs on packed weights (model_service/gemm.py over cython_ext/gemm.pyx), on every
+"""The native GEMMs on packed weights (model_service/kernels/gemm.py over cython_ext/gemm.pyx), on every
 ISA path this machine runs: bf16 against a float64 reference; int8 (x quantized to int16 per row
 and block of 32, integer dot products, csrc/gemm.h) against a float64 model of that arithmetic and,
 looser, against the eager dequantize-then-multiply path; packing exact (one-hot rows read a bf16
@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cython_ext import gemm as native
-from model_service import gemm, layer_ops
-from model_service.quant import Int8Linear, Int8Weight
+from model_service.kernels import gemm
+from model_service.kernels import layer_ops
+from model_service.kernels.quant import Int8Linear, Int8Weight
 
 SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
 SHAPES = [(576, 960), (1536, 576), (64, 100), (50, 37), (576, 16), (576, 200)]  # (in, out): SmolLM2's qkv and down, the tiny model's, odd panels, 1-panel groups
@@ -200,7 +201,7 @@ def test_the_loader_packs_bf16_models_and_the_runner_says_so():
     """load_model packs every linear of a bf16 model (4 per layer and lm_head) on the path this CPU
     runs; the runner reports it in Describe's compute map (float32 models stay on torch's GEMM)."""
     from model_service.config import ModelServiceConfig
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
     from model_service.runner import ModelRunner
 
     config = ModelServiceConfig(model="tiny", dtype="bfloat16", num_kv_blocks=64, max_num_slots=4)
@@ -216,7 +217,7 @@ def test_a_tied_embedding_reads_the_packed_lm_head(tiny_loaded):
     second copy of the matrix, the state dict unchanged."""
     import copy
 
-    from model_service.quant import weight_bytes
+    from model_service.kernels.quant import weight_bytes
 
     model = copy.deepcopy(tiny_loaded.model).to(torch.bfloat16)
     dense = model.model.embed_tokens.weight.detach().clone()

@@ -15,7 +15,7 @@ import torch
 
 from hf_folders import TINY_EOS_IDS, write_tiny_hf_folder
 from model_service.config import ModelServiceConfig
-from model_service.loader import load_model
+from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 from ms_driver import Driver
 from reference import compare_up_to_near_tie, greedy_reference

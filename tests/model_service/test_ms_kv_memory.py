@@ -7,7 +7,7 @@ import torch
 
 from model_service.batch import PlanError, PlanArrays, facts_to_pb, from_pb
 from model_service.config import ModelServiceConfig, parse_bytes
-from model_service.kv_budget import available_memory_bytes
+from model_service.step.kv_budget import available_memory_bytes
 from model_service.runner import ModelRunner
 from planserve.v1 import engine_pb2
 
@@ -53,7 +53,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused_by_name(tiny_loaded, mon
 
     # A stand-in for a draft checkpoint of another vocabulary: the tiny model with one more token.
     arch = dataclasses.replace(tiny_loaded.arch, vocab_size=tiny_loaded.arch.vocab_size + 1)
-    monkeypatch.setattr("model_service.loader.load_model", lambda config: dataclasses.replace(tiny_loaded, arch=arch))
+    monkeypatch.setattr("model_service.loading.loader.load_model", lambda config: dataclasses.replace(tiny_loaded, arch=arch))
     with pytest.raises(ValueError, match=r"draft_model: vocabulary of \d+ tokens, the target's has \d+"):
         _runner(tiny_loaded, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32,
                 speculative_method="draft", draft_model="tiny", num_speculative_tokens=2)

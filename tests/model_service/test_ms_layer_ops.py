@@ -1,4 +1,4 @@
-"""The decoder's row-wise layer operations (model_service/layer_ops.py over cython_ext/layer_ops.pyx)
+"""The decoder's row-wise layer operations (model_service/kernels/layer_ops.py over cython_ext/layer_ops.pyx)
 on every ISA path this machine runs: against float64 references, against the torch path, batch
 invariance bitwise (each op, one decoder layer, the whole model's logits) in bf16 and float32,
 errors that name the field; and the fused checkpoint layout (q/k/v, gate/up) round-tripping.
@@ -15,10 +15,10 @@ import torch
 
 from bench import measure
 from cython_ext import layer_ops as native
-from model_service import layer_ops
-from model_service.build import build_model
+from model_service.kernels import layer_ops
+from model_service.loading.build import build_model
 from model_service.models.llama import LlamaDecoderLayer
-from model_service.weights import TensorDictWeights
+from model_service.loading.weights import TensorDictWeights
 from model_service.models.rope import rope_table
 
 SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
@@ -193,7 +193,7 @@ def _tiny_in(loaded, dtype):
     """The float32 tiny model in dtype, its linears packed as the loader packs them."""
     import copy
 
-    from model_service import gemm
+    from model_service.kernels import gemm
 
     model = copy.deepcopy(loaded.model).to(dtype)
     gemm.pack_linears_(model, dtype)
@@ -233,7 +233,7 @@ def test_errors_name_the_field():
 
 
 def test_fused_state_dict_round_trips(tiny_loaded):
-    """HF names -> our fused layers (model_service/build.py: q|k|v and gate|up rows) -> HF names
+    """HF names -> our fused layers (model_service/loading/build.py: q|k|v and gate|up rows) -> HF names
     (hf_state_dict, split by the head counts) gives the same tensors."""
     hf = tiny_loaded.state_dict()
     assert "model.layers.0.self_attn.q_proj.weight" in hf and "model.layers.0.mlp.up_proj.weight" in hf

@@ -1,12 +1,12 @@
-"""model_service/logits.py against plain formulas on hand-made logits, and the plan checks of
+"""model_service/step/logits.py against plain formulas on hand-made logits, and the plan checks of
 the new per-sequence fields (penalties, logit bias, min tokens, masks, logprob counts)."""
 import numpy as np
 import pytest
 import torch
 
 from model_service.batch import LogitsProcessing, PlanError, PlanLimits, from_pb
-from model_service.logits import apply_masks, apply_processing, gather_logprobs
-from model_service.slot_table import SlotTable
+from model_service.step.logits import apply_masks, apply_processing, gather_logprobs
+from model_service.step.slot_table import SlotTable
 from planserve.v1 import engine_pb2
 
 VOCAB = 40

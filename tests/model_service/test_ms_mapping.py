@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cython_ext.mapping import StepInputBuilder
-from model_service.slot_table import SlotTable
+from model_service.step.slot_table import SlotTable
 
 
 def numpy_step_inputs(c: SlotTable, slots: np.ndarray, n: np.ndarray, bs: int) -> dict:

@@ -1,4 +1,4 @@
-"""The profiling forward that sizes the KV cache on CUDA (model_service/profile_step.py,
+"""The profiling forward that sizes the KV cache on CUDA (model_service/step/profile_step.py,
 kv_budget.py).
 
 On the CPU the profiled steps themselves run through a real runner (the tiny model in the
@@ -14,9 +14,10 @@ import pytest
 import torch
 from ms_driver import Driver
 
-from model_service import kv_budget, profile_step
+from model_service.step import kv_budget
+from model_service.step import profile_step
 from model_service.config import ModelServiceConfig
-from model_service.loader import load_model
+from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 
 

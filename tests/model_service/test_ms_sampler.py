@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.sampler import SamplingBatch, sample, uniform_for
+from model_service.step.sampler import SamplingBatch, sample, uniform_for
 
 V = 1000
 

@@ -9,7 +9,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import tiny_config
-from model_service import attention, layer_ops
+from model_service.attention import paged as attention
+from model_service.kernels import layer_ops
 from model_service.runner import ModelRunner
 from model_service.server import serve, shutdown
 from planserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from ms_driver import Driver
 from model_service.config import ModelServiceConfig
-from model_service.loader import SMOLLM2_FILE, load_model, smollm2_path
+from model_service.loading.loader import SMOLLM2_FILE, load_model, smollm2_path
 from model_service.runner import ModelRunner
 from reference import compare_up_to_near_tie, greedy_reference
 
@@ -131,7 +131,7 @@ def test_native_attention_gives_the_gather_paths_greedy_tokens(smollm2, monkeypa
     path of other devices, selectable as "torch") give the same greedy tokens on a mixed batch
     with chunked prefill and a join. float32 because the two paths round differently in bf16;
     bf16 is checked against the float64 reference and for invariance in test_ms_attention.py."""
-    from model_service import attention
+    from model_service.attention import paged as attention
 
     gather, native = _greedy_on_each_path(smollm2, monkeypatch, attention, "ATTENTION_ISA",
                                           (attention.TORCH_PATH, attention.resolve_isa("auto")), MESSAGES[1], TEXTS)
@@ -143,7 +143,7 @@ def test_native_layer_ops_give_the_eager_paths_greedy_tokens(smollm2, monkeypatc
     (the path of other devices, PLANSERVE_LAYER_OPS_ISA=torch; transformers' formulas) give the
     same greedy tokens. float32 because the two round differently in bf16; bf16 is checked against
     float64 in test_ms_layer_ops.py."""
-    from model_service import layer_ops
+    from model_service.kernels import layer_ops
 
     eager, native = _greedy_on_each_path(smollm2, monkeypatch, layer_ops, "LAYER_OPS_ISA",
                                          (layer_ops.TORCH_PATH, layer_ops.resolve_isa("auto")), MESSAGES[0], TEXTS[::-1])
@@ -151,7 +151,7 @@ def test_native_layer_ops_give_the_eager_paths_greedy_tokens(smollm2, monkeypatc
 
 
 def test_int8_greedy_matches_float32_and_weights_shrink(smollm2):
-    from model_service.quant import weight_bytes
+    from model_service.kernels.quant import weight_bytes
 
     loaded, config = smollm2
     int8_config = dataclasses.replace(config, quantization="int8")
@@ -165,10 +165,10 @@ def test_int8_greedy_matches_float32_and_weights_shrink(smollm2):
 
 def test_int8_in_bf16_greedy_matches_float32(smollm2):
     """What users run: int8 with the default bf16 compute, where the CPU's native GEMM runs it (x
-    quantized to int16 per block of 32, integer block dot products: model_service/gemm.py). The
+    quantized to int16 per block of 32, integer block dot products: model_service/kernels/gemm.py). The
     quality bar of the float32 int8 test above: float32's 16 greedy tokens on every prompt (bf16
     weights themselves miss it on the first prompt; int8 x, at 8 bits, missed it on the second)."""
-    from model_service import gemm
+    from model_service.kernels import gemm
 
     loaded, config = smollm2
     int8_config = dataclasses.replace(config, dtype="bfloat16", quantization="int8")

@@ -1,4 +1,4 @@
-"""The speculative-sampling rule (model_service/speculative.py): the edge cases of
+"""The speculative-sampling rule (model_service/speculative/verify.py): the edge cases of
 shared/reference/001 one by one, and chi-square tests that what it emits is distributed as the
 target's own samples, for a deterministic drafter (n-gram) and for a sampling draft model."""
 import numpy as np
@@ -8,8 +8,8 @@ import torch
 from conftest import tiny_config
 from model_service.batch import SlotRegistration, PlanArrays
 from model_service.runner import ModelRunner
-from model_service.sampler import draw
-from model_service.speculative import Draft, NgramDrafter, uniforms, verify, verify_greedy
+from model_service.step.sampler import draw
+from model_service.speculative.verify import Draft, NgramDrafter, uniforms, verify, verify_greedy
 
 V = 6
 # Chi-square critical value at p = 0.001 for V - 1 = 5 degrees of freedom: a correct rule fails

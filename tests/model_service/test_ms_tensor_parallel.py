@@ -20,8 +20,8 @@ import pytest
 
 from api import complete, greedy_ids_request, stub_for
 from model_service.config import ModelServiceConfig
-from model_service.loader import TINY_ARCH
-from model_service.parallel import check_divisible, threads_per_rank
+from model_service.loading.loader import TINY_ARCH
+from model_service.models.parallel import check_divisible, threads_per_rank
 from reference import compare_up_to_near_tie, greedy_reference
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.server import SchedulerServer
@@ -119,7 +119,7 @@ async def test_tiny_under_torchrun_equals_tp1(tiny_server, tiny_hf):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     if not os.path.exists(torchrun):
         pytest.skip("torchrun is not installed next to this Python")
-    from model_service.parallel import free_tcp_port
+    from model_service.models.parallel import free_tcp_port
 
     prompts = [list(range(310, 317)), list(range(1100, 1130)), list(range(2200, 2300))]
     tp1 = await _concurrent_with_a_join(tiny_server, prompts)
@@ -165,7 +165,7 @@ async def test_smollm2_tp3_greedy_equals_tp1(smollm2_server):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model_service.loader import smollm2_path
+    from model_service.loading.loader import smollm2_path
 
     path = pathlib.Path(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -34,8 +34,8 @@ def grammars() -> GrammarCompiler:
 
 @pytest.fixture(scope="module")
 def smollm2_vocab():
-    from model_service.gguf_file import load_gguf_tokenizer
-    from model_service.loader import smollm2_path
+    from model_service.loading.gguf_file import load_gguf_tokenizer
+    from model_service.loading.loader import smollm2_path
     tokenizer = load_gguf_tokenizer(smollm2_path())
     return tokenizer.tokenizer_json, tuple(tokenizer.eos_token_ids), tokenizer.vocab_size
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from cython_ext import layer_ops as native
-from model_service import kernel_isa
-from model_service.gemm import PackedLinear
+from model_service.kernels import kernel_isa
+from model_service.kernels.gemm import PackedLinear
 
 ISA_ENV = "PLANSERVE_LAYER_OPS_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH
@@ -142,14 +142,15 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
 
 def linear(module: torch.nn.Module, x: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
     """module(x) for a linear layer (float32_out: as float32, e.g. logits; a PackedLinear then
-    returns its float32 sums unrounded), batch-invariant. A PackedLinear (model_service/gemm.py) is
-    by construction and runs as it is. torch's CPU GEMMs pick other kernels, with another summation
-    order, for few rows, so fewer than GEMM_MIN_ROWS rows are padded with zero rows up to it.
-    Measured (AMD EPYC Zen 5, torch 2.13): float32 (MKL) rows differ in the last bits at 1-3, 5-7
-    and 9-11 rows from the same rows inside 16 or 2,048; bfloat16 (oneDNN) at one row with 1,536
-    input columns (SmolLM2's down_proj: ~10% of rows, one element off by an ulp), and at no other
-    count. Padding one bf16 row to two costs nothing measurable (60 vs 52
-    us); float32's 16 rows cost its one-row GEMV (85 vs 378 us at the MLP shape)."""
+    returns its float32 sums unrounded), batch-invariant. A PackedLinear
+    (model_service/kernels/gemm.py) is by construction and runs as it is. torch's CPU GEMMs pick
+    other kernels, with another summation order, for few rows, so fewer than GEMM_MIN_ROWS rows are
+    padded with zero rows up to it. Measured (AMD EPYC Zen 5, torch 2.13): float32 (MKL) rows
+    differ in the last bits at 1-3, 5-7 and 9-11 rows from the same rows inside 16 or 2,048;
+    bfloat16 (oneDNN) at one row with 1,536 input columns (SmolLM2's down_proj: ~10% of rows, one
+    element off by an ulp), and at no other count. Padding one bf16 row to two costs nothing
+    measurable (60 vs 52 us); float32's 16 rows cost its one-row GEMV (85 vs 378 us at the MLP
+    shape)."""
     if isinstance(
         module, PackedLinear
     ):  # no hooks on these: forward skips nn.Module.__call__ (~1.5 us x 121 a step)

@@ -35,7 +35,7 @@ import numpy as np
 import structlog
 import torch
 
-from model_service.attention import build_attention_metadata, cuda_path
+from model_service.attention.paged import build_attention_metadata, cuda_path
 
 log = structlog.get_logger(__name__)
 ENV = "PLANSERVE_CUDA_GRAPHS"

@@ -23,7 +23,7 @@ class LoadedModel:
     special_tokens: dict[str, str]
     max_model_len: int
     tensor_parallel_size: int = 1
-    """Ranks the layers are split across (model_service/parallel.py); this process holds one
+    """Ranks the layers are split across (model_service/models/parallel.py); this process holds one
     share."""
     num_kv_blocks: Optional[int] = None
     """KV blocks this model wants when the config sets none (the null model: a small fixed

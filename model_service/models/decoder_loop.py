@@ -9,9 +9,10 @@ invariance holds as it does there (tests/model_service/test_ms_decoder_loop.py c
 bit for bit).
 
 It applies where every kernel of a layer is native: a bfloat16 model on the CPU with its linears
-packed (model_service/gemm.py), the native attention and layer-op paths, and no per-head q/k norm
-or sliding window (Qwen3, Mistral with a window: those run the Python loop). `unsupported_reason`
-says why a model runs the Python loop; $PLANSERVE_DECODER_LOOP=python forces it (A/B checks).
+packed (model_service/kernels/gemm.py), the native attention and layer-op paths, and no per-head
+q/k norm or sliding window (Qwen3, Mistral with a window: those run the Python loop).
+`unsupported_reason` says why a model runs the Python loop; $PLANSERVE_DECODER_LOOP=python forces
+it (A/B checks).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from cython_ext import decoder as native
 from cython_ext import gemm as native_gemm
 from cython_ext import layer_ops as native_layer_ops
 from cython_ext import paged_attention as native_attention
-from model_service import attention, layer_ops
-from model_service.attention import AttentionMetadata
-from model_service.gemm import PackedLinear
-from model_service.kv_cache import KVCache
+from model_service.attention import paged
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.paged import AttentionMetadata
+from model_service.kernels import layer_ops
+from model_service.kernels.gemm import PackedLinear
 
 LOOP_ENV = "PLANSERVE_DECODER_LOOP"
 LOOPS = ("native", "python")
@@ -60,7 +62,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "per-head q/k norm"
     if arch.sliding_window is not None:
         return "sliding-window attention"
-    if attention.ATTENTION_ISA == attention.TORCH_PATH:
+    if paged.ATTENTION_ISA == paged.TORCH_PATH:
         return "torch attention path"
     if layer_ops.LAYER_OPS_ISA == layer_ops.TORCH_PATH:
         return "torch layer-ops path"
@@ -118,7 +120,7 @@ class NativeLayers:
             rope_rows=rope.shape[0],
             gemm_isa=native_gemm.ISAS.index(isa),
             layer_ops_isa=native_layer_ops.ISAS.index(layer_ops.LAYER_OPS_ISA),
-            attention_isa=native_attention.ISAS.index(attention.ATTENTION_ISA),
+            attention_isa=native_attention.ISAS.index(paged.ATTENTION_ISA),
         )
         # The tensors whose addresses the table holds, kept alive here even if a module were
         # replaced later (a stale weight, never a dangling pointer).
@@ -185,7 +187,7 @@ class NativeLayers:
             meta.native_step.args_address,
             kv_cache.block_size,
             kv_cache.num_blocks,
-            attention.split_positions(kv_cache.block_size),
+            paged.split_positions(kv_cache.block_size),
             rows,
             positions.data_ptr(),
             residual.data_ptr(),

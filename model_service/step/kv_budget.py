@@ -2,7 +2,7 @@
 count, or a fraction of the device's free memory after the weights are loaded).
 
 On CUDA the runner first measures the activation memory of the largest step
-(model_service/profile_step.py). With a fraction, the KV cache gets that fraction of the free
+(model_service/step/profile_step.py). With a fraction, the KV cache gets that fraction of the free
 memory less the step's peak and CUDA_RESERVE_BYTES; with a byte count or a block count, a cache
 that leaves less than the peak and the reserve free refuses to start (naming the field), instead
 of running out of memory at the first long prefill. On the CPU there is no profile: the host's
@@ -19,9 +19,9 @@ import os
 
 import torch
 
+from model_service.attention.kv_cache import kv_block_bytes
 from model_service.config import ModelServiceConfig
-from model_service.kv_cache import kv_block_bytes
-from model_service.loaded import LoadedModel
+from model_service.loading.loaded import LoadedModel
 
 # CUDA memory the KV budget leaves free beside the profiled step's peak: what the caching
 # allocator does not count (the CUDA context's growth as kernels load, NCCL's buffers under tensor

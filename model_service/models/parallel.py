@@ -148,8 +148,8 @@ class VocabParallelLMHead(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class RankShare:
     """Which rows and columns of each checkpoint tensor this rank loads (the module docstring's
-    table); the loader reads only those (model_service/build.py), then `wrap_parallel_` adds the
-    collectives. world_size 1 is the whole model."""
+    table); the loader reads only those (model_service/loading/build.py), then `wrap_parallel_`
+    adds the collectives. world_size 1 is the whole model."""
 
     rank: int = 0
     world_size: int = 1

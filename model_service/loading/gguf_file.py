@@ -23,9 +23,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from model_service.loading.weights import sliced
 from model_service.models.llama import LlamaArchConfig
 from model_service.models.rope import RopeScaling
-from model_service.weights import sliced
 
 # llama.cpp token types (gguf.TokenType).
 _TOKEN_CONTROL = 3

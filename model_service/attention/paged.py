@@ -29,9 +29,10 @@ result depends only on its own query, context and position: never on the other r
 on padding, or on whether it is a decode or inside a chunk (batch invariance by construction).
 The ISA path is the fastest the CPU runs, or the one PLANSERVE_ATTENTION_ISA names (portable,
 avx2, avx512, avx512_bf16; `torch` runs the plain-torch path below instead, for A/B checks). On
-CUDA the kernel is a Triton one (model_service/cuda_attention.py), same semantics and invariance;
-PLANSERVE_ATTENTION_ISA=torch runs the torch path there too. Other devices, and CUDA without Triton
-or with a block size the kernel does not take, use `_torch_attention` (gather + SDPA).
+CUDA the kernel is a Triton one (model_service/attention/cuda_attention.py), same semantics and
+invariance; PLANSERVE_ATTENTION_ISA=torch runs the torch path there too. Other devices, and CUDA
+without Triton or with a block size the kernel does not take, use `_torch_attention` (gather +
+SDPA).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from cython_ext import paged_attention as native
-from model_service import cuda_attention, kernel_isa
+from model_service.attention import cuda_attention
+from model_service.kernels import kernel_isa
 
 # KV split length in positions: fixed, never chosen from the batch's shape (see the docstring).
 # 256 gives a batch-1 decode at context ~300 six items (2 splits x 3 KV heads) for two cores.
@@ -215,7 +217,8 @@ def _dense_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window):
-    """The Triton kernel's call (model_service/cuda_attention.py), after the cache write."""
+    """The Triton kernel's call (model_service/attention/cuda_attention.py), after the cache
+    write."""
     _write_kv(k, v, k_cache, v_cache, meta)
     out = cuda_attention.paged_attention(
         q,

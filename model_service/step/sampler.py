@@ -12,7 +12,7 @@ Rows carry their own parameters; everything is vectorized over rows:
     top_p == 1.0        top-p off
     min_p == 0.0        min-p off (keep tokens with probability >= min_p * the largest)
 Penalties, logit bias, min-token suppression and grammar masks change the logits before this
-(model_service/logits.py).
+(model_service/step/logits.py).
 """
 
 from __future__ import annotations

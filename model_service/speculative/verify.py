@@ -31,7 +31,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from model_service.sampler import draw, uniform_for
+from model_service.step.sampler import draw, uniform_for
 
 ACCEPT_STREAM = np.uint64(0x5BD1E9955BD1E995)
 

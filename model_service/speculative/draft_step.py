@@ -1,6 +1,6 @@
 """A step's speculative decoding, around the runner's one forward: drafts proposed before it,
-verified after it (the rule itself, and the drafters, are model_service/speculative.py and
-model_service/draft_model.py).
+verified after it (the rule itself, and the drafters, are model_service/speculative/verify.py and
+model_service/speculative/draft_model.py).
 
     propose        decoding slots granted 1 + k tokens get up to k drafts appended to their
                    known tokens for this step (the plan index -> Draft)
@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from model_service.batch import ComputedStep
-from model_service.sampler import SamplingBatch, filtered_probs
-from model_service.slot_table import SlotTable
-from model_service.speculative import Draft, uniforms, verify, verify_greedy
+from model_service.speculative.verify import Draft, uniforms, verify, verify_greedy
+from model_service.step.sampler import SamplingBatch, filtered_probs
+from model_service.step.slot_table import SlotTable
 
 
 class Drafter(Protocol):

@@ -1,6 +1,6 @@
 """The draft-model drafter of speculative decoding: a smaller model of the same vocabulary
 proposes k tokens per speculating slot by sampling, and hands its distributions to the
-verification rule (model_service/speculative.py) with them.
+verification rule (model_service/speculative/verify.py) with them.
 
 The draft keeps its own paged KV cache with the target's block layout: the same block ids, the
 same block tables (SlotTable), so the scheduler's allocation covers both models. Per slot it
@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from cython_ext.mapping import StepInputBuilder
-from model_service.attention import build_attention_metadata
-from model_service.kv_cache import KVCache, kv_block_bytes
-from model_service.loaded import LoadedModel
-from model_service.sampler import SamplingBatch, draw, filtered_probs, uniform_for
-from model_service.speculative import Draft
+from model_service.attention.kv_cache import KVCache, kv_block_bytes
+from model_service.attention.paged import build_attention_metadata
+from model_service.loading.loaded import LoadedModel
+from model_service.speculative.verify import Draft
+from model_service.step.sampler import SamplingBatch, draw, filtered_probs, uniform_for
 
 DRAFT_STREAM = np.uint64(0xA0761D6478BD642F)
 
@@ -37,7 +37,7 @@ def load_draft(config, target: LoadedModel) -> LoadedModel | None:
     its cache is counted in each block's bytes (kv_budget.count_kv_blocks)."""
     if config.speculative_method != "draft":
         return None
-    from model_service.loader import load_model
+    from model_service.loading.loader import load_model
 
     draft_config = dataclasses.replace(
         config,

@@ -6,7 +6,7 @@ Read here (all optional unless marked):
     *.safetensors            (required) weights: one file, or the shards
                              model.safetensors.index.json
                              lists (else every file in the folder); read tensor by tensor by the
-                             loader (model_service/weights.py), never here
+                             loader (model_service/loading/weights.py), never here
     tokenizer.json           (required) the tokenizer, sent to the scheduler as it is
     tokenizer_config.json    chat_template, special token strings
     chat_template.jinja      chat template written by newer transformers (wins over the above)
@@ -31,10 +31,10 @@ from typing import Any, Optional
 
 import structlog
 
-from model_service.gguf_file import GGUFTokenizer
+from model_service.loading.gguf_file import GGUFTokenizer
+from model_service.loading.weights import SafetensorsWeights
 from model_service.models.families import family_for_config  # the built-ins registered
 from model_service.models.llama import LlamaArchConfig
-from model_service.weights import SafetensorsWeights
 
 log = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """Paged attention on CUDA: one Triton kernel that reads the paged KV cache in place.
 
-The same call and semantics as the CPU kernel (layouts in model_service/attention.py): a packed
-mixed batch of decodes and prompt chunks, each query row attending its sequence's positions
+The same call and semantics as the CPU kernel (layouts in model_service/attention/paged.py): a
+packed mixed batch of decodes and prompt chunks, each query row attending its sequence's positions
 0 .. p through the block table, with no gather, padding or copy of the context. Sliding windows
 are read by the same kernel (the first block it reads is the window's).
 

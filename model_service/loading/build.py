@@ -1,7 +1,7 @@
 """Building a model from a checkpoint, tensor by tensor, straight into the serving dtype.
 
 The module tree is made on the meta device (no memory, no init), then each module's weights are
-read from the `WeightSource` (model_service/weights.py): only this rank's rows and columns
+read from the `WeightSource` (model_service/loading/weights.py): only this rank's rows and columns
 (parallel.RankShare), cast to the serving dtype (or, for int8, quantized from the stored values
 4,096 rows at a time),
 fused where our layers are fused, and put in place; the read tensor is dropped before the next.
@@ -31,12 +31,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from model_service import gemm
+from model_service.kernels import gemm
+from model_service.kernels.quant import BLOCK as QUANT_BLOCK
+from model_service.kernels.quant import Int8Embedding, Int8Linear, Int8Weight, quantize_blocks
+from model_service.loading.weights import WeightSource
 from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
-from model_service.parallel import RankShare, check_divisible, wrap_parallel_
-from model_service.quant import BLOCK as QUANT_BLOCK
-from model_service.quant import Int8Embedding, Int8Linear, Int8Weight, quantize_blocks
-from model_service.weights import WeightSource
+from model_service.models.parallel import RankShare, check_divisible, wrap_parallel_
 
 INT8_ROWS = 4096  # rows read and quantized at a time (a 2048-column bf16 chunk: 16 MiB)
 

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from model_service.batch import PlanArrays, PlanError, PlanLimits
-from model_service.slot_table import SlotTable
+from model_service.step.slot_table import SlotTable
 
 
 @dataclasses.dataclass

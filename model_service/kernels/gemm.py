@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from cython_ext import gemm as native
-from model_service import kernel_isa
-from model_service.quant import Int8Linear
+from model_service.kernels import kernel_isa
+from model_service.kernels.quant import Int8Linear
 
 ISA_ENV = "PLANSERVE_GEMM_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH

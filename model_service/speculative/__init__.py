@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters (n-gram, draft model) and the verification rule."""
