@@ -38,7 +38,6 @@ from cython_ext.mapping import StepInputBuilder, StepInputs
 from model_service import threads
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import ATTENTION_ISA, build_attention_metadata, cuda_path
-from model_service.batch import ComputedStep, PlanArrays, PlanLimits
 from model_service.config import ModelServiceConfig
 from model_service.kernels.gemm import PackedLinear
 from model_service.kernels.layer_ops import LAYER_OPS_ISA
@@ -49,6 +48,7 @@ from model_service.speculative.verify import Draft, NgramDrafter
 from model_service.step import cuda_graphs, profile_step
 from model_service.step.kv_budget import count_kv_blocks
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
+from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
 from model_service.step.slot_checks import check_plan
 from model_service.step.slot_table import SlotTable
@@ -212,7 +212,7 @@ class ModelRunner:
         lm = self.loaded
         return DescribedFacts(
             model_name=lm.name,
-            architecture="llama",
+            architecture=lm.arch.architecture,
             dtype=self.config.resolved_dtype(),
             device=str(self.device)
             if self.device.index is not None or self.device.type == "cpu"

@@ -16,10 +16,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from model_service.batch import PlanError, facts_to_pb, from_pb, result_to_pb
+from model_service.batch import facts_to_pb, from_pb, result_to_pb
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
+from model_service.step.plan import PlanError
 from model_service.tp_worker import start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 

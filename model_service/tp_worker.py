@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import datetime
 import os
 import signal
+import socket
 import threading
 from typing import Any, Optional
 
@@ -29,21 +31,60 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model_service.batch import ComputedStep, PlanArrays, PlanError
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
-from model_service.models.parallel import (
-    RankShare,
-    TPGroup,
-    free_tcp_port,
-    init_group,
-    threads_per_rank,
-)
+from model_service.models.parallel import RankShare
 from model_service.runner import DescribedFacts, ModelRunner
+from model_service.step.plan import ComputedStep, PlanArrays, PlanError
 
 log = structlog.get_logger(__name__)
 
 EXECUTE, RESET, STOP = "execute", "reset", "stop"
+
+# Ranks other than 0 wait on the control broadcast while the service is idle, which may last
+# days; gloo applies the group's timeout to every wait, so the control group's is long.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# A collective inside a step that takes longer than this means a rank is gone.
+COMPUTE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int
+    world_size: int
+    compute: object  # process group of the all_reduces (nccl on CUDA, gloo on CPU)
+    control: object  # gloo group on which rank 0 broadcasts each step's plan
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads for each rank: the cores this process may use, shared evenly, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world_size: int, device: str, init_method: str) -> TPGroup:
+    """Join the default process group (the compute backend) and make the gloo control group."""
+    backend = backend_for(device)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=COMPUTE_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(rank=rank, world_size=world_size, compute=dist.group.WORLD, control=control)
 
 
 def torchrun_rank() -> Optional[tuple[int, int]]:

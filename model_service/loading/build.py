@@ -35,7 +35,8 @@ from model_service.kernels import gemm
 from model_service.kernels.quant import BLOCK as QUANT_BLOCK
 from model_service.kernels.quant import Int8Embedding, Int8Linear, Int8Weight, quantize_blocks
 from model_service.loading.weights import WeightSource
-from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
+from model_service.models.arch import LlamaArchConfig
+from model_service.models.llama import LlamaForCausalLM
 from model_service.models.parallel import RankShare, check_divisible, wrap_parallel_
 
 INT8_ROWS = 4096  # rows read and quantized at a time (a 2048-column bf16 chunk: 16 MiB)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from model_service.loading.weights import sliced
-from model_service.models.llama import LlamaArchConfig
+from model_service.models.arch import LlamaArchConfig
 from model_service.models.rope import RopeScaling
 
 # llama.cpp token types (gguf.TokenType).

@@ -33,8 +33,8 @@ import structlog
 
 from model_service.loading.gguf_file import GGUFTokenizer
 from model_service.loading.weights import SafetensorsWeights
+from model_service.models.arch import LlamaArchConfig
 from model_service.models.families import family_for_config  # the built-ins registered
-from model_service.models.llama import LlamaArchConfig
 
 log = structlog.get_logger(__name__)
 

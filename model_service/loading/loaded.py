@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from model_service.models.llama import LlamaArchConfig
+from model_service.models.arch import LlamaArchConfig
 
 
 @dataclasses.dataclass

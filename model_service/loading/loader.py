@@ -24,9 +24,10 @@ from model_service.loading.build import build_model
 from model_service.loading.gguf_file import load_gguf, load_gguf_tokenizer
 from model_service.loading.hf_folder import is_hf_folder, load_hf_folder
 from model_service.loading.loaded import LoadedModel
+from model_service.loading.null import load_null_model
 from model_service.loading.weights import TensorDictWeights
-from model_service.models.llama import LlamaArchConfig, LlamaForCausalLM
-from model_service.models.null import load_null_model
+from model_service.models.arch import LlamaArchConfig
+from model_service.models.llama import LlamaForCausalLM
 from model_service.models.parallel import RankShare
 
 log = structlog.get_logger(__name__)

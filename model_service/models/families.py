@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from model_service.models.llama import LlamaArchConfig
+from model_service.models.arch import LlamaArchConfig
 from model_service.models.registry import Family, family_for_config, register
 
 __all__ = ["LLAMA", "MISTRAL", "QWEN2", "QWEN3", "family_for_config", "llama_arch"]

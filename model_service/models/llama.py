@@ -24,9 +24,6 @@ layer_ops.linear, which keeps them batch-invariant too.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -34,41 +31,9 @@ from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import AttentionMetadata, paged_attention
 from model_service.kernels import layer_ops
 from model_service.models import decoder_loop
+from model_service.models.arch import LlamaArchConfig
 from model_service.models.decoder_loop import NativeLayers
-from model_service.models.rope import RopeScaling, rope_table
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaArchConfig:
-    """The architecture facts the forward needs (Hugging Face LlamaConfig names). The other
-    families are Llama with a few of the switches at the end turned on (models/families.py)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool = True
-    head_dim: int = 0
-    """Per attention head; 0 means hidden_size / num_attention_heads (Qwen3 sets its own)."""
-    rope_scaling: RopeScaling = RopeScaling()
-    """The rope type and its facts (models/rope.py); the default type scales nothing."""
-    attention_bias: bool = False
-    """q/k/v projections with a bias (Qwen2)."""
-    qk_norm: bool = False
-    """An RMSNorm over each head of q and of k before RoPE (Qwen3)."""
-    sliding_window: Optional[int] = None
-    """A query attends only the last sliding_window positions, itself included (Mistral)."""
-    architecture: str = "LlamaForCausalLM"
-    """config.json's architectures[0]: the family (models/registry.py), reported in logs."""
-
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+from model_service.models.rope import rope_table
 
 
 class RMSNorm(nn.Module):

@@ -24,8 +24,7 @@ import time
 import torch
 from torch import nn
 
-from model_service.loading.loaded import LoadedModel
-from model_service.models.llama import LlamaArchConfig
+from model_service.models.arch import LlamaArchConfig
 
 NULL_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -131,30 +130,3 @@ class NullLM(nn.Module):
         )
         logits.scatter_(1, next_ids[:, None], 0.0)
         return logits
-
-
-def load_null_model(config):
-    """The LoadedModel of `--model null` (model_service.loading.loader.load_model calls this)."""
-
-    max_model_len = NULL_MAX_MODEL_LEN
-    if config.max_model_len is not None:
-        if config.max_model_len > max_model_len:
-            raise ValueError(
-                f"max_model_len: {config.max_model_len} exceeds the model's {max_model_len}"
-            )
-        max_model_len = config.max_model_len
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.resolved_dtype()]
-    model = NullLM(config.null_step_delay_ms, config.null_eos_at).to(config.resolved_device())
-    model.anchor.data = model.anchor.data.to(dtype)  # the runner's KV dtype; logits stay float32
-    return LoadedModel(
-        model=model.eval(),
-        arch=NULL_ARCH,
-        name="null",
-        tokenizer_json=null_tokenizer_json(),
-        chat_template=NULL_CHAT_TEMPLATE,
-        eos_token_ids=[EOS_ID],
-        bos_token_id=None,
-        special_tokens={"eos_token": EOS_TOKEN},
-        max_model_len=max_model_len,
-        num_kv_blocks=NULL_NUM_KV_BLOCKS,
-    )

@@ -25,7 +25,7 @@ import dataclasses
 import importlib.metadata
 from typing import Any, Callable
 
-from model_service.models.llama import LlamaArchConfig
+from model_service.models.arch import LlamaArchConfig
 
 ENTRY_POINT_GROUP = "planserve.model_families"
 

@@ -17,8 +17,8 @@ from typing import Optional, Protocol
 import numpy as np
 import torch
 
-from model_service.batch import ComputedStep
 from model_service.speculative.verify import Draft, uniforms, verify, verify_greedy
+from model_service.step.plan import ComputedStep
 from model_service.step.sampler import SamplingBatch, filtered_probs
 from model_service.step.slot_table import SlotTable
 

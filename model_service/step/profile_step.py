@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from model_service.batch import ComputedStep, LogitsProcessing, PlanArrays, SlotRegistration
+from model_service.step.plan import ComputedStep, LogitsProcessing, PlanArrays, SlotRegistration
 
 # With profile_plan's top-k and top-p, every part of the sampler, a penalty and the logprob
 # gather run.

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.batch import ComputedStep, PlanArrays
 from model_service.step.logits import apply_masks, apply_processing, gather_logprobs
+from model_service.step.plan import ComputedStep, PlanArrays
 from model_service.step.sampler import SamplingBatch, sample
 from model_service.step.slot_table import SlotTable
 

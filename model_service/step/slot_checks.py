@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from model_service.batch import PlanArrays, PlanError, PlanLimits
+from model_service.step.plan import PlanArrays, PlanError, PlanLimits
 from model_service.step.slot_table import SlotTable
 
 

@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from model_service.batch import NO_PROCESSING, LogitsProcessing
+from model_service.step.plan import NO_PROCESSING, LogitsProcessing
 
 
 class SlotTable:

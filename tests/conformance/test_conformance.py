@@ -93,7 +93,7 @@ def test_an_unknown_check_name_is_refused():
 # -- engines broken on purpose: our runner with one rule of the contract bent -----------------
 
 def _broken_runners():
-    from model_service.batch import ComputedStep
+    from model_service.step.plan import ComputedStep
     from model_service.runner import ModelRunner
 
     class DropsFinishedLate(ModelRunner):

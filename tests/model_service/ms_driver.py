@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from model_service.batch import LogitsProcessing, SlotRegistration, PlanArrays
+from model_service.step.plan import LogitsProcessing, PlanArrays, SlotRegistration
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 

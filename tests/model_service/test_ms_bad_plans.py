@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_service.batch import PlanError, from_pb
+from model_service.batch import from_pb
+from model_service.step.plan import PlanError
 from planserve.v1 import common_pb2, engine_pb2
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_service.batch import PlanError, PlanArrays, facts_to_pb, from_pb
+from model_service.batch import facts_to_pb, from_pb
+from model_service.step.plan import PlanArrays, PlanError
 from model_service.config import ModelServiceConfig, parse_bytes
 from model_service.step.kv_budget import available_memory_bytes
 from model_service.runner import ModelRunner
@@ -119,7 +120,7 @@ def _plan(step_id, new=(), slots=(), counts=(), new_blocks=(), block_ids=(), **f
 
 
 def _new(slot, tokens, computed=0):
-    from model_service.batch import SlotRegistration
+    from model_service.step.plan import SlotRegistration
 
     return SlotRegistration(slot, np.asarray(tokens, dtype=np.int32), computed, 0.0, 0, 1.0, 0)
 

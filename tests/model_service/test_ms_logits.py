@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_service.batch import LogitsProcessing, PlanError, PlanLimits, from_pb
+from model_service.batch import from_pb
+from model_service.step.plan import LogitsProcessing, PlanError, PlanLimits
 from model_service.step.logits import apply_masks, apply_processing, gather_logprobs
 from model_service.step.slot_table import SlotTable
 from planserve.v1 import engine_pb2

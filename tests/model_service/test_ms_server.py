@@ -39,7 +39,7 @@ async def test_describe_and_health(engine):
     assert list(facts.eos_token_ids) == [2] and not facts.HasField("bos_token_id")
     assert facts.tokenizer_json.startswith("{") and "<|im_start|>" in facts.chat_template
     assert facts.special_tokens["eos_token"] == "<|im_end|>"
-    assert facts.device == "cpu" and facts.dtype == "float32" and facts.architecture == "llama"
+    assert facts.device == "cpu" and facts.dtype == "float32" and facts.architecture == "LlamaForCausalLM"
     assert facts.compute["torch_threads"] == str(torch.get_num_threads())
     assert facts.compute["attention"] == attention.ATTENTION_ISA and facts.compute["layer_ops"] == layer_ops.LAYER_OPS_ISA
     assert {"omp_wait_policy", "gomp_spincount", "omp_num_threads"} <= facts.compute.keys()

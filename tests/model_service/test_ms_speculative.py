@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from model_service.batch import SlotRegistration, PlanArrays
+from model_service.step.plan import PlanArrays, SlotRegistration
 from model_service.runner import ModelRunner
 from model_service.step.sampler import draw
 from model_service.speculative.verify import Draft, NgramDrafter, uniforms, verify, verify_greedy

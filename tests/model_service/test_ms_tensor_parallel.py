@@ -21,7 +21,8 @@ import pytest
 from api import complete, greedy_ids_request, stub_for
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import TINY_ARCH
-from model_service.models.parallel import check_divisible, threads_per_rank
+from model_service.models.parallel import check_divisible
+from model_service.tp_worker import threads_per_rank
 from reference import compare_up_to_near_tie, greedy_reference
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.server import SchedulerServer
@@ -119,7 +120,7 @@ async def test_tiny_under_torchrun_equals_tp1(tiny_server, tiny_hf):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     if not os.path.exists(torchrun):
         pytest.skip("torchrun is not installed next to this Python")
-    from model_service.models.parallel import free_tcp_port
+    from model_service.tp_worker import free_tcp_port
 
     prompts = [list(range(310, 317)), list(range(1100, 1130)), list(range(2200, 2300))]
     tp1 = await _concurrent_with_a_join(tiny_server, prompts)
