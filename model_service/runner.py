@@ -8,8 +8,8 @@ Order of application (engine.proto, BatchPlan):
   5. one forward over the scheduled slots, then sample for every slot whose computed tokens reach
      its known tokens; the sampled token is appended to that slot and computed advances.
 The whole plan is checked against the state before anything changes (slot_checks.py), so a bad
-plan leaves the state as it was. Around the forward: a step's drafts (draft_step.py) and its
-sampling (sample_step.py).
+plan leaves the state as it was. Speculation is one stage around the step
+(speculative/stage.py: propose, run, verify, apply); sampling is step/sample_step.py.
 
 Packed inputs of one step (B scheduled slots, n[b] tokens each, T = sum(n)):
 
@@ -29,24 +29,19 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import structlog
 import torch
 
 from cython_ext.mapping import StepInputBuilder, StepInputs
-from model_service import threads
 from model_service.attention.kv_cache import KVCache
-from model_service.attention.paged import ATTENTION_ISA, build_attention_metadata, cuda_path
+from model_service.attention.paged import build_attention_metadata
 from model_service.config import ModelServiceConfig
-from model_service.kernels.gemm import PackedLinear
-from model_service.kernels.layer_ops import LAYER_OPS_ISA
 from model_service.loading.loaded import LoadedModel
-from model_service.models import decoder_loop
-from model_service.speculative import draft_model, draft_step
-from model_service.speculative.verify import Draft, NgramDrafter
-from model_service.step import cuda_graphs, profile_step
-from model_service.step.kv_budget import count_kv_blocks
+from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
+from model_service.step.cuda_graphs import DecodeGraphs
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
@@ -88,7 +83,7 @@ class _LogitsRows:
     """The rows of one step whose logits the model returns, in this order:
 
     sample   one per slot that samples this step (x.logits_indices)
-    draft    each drafted position (draft_step.draft_rows)
+    draft    each drafted position (the speculation stage asks for them)
     prompt   the prompt positions of slots that asked for prompt logprobs
     """
 
@@ -101,8 +96,19 @@ class _LogitsRows:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: ModelServiceConfig) -> None:
-        config.validate()
+    """Runs one plan at a time over what the start-up (model_service/start.py) built and hands
+    it: the model, its KV cache, the slot table, the drafter and the decode graphs."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: ModelServiceConfig,
+        kv_cache: KVCache,
+        slot_table: SlotTable,
+        drafter: Drafter | None = None,
+        graphs: DecodeGraphs | None = None,
+        compute: dict[str, str] | None = None,
+    ) -> None:
         self.loaded = loaded
         self.config = config
         self.model = loaded.model
@@ -112,101 +118,26 @@ class ModelRunner:
         # execute() runs in a worker thread; reset() may come from the event loop when a stream
         # ends.
         self._lock = threading.Lock()
-        self.drafter: draft_step.Drafter | None = None  # none while the largest step is profiled
-        self.graphs: cuda_graphs.DecodeGraphs | None = None  # none until the cache is sized
-        self.num_speculative_tokens = 0
-        self.slot_table = SlotTable(config.max_num_slots, loaded.max_model_len, self.block_size)
+        self.kv_cache = kv_cache
+        self.slot_table = slot_table
         # Row capacity is a first guess (no token budget is configured here); the builder grows it.
         self.inputs = StepInputBuilder(
             max(loaded.max_model_len, config.max_num_slots),
             config.max_num_slots,
-            self.slot_table.max_blocks_per_seq,
+            slot_table.max_blocks_per_seq,
             self.block_size,
-        )
-        # A draft model is loaded first: the budget holds its KV cache beside the target's.
-        draft = draft_model.load_draft(config, loaded)
-        step_peak_bytes = self._profile_largest_step() if self._profiles() else None
-        draft_bytes = draft_model.draft_block_bytes(draft, self.block_size)
-        num_blocks = count_kv_blocks(
-            config, loaded, self.dtype, self.device, step_peak_bytes, draft_bytes
-        )
-        self._allocate_cache(num_blocks)
-        self.kv_cache.allocate_swap(config.swap_space_bytes // self.kv_cache.block_bytes)
-        self.limits: PlanLimits = dataclasses.replace(
-            self.limits, num_swap_blocks=self.kv_cache.num_swap_blocks
-        )
-        self.drafter = self._drafter(draft)
-        self.num_speculative_tokens = 0 if self.drafter is None else config.num_speculative_tokens
-        self.graphs, graphs_path = cuda_graphs.capture(self)  # CUDA decode steps, where they apply
-        self.compute = {**self._compute_paths(), "cuda_graphs": graphs_path}
-        log.info(
-            "runner_ready",
-            model=loaded.name,
-            device=str(self.device),
-            dtype=config.resolved_dtype(),
-            num_kv_blocks=num_blocks,
-            **self.compute,
-        )
-
-    def _allocate_cache(self, num_blocks: int) -> None:
-        """The KV cache of num_blocks blocks, and the plan limits that follow from it."""
-        arch = self.loaded.arch
-        # Under tensor parallelism each rank caches only its own KV heads.
-        self.kv_cache = KVCache(
-            arch.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            self.loaded.num_kv_heads_per_rank,
-            arch.head_dim,
-            self.dtype,
-            self.device,
         )
         self.limits = PlanLimits(
-            vocab_size=arch.vocab_size,
-            num_kv_blocks=num_blocks,
-            max_num_slots=self.config.max_num_slots,
-            max_model_len=self.loaded.max_model_len,
+            vocab_size=loaded.arch.vocab_size,
+            num_kv_blocks=kv_cache.num_blocks,
+            max_num_slots=config.max_num_slots,
+            max_model_len=loaded.max_model_len,
+            num_swap_blocks=kv_cache.num_swap_blocks,
         )
-
-    def _profiles(self) -> bool:
-        """The largest step is profiled on CUDA, for a model that computes (kv_budget.py)."""
-        return self.device.type == "cuda" and self.loaded.num_kv_blocks is None
-
-    def _profile_largest_step(self) -> int:
-        """Runs the largest steps on a scratch cache (profile_step.py); returns their peak bytes.
-        The scratch cache is released before the real one is sized."""
-        lengths = profile_step.sequence_lengths(
-            self.config.profile_step_tokens, self.config.max_num_slots, self.loaded.max_model_len
-        )
-        self._allocate_cache(profile_step.blocks_needed(lengths, self.block_size))
-        peak = profile_step.peak_step_bytes(
-            self, lengths, self.block_size, self.loaded.arch.vocab_size, self.device
-        )
-        del self.kv_cache
-        torch.cuda.empty_cache()  # the scratch cache's and the steps' blocks, for the real cache
-        log.info("largest_step_profiled", tokens=self.config.profile_step_tokens, peak_bytes=peak)
-        return peak
-
-    def _drafter(self, draft: LoadedModel | None) -> draft_step.Drafter | None:
-        """Speculative decoding: the drafter proposes, draft_step.verify_drafts decides."""
-        if self.config.speculative_method == "ngram":
-            return NgramDrafter(max_n=self.config.ngram_max)
-        if draft is not None:
-            return draft_model.DraftModelDrafter(self.config, self, draft)
-        return None
-
-    def _compute_paths(self) -> dict[str, str]:
-        """Threads and the kernel path of each op (Describe's `compute`)."""
-        on_cpu = self.device.type == "cpu"
-        return {
-            **threads.settings(),
-            "attention": ATTENTION_ISA if on_cpu else cuda_path(self.kv_cache.k),
-            "layer_ops": LAYER_OPS_ISA if on_cpu else "torch",
-            "gemm": next(
-                (m.isa for m in self.model.modules() if isinstance(m, PackedLinear)), "torch"
-            ),
-            "decoder_loop": decoder_loop.describe(self.model),
-        }
+        self.speculation = SpeculationStage(drafter, slot_table, loaded.max_model_len)
+        self.num_speculative_tokens = 0 if drafter is None else config.num_speculative_tokens
+        self.graphs = graphs
+        self.compute = compute or {}
 
     def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
@@ -258,9 +189,7 @@ class ModelRunner:
                 seq.seed,
                 seq.processing,
             )
-            c.speculate[seq.slot] = seq.speculate and self.drafter is not None
-            if self.drafter is not None:
-                self.drafter.on_register(seq.slot)
+            self.speculation.register(seq.slot, seq.speculate)
         if plan.new_block_ids.size:
             # Each scheduled slot's new ids go right after its current blocks.
             rows = np.repeat(plan.slots, plan.num_new_blocks)
@@ -288,20 +217,29 @@ class ModelRunner:
     def _execute(self, plan: PlanArrays) -> ComputedStep:
         check_plan(plan, self.slot_table, self.limits, self.block_size, self.num_speculative_tokens)
         self._apply_diff(plan)
-        c, slots, n = self.slot_table, plan.slots, plan.num_scheduled_tokens
-        if slots.size == 0:
+        if plan.slots.size == 0:
             empty = np.zeros(0, dtype=np.int64)
             return ComputedStep(plan.step_id, empty, empty, 0, 0)
-
-        # Speculation: decoding slots granted 1 + k tokens get their drafts appended for this step;
-        # n becomes what is computed (1 + drafts), the drafts count as known tokens for the build.
-        drafts, n, num_tokens = draft_step.propose(
-            c, self.drafter, self.loaded.max_model_len, slots, n
+        return self.speculation.around(
+            plan.slots,
+            plan.num_scheduled_tokens,
+            lambda n, num_tokens, draft_rows: self._step(plan, n, num_tokens, draft_rows),
         )
+
+    def _step(
+        self,
+        plan: PlanArrays,
+        n: np.ndarray,
+        num_tokens: np.ndarray,
+        draft_rows: Callable[[np.ndarray], np.ndarray],
+    ) -> StepRun:
+        """Computes n[b] tokens of each scheduled slot (num_tokens: the known tokens per slot,
+        drafts included), samples, and advances the slot table by the plain samples."""
+        c, slots = self.slot_table, plan.slots
         x = self.inputs.build(
             c.tokens, c.block_table, c.num_computed, num_tokens, slots, n
         )  # views, valid this step
-        rows = self._logits_rows(x, slots, n, drafts)
+        rows = self._logits_rows(x, slots, n, draft_rows(x.query_start))
 
         start = time.perf_counter_ns()
         logits = self._forward(x, n, rows.indices)
@@ -314,23 +252,26 @@ class ModelRunner:
         )
 
         start = time.perf_counter_ns()
-        emitted = self._sample(logits, x, plan, rows, drafts, output)
+        self._sample(logits, x, plan, rows, output)
         output.sample_ns = time.perf_counter_ns() - start
 
         c.num_computed[slots] = x.context_lens
         c.tokens[x.sample_slots, c.num_tokens[x.sample_slots]] = output.sampled_token_ids
         c.num_tokens[x.sample_slots] += 1
-        if emitted:
-            draft_step.apply_emitted(c, emitted, slots, output)
-        return output
+        num_sample, num_draft = rows.num_sample, rows.draft.size
+        return StepRun(
+            output,
+            x.sample_slots,
+            logits[:num_sample],
+            logits[num_sample : num_sample + num_draft],
+        )
 
     def _logits_rows(
-        self, x: StepInputs, slots: np.ndarray, n: np.ndarray, drafts: dict[int, Draft]
+        self, x: StepInputs, slots: np.ndarray, n: np.ndarray, draft: np.ndarray
     ) -> _LogitsRows:
         # Prompt logprobs (rare) need the logits of prompt rows too, and verification the target
         # at every drafted position: both ride after the sample rows.
         prompt, targets, counts = prompt_logprob_rows(slots, n, x.query_start, self.slot_table)
-        draft = draft_step.draft_rows(drafts, x.query_start)
         indices = (
             np.concatenate((x.logits_indices, draft, prompt))
             if draft.size or prompt.size
@@ -368,32 +309,18 @@ class ModelRunner:
         x: StepInputs,
         plan: PlanArrays,
         rows: _LogitsRows,
-        drafts: dict[int, Draft],
         output: ComputedStep,
-    ) -> dict[int, tuple[list[int], int]]:
-        """Fills output's tokens and logprobs from the logits rows; returns what verification
-        emitted for the drafting slots."""
+    ) -> None:
+        """Fills output's tokens and logprobs from the logits rows."""
         num_sample, num_draft = rows.num_sample, rows.draft.size
-        sample_logits = logits[:num_sample]
         if num_sample:
             output.sampled_token_ids = sample_rows(
-                sample_logits, x.sample_slots, plan, self.slot_table, output
+                logits[:num_sample], x.sample_slots, plan, self.slot_table, output
             )
         if rows.prompt.size:
             output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(
                 logits[num_sample + num_draft :], rows.prompt_targets, rows.prompt_counts
             )
-        if not drafts:
-            return {}
-        return draft_step.verify_drafts(
-            self.slot_table,
-            drafts,
-            plan.slots,
-            x.sample_slots,
-            logits[num_sample : num_sample + num_draft],
-            sample_logits,
-            output,
-        )
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

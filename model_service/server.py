@@ -20,6 +20,7 @@ from model_service.batch import facts_to_pb, from_pb, result_to_pb
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
+from model_service.start import build_runner
 from model_service.step.plan import PlanError
 from model_service.tp_worker import start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
@@ -176,7 +177,7 @@ async def serve(
         runner = await asyncio.to_thread(start_tensor_parallel, config)
     elif runner is None:
         loaded = await asyncio.to_thread(load_model, config)
-        runner = ModelRunner(loaded, config)
+        runner = build_runner(loaded, config)
     # Not SERVING (not even listening) before one real step went through the model.
     await asyncio.to_thread(warm_up, runner)
     server = grpc.aio.server(

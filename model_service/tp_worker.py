@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model_service.config import ModelServiceConfig
-from model_service.loading.loader import load_model
 from model_service.models.parallel import RankShare
 from model_service.runner import DescribedFacts, ModelRunner
+from model_service.start import start_runner
 from model_service.step.plan import ComputedStep, PlanArrays, PlanError
 
 log = structlog.get_logger(__name__)
@@ -117,15 +117,14 @@ def setup_rank(
     group = init_group(rank, world_size, config.device, init_method)
     # int8 quantizes the tied embedding / lm_head as one whole matrix: they stay replicated then.
     vocab_parallel = config.quantization == "none"
-    loaded = load_model(config, RankShare(rank, world_size, group.compute, vocab_parallel))
-    runner = ModelRunner(loaded, config)
+    runner = start_runner(config, RankShare(rank, world_size, group.compute, vocab_parallel))
     log.info(
         "tensor_parallel_rank_ready",
         rank=rank,
         world_size=world_size,
         device=config.device,
         threads=torch.get_num_threads(),
-        num_kv_heads=loaded.num_kv_heads_per_rank,
+        num_kv_heads=runner.loaded.num_kv_heads_per_rank,
     )
     return runner, group
 

@@ -180,14 +180,13 @@ class LLM:
         **engine_options,
     ):
         from model_service.config import ModelServiceConfig
-        from model_service.loading.loader import load_model
-        from model_service.runner import ModelRunner
         from model_service.server import warm_up
+        from model_service.start import start_runner
 
         engine_config = ModelServiceConfig(
             model=model, dtype=dtype, device=device, **engine_options
         ).validate()
-        runner = ModelRunner(load_model(engine_config), engine_config)
+        runner = start_runner(engine_config)
         warm_up(runner)  # one real step, as the model service does before serving
         self.engine = InProcessEngine(runner)
         self.facts = self.engine.describe()

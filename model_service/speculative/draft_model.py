@@ -27,6 +27,7 @@ from model_service.attention.paged import build_attention_metadata
 from model_service.loading.loaded import LoadedModel
 from model_service.speculative.verify import Draft
 from model_service.step.sampler import SamplingBatch, draw, filtered_probs, uniform_for
+from model_service.step.slot_table import SlotTable
 
 DRAFT_STREAM = np.uint64(0xA0761D6478BD642F)
 
@@ -73,27 +74,30 @@ def draft_block_bytes(loaded: LoadedModel | None, block_size: int) -> int:
 
 
 class DraftModelDrafter:
-    def __init__(self, config, runner, loaded: LoadedModel) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        slot_table: SlotTable,
+        num_kv_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        """The draft `loaded` beside a target whose slot table (tokens and block tables) it
+        reads, with a KV cache of the target's block count and size."""
         self.loaded = loaded
         self.model = self.loaded.model
-        self.device = runner.device
-        self.slot_table = runner.slot_table  # tokens and block tables are the target's
+        self.device = device
+        self.slot_table = slot_table
         layers, kv_heads, head_dim, dtype = _cache_shape(loaded)
         self.kv_cache = KVCache(
-            layers,
-            runner.limits.num_kv_blocks,
-            runner.block_size,
-            kv_heads,
-            head_dim,
-            dtype,
-            self.device,
+            layers, num_kv_blocks, block_size, kv_heads, head_dim, dtype, self.device
         )
-        self.block_size = runner.block_size
-        self.num_computed = np.zeros(self.slot_table.max_num_slots, dtype=np.int64)
+        self.block_size = block_size
+        self.num_computed = np.zeros(slot_table.max_num_slots, dtype=np.int64)
         self.inputs = StepInputBuilder(
-            max(self.loaded.max_model_len, config.max_num_slots),
-            config.max_num_slots,
-            self.slot_table.max_blocks_per_seq,
+            max(self.loaded.max_model_len, slot_table.max_num_slots),
+            slot_table.max_num_slots,
+            slot_table.max_blocks_per_seq,
             self.block_size,
         )
 

@@ -35,7 +35,9 @@ import numpy as np
 import structlog
 import torch
 
+from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import build_attention_metadata, cuda_path
+from model_service.loading.loaded import LoadedModel
 
 log = structlog.get_logger(__name__)
 ENV = "PLANSERVE_CUDA_GRAPHS"
@@ -43,32 +45,38 @@ ENV = "PLANSERVE_CUDA_GRAPHS"
 BUCKETS = (1, 2, 4, 8, *range(16, 257, 16))
 
 
-def unsupported_reason(runner) -> str | None:
-    """Why a runner's decode steps run eagerly, or None where they are captured."""
-    if runner.device.type != "cuda":
-        return f"device {runner.device.type}"
+def unsupported_reason(
+    device: torch.device, kv_cache: KVCache, tensor_parallel_size: int
+) -> str | None:
+    """Why decode steps run eagerly, or None where they are captured."""
+    if device.type != "cuda":
+        return f"device {device.type}"
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    attention = cuda_path(runner.kv_cache.k)
+    attention = cuda_path(kv_cache.k)
     if attention != "triton":
         return f"attention runs {attention}"
-    if runner.loaded.tensor_parallel_size > 1:
+    if tensor_parallel_size > 1:
         return "tensor parallel"
     return None
 
 
-def capture(runner) -> tuple[DecodeGraphs | None, str]:
-    """A runner's decode graphs (captured now) and the path Describe reports, or None and why."""
-    reason = unsupported_reason(runner)
+def capture(
+    loaded: LoadedModel,
+    kv_cache: KVCache,
+    block_size: int,
+    max_num_slots: int,
+    max_blocks_per_seq: int,
+) -> tuple[DecodeGraphs | None, str]:
+    """The model's decode graphs over `kv_cache` (captured now) and the path Describe reports,
+    or None and why."""
+    device = kv_cache.k.device
+    reason = unsupported_reason(device, kv_cache, loaded.tensor_parallel_size)
     if reason is not None:
         return None, f"none ({reason})"
-    config = runner.config
-    before = torch.cuda.memory_reserved(runner.device)
-    graphs = DecodeGraphs(
-        runner.model, runner.kv_cache, runner.block_size, config.max_num_slots,
-        runner.slot_table.max_blocks_per_seq,
-    )  # fmt: skip
-    held = torch.cuda.memory_reserved(runner.device) - before
+    before = torch.cuda.memory_reserved(device)
+    graphs = DecodeGraphs(loaded.model, kv_cache, block_size, max_num_slots, max_blocks_per_seq)
+    held = torch.cuda.memory_reserved(device) - before
     log.info("decode_graphs_captured", sizes=len(graphs.sizes), bytes=held)
     return graphs, f"decode, batch sizes {','.join(map(str, graphs.sizes))}"
 

@@ -5,7 +5,7 @@ import pytest
 
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
-from model_service.runner import ModelRunner
+from model_service.start import build_runner
 
 
 def tiny_config(**overrides) -> ModelServiceConfig:
@@ -21,7 +21,7 @@ def tiny_loaded():
 
 @pytest.fixture
 def tiny_runner(tiny_loaded):
-    return ModelRunner(tiny_loaded, tiny_config())
+    return build_runner(tiny_loaded, tiny_config())
 
 
 @pytest.fixture(scope="session")

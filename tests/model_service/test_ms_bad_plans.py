@@ -69,9 +69,9 @@ def test_state_checks_name_the_field_and_change_nothing(tiny_runner, field, plan
 
 def test_beyond_max_model_len(tiny_loaded):
     from conftest import tiny_config
-    from model_service.runner import ModelRunner
+    from model_service.start import build_runner
 
-    runner = ModelRunner(tiny_loaded, tiny_config())
+    runner = build_runner(tiny_loaded, tiny_config())
     tokens = [5] * 512
     plan = _req(new_sequences=[_new(tokens=tokens)], slots=[0], num_scheduled_tokens=[512], num_new_blocks=[32], new_block_ids=list(range(1, 33)))
     out = runner.execute(from_pb(plan, runner.limits))

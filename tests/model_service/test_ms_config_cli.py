@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
-from model_service.runner import ModelRunner
+from model_service.start import build_runner, start_runner
 from ms_driver import Driver
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -28,14 +28,14 @@ def test_validate_names_the_field(field, value):
 
 
 def test_kv_blocks_derived_from_memory(tiny_loaded):
-    runner = ModelRunner(tiny_loaded, tiny_config(num_kv_blocks=None, kv_cache_memory_bytes=8 << 20))
+    runner = build_runner(tiny_loaded, tiny_config(num_kv_blocks=None, kv_cache_memory_bytes=8 << 20))
     # tiny: 2 layers * 16 tokens * 2 kv heads * 16 dims * 4 bytes * (K and V) = 8 KiB per block
     assert runner.limits.num_kv_blocks == (8 << 20) // 8192
 
 
 def test_bfloat16_runs():
     config = tiny_config(dtype="bfloat16")
-    driver = Driver(ModelRunner(load_model(config), config))
+    driver = Driver(start_runner(config))
     driver.add(0, list(range(100, 140)))
     out = driver.run_to_completion(5, chunk=16)
     assert len(out[0]) == 5 and all(0 <= t < 49152 for t in out[0])
@@ -51,7 +51,7 @@ def test_float16_greedy_equals_float32():
         config = tiny_config(dtype=dtype)
         loaded = load_model(config)
         assert next(loaded.model.parameters()).dtype == getattr(torch, dtype)
-        driver = Driver(ModelRunner(loaded, config))
+        driver = Driver(build_runner(loaded, config))
         for slot, prompt in prompts.items():
             driver.add(slot, prompt)
         outputs[dtype] = driver.run_to_completion(16, chunk=32)
@@ -86,7 +86,7 @@ def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
     assert ModelServiceConfig(dtype="auto", device="cuda").resolved_dtype() == "bfloat16"
     assert ModelServiceConfig(dtype="float32", device="cuda").resolved_dtype() == "float32"
     config = tiny_config(dtype="auto", device="cpu")
-    runner = ModelRunner(load_model(config), config)
+    runner = start_runner(config)
     assert runner.describe_facts().dtype == "bfloat16" and runner.dtype == torch.bfloat16
 
 
@@ -95,7 +95,7 @@ def test_int8_tiny_runs_and_rows_match_dequantized(dtype):
     from model_service.kernels.quant import Int8Linear, Int8Weight
 
     config = tiny_config(dtype=dtype, quantization="int8")
-    driver = Driver(ModelRunner(load_model(config), config))
+    driver = Driver(start_runner(config))
     driver.add(0, list(range(100, 140)))
     out = driver.run_to_completion(5, chunk=16)
     assert len(out[0]) == 5 and all(0 <= t < 49152 for t in out[0])

@@ -179,13 +179,13 @@ def test_cuda_greedy_tokens_equal_the_cpus_in_float32():
     from ms_driver import Driver
 
     from model_service.loading.loader import load_model
-    from model_service.runner import ModelRunner
+    from model_service.start import start_runner
     from conftest import tiny_config
 
     tokens = {}
     for device in ("cpu", "cuda"):
         config = tiny_config(device=device)
-        driver = Driver(ModelRunner(load_model(config), config))
+        driver = Driver(start_runner(config))
         driver.add(0, list(range(3, 60)))
         driver.add(1, list(range(100, 111)))
         driver.step({0: 32, 1: 11})

@@ -16,7 +16,7 @@ from ms_driver import Driver
 
 from model_service.step import cuda_graphs
 from model_service.loading.loader import load_model
-from model_service.runner import ModelRunner
+from model_service.start import build_runner, start_runner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -43,7 +43,7 @@ def _run(runner) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
 def test_replayed_decode_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
     config = tiny_config(device="cuda", dtype=dtype)
     loaded = load_model(config)
-    graphed = ModelRunner(loaded, config)
+    graphed = build_runner(loaded, config)
     assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8, 16]
     assert graphed.compute["cuda_graphs"] == "decode, batch sizes 1,2,4,8,16"
     assert graphed.compute["attention"] == "triton"
@@ -52,7 +52,7 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
     assert graphed.graphs.logits.shape == (16, loaded.arch.vocab_size)  # one output for all sizes
 
     monkeypatch.setenv(cuda_graphs.ENV, "0")
-    eager = ModelRunner(loaded, config)
+    eager = build_runner(loaded, config)
     assert eager.graphs is None and eager.compute["cuda_graphs"] == "none (PLANSERVE_CUDA_GRAPHS=0)"
     eager_tokens, eager_logprobs = _run(eager)
     assert tokens == eager_tokens
@@ -68,7 +68,7 @@ def test_float16_on_cuda_gives_float32s_first_16_greedy_tokens():
     tokens = {}
     for dtype in ("float32", "float16"):
         config = tiny_config(device="cuda", dtype=dtype)
-        runner = ModelRunner(load_model(config), config)
+        runner = start_runner(config)
         assert runner.compute["attention"] == "triton" and runner.graphs is not None
         driver = Driver(runner)
         driver.add(0, list(range(3, 40)))

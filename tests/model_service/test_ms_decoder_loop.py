@@ -20,7 +20,7 @@ from model_service.config import ModelServiceConfig
 from model_service.kernels.gemm import GEMM_ISA, TORCH_PATH
 from model_service.attention.kv_cache import KVCache
 from model_service.loading.loader import load_model
-from model_service.runner import ModelRunner
+from model_service.start import build_runner, start_runner
 
 pytestmark = pytest.mark.skipif(
     GEMM_ISA == TORCH_PATH,
@@ -32,7 +32,7 @@ def _run(config: ModelServiceConfig, loop: str, monkeypatch) -> tuple[dict, dict
     """Tokens and logprobs of a mixed batch, and the loop's reason for not being native."""
     monkeypatch.setenv(decoder_loop.LOOP_ENV, loop)
     loaded = load_model(config)
-    driver = Driver(ModelRunner(loaded, config))
+    driver = Driver(build_runner(loaded, config))
     prompts = {0: list(range(5, 60)), 1: list(range(100, 103)), 2: list(range(7, 40))}
     for slot, prompt in prompts.items():
         driver.add(slot, prompt, with_logprobs=True)
@@ -89,10 +89,10 @@ def test_models_it_does_not_take_run_the_python_loop_and_say_why(monkeypatch, qw
     monkeypatch.delenv(decoder_loop.LOOP_ENV, raising=False)
     float32 = load_model(tiny_config(dtype="float32"))
     assert decoder_loop.unsupported_reason(float32.model).startswith("linears not packed")
-    runner = ModelRunner(float32, tiny_config(dtype="float32"))
+    runner = build_runner(float32, tiny_config(dtype="float32"))
     assert runner.compute["decoder_loop"].startswith("python (linears not packed")
     bf16 = tiny_config(dtype="bfloat16")
-    assert ModelRunner(load_model(bf16), bf16).compute["decoder_loop"] == "native"
+    assert start_runner(bf16).compute["decoder_loop"] == "native"
     qwen3 = ModelServiceConfig(model=qwen_folders["qwen3"], dtype="bfloat16", num_kv_blocks=64)
     assert decoder_loop.unsupported_reason(load_model(qwen3).model) == "per-head q/k norm"
     monkeypatch.setenv(decoder_loop.LOOP_ENV, "fastest")

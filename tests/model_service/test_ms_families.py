@@ -20,7 +20,7 @@ import torch
 from hf_folders import family_config, write_family_folder
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
-from model_service.runner import ModelRunner
+from model_service.start import build_runner
 from ms_driver import Driver
 from reference import compare_up_to_near_tie, greedy_reference, reference_logprobs
 from test_ms_runner_tiny import NEW_TOKENS, _prompt
@@ -87,7 +87,7 @@ PROMPTS = {0: _prompt(70, 21), 1: _prompt(9, 22), 2: _prompt(12, 23), 3: _prompt
 
 
 def _run_mixed_batch(loaded, config, with_logprobs=False):
-    driver = Driver(ModelRunner(loaded, config))
+    driver = Driver(build_runner(loaded, config))
     for slot in (0, 1, 2):
         driver.add(slot, PROMPTS[slot], with_logprobs=with_logprobs)
     # Slot 0 is prefilled in 32-token chunks while 1 and 2 decode; slot 3 joins mid-decode.

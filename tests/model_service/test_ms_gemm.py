@@ -202,14 +202,14 @@ def test_the_loader_packs_bf16_models_and_the_runner_says_so():
     runs; the runner reports it in Describe's compute map (float32 models stay on torch's GEMM)."""
     from model_service.config import ModelServiceConfig
     from model_service.loading.loader import load_model
-    from model_service.runner import ModelRunner
+    from model_service.start import build_runner
 
     config = ModelServiceConfig(model="tiny", dtype="bfloat16", num_kv_blocks=64, max_num_slots=4)
     loaded = load_model(config)
     packed = [m for m in loaded.model.modules() if isinstance(m, gemm.PackedLinear)]
     expected = 0 if gemm.GEMM_ISA == gemm.TORCH_PATH else 4 * loaded.arch.num_hidden_layers + 1
     assert len(packed) == expected and all(m.isa == gemm.GEMM_ISA for m in packed)
-    assert ModelRunner(loaded, config).compute["gemm"] == gemm.GEMM_ISA
+    assert build_runner(loaded, config).compute["gemm"] == gemm.GEMM_ISA
 
 
 def test_a_tied_embedding_reads_the_packed_lm_head(tiny_loaded):

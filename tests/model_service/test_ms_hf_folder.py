@@ -16,7 +16,7 @@ import torch
 from hf_folders import TINY_EOS_IDS, write_tiny_hf_folder
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
-from model_service.runner import ModelRunner
+from model_service.start import build_runner
 from ms_driver import Driver
 from reference import compare_up_to_near_tie, greedy_reference
 from test_ms_runner_tiny import NEW_TOKENS, _prompt
@@ -58,7 +58,7 @@ def test_mixed_batch_parity_with_transformers_loading_the_folder(tiny_folder, fo
     import transformers
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
-    runner = ModelRunner(folder_loaded, _config(tiny_folder))
+    runner = build_runner(folder_loaded, _config(tiny_folder))
     prompts = {0: _prompt(70, 11), 1: _prompt(5, 12), 2: _prompt(1, 13), 3: _prompt(23, 14)}
     driver = Driver(runner)
     for slot in (0, 1, 2):
@@ -74,7 +74,7 @@ def test_served_model_name_and_max_model_len(tiny_folder):
     loaded = load_model(_config(tiny_folder, served_model_name="my-llama", max_model_len=128))
     assert loaded.name == "my-llama"
     assert loaded.max_model_len == 128
-    runner = ModelRunner(loaded, _config(tiny_folder, served_model_name="my-llama", max_model_len=128))
+    runner = build_runner(loaded, _config(tiny_folder, served_model_name="my-llama", max_model_len=128))
     facts = runner.describe_facts()
     assert (facts.model_name, facts.max_model_len, facts.eos_token_ids) == ("my-llama", 128, TINY_EOS_IDS)
     with pytest.raises(ValueError, match=r"max_model_len: 4096 exceeds the model's 512"):

@@ -10,6 +10,7 @@ from model_service.step.plan import PlanArrays, PlanError
 from model_service.config import ModelServiceConfig, parse_bytes
 from model_service.step.kv_budget import available_memory_bytes
 from model_service.runner import ModelRunner
+from model_service.start import build_runner
 from planserve.v1 import engine_pb2
 
 def tiny_config(**overrides) -> ModelServiceConfig:
@@ -22,7 +23,7 @@ TINY_BLOCK_BYTES_FP32 = 2 * 2 * 16 * 2 * 16 * 4
 
 
 def _runner(tiny_loaded, **overrides) -> ModelRunner:
-    return ModelRunner(tiny_loaded, tiny_config(**{"num_kv_blocks": None, **overrides}))
+    return build_runner(tiny_loaded, tiny_config(**{"num_kv_blocks": None, **overrides}))
 
 
 def test_blocks_derived_from_the_memory_budget(tiny_loaded):
@@ -40,7 +41,7 @@ def test_the_budget_holds_a_draft_models_cache_too(tiny_loaded):
     runner = _runner(tiny_loaded, kv_cache_memory_bytes=100 * TINY_BLOCK_BYTES_FP32,
                      speculative_method="draft", draft_model="tiny", num_speculative_tokens=2)
     assert runner.describe_facts().num_kv_blocks == 50
-    draft_cache = runner.drafter.kv_cache
+    draft_cache = runner.speculation.drafter.kv_cache
     assert draft_cache.k.shape[1] == 50 and draft_cache.block_bytes == TINY_BLOCK_BYTES_FP32
     cache_bytes = (runner.kv_cache.k.numel() + runner.kv_cache.v.numel() + draft_cache.k.numel()
                    + draft_cache.v.numel()) * 4

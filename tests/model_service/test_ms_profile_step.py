@@ -19,6 +19,8 @@ from model_service.step import profile_step
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
+from model_service import start
+from model_service.start import build_runner, start_runner
 
 
 def _config(**overrides) -> ModelServiceConfig:
@@ -70,7 +72,7 @@ def _greedy_tokens(runner: ModelRunner) -> dict[int, list[int]]:
 
 
 def test_profiled_steps_run_sample_every_sequence_and_leave_no_trace(loaded, dtype):
-    runner = ModelRunner(loaded, _config(dtype=dtype))
+    runner = build_runner(loaded, _config(dtype=dtype))
     lengths = profile_step.sequence_lengths(600, 16, loaded.max_model_len)
     steps = profile_step.run_profile_steps(runner, lengths, 16, loaded.arch.vocab_size)
 
@@ -81,7 +83,7 @@ def test_profiled_steps_run_sample_every_sequence_and_leave_no_trace(loaded, dty
     assert not runner.slot_table.active.any()
     # A profiled runner serves the same tokens as a fresh one (sampling is keyed by seed and
     # position, and the profiled blocks are overwritten before they are read).
-    fresh = ModelRunner(loaded, _config(dtype=dtype))
+    fresh = build_runner(loaded, _config(dtype=dtype))
     assert _greedy_tokens(runner) == _greedy_tokens(fresh)
 
 
@@ -139,7 +141,7 @@ def test_the_cpu_runner_does_not_profile(loaded, monkeypatch):
         raise AssertionError("profiled on the CPU")
 
     monkeypatch.setattr(profile_step, "peak_step_bytes", fail)
-    runner = ModelRunner(loaded, _config(num_kv_blocks=None, kv_cache_memory_fraction=0.001))
+    runner = build_runner(loaded, _config(num_kv_blocks=None, kv_cache_memory_fraction=0.001))
     assert runner.limits.num_kv_blocks >= 2
 
 
@@ -147,7 +149,7 @@ def test_the_cpu_runner_does_not_profile(loaded, monkeypatch):
 def test_cuda_start_up_profiles_the_largest_step_and_then_runs_it():
     config = ModelServiceConfig(model="tiny", device="cuda", num_kv_blocks=None,
                                 kv_cache_memory_fraction=0.5, profile_step_tokens=1024)
-    runner = ModelRunner(load_model(config), config)
+    runner = start_runner(config)
     free, _total = torch.cuda.mem_get_info()
     assert runner.kv_cache.k.numel() * runner.kv_cache.k.element_size() * 2 <= 0.5 * (
         free + runner.kv_cache.k.numel() * runner.kv_cache.k.element_size() * 2)
@@ -162,7 +164,7 @@ def test_cuda_start_up_profiles_the_largest_step_and_then_runs_it():
 def test_cuda_start_up_refuses_a_block_count_the_device_cannot_hold():
     config = ModelServiceConfig(model="tiny", device="cuda", num_kv_blocks=10**9)
     with pytest.raises(ValueError, match="num_kv_blocks: a KV cache of"):
-        ModelRunner(load_model(config), config)
+        start_runner(config)
 
 
 def test_the_runner_profiles_on_a_scratch_cache_then_sizes_and_serves(loaded, dtype, monkeypatch):
@@ -177,15 +179,15 @@ def test_the_runner_profiles_on_a_scratch_cache_then_sizes_and_serves(loaded, dt
         return peak
 
     monkeypatch.setattr(profile_step, "peak_step_bytes", peak_of_real_steps)
-    monkeypatch.setattr(ModelRunner, "_profiles", lambda self: True)
+    monkeypatch.setattr(start, "profiles", lambda device, loaded: True)
     config = _config(dtype=dtype, num_kv_blocks=None, kv_cache_memory_fraction=0.5,
                      profile_step_tokens=300)
-    runner = ModelRunner(loaded, config)
+    runner = build_runner(loaded, config)
 
     lengths = profile_step.sequence_lengths(300, 16, loaded.max_model_len)
     assert ran == [(profile_step.blocks_needed(lengths, 16), lengths)]  # on the scratch cache
     per_block = runner.kv_cache.block_bytes
     expected = (free // 2 - peak - kv_budget.CUDA_RESERVE_BYTES) // per_block
     assert runner.limits.num_kv_blocks == runner.kv_cache.k.shape[1] == expected
-    fresh = ModelRunner(loaded, _config(dtype=dtype))
+    fresh = build_runner(loaded, _config(dtype=dtype))
     assert _greedy_tokens(runner) == _greedy_tokens(fresh)

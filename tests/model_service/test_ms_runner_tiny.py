@@ -65,10 +65,10 @@ def test_preempt_and_recompute_continues_identically(tiny_runner, tiny_hf):
 
 def test_seeded_sampling_does_not_depend_on_batch(tiny_loaded):
     from conftest import tiny_config
-    from model_service.runner import ModelRunner
+    from model_service.start import build_runner
 
     def run(with_others: bool) -> list[int]:
-        driver = Driver(ModelRunner(tiny_loaded, tiny_config()))
+        driver = Driver(build_runner(tiny_loaded, tiny_config()))
         driver.add(0, _prompt(12, 9), temperature=0.9, top_p=0.95, top_k=50, seed=1234)
         if with_others:
             driver.add(1, _prompt(30, 10), temperature=1.0, seed=99)

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import tiny_config
 from model_service.attention import paged as attention
 from model_service.kernels import layer_ops
-from model_service.runner import ModelRunner
+from model_service.start import build_runner
 from model_service.server import serve, shutdown
 from planserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -19,7 +19,7 @@ from planserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 @pytest.fixture
 async def engine(tiny_loaded):
     config = tiny_config(port=0)
-    server = await serve(config, runner=ModelRunner(tiny_loaded, config))
+    server = await serve(config, runner=build_runner(tiny_loaded, config))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}")
     yield channel
     await channel.close()

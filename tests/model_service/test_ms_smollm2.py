@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from ms_driver import Driver
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import SMOLLM2_FILE, load_model, smollm2_path
-from model_service.runner import ModelRunner
+from model_service.start import build_runner
 from reference import compare_up_to_near_tie, greedy_reference
 
 TEXTS = [
@@ -96,7 +96,7 @@ def test_greedy_parity_mixed_batch(smollm2, hf_gguf_model):
         "chat_haiku": tok.encode(_render(loaded.chat_template, MESSAGES[1])).ids,
         "text_fox": tok.encode(TEXTS[0]).ids,
     }
-    driver = Driver(ModelRunner(loaded, config))
+    driver = Driver(build_runner(loaded, config))
     slots = dict(zip(prompts, range(len(prompts))))
     driver.add(slots["chat_capital"], prompts["chat_capital"])
     driver.add(slots["text_fox"], prompts["text_fox"])
@@ -118,7 +118,7 @@ def _greedy_on_each_path(smollm2, monkeypatch, module, attribute: str, paths, me
     outputs = []
     for path in paths:
         monkeypatch.setattr(module, attribute, path)
-        driver = Driver(ModelRunner(loaded, config))
+        driver = Driver(build_runner(loaded, config))
         driver.add(0, prompts[0])
         driver.add(1, prompts[1])
         outputs.append(driver.run_to_completion(NEW_TOKENS, chunk=16, joins={2: [(2, prompts[2])]}))
@@ -186,7 +186,7 @@ def _quality_tokens(loaded, models_and_configs):
     prompts = [tok.encode(_render(loaded.chat_template, m)).ids for m in MESSAGES] + [tok.encode(TEXTS[0]).ids]
     outputs = []
     for model, cfg in models_and_configs:
-        driver = Driver(ModelRunner(model, cfg))
+        driver = Driver(build_runner(model, cfg))
         for slot, prompt in enumerate(prompts):
             driver.add(slot, prompt)
         tokens = driver.run_to_completion(16, chunk=64)

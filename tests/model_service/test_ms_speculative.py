@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_config
 from model_service.step.plan import PlanArrays, SlotRegistration
-from model_service.runner import ModelRunner
+from model_service.start import build_runner
 from model_service.step.sampler import draw
 from model_service.speculative.verify import Draft, NgramDrafter, uniforms, verify, verify_greedy
 
@@ -181,19 +181,19 @@ def _generate(runner, prompts, new_tokens, lookahead):
 
 def test_runner_with_drafts_emits_the_plain_greedy_tokens(tiny_loaded):
     prompts = [list(range(300, 320)), list(range(1000, 1037)), [7] * 9]
-    plain = _generate(ModelRunner(tiny_loaded, tiny_config()), prompts, 24, lookahead=0)
-    runner = ModelRunner(tiny_loaded, tiny_config(speculative_method="ngram", num_speculative_tokens=3))
-    runner.drafter = ScriptedDrafter({tuple(p): p + out for p, out in zip(prompts, plain)}, wrong_every=3)
+    plain = _generate(build_runner(tiny_loaded, tiny_config()), prompts, 24, lookahead=0)
+    runner = build_runner(tiny_loaded, tiny_config(speculative_method="ngram", num_speculative_tokens=3))
+    runner.speculation.drafter = ScriptedDrafter({tuple(p): p + out for p, out in zip(prompts, plain)}, wrong_every=3)
     speculated = _generate(runner, prompts, 24, lookahead=3)
     assert speculated == plain
-    assert runner.drafter.calls > 0
+    assert runner.speculation.drafter.calls > 0
 
 
 def test_runner_reports_drafts_and_acceptances(tiny_loaded):
     prompt = list(range(300, 320))
-    [plain] = _generate(ModelRunner(tiny_loaded, tiny_config()), [prompt], 12, lookahead=0)
-    runner = ModelRunner(tiny_loaded, tiny_config(speculative_method="ngram", num_speculative_tokens=3))
-    runner.drafter = ScriptedDrafter({tuple(prompt): prompt + plain}, wrong_every=10**9)  # always right
+    [plain] = _generate(build_runner(tiny_loaded, tiny_config()), [prompt], 12, lookahead=0)
+    runner = build_runner(tiny_loaded, tiny_config(speculative_method="ngram", num_speculative_tokens=3))
+    runner.speculation.drafter = ScriptedDrafter({tuple(prompt): prompt + plain}, wrong_every=10**9)  # always right
     outputs = []
     original = runner.execute
     runner.execute = lambda plan: outputs.append(original(plan)) or outputs[-1]
@@ -207,8 +207,8 @@ def test_draft_model_equal_to_the_target_is_always_accepted_greedy(tiny_loaded):
     """The tiny model drafting for itself proposes the target's own greedy tokens: every draft
     is accepted (up to near ties) and the output is the plain greedy output."""
     prompts = [list(range(300, 320)), list(range(1000, 1037))]
-    plain = _generate(ModelRunner(tiny_loaded, tiny_config()), prompts, 16, lookahead=0)
-    runner = ModelRunner(tiny_loaded, tiny_config(speculative_method="draft", draft_model="tiny", num_speculative_tokens=3))
+    plain = _generate(build_runner(tiny_loaded, tiny_config()), prompts, 16, lookahead=0)
+    runner = build_runner(tiny_loaded, tiny_config(speculative_method="draft", draft_model="tiny", num_speculative_tokens=3))
     outputs = []
     original = runner.execute
     runner.execute = lambda plan: outputs.append(original(plan)) or outputs[-1]

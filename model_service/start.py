@@ -1,0 +1,143 @@
+"""The model service's start-up order, in one place (a runner never builds itself):
+
+    load      the checkpoint (or a tensor-parallel rank's share)   loading/loader.py
+    draft     the draft model, before sizing: its weights leave
+              the free memory, its cache counts in each block      speculative/draft_model.py
+    profile   on CUDA, the largest step on a scratch cache: peak   step/profile_step.py
+    size      the KV cache's block count, the cache, swap space    step/kv_budget.py
+    capture   the decode steps' CUDA graphs over the sized cache   step/cuda_graphs.py
+
+Each part receives what it reads; the runner receives the parts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import structlog
+import torch
+
+from model_service import threads
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.paged import ATTENTION_ISA, cuda_path
+from model_service.config import ModelServiceConfig
+from model_service.kernels.gemm import PackedLinear
+from model_service.kernels.layer_ops import LAYER_OPS_ISA
+from model_service.loading.loaded import LoadedModel
+from model_service.loading.loader import load_model
+from model_service.models import decoder_loop
+from model_service.models.parallel import RankShare
+from model_service.runner import ModelRunner
+from model_service.speculative import draft_model
+from model_service.speculative.stage import Drafter
+from model_service.speculative.verify import NgramDrafter
+from model_service.step import cuda_graphs, profile_step
+from model_service.step.kv_budget import count_kv_blocks
+from model_service.step.slot_table import SlotTable
+
+log = structlog.get_logger(__name__)
+
+
+def start_runner(config: ModelServiceConfig, share: Optional[RankShare] = None) -> ModelRunner:
+    """Load, then build: the whole start-up of one model service (or tensor-parallel rank)."""
+    return build_runner(load_model(config, share), config)
+
+
+def build_runner(loaded: LoadedModel, config: ModelServiceConfig) -> ModelRunner:
+    """Everything after the load, in order: draft, profile, size, allocate, capture."""
+    config.validate()
+    device, dtype = _device(loaded), next(loaded.model.parameters()).dtype
+    draft = draft_model.load_draft(config, loaded)
+    step_peak_bytes = profile_largest_step(loaded, config) if profiles(device, loaded) else None
+    draft_bytes = draft_model.draft_block_bytes(draft, config.block_size)
+    num_blocks = count_kv_blocks(config, loaded, dtype, device, step_peak_bytes, draft_bytes)
+    kv_cache = new_kv_cache(loaded, config, num_blocks)
+    kv_cache.allocate_swap(config.swap_space_bytes // kv_cache.block_bytes)
+    table = SlotTable(config.max_num_slots, loaded.max_model_len, config.block_size)
+    drafter = _drafter(config, draft, table, kv_cache, device)
+    graphs, graphs_path = cuda_graphs.capture(
+        loaded, kv_cache, config.block_size, config.max_num_slots, table.max_blocks_per_seq
+    )
+    compute = {**compute_paths(loaded, kv_cache), "cuda_graphs": graphs_path}
+    log.info(
+        "runner_ready",
+        model=loaded.name,
+        device=str(device),
+        dtype=config.resolved_dtype(),
+        num_kv_blocks=num_blocks,
+        **compute,
+    )
+    return ModelRunner(loaded, config, kv_cache, table, drafter, graphs, compute)
+
+
+def _device(loaded: LoadedModel) -> torch.device:
+    return next(loaded.model.parameters()).device
+
+
+def new_kv_cache(loaded: LoadedModel, config: ModelServiceConfig, num_blocks: int) -> KVCache:
+    """A KV cache of num_blocks blocks; under tensor parallelism a rank caches its KV heads."""
+    arch = loaded.arch
+    return KVCache(
+        arch.num_hidden_layers,
+        num_blocks,
+        config.block_size,
+        loaded.num_kv_heads_per_rank,
+        arch.head_dim,
+        next(loaded.model.parameters()).dtype,
+        _device(loaded),
+    )
+
+
+def profiles(device: torch.device, loaded: LoadedModel) -> bool:
+    """The largest step is profiled on CUDA, for a model that computes (kv_budget.py)."""
+    return device.type == "cuda" and loaded.num_kv_blocks is None
+
+
+def profile_largest_step(loaded: LoadedModel, config: ModelServiceConfig) -> int:
+    """Runs the largest steps (profile_step.py) on a scratch runner and cache; returns their
+    peak bytes. Both are released before the real cache is sized."""
+    lengths = profile_step.sequence_lengths(
+        config.profile_step_tokens, config.max_num_slots, loaded.max_model_len
+    )
+    cache = new_kv_cache(loaded, config, profile_step.blocks_needed(lengths, config.block_size))
+    table = SlotTable(config.max_num_slots, loaded.max_model_len, config.block_size)
+    scratch = ModelRunner(loaded, config, cache, table)
+    device = _device(loaded)
+    peak = profile_step.peak_step_bytes(
+        scratch, lengths, config.block_size, loaded.arch.vocab_size, device
+    )
+    del scratch, cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the scratch cache's and the steps' blocks, for the real cache
+    log.info("largest_step_profiled", tokens=config.profile_step_tokens, peak_bytes=peak)
+    return peak
+
+
+def _drafter(
+    config: ModelServiceConfig,
+    draft: LoadedModel | None,
+    table: SlotTable,
+    kv_cache: KVCache,
+    device: torch.device,
+) -> Drafter | None:
+    """Speculative decoding's drafter: the n-gram lookup, a draft model, or none."""
+    if config.speculative_method == "ngram":
+        return NgramDrafter(max_n=config.ngram_max)
+    if draft is not None:
+        return draft_model.DraftModelDrafter(
+            draft, table, kv_cache.num_blocks, config.block_size, device
+        )
+    return None
+
+
+def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:
+    """Threads and the kernel path of each op (Describe's `compute`)."""
+    model = loaded.model
+    on_cpu = _device(loaded).type == "cpu"
+    return {
+        **threads.settings(),
+        "attention": ATTENTION_ISA if on_cpu else cuda_path(kv_cache.k),
+        "layer_ops": LAYER_OPS_ISA if on_cpu else "torch",
+        "gemm": next((m.isa for m in model.modules() if isinstance(m, PackedLinear)), "torch"),
+        "decoder_loop": decoder_loop.describe(model),
+    }
