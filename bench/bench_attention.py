@@ -89,9 +89,7 @@ def forward_cases(isa: str | None, bandwidth: float, rates: dict) -> dict:
     from model_service.loading.loader import load_model
 
     if isa:
-        os.environ[attention.ISA_ENV] = isa
-        if hasattr(attention, "ATTENTION_ISA"):
-            attention.ATTENTION_ISA = attention.resolve_isa(isa)
+        attention.PATH.select(isa)
     results = {}
     for dtype_name in ("bfloat16", "float32"):
         loaded = load_model(ModelServiceConfig(model="smollm2", dtype=dtype_name, device="cpu"))
@@ -133,7 +131,7 @@ def main() -> None:
     parser.add_argument("--label", default="after", help="key of this run in the results file")
     parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
-    isas = args.isa or [getattr(attention, "ATTENTION_ISA", None)]
+    isas = args.isa or [attention.PATH.current]
     load_before = os.getloadavg()
     bandwidth = measure.read_bandwidth()
     rates = {"bfloat16": measure.gemm_rate(torch.bfloat16), "float32": measure.gemm_rate(torch.float32)}

@@ -122,11 +122,11 @@ def main() -> None:
         floor = max((weights + step.kv_bytes) / bandwidth, step_flops(arch, seqs) / rate) * 1e3
         result = steps[name] = {"floor_ms": floor}
         for path, isa in PATHS.items():
-            attention.ATTENTION_ISA = isa
+            attention.PATH.select(isa)
             with torch.inference_mode():
                 result[f"{path}_ms"] = median_ms(lambda s=step: model(*s.args()))
                 result[f"{path}_attention_ms"] = attention_ms(step, arch)
-        attention.ATTENTION_ISA = attention.resolve_isa("auto")
+        attention.PATH.select("auto")
         result["graph_ms"] = graph_ms(model, step, seqs)
         print(f"{name:14s} triton {result['triton_ms']:7.2f} ms (attention {result['triton_attention_ms']:.3f}) "
               f"torch {result['torch_ms']:7.2f} ms (attention {result['torch_attention_ms']:.3f})  "

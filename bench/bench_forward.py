@@ -145,15 +145,8 @@ def decoder_loop(model, config) -> tuple[str, object]:
     reason = loops.unsupported_reason(model)
     if reason is not None:
         return f"python ({reason})", None
-    os.environ[loops.LOOP_ENV] = "python"
-    try:
-        python_model = load_model(config).model
-        arch = python_model.arch
-        first = measure.Step([(8, 1)], torch.bfloat16, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
-        with torch.inference_mode():  # a model decides its loop on its first forward
-            python_model(*first.args())
-    finally:
-        del os.environ[loops.LOOP_ENV]
+    python_model = load_model(config).model
+    loops.decide(python_model, "python")
     return "native", python_model
 
 

@@ -14,6 +14,7 @@ threads.configure()  # first: libgomp reads its environment when torch loads it
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
@@ -21,7 +22,7 @@ import grpc  # noqa: E402
 import structlog  # noqa: E402
 
 from config_fields import add_flags, from_args  # noqa: E402
-from model_service.config import ModelServiceConfig  # noqa: E402
+from model_service.config import ModelServiceConfig, compute_env_defaults  # noqa: E402
 from model_service.logs import configure_logging  # noqa: E402
 from model_service.server import (  # noqa: E402
     PortTaken,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m model_service", description="planserve model service (torch)"
     )
     add_flags(parser, ModelServiceConfig)
+    parser.set_defaults(**compute_env_defaults(os.environ))  # the compute fields' aliases
     return parser
 
 

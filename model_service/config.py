@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 from config_fields import Wording, check_bounds, setting
 
@@ -162,6 +162,32 @@ class ModelServiceConfig:
     ngram_max: int = setting(3, low=1, high=8)
     """--speculative-method ngram: the longest suffix looked up (down to 1 token)."""
 
+    # -- compute: the path each op runs. Describe's `compute` reports what each resolved to. Each
+    # field has an environment alias (COMPUTE_ENV_ALIASES), read once at start; a flag wins.
+    attention_isa: str = "auto"
+    """Paged attention on the CPU: "auto" (the fastest path this CPU runs), one of the native
+    kernel's paths ("portable", "avx2", "avx512", "avx512_bf16"), or "torch" (gather + SDPA, for
+    A/B checks; on CUDA it replaces the Triton kernel too). Alias PLANSERVE_ATTENTION_ISA."""
+
+    layer_ops_isa: str = "auto"
+    """The fused norm, RoPE and SiLU kernels on the CPU: "auto", "portable", "avx2", "avx512", or
+    "torch" (the same arithmetic as torch ops). Alias PLANSERVE_LAYER_OPS_ISA."""
+
+    gemm_isa: str = "auto"
+    """bfloat16 and int8 linear layers on the CPU: "auto" (the native packed GEMM where the CPU
+    has AVX512-BF16, else torch's), "avx512_bf16", "portable", or "torch". Alias
+    PLANSERVE_GEMM_ISA."""
+
+    decoder_loop: str = setting("native", choices=("native", "python"))
+    """"native": one native call runs all the layers of a step wherever every kernel of a layer
+    is native (model_service/models/decoder_loop.py); "python": the Python loop over the layers
+    (A/B checks). Alias PLANSERVE_DECODER_LOOP."""
+
+    cuda_graphs: str = setting("auto", choices=("auto", "off"))
+    """CUDA: "auto" replays decode steps from graphs captured at start where they apply
+    (model_service/step/cuda_graphs.py); "off" runs every step eagerly. Alias
+    PLANSERVE_CUDA_GRAPHS (0 = off)."""
+
     tls_cert: str = ""
     """PEM certificate: serve gRPC over TLS (with tls_key) instead of plaintext."""
 
@@ -213,6 +239,32 @@ class ModelServiceConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# The compute fields' documented environment names (older spellings, still honoured).
+COMPUTE_ENV_ALIASES = {
+    "attention_isa": "PLANSERVE_ATTENTION_ISA",
+    "layer_ops_isa": "PLANSERVE_LAYER_OPS_ISA",
+    "gemm_isa": "PLANSERVE_GEMM_ISA",
+    "decoder_loop": "PLANSERVE_DECODER_LOOP",
+    "cuda_graphs": "PLANSERVE_CUDA_GRAPHS",
+}
+
+
+def compute_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """The compute fields their environment aliases set: the one place they are read, at start
+    (`python -m model_service` makes them its flags' defaults, so a flag given wins; the offline
+    LLM reads them under its options)."""
+    values = {}
+    for field, alias in COMPUTE_ENV_ALIASES.items():
+        value = environ.get(alias, "")
+        if value:
+            values[field] = value
+    if "cuda_graphs" in values:  # the alias's own spelling: 0 turns graphs off, 1 leaves them on
+        values["cuda_graphs"] = {"0": "off", "1": "auto"}.get(
+            values["cuda_graphs"], values["cuda_graphs"]
+        )
+    return values
 
 
 def cpu_has_native_bf16() -> bool:

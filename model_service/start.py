@@ -18,11 +18,11 @@ import structlog
 import torch
 
 from model_service import threads
+from model_service.attention import paged
 from model_service.attention.kv_cache import KVCache
-from model_service.attention.paged import ATTENTION_ISA, cuda_path
 from model_service.config import ModelServiceConfig
+from model_service.kernels import layer_ops
 from model_service.kernels.gemm import PackedLinear
-from model_service.kernels.layer_ops import LAYER_OPS_ISA
 from model_service.loading.loaded import LoadedModel
 from model_service.loading.loader import load_model
 from model_service.models import decoder_loop
@@ -44,8 +44,10 @@ def start_runner(config: ModelServiceConfig, share: Optional[RankShare] = None) 
 
 
 def build_runner(loaded: LoadedModel, config: ModelServiceConfig) -> ModelRunner:
-    """Everything after the load, in order: draft, profile, size, allocate, capture."""
+    """Everything after the load, in order: kernel paths, draft, profile, size, allocate,
+    capture."""
     config.validate()
+    select_compute(loaded, config)
     device, dtype = _device(loaded), next(loaded.model.parameters()).dtype
     draft = draft_model.load_draft(config, loaded)
     step_peak_bytes = profile_largest_step(loaded, config) if profiles(device, loaded) else None
@@ -56,7 +58,12 @@ def build_runner(loaded: LoadedModel, config: ModelServiceConfig) -> ModelRunner
     table = SlotTable(config.max_num_slots, loaded.max_model_len, config.block_size)
     drafter = _drafter(config, draft, table, kv_cache, device)
     graphs, graphs_path = cuda_graphs.capture(
-        loaded, kv_cache, config.block_size, config.max_num_slots, table.max_blocks_per_seq
+        config.cuda_graphs,
+        loaded,
+        kv_cache,
+        config.block_size,
+        config.max_num_slots,
+        table.max_blocks_per_seq,
     )
     compute = {**compute_paths(loaded, kv_cache), "cuda_graphs": graphs_path}
     log.info(
@@ -68,6 +75,16 @@ def build_runner(loaded: LoadedModel, config: ModelServiceConfig) -> ModelRunner
         **compute,
     )
     return ModelRunner(loaded, config, kv_cache, table, drafter, graphs, compute)
+
+
+def select_compute(loaded: LoadedModel, config: ModelServiceConfig) -> None:
+    """The config's compute fields into force: the attention and layer-op paths (process-wide,
+    as the native kernels are), then the decoder loop the model runs with them. The GEMM path
+    was applied when the loader packed the linears; the graphs are the capture's."""
+    paged.PATH.select(config.attention_isa)
+    layer_ops.PATH.select(config.layer_ops_isa)
+    if hasattr(loaded.model, "decoder_loop_reason"):  # the null model has no decoder layers
+        decoder_loop.decide(loaded.model, config.decoder_loop)
 
 
 def _device(loaded: LoadedModel) -> torch.device:
@@ -131,13 +148,14 @@ def _drafter(
 
 
 def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:
-    """Threads and the kernel path of each op (Describe's `compute`)."""
+    """Threads and the path each op runs, as the compute fields resolved (Describe's
+    `compute`)."""
     model = loaded.model
     on_cpu = _device(loaded).type == "cpu"
     return {
         **threads.settings(),
-        "attention": ATTENTION_ISA if on_cpu else cuda_path(kv_cache.k),
-        "layer_ops": LAYER_OPS_ISA if on_cpu else "torch",
+        "attention": paged.PATH.current if on_cpu else paged.cuda_path(kv_cache.k),
+        "layer_ops": layer_ops.PATH.current if on_cpu else "torch",
         "gemm": next((m.isa for m in model.modules() if isinstance(m, PackedLinear)), "torch"),
         "decoder_loop": decoder_loop.describe(model),
     }

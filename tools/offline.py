@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import uuid
 from typing import Any, Optional, Sequence, Union
@@ -179,12 +180,14 @@ class LLM:
         scheduler_options: Optional[dict] = None,
         **engine_options,
     ):
-        from model_service.config import ModelServiceConfig
+        from model_service.config import ModelServiceConfig, compute_env_defaults
         from model_service.server import warm_up
         from model_service.start import start_runner
 
+        # The compute fields' environment aliases apply here as in `python -m model_service`.
+        options = {**compute_env_defaults(os.environ), **engine_options}
         engine_config = ModelServiceConfig(
-            model=model, dtype=dtype, device=device, **engine_options
+            model=model, dtype=dtype, device=device, **options
         ).validate()
         runner = start_runner(engine_config)
         warm_up(runner)  # one real step, as the model service does before serving

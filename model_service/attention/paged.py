@@ -27,10 +27,10 @@ softmax with float32 accumulation, the context cut into KV splits at fixed posit
 (KV_SPLIT_POSITIONS) folded in order, work spread over (sequence, KV head, row tile, split). A row's
 result depends only on its own query, context and position: never on the other rows of the call,
 on padding, or on whether it is a decode or inside a chunk (batch invariance by construction).
-The ISA path is the fastest the CPU runs, or the one PLANSERVE_ATTENTION_ISA names (portable,
+The ISA path is the fastest the CPU runs, or the one the config's attention_isa names (portable,
 avx2, avx512, avx512_bf16; `torch` runs the plain-torch path below instead, for A/B checks). On
 CUDA the kernel is a Triton one (model_service/attention/cuda_attention.py), same semantics and
-invariance; PLANSERVE_ATTENTION_ISA=torch runs the torch path there too. Other devices, and CUDA
+invariance; attention_isa "torch" runs the torch path there too. Other devices, and CUDA
 without Triton or with a block size the kernel does not take, use `_torch_attention` (gather +
 SDPA).
 """
@@ -38,7 +38,6 @@ SDPA).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +49,6 @@ from model_service.kernels import kernel_isa
 # KV split length in positions: fixed, never chosen from the batch's shape (see the docstring).
 # 256 gives a batch-1 decode at context ~300 six items (2 splits x 3 KV heads) for two cores.
 KV_SPLIT_POSITIONS = 256
-ISA_ENV = "PLANSERVE_ATTENTION_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH  # the gather + SDPA path, selectable on the CPU for comparisons
 _DTYPES = {
     torch.float32: native.DTYPES.index("float32"),
@@ -58,22 +56,25 @@ _DTYPES = {
 }
 
 
-def resolve_isa(name: str | None = None) -> str:
-    """The ISA path to run: `name`, else $PLANSERVE_ATTENTION_ISA, else the best this CPU runs."""
-    return kernel_isa.resolve_isa(native, ISA_ENV, name)
-
-
-ATTENTION_ISA = resolve_isa()
+# The config's attention_isa, selected at start.
+PATH = kernel_isa.PathChoice(native, "attention_isa")
+resolve_isa = PATH.resolve
 
 
 def cuda_path(k_cache: torch.Tensor) -> str:
     """The attention path a model with this (5-D, all layers') cache runs off the CPU, for
     Describe's `compute`: "triton", or "torch (why)"."""
-    if os.environ.get(ISA_ENV) == TORCH_PATH:
-        return f"torch ({ISA_ENV}=torch)"
     probe = torch.empty(1, 1, k_cache.shape[-1], dtype=k_cache.dtype, device=k_cache.device)
-    reason = cuda_attention.unsupported_reason(probe, k_cache[0])
+    reason = _triton_unsupported(probe, k_cache[0], PATH.current)
     return "triton" if reason is None else f"torch ({reason})"
+
+
+def _triton_unsupported(q: torch.Tensor, k_cache: torch.Tensor, isa: str) -> str | None:
+    """Why a CUDA call runs the torch path instead of the Triton kernel; None where it runs the
+    kernel. The one decider, for the calls and for Describe."""
+    if isa == TORCH_PATH:
+        return "attention_isa=torch"
+    return cuda_attention.unsupported_reason(q, k_cache)
 
 
 def split_positions(block_size: int) -> int:
@@ -147,12 +148,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D]; caches [NB, KVH, BS, D]. Writes k/v into the caches at
     meta.slot_mapping and returns the attention output [T, H * D] in q's dtype. `isa` forces a
-    CPU path (tests); None runs ATTENTION_ISA. With a sliding_window W, the row at position p
-    attends positions p - W + 1 .. p only, on the torch path (the native kernel attends whole
-    prefixes; a window inside it is not written yet). float16 runs the torch path too (the native
-    kernel is float32 and bfloat16)."""
-    isa = isa or ATTENTION_ISA
-    if q.is_cuda and isa != TORCH_PATH and cuda_attention.unsupported_reason(q, k_cache) is None:
+    CPU path (tests); None runs the selected one (PATH). With a sliding_window W, the row at
+    position p attends positions p - W + 1 .. p only, on the torch path (the native kernel attends
+    whole prefixes; a window inside it is not written yet). float16 runs the torch path too (the
+    native kernel is float32 and bfloat16)."""
+    isa = isa or PATH.current
+    if q.is_cuda and _triton_unsupported(q, k_cache, isa) is None:
         return _cuda_attention(q, k, v, k_cache, v_cache, meta, sliding_window)
     if (
         meta.native_step is None

@@ -10,9 +10,10 @@ weight once per step, whatever the batch. int8 (quant.py's blocks of 32) keeps i
 and scales; the kernel quantizes each row of x per block of 32 to int16 and takes exact integer
 block dot products (VPDPWSSD), so the weight is never widened to bf16 in memory (csrc/gemm.h).
 
-The path: $PLANSERVE_GEMM_ISA (auto, torch, or one of cython_ext.gemm.ISAS); auto takes
-AVX512-BF16 where the CPU has it and torch's GEMM elsewhere (and for float32, other devices, and
-tensor-parallel layers, which stay on torch with layer_ops.linear's padding).
+The path: the config's gemm_isa (auto, torch, or one of cython_ext.gemm.ISAS), applied when the
+loader packs the model; auto takes AVX512-BF16 where the CPU has it and torch's GEMM elsewhere (and
+for float32, other devices, and tensor-parallel layers, which stay on torch with layer_ops.linear's
+padding).
 """
 
 from __future__ import annotations
@@ -24,16 +25,12 @@ from cython_ext import gemm as native
 from model_service.kernels import kernel_isa
 from model_service.kernels.quant import Int8Linear
 
-ISA_ENV = "PLANSERVE_GEMM_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH
 
 
-def resolve_isa(name: str | None = None) -> str:
-    """The path to run: `name`, else $PLANSERVE_GEMM_ISA, else the best this CPU runs."""
-    return kernel_isa.resolve_isa(native, ISA_ENV, name)
-
-
-GEMM_ISA = resolve_isa()
+def resolve_isa(name: str = "auto") -> str:
+    """The path gemm_isa `name` runs on this CPU ("auto": the best)."""
+    return kernel_isa.resolve_isa(native, "gemm_isa", name)
 
 
 class PackedLinear(nn.Module):
@@ -171,10 +168,10 @@ def packable(module: nn.Module, dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str | None = None) -> int:
-    """Replace, in place, every nn.Linear / Int8Linear the kernel takes by a PackedLinear. Returns
-    how many were packed (0 where the path is torch's)."""
-    isa = isa or GEMM_ISA
+def pack_linears_(model: nn.Module, dtype: torch.dtype, isa: str) -> int:
+    """Replace, in place, every nn.Linear / Int8Linear the kernel takes by a PackedLinear for
+    path `isa` (resolved: resolve_isa). Returns how many were packed (0 where the path is
+    torch's)."""
     if isa == TORCH_PATH:
         return 0
     # Names, not module objects: a list of the modules would keep every unpacked weight alive until

@@ -2,7 +2,7 @@
 
 Each runs as one native call on the CPU (cython_ext/layer_ops.pyx over cython_ext/csrc/layer_ops*),
 in place of the 6-14 eager torch ops it replaces per layer; other devices, and the CPU with
-PLANSERVE_LAYER_OPS_ISA=torch (for A/B checks), run the same arithmetic in torch (`torch_*`).
+layer_ops_isa "torch" (for A/B checks), run the same arithmetic in torch (`torch_*`).
 
 Every operation computes each token row by itself, in a fixed order: a row's bits never depend on
 the other rows of the step, so a row computes the same alone or in a batch of 64, and a prompt
@@ -26,7 +26,6 @@ from cython_ext import layer_ops as native
 from model_service.kernels import kernel_isa
 from model_service.kernels.gemm import PackedLinear
 
-ISA_ENV = "PLANSERVE_LAYER_OPS_ISA"
 TORCH_PATH = kernel_isa.TORCH_PATH
 GEMM_MIN_ROWS = {torch.float32: 16, torch.bfloat16: 2}  # see linear()
 _DTYPES = {
@@ -35,17 +34,14 @@ _DTYPES = {
 }
 
 
-def resolve_isa(name: str | None = None) -> str:
-    """The path to run: `name`, else $PLANSERVE_LAYER_OPS_ISA, else the best this CPU runs."""
-    return kernel_isa.resolve_isa(native, ISA_ENV, name)
-
-
-LAYER_OPS_ISA = resolve_isa()
+# The config's layer_ops_isa, selected at start.
+PATH = kernel_isa.PathChoice(native, "layer_ops_isa")
+resolve_isa = PATH.resolve
 
 
 def _native_isa(x: torch.Tensor, isa: str | None) -> int | None:
     """The native path's index for tensor x, or None where torch runs it."""
-    isa = isa or LAYER_OPS_ISA
+    isa = isa or PATH.current
     if x.device.type != "cpu" or isa == TORCH_PATH or x.dtype not in _DTYPES:
         return None
     return native.ISAS.index(isa)

@@ -222,8 +222,10 @@ def build_model(
     device: str,
     quantization: str = "none",
     share: Optional[RankShare] = None,
+    gemm_isa: str = "auto",
 ) -> LlamaForCausalLM:
-    """The model (this rank's share of it) with the checkpoint's weights, ready to serve."""
+    """The model (this rank's share of it) with the checkpoint's weights, ready to serve; its
+    bfloat16 linears packed for the config's gemm_isa path (kernels/gemm.py)."""
     share = share or RankShare()
     check_checkpoint(arch, weights)
     if share.world_size > 1:
@@ -232,10 +234,11 @@ def build_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
     builder = _Builder(arch, weights, dtype, device, quantization == "int8", share)
+    gemm_path = gemm.resolve_isa(gemm_isa)
     builder.embeddings_(model)
     for index, layer in enumerate(model.model.layers):
         builder.layer_(index, layer)
-        gemm.pack_linears_(layer, dtype)  # one layer's packing in flight at a time
+        gemm.pack_linears_(layer, dtype, gemm_path)  # one layer's packing in flight at a time
         _return_freed_memory()
     model.model.norm.weight = builder.parameter("model.norm.weight")
     left = [
@@ -248,6 +251,8 @@ def build_model(
     model = model.eval().requires_grad_(False)
     if share.world_size > 1:
         wrap_parallel_(model, share)
-    gemm.pack_linears_(model, dtype)  # bfloat16 on the CPU: the native GEMMs' packed weights
+    gemm.pack_linears_(
+        model, dtype, gemm_path
+    )  # bfloat16 on the CPU: the native GEMMs' packed weights
     _return_freed_memory()
     return model

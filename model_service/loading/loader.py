@@ -104,7 +104,7 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
             f"{arch.vocab_size}"
         )
     arch, max_model_len = _served_length(config, arch)
-    model = build_model(arch, weights, dtype, device, config.quantization, share)
+    model = build_model(arch, weights, dtype, device, config.quantization, share, config.gemm_isa)
     log.info(
         "model_loaded",
         model=name,

@@ -11,13 +11,11 @@ bit for bit).
 It applies where every kernel of a layer is native: a bfloat16 model on the CPU with its linears
 packed (model_service/kernels/gemm.py), the native attention and layer-op paths, and no per-head
 q/k norm or sliding window (Qwen3, Mistral with a window: those run the Python loop).
-`unsupported_reason` says why a model runs the Python loop; $PLANSERVE_DECODER_LOOP=python forces
-it (A/B checks).
+`unsupported_reason` says why a model runs the Python loop; the config's decoder_loop "python"
+forces it (A/B checks).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -31,17 +29,7 @@ from model_service.attention.paged import AttentionMetadata
 from model_service.kernels import layer_ops
 from model_service.kernels.gemm import PackedLinear
 
-LOOP_ENV = "PLANSERVE_DECODER_LOOP"
-LOOPS = ("native", "python")
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def requested_loop() -> str:
-    """$PLANSERVE_DECODER_LOOP: native (the default: wherever it applies) or python."""
-    loop = os.environ.get(LOOP_ENV, "") or "native"
-    if loop not in LOOPS:
-        raise ValueError(f"{LOOP_ENV}={loop!r}: expected one of {LOOPS}")
-    return loop
 
 
 def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -53,18 +41,26 @@ def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def unsupported_reason(model: torch.nn.Module) -> str | None:
+def decide(model: torch.nn.Module, requested: str) -> str | None:
+    """The one decision of the loop `model` (a LlamaForCausalLM, its linears packed) runs, kept
+    on it as decoder_loop_reason: None for the native loop, else why the Python loop runs.
+    `requested` is the config's decoder_loop ("native" or "python")."""
+    model.decoder_loop_reason = unsupported_reason(model, requested)
+    return model.decoder_loop_reason
+
+
+def unsupported_reason(model: torch.nn.Module, requested: str = "native") -> str | None:
     """Why `model` (a LlamaForCausalLM) runs the Python loop; None where the native loop applies."""
-    if requested_loop() == "python":
-        return f"{LOOP_ENV}=python"
+    if requested == "python":
+        return "decoder_loop=python"
     arch = model.arch
     if arch.qk_norm:
         return "per-head q/k norm"
     if arch.sliding_window is not None:
         return "sliding-window attention"
-    if paged.ATTENTION_ISA == paged.TORCH_PATH:
+    if paged.PATH.current == paged.TORCH_PATH:
         return "torch attention path"
-    if layer_ops.LAYER_OPS_ISA == layer_ops.TORCH_PATH:
+    if layer_ops.PATH.current == layer_ops.TORCH_PATH:
         return "torch layer-ops path"
     layers = model.model.layers
     for layer in layers:
@@ -83,7 +79,7 @@ def describe(model: torch.nn.Module) -> str:
     "none" for a model without decoder layers (the null model)."""
     if not hasattr(model, "decoder_loop_reason"):
         return "none"
-    reason = unsupported_reason(model)
+    reason = model.decoder_loop_reason
     return "native" if reason is None else f"python ({reason})"
 
 
@@ -119,8 +115,8 @@ class NativeLayers:
             rope=rope.data_ptr(),
             rope_rows=rope.shape[0],
             gemm_isa=native_gemm.ISAS.index(isa),
-            layer_ops_isa=native_layer_ops.ISAS.index(layer_ops.LAYER_OPS_ISA),
-            attention_isa=native_attention.ISAS.index(paged.ATTENTION_ISA),
+            layer_ops_isa=native_layer_ops.ISAS.index(layer_ops.PATH.current),
+            attention_isa=native_attention.ISAS.index(paged.PATH.current),
         )
         # The tensors whose addresses the table holds, kept alive here even if a module were
         # replaced later (a stale weight, never a dangling pointer).

@@ -171,12 +171,12 @@ class LlamaForCausalLM(nn.Module):
 
     def native_layers(self, rope: torch.Tensor) -> NativeLayers | None:
         """The native decoder loop (model_service/models/decoder_loop.py) where it applies, else
-        None (the Python loop below); decided on the first forward, after the loader packed the
-        linears, and kept (`decoder_loop_reason` says why not)."""
+        None (the Python loop below). The start-up decides it (decoder_loop.decide, after the
+        loader packed the linears); a model run without one decides on its first forward."""
         if self.decoder_loop_reason == UNDECIDED:
-            self.decoder_loop_reason = decoder_loop.unsupported_reason(self)
-            if self.decoder_loop_reason is None:
-                self._native_layers = NativeLayers(self, rope)
+            decoder_loop.decide(self, "native")
+        if self.decoder_loop_reason is None and self._native_layers is None:
+            self._native_layers = NativeLayers(self, rope)
         return self._native_layers
 
     def forward(

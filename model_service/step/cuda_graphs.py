@@ -17,7 +17,7 @@ Each graph copies its logits into the one static output, so nothing it allocated
 capture and the next (smaller) capture reuses the pool's memory: the graphs hold about one
 largest decode step's activations (logged at start as decode_graphs_captured), not one per size.
 
-Where graphs are not used (`unsupported_reason`): off CUDA; with PLANSERVE_CUDA_GRAPHS=0; where
+Where graphs are not used (`unsupported_reason`): off CUDA; with cuda_graphs "off"; where
 attention runs the torch path (it sizes its gather from the step's longest context on the host,
 which a graph would freeze); under tensor parallelism (the ranks would have to replay in
 lockstep; not built).
@@ -29,8 +29,6 @@ batch invariant eagerly: on CUDA, batch invariance holds for the attention kerne
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import structlog
 import torch
@@ -40,19 +38,19 @@ from model_service.attention.paged import build_attention_metadata, cuda_path
 from model_service.loading.loaded import LoadedModel
 
 log = structlog.get_logger(__name__)
-ENV = "PLANSERVE_CUDA_GRAPHS"
 # The captured batch sizes (and max_num_slots), as vLLM's: every size up to 8, then steps of 16.
 BUCKETS = (1, 2, 4, 8, *range(16, 257, 16))
 
 
 def unsupported_reason(
-    device: torch.device, kv_cache: KVCache, tensor_parallel_size: int
+    requested: str, device: torch.device, kv_cache: KVCache, tensor_parallel_size: int
 ) -> str | None:
-    """Why decode steps run eagerly, or None where they are captured."""
+    """Why decode steps run eagerly, or None where they are captured (`requested`: the config's
+    cuda_graphs, "auto" or "off")."""
     if device.type != "cuda":
         return f"device {device.type}"
-    if os.environ.get(ENV, "1") == "0":
-        return f"{ENV}=0"
+    if requested == "off":
+        return "cuda_graphs=off"
     attention = cuda_path(kv_cache.k)
     if attention != "triton":
         return f"attention runs {attention}"
@@ -62,6 +60,7 @@ def unsupported_reason(
 
 
 def capture(
+    requested: str,
     loaded: LoadedModel,
     kv_cache: KVCache,
     block_size: int,
@@ -69,9 +68,9 @@ def capture(
     max_blocks_per_seq: int,
 ) -> tuple[DecodeGraphs | None, str]:
     """The model's decode graphs over `kv_cache` (captured now) and the path Describe reports,
-    or None and why."""
+    or None and why (`requested`: the config's cuda_graphs, "auto" or "off")."""
     device = kv_cache.k.device
-    reason = unsupported_reason(device, kv_cache, loaded.tensor_parallel_size)
+    reason = unsupported_reason(requested, device, kv_cache, loaded.tensor_parallel_size)
     if reason is not None:
         return None, f"none ({reason})"
     before = torch.cuda.memory_reserved(device)

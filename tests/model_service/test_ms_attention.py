@@ -32,10 +32,9 @@ def test_isa_paths_of_this_machine(capsys):
         print(f"\npaged attention ISA paths run here: {', '.join(SUPPORTED)} (auto: {resolve_isa('auto')})")
 
 
-def test_unknown_isa_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv("PLANSERVE_ATTENTION_ISA", "sse9")
-    with pytest.raises(ValueError, match="PLANSERVE_ATTENTION_ISA: 'sse9' is not one of auto, torch, portable"):
-        resolve_isa()
+def test_unknown_isa_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"attention_isa \(PLANSERVE_ATTENTION_ISA\): 'sse9' is not one of auto, torch, portable"):
+        resolve_isa("sse9")
 
 
 class Batch:

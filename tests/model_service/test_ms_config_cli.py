@@ -90,6 +90,32 @@ def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
     assert runner.describe_facts().dtype == "bfloat16" and runner.dtype == torch.bfloat16
 
 
+def test_compute_fields_are_what_describe_reports_and_their_aliases_default_the_flags(monkeypatch):
+    """The compute group: each field selects its path at start (the paths this CPU has), Describe's
+    compute echoes what each resolved to, and the PLANSERVE_* aliases are the flags' defaults (a
+    flag given wins)."""
+    from model_service.__main__ import parse_args
+    from model_service.attention import paged
+    from model_service.kernels import layer_ops
+
+    config = tiny_config(dtype="bfloat16", attention_isa="portable", layer_ops_isa="torch",
+                         gemm_isa="portable", decoder_loop="native")
+    compute = start_runner(config).describe_facts().compute
+    assert (compute["attention"], compute["layer_ops"], compute["gemm"]) == ("portable", "torch", "portable")
+    assert compute["decoder_loop"] == "python (torch layer-ops path)"  # the native loop needs native ops
+    assert compute["cuda_graphs"] == "none (device cpu)"
+    auto = start_runner(tiny_config(dtype="bfloat16")).describe_facts().compute
+    assert (auto["attention"], auto["layer_ops"]) == (paged.resolve_isa(), layer_ops.resolve_isa())
+    with pytest.raises(ValueError, match=r"attention_isa \(PLANSERVE_ATTENTION_ISA\): 'sse9' is not one of"):
+        start_runner(tiny_config(attention_isa="sse9"))
+
+    monkeypatch.setenv("PLANSERVE_ATTENTION_ISA", "portable")
+    monkeypatch.setenv("PLANSERVE_CUDA_GRAPHS", "0")
+    parsed = parse_args(["--model", "tiny"])
+    assert (parsed.attention_isa, parsed.cuda_graphs, parsed.layer_ops_isa) == ("portable", "off", "auto")
+    assert parse_args(["--model", "tiny", "--attention-isa", "torch"]).attention_isa == "torch"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_tiny_runs_and_rows_match_dequantized(dtype):
     from model_service.kernels.quant import Int8Linear, Int8Weight

@@ -9,6 +9,8 @@ row count, so bits may differ (cuda_graphs.py), tokens must not. On the CPU noth
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -51,9 +53,8 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
     assert graphed.graphs.replays >= 10  # the decode steps (prefill steps run eagerly)
     assert graphed.graphs.logits.shape == (16, loaded.arch.vocab_size)  # one output for all sizes
 
-    monkeypatch.setenv(cuda_graphs.ENV, "0")
-    eager = build_runner(loaded, config)
-    assert eager.graphs is None and eager.compute["cuda_graphs"] == "none (PLANSERVE_CUDA_GRAPHS=0)"
+    eager = build_runner(loaded, dataclasses.replace(config, cuda_graphs="off"))
+    assert eager.graphs is None and eager.compute["cuda_graphs"] == "none (cuda_graphs=off)"
     eager_tokens, eager_logprobs = _run(eager)
     assert tokens == eager_tokens
     tolerance = 1e-4 if dtype == "float32" else 5e-2

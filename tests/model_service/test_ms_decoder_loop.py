@@ -9,6 +9,8 @@ Python loop's batch-invariance and parity tests over to the native one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -17,20 +19,20 @@ from ms_driver import Driver
 from model_service.models import decoder_loop
 from model_service.attention.paged import build_attention_metadata
 from model_service.config import ModelServiceConfig
-from model_service.kernels.gemm import GEMM_ISA, TORCH_PATH
+from model_service.kernels import gemm
 from model_service.attention.kv_cache import KVCache
 from model_service.loading.loader import load_model
 from model_service.start import build_runner, start_runner
 
 pytestmark = pytest.mark.skipif(
-    GEMM_ISA == TORCH_PATH,
+    gemm.resolve_isa() == gemm.TORCH_PATH,
     reason="no packed GEMM path on this CPU: the Python loop is all there is",
 )
 
 
 def _run(config: ModelServiceConfig, loop: str, monkeypatch) -> tuple[dict, dict, str | None]:
     """Tokens and logprobs of a mixed batch, and the loop's reason for not being native."""
-    monkeypatch.setenv(decoder_loop.LOOP_ENV, loop)
+    config = dataclasses.replace(config, decoder_loop=loop)
     loaded = load_model(config)
     driver = Driver(build_runner(loaded, config))
     prompts = {0: list(range(5, 60)), 1: list(range(100, 103)), 2: list(range(7, 40))}
@@ -79,14 +81,13 @@ def test_native_loop_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
     native_tokens, native_logprobs, native_reason = _run(config, "native", monkeypatch)
     python_tokens, python_logprobs, python_reason = _run(config, "python", monkeypatch)
     assert native_reason is None  # the native loop ran
-    assert python_reason == f"{decoder_loop.LOOP_ENV}=python"
+    assert python_reason == "decoder_loop=python"
     assert native_tokens == python_tokens
     assert native_logprobs == python_logprobs  # floats compared exactly
     assert all(len(t) == 10 for t in native_tokens.values())
 
 
 def test_models_it_does_not_take_run_the_python_loop_and_say_why(monkeypatch, qwen_folders):
-    monkeypatch.delenv(decoder_loop.LOOP_ENV, raising=False)
     float32 = load_model(tiny_config(dtype="float32"))
     assert decoder_loop.unsupported_reason(float32.model).startswith("linears not packed")
     runner = build_runner(float32, tiny_config(dtype="float32"))
@@ -95,9 +96,14 @@ def test_models_it_does_not_take_run_the_python_loop_and_say_why(monkeypatch, qw
     assert start_runner(bf16).compute["decoder_loop"] == "native"
     qwen3 = ModelServiceConfig(model=qwen_folders["qwen3"], dtype="bfloat16", num_kv_blocks=64)
     assert decoder_loop.unsupported_reason(load_model(qwen3).model) == "per-head q/k norm"
-    monkeypatch.setenv(decoder_loop.LOOP_ENV, "fastest")
-    with pytest.raises(ValueError, match=r"PLANSERVE_DECODER_LOOP='fastest': expected one of"):
-        decoder_loop.requested_loop()
+    with pytest.raises(ValueError, match=r"decoder_loop: 'fastest' is not one of \('native', 'python'\)"):
+        tiny_config(decoder_loop="fastest").validate()
+    # The environment alias is read at start and validated as the flag's value would be.
+    monkeypatch.setenv("PLANSERVE_DECODER_LOOP", "python")
+    from model_service.__main__ import parse_args
+
+    assert parse_args(["--model", "tiny"]).decoder_loop == "python"
+    assert parse_args(["--model", "tiny", "--decoder-loop", "native"]).decoder_loop == "native"
 
 
 def _one_step(model, slot: int):
@@ -130,7 +136,6 @@ def _one_step(model, slot: int):
 def test_bad_indices_and_inputs_are_refused_naming_what(monkeypatch):
     """An index outside the cache is refused before any layer writes (the kernels' own check,
     once per step), and inputs of the wrong kind name the input."""
-    monkeypatch.delenv(decoder_loop.LOOP_ENV, raising=False)
     model = load_model(tiny_config(dtype="bfloat16")).model
     ids, positions, meta, cache = _one_step(model, 16)
     with torch.inference_mode():

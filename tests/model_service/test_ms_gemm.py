@@ -56,10 +56,9 @@ def test_isa_paths_of_this_machine(capsys):
         print(f"\nGEMM ISA paths run here: {', '.join(SUPPORTED)} (auto: {expected_auto})")
 
 
-def test_unknown_isa_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv("PLANSERVE_GEMM_ISA", "amx9")
-    with pytest.raises(ValueError, match="PLANSERVE_GEMM_ISA: 'amx9' is not one of auto, torch, portable"):
-        gemm.resolve_isa()
+def test_unknown_isa_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"gemm_isa \(PLANSERVE_GEMM_ISA\): 'amx9' is not one of auto, torch, portable"):
+        gemm.resolve_isa("amx9")
 
 
 @pytest.mark.parametrize("isa", SUPPORTED)
@@ -207,9 +206,10 @@ def test_the_loader_packs_bf16_models_and_the_runner_says_so():
     config = ModelServiceConfig(model="tiny", dtype="bfloat16", num_kv_blocks=64, max_num_slots=4)
     loaded = load_model(config)
     packed = [m for m in loaded.model.modules() if isinstance(m, gemm.PackedLinear)]
-    expected = 0 if gemm.GEMM_ISA == gemm.TORCH_PATH else 4 * loaded.arch.num_hidden_layers + 1
-    assert len(packed) == expected and all(m.isa == gemm.GEMM_ISA for m in packed)
-    assert build_runner(loaded, config).compute["gemm"] == gemm.GEMM_ISA
+    auto = gemm.resolve_isa("auto")
+    expected = 0 if auto == gemm.TORCH_PATH else 4 * loaded.arch.num_hidden_layers + 1
+    assert len(packed) == expected and all(m.isa == auto for m in packed)
+    assert build_runner(loaded, config).compute["gemm"] == auto
 
 
 def test_a_tied_embedding_reads_the_packed_lm_head(tiny_loaded):

@@ -41,7 +41,7 @@ async def test_describe_and_health(engine):
     assert facts.special_tokens["eos_token"] == "<|im_end|>"
     assert facts.device == "cpu" and facts.dtype == "float32" and facts.architecture == "LlamaForCausalLM"
     assert facts.compute["torch_threads"] == str(torch.get_num_threads())
-    assert facts.compute["attention"] == attention.ATTENTION_ISA and facts.compute["layer_ops"] == layer_ops.LAYER_OPS_ISA
+    assert facts.compute["attention"] == attention.resolve_isa("auto") and facts.compute["layer_ops"] == layer_ops.resolve_isa("auto")
     assert {"omp_wait_policy", "gomp_spincount", "omp_num_threads"} <= facts.compute.keys()
     assert facts.compute["gemm"] == "torch"  # float32: torch's GEMM (the packed one is bf16's)
     health = health_pb2_grpc.HealthStub(engine)

@@ -109,16 +109,15 @@ def test_greedy_parity_mixed_batch(smollm2, hf_gguf_model):
         assert COMPARED[name] >= 32, name
 
 
-def _greedy_on_each_path(smollm2, monkeypatch, module, attribute: str, paths, messages, texts):
+def _greedy_on_each_path(smollm2, field: str, paths, messages, texts):
     """Greedy tokens of a chat prompt and a text prompt prefilled in chunks of 16, a second text
-    prompt joining at step 3, with module.attribute set to each of `paths` in turn."""
+    prompt joining at step 3, with the config's `field` set to each of `paths` in turn."""
     loaded, config = smollm2
     tok = Tokenizer.from_str(loaded.tokenizer_json)
     prompts = [tok.encode(_render(loaded.chat_template, messages)).ids, tok.encode(texts[0]).ids, tok.encode(texts[1]).ids]
     outputs = []
     for path in paths:
-        monkeypatch.setattr(module, attribute, path)
-        driver = Driver(build_runner(loaded, config))
+        driver = Driver(build_runner(loaded, dataclasses.replace(config, **{field: path})))
         driver.add(0, prompts[0])
         driver.add(1, prompts[1])
         outputs.append(driver.run_to_completion(NEW_TOKENS, chunk=16, joins={2: [(2, prompts[2])]}))
@@ -133,7 +132,7 @@ def test_native_attention_gives_the_gather_paths_greedy_tokens(smollm2, monkeypa
     bf16 is checked against the float64 reference and for invariance in test_ms_attention.py."""
     from model_service.attention import paged as attention
 
-    gather, native = _greedy_on_each_path(smollm2, monkeypatch, attention, "ATTENTION_ISA",
+    gather, native = _greedy_on_each_path(smollm2, "attention_isa",
                                           (attention.TORCH_PATH, attention.resolve_isa("auto")), MESSAGES[1], TEXTS)
     assert native == gather
 
@@ -145,7 +144,7 @@ def test_native_layer_ops_give_the_eager_paths_greedy_tokens(smollm2, monkeypatc
     float64 in test_ms_layer_ops.py."""
     from model_service.kernels import layer_ops
 
-    eager, native = _greedy_on_each_path(smollm2, monkeypatch, layer_ops, "LAYER_OPS_ISA",
+    eager, native = _greedy_on_each_path(smollm2, "layer_ops_isa",
                                          (layer_ops.TORCH_PATH, layer_ops.resolve_isa("auto")), MESSAGES[0], TEXTS[::-1])
     assert native == eager
 
@@ -174,7 +173,7 @@ def test_int8_in_bf16_greedy_matches_float32(smollm2):
     int8_config = dataclasses.replace(config, dtype="bfloat16", quantization="int8")
     int8 = load_model(int8_config)
     packed = [m for m in int8.model.modules() if isinstance(m, gemm.PackedLinear)]
-    assert len(packed) == (0 if gemm.GEMM_ISA == gemm.TORCH_PATH else 4 * int8.arch.num_hidden_layers + 1)
+    assert len(packed) == (0 if gemm.resolve_isa() == gemm.TORCH_PATH else 4 * int8.arch.num_hidden_layers + 1)
     reference, quantized = _quality_tokens(loaded, ((loaded, config), (int8, int8_config)))
     assert quantized == reference
 
