@@ -1,36 +1,51 @@
 """What a ReplicaSet shows of its replicas as one: their schedulers merged (admission checks
 and status, for the doors), and each replica's metrics as labelled series plus the server's
-totals."""
+totals. The views receive what they read (the schedulers, the facts, the series), never the set
+itself."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import dataclasses
+from typing import Any, Callable, Optional
 
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineFacts
 
-if TYPE_CHECKING:  # the set holds these views; they only read it
-    from scheduler_service.engine.replicas import ReplicaSet
+# The replicas' schedulers now (replicas come and go), and the facts of the first one connected.
+Schedulers = Callable[[], list[Scheduler]]
+Facts = Callable[[], Optional[EngineFacts]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSeries:
+    """The per-replica Prometheus series (labelled `replica`) a replica's metrics write."""
+
+    waiting: Any
+    running: Any
+    kv_usage: Any
+    prompt_tokens: Any
+    cached_tokens: Any
 
 
 class ReplicaMetrics:
     """What one replica's EngineLoop reports into: the labelled per-replica series, plus the
     server's unlabelled ones as totals over the replicas (anything else goes to Metrics as is)."""
 
-    def __init__(self, replicas: "ReplicaSet", name: str):
-        self._replicas = replicas
+    def __init__(self, series: ReplicaSeries, name: str, metrics, merged: MergedScheduler):
+        self._series = series
         self._name = name
-        self._metrics = replicas.metrics
+        self._metrics = metrics
+        self._merged = merged
 
     def on_step(
         self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int
     ) -> None:
-        r = self._replicas
-        r.waiting_gauge.labels(self._name).set(num_waiting)
-        r.running_gauge.labels(self._name).set(num_running)
-        r.kv_usage_gauge.labels(self._name).set(kv_usage)
-        merged = r.scheduler
+        series = self._series
+        series.waiting.labels(self._name).set(num_waiting)
+        series.running.labels(self._name).set(num_running)
+        series.kv_usage.labels(self._name).set(kv_usage)
+        merged = self._merged
         usable = merged.kv.num_usable_blocks
         self._metrics.on_step(
             merged.num_waiting,
@@ -41,8 +56,8 @@ class ReplicaMetrics:
 
     def on_output(self, request: Request, output: RequestOutput) -> None:
         if output.finish_reason is not None and output.usage is not None:
-            self._replicas.prompt_tokens.labels(self._name).inc(output.usage.prompt_tokens)
-            self._replicas.cached_tokens.labels(self._name).inc(output.usage.cached_tokens)
+            self._series.prompt_tokens.labels(self._name).inc(output.usage.prompt_tokens)
+            self._series.cached_tokens.labels(self._name).inc(output.usage.cached_tokens)
         self._metrics.on_output(request, output)
 
     def on_engine_up(self, up: bool) -> None:
@@ -56,25 +71,26 @@ class ReplicaMetrics:
 
 
 class _MergedKV:
-    def __init__(self, replicas: "ReplicaSet"):
-        self._replicas = replicas
+    def __init__(self, schedulers: Schedulers, facts: Facts):
+        self._schedulers = schedulers
+        self._facts = facts
 
     @property
     def num_usable_blocks(self) -> int:
-        return sum(r.scheduler.kv.num_usable_blocks for r in self._replicas.replicas)
+        return sum(s.kv.num_usable_blocks for s in self._schedulers())
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(r.scheduler.kv.num_free_blocks for r in self._replicas.replicas)
+        return sum(s.kv.num_free_blocks for s in self._schedulers())
 
     @property
     def capacity_tokens(self) -> int:
         # One request lives on one replica: it must fit the smallest.
-        return min((r.scheduler.kv.capacity_tokens for r in self._replicas.replicas), default=0)
+        return min((s.kv.capacity_tokens for s in self._schedulers()), default=0)
 
     @property
     def block_size(self) -> int:
-        facts = self._replicas.facts
+        facts = self._facts()
         if facts is None:
             raise RuntimeError("no replica has connected yet")
         return facts.block_size
@@ -83,16 +99,14 @@ class _MergedKV:
 class MergedScheduler:
     """The replicas' schedulers seen as one, for the servicer (admission checks, status)."""
 
-    def __init__(self, replicas: "ReplicaSet"):
-        self._replicas = replicas
-        self.kv = _MergedKV(replicas)
-
-    def _schedulers(self) -> list[Scheduler]:
-        return [r.scheduler for r in self._replicas.replicas]
+    def __init__(self, schedulers: Schedulers, facts: Facts):
+        self._schedulers = schedulers
+        self._facts = facts
+        self.kv = _MergedKV(schedulers, facts)
 
     @property
     def facts(self) -> Optional[EngineFacts]:
-        return self._replicas.facts
+        return self._facts()
 
     def find(self, request_id: str) -> Optional[Request]:
         for scheduler in self._schedulers():

@@ -44,7 +44,7 @@ from scheduler_service.engine.addresses import (
 )
 from scheduler_service.engine.client import EngineClient, EngineFacts
 from scheduler_service.engine.loop import EngineLoop
-from scheduler_service.engine.merged import MergedScheduler, ReplicaMetrics
+from scheduler_service.engine.merged import MergedScheduler, ReplicaMetrics, ReplicaSeries
 from scheduler_service.engine.router import Router
 from scheduler_service.metrics import Metrics
 from scheduler_service.text.outputs import OutputProcessor
@@ -90,7 +90,9 @@ class ReplicaSet:
         self.metrics = metrics
         self.router = Router.from_spec(config.router_weights)
         self.replicas: list[Replica] = []
-        self.scheduler = MergedScheduler(self)
+        self.scheduler = MergedScheduler(
+            lambda: [r.scheduler for r in self.replicas], lambda: self.facts
+        )
         self.facts: Optional[EngineFacts] = None
         self.tokenizer: Optional[Tokenizer] = None
         self.outputs: Optional[OutputProcessor] = None
@@ -150,6 +152,13 @@ class ReplicaSet:
             "Prompt tokens of samples finished there served from its prefix cache.",
             ["replica"],
             registry=registry,
+        )
+        self._series = ReplicaSeries(
+            self.waiting_gauge,
+            self.running_gauge,
+            self.kv_usage_gauge,
+            self.prompt_tokens,
+            self.cached_tokens,
         )
 
     # ---- what the doors call (EngineFrontend) --------------------------------------------
@@ -259,7 +268,7 @@ class ReplicaSet:
         loop = EngineLoop(
             scheduler,
             client,
-            ReplicaMetrics(self, address),
+            ReplicaMetrics(self._series, address, self.metrics, self.scheduler),
             on_engine_up=lambda up: self._on_engine_up(replica, up),
             is_compatible=lambda new: engine_client.incompatibility(first, new),
         )

@@ -1,7 +1,8 @@
 """The shape rules of both services, the tools beside them and config_fields (issue 17), checked
-on the tree as it is: no import loop, no module above 400 lines, no function above 60; the
-scheduler service imports neither torch nor the model service, the model service not the
-scheduler service, and config_fields neither service (both declare their configs with it)."""
+on the tree as it is: no import loop (imports for type annotations counted too), no module above
+400 lines, no function above 60; the model service's rooms import only downward; the scheduler
+service imports neither torch nor the model service, the model service not the scheduler
+service, and config_fields neither service (both declare their configs with it)."""
 
 from __future__ import annotations
 
@@ -49,13 +50,14 @@ def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
     }
 
 
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+def _imports(path: Path, name: str, modules: dict[str, Path], type_only: bool = True) -> set[str]:
     """The checked modules `name` imports, anywhere in it (in a function too: a loop broken by
-    a late import is still a loop; only imports for type annotations are left out)."""
+    a late import is still a loop; so is one closed by an import for type annotations only).
+    type_only=False leaves the `if TYPE_CHECKING:` imports out."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_only(tree)
+    skipped = set() if type_only else _type_checking_only(tree)
     for node in ast.walk(tree):
         if node in skipped:
             continue
@@ -112,6 +114,32 @@ def test_no_import_loop():
     modules = _modules()
     graph = {name: _imports(path, name, modules) for name, path in modules.items()}
     assert _cycles(graph) == []
+
+
+def _room(module: str) -> str:
+    """A model_service module's room: its subpackage ("step/"), or the module itself at the top
+    (config, runner, server, ...: each top module is a room of its own)."""
+    parts = module.split(".")
+    if len(parts) > 2:
+        return parts[1] + "/"
+    return parts[1] if len(parts) == 2 else parts[0]
+
+
+def test_the_model_service_rooms_import_only_downward():
+    """No room imports a room that imports it, directly or around a circle of rooms: the rooms
+    stack (kernels/ under attention/ under models/ under loading/ under step/ ...)."""
+    modules = _modules()
+    rooms: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if not name.startswith("model_service."):
+            continue
+        rooms.setdefault(_room(name), set())
+        for target in _imports(path, name, modules):
+            if target.startswith("model_service.") and _room(target) != _room(name):
+                rooms[_room(name)].add(_room(target))
+                rooms.setdefault(_room(target), set())
+    assert {"step/", "speculative/", "loading/", "models/", "attention/", "kernels/"} <= set(rooms)
+    assert _cycles(rooms) == []
 
 
 def test_no_module_above_400_lines():
