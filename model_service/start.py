@@ -43,9 +43,12 @@ def start_runner(config: ModelServiceConfig, share: Optional[RankShare] = None) 
     return build_runner(load_model(config, share), config)
 
 
-def build_runner(loaded: LoadedModel, config: ModelServiceConfig) -> ModelRunner:
+def build_runner(
+    loaded: LoadedModel, config: ModelServiceConfig, runner_class: type[ModelRunner] = ModelRunner
+) -> ModelRunner:
     """Everything after the load, in order: kernel paths, draft, profile, size, allocate,
-    capture."""
+    capture. `runner_class`: a ModelRunner subclass to build instead (the conformance kit's
+    engines that bend one rule of the contract on purpose)."""
     config.validate()
     select_compute(loaded, config)
     device, dtype = _device(loaded), next(loaded.model.parameters()).dtype
@@ -74,7 +77,7 @@ def build_runner(loaded: LoadedModel, config: ModelServiceConfig) -> ModelRunner
         num_kv_blocks=num_blocks,
         **compute,
     )
-    return ModelRunner(loaded, config, kv_cache, table, drafter, graphs, compute)
+    return runner_class(loaded, config, kv_cache, table, drafter, graphs, compute)
 
 
 def select_compute(loaded: LoadedModel, config: ModelServiceConfig) -> None:

@@ -153,10 +153,11 @@ async def test_a_broken_engine_fails_the_check_it_breaks_with_a_readable_report(
     from model_service.config import ModelServiceConfig
     from model_service.loading.loader import load_model
     from model_service.server import serve
+    from model_service.start import build_runner
 
     config = ModelServiceConfig(model="tiny", dtype="float32", host="127.0.0.1", port=0,
                                 num_kv_blocks=128, max_num_slots=16, swap_space_bytes=16 << 20)
-    runner = _broken_runners()[broken](load_model(config), config)
+    runner = build_runner(load_model(config), config, _broken_runners()[broken])
     server = await serve(config, runner=runner)
     try:
         report, outcomes = await run_suite("engine", f"127.0.0.1:{server.bound_port}")
