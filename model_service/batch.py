@@ -20,9 +20,8 @@ from model_service.step.plan import (
     PlanLimits,
     SlotRegistration,
 )
+from planserve.contract import CONTRACT_VERSION, REQUEST_BOUNDS
 from planserve.v1 import engine_pb2
-
-MAX_TOP_LOGPROBS = 20
 
 
 def _arr(values) -> np.ndarray:
@@ -96,27 +95,45 @@ def _processing(field: str, msg, num_tokens: int, limits: PlanLimits) -> LogitsP
         )
     suppressed = _arr(msg.min_tokens_suppressed_ids)
     _check_range(f"{field}.min_tokens_suppressed_ids", suppressed, 0, limits.vocab_size)
+    bounds = REQUEST_BOUNDS
+    if len(s.logit_bias) > bounds.max_logit_bias_entries:
+        raise PlanError(
+            f"{field}.sampling.logit_bias",
+            f"{len(s.logit_bias)} entries exceed {bounds.max_logit_bias_entries}",
+        )
     bias_ids = _arr(list(s.logit_bias.keys()))
     _check_range(f"{field}.sampling.logit_bias", bias_ids, 0, limits.vocab_size)
+    most_bias = bounds.max_logit_bias
     for token_id, bias in s.logit_bias.items():
-        _bounded(f"{field}.sampling.logit_bias[{token_id}]", bias, -100.0, 100.0)
+        _bounded(f"{field}.sampling.logit_bias[{token_id}]", bias, -most_bias, most_bias)
     for name in ("num_logprobs", "num_prompt_logprobs"):
-        if msg.HasField(name) and getattr(msg, name) > MAX_TOP_LOGPROBS:
-            raise PlanError(f"{field}.{name}", f"{getattr(msg, name)} exceeds {MAX_TOP_LOGPROBS}")
-    repetition_penalty = (
-        _bounded(f"{field}.sampling.repetition_penalty", s.repetition_penalty, 1e-6, 2.0)
-        if s.HasField("repetition_penalty")
-        else 1.0
-    )
+        if msg.HasField(name) and getattr(msg, name) > bounds.max_top_logprobs:
+            raise PlanError(
+                f"{field}.{name}", f"{getattr(msg, name)} exceeds {bounds.max_top_logprobs}"
+            )
+    repetition_penalty = 1.0
+    if s.HasField("repetition_penalty"):
+        repetition_penalty = s.repetition_penalty
+        if not 0 < repetition_penalty <= bounds.max_repetition_penalty:  # NaN fails too
+            raise PlanError(
+                f"{field}.sampling.repetition_penalty",
+                f"{repetition_penalty} is outside (0, {bounds.max_repetition_penalty:g}]",
+            )
     return LogitsProcessing(
         num_prompt_tokens=msg.num_prompt_tokens or num_tokens,
         min_p=_bounded(f"{field}.sampling.min_p", s.min_p, 0.0, 1.0),
         repetition_penalty=repetition_penalty,
         presence_penalty=_bounded(
-            f"{field}.sampling.presence_penalty", s.presence_penalty, -2.0, 2.0
+            f"{field}.sampling.presence_penalty",
+            s.presence_penalty,
+            -bounds.max_penalty,
+            bounds.max_penalty,
         ),
         frequency_penalty=_bounded(
-            f"{field}.sampling.frequency_penalty", s.frequency_penalty, -2.0, 2.0
+            f"{field}.sampling.frequency_penalty",
+            s.frequency_penalty,
+            -bounds.max_penalty,
+            bounds.max_penalty,
         ),
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_new_tokens=msg.min_new_tokens,
@@ -249,9 +266,10 @@ def _check_swaps(plan: PlanArrays, limits: PlanLimits) -> None:
 
 
 def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
-    """runner.DescribedFacts -> DescribeResponse (contract version 1)."""
+    """runner.DescribedFacts -> DescribeResponse, with the contract's version and bounds."""
+    bounds = REQUEST_BOUNDS
     response = engine_pb2.DescribeResponse(
-        contract_version=1,
+        contract_version=CONTRACT_VERSION,
         model_name=facts.model_name,
         architecture=facts.architecture,
         dtype=facts.dtype,
@@ -265,7 +283,13 @@ def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
         tokenizer_json=facts.tokenizer_json,
         chat_template=facts.chat_template,
         special_tokens=facts.special_tokens,
-        max_top_logprobs=MAX_TOP_LOGPROBS,
+        max_top_logprobs=bounds.max_top_logprobs,
+        request_bounds=engine_pb2.RequestBounds(
+            max_logit_bias_entries=bounds.max_logit_bias_entries,
+            max_logit_bias=bounds.max_logit_bias,
+            max_repetition_penalty=bounds.max_repetition_penalty,
+            max_penalty=bounds.max_penalty,
+        ),
         features=engine_pb2.EngineFeatures(
             chunked_prefill=facts.chunked_prefill,
             block_copy=facts.block_copy,

@@ -27,10 +27,7 @@ MAX_TENANT_CHARS = 128
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_STREAM_INTERVAL = 1024
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_LOGIT_BIAS = 100.0
-MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
+# The sampling bounds are the engine's (EngineFacts.bounds, from Describe; planserve/contract.py).
 
 
 class InvalidRequest(ValueError):
@@ -96,10 +93,11 @@ def _bounded(
 
 
 def _logit_bias(params, facts: EngineFacts) -> tuple[tuple[int, float], ...]:
-    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+    most_entries, most_bias = facts.bounds.max_logit_bias_entries, facts.bounds.max_logit_bias
+    if len(params.logit_bias) > most_entries:
         raise InvalidRequest(
             "sampling.logit_bias",
-            f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}",
+            f"at most {most_entries} entries, got {len(params.logit_bias)}",
         )
     for token_id, bias in params.logit_bias.items():
         if token_id >= facts.vocab_size:
@@ -107,16 +105,16 @@ def _logit_bias(params, facts: EngineFacts) -> tuple[tuple[int, float], ...]:
                 f"sampling.logit_bias[{token_id}]",
                 f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
             )
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+        if not -most_bias <= bias <= most_bias:
             raise InvalidRequest(
                 f"sampling.logit_bias[{token_id}]",
-                f"must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+                f"must be in [{-most_bias:g}, {most_bias:g}], got {bias}",
             )
     return tuple(sorted(params.logit_bias.items()))
 
 
 def _sampling(pb: generate_pb2.GenerateRequest, facts: EngineFacts) -> Sampling:
-    params = pb.sampling
+    params, bounds = pb.sampling, facts.bounds
     temperature = params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE
     if not temperature >= 0:  # also rejects NaN
         raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
@@ -136,9 +134,15 @@ def _sampling(pb: generate_pb2.GenerateRequest, facts: EngineFacts) -> Sampling:
         top_p=top_p,
         seed=seed,
         min_p=_bounded(params, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=_bounded(params, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
-        presence_penalty=_bounded(params, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
-        frequency_penalty=_bounded(params, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=_bounded(
+            params, "repetition_penalty", 1.0, 0.0, bounds.max_repetition_penalty, low_open=True
+        ),
+        presence_penalty=_bounded(
+            params, "presence_penalty", 0.0, -bounds.max_penalty, bounds.max_penalty
+        ),
+        frequency_penalty=_bounded(
+            params, "frequency_penalty", 0.0, -bounds.max_penalty, bounds.max_penalty
+        ),
         logit_bias=_logit_bias(params, facts),
     )
 
@@ -209,6 +213,18 @@ def _structured(pb: generate_pb2.GenerateRequest) -> Optional[structured.Structu
         raise InvalidRequest(error.field, error.message) from None
 
 
+def _check_logprobs(pb: generate_pb2.GenerateRequest, most: int) -> int:
+    """top_logprobs (returned) and prompt_logprobs within the engine's max_top_logprobs."""
+    top_logprobs = pb.top_logprobs if pb.HasField("top_logprobs") else 0
+    if top_logprobs > most:
+        raise InvalidRequest("top_logprobs", f"must be in [0, {most}], got {top_logprobs}")
+    if pb.HasField("top_logprobs") and not pb.logprobs:
+        raise InvalidRequest("top_logprobs", "needs logprobs set")
+    if pb.HasField("prompt_logprobs") and pb.prompt_logprobs > most:
+        raise InvalidRequest("prompt_logprobs", f"must be in [0, {most}], got {pb.prompt_logprobs}")
+    return top_logprobs
+
+
 def to_request(
     pb: generate_pb2.GenerateRequest, facts: EngineFacts, tokenizer: Tokenizer, capacity_tokens: int
 ) -> Request:
@@ -234,17 +250,7 @@ def to_request(
     n = pb.n if pb.HasField("n") else 1
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidRequest("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
-    top_logprobs = pb.top_logprobs if pb.HasField("top_logprobs") else 0
-    if top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(
-            "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}"
-        )
-    if pb.HasField("top_logprobs") and not pb.logprobs:
-        raise InvalidRequest("top_logprobs", "needs logprobs set")
-    if pb.HasField("prompt_logprobs") and pb.prompt_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(
-            "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {pb.prompt_logprobs}"
-        )
+    top_logprobs = _check_logprobs(pb, facts.bounds.max_top_logprobs)
     arrival = time.monotonic()
     return Request(
         request_id=pb.request_id or uuid.uuid4().hex,

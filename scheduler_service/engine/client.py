@@ -13,11 +13,10 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from planserve.contract import CONTRACT_VERSION, REQUEST_BOUNDS, RequestBounds
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_service.core import plan as plan_codec
 from scheduler_service.core.request import Sampling
-
-CONTRACT_VERSION = 1
 
 _GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 
@@ -44,6 +43,8 @@ class EngineFacts:
     """Host blocks for swapped-out KV (0 unless the engine has features.swap)."""
     num_speculative_tokens: int = 0
     """Draft tokens the engine may propose per decoding sequence and step (0: no speculation)."""
+    bounds: RequestBounds = REQUEST_BOUNDS
+    """The sampling bounds the engine checks plans against; the doors check requests by them."""
 
     @classmethod
     def from_pb(cls, reply: engine_pb2.DescribeResponse) -> "EngineFacts":
@@ -71,7 +72,26 @@ class EngineFacts:
             num_speculative_tokens=(
                 reply.num_speculative_tokens if reply.features.speculation else 0
             ),
+            bounds=_bounds(reply),
         )
+
+
+def _bounds(reply: engine_pb2.DescribeResponse) -> RequestBounds:
+    """The engine's sampling bounds; the contract's where it reports none (an engine before
+    DescribeResponse.request_bounds, or max_top_logprobs 0)."""
+    bounds = dataclasses.replace(
+        REQUEST_BOUNDS, max_top_logprobs=reply.max_top_logprobs or REQUEST_BOUNDS.max_top_logprobs
+    )
+    if not reply.HasField("request_bounds"):
+        return bounds
+    reported = reply.request_bounds
+    return dataclasses.replace(
+        bounds,
+        max_logit_bias_entries=reported.max_logit_bias_entries,
+        max_logit_bias=reported.max_logit_bias,
+        max_repetition_penalty=reported.max_repetition_penalty,
+        max_penalty=reported.max_penalty,
+    )
 
 
 class EngineUnavailable(ConnectionError):

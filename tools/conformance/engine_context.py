@@ -14,7 +14,6 @@ from tools.conformance.engine_driver import ExecuteStream
 from tools.conformance.report import expect
 
 SERVICE_NAME = "planserve.v1.EngineService"
-CONTRACT_VERSION = 1
 
 
 class EngineContext:

@@ -15,13 +15,9 @@ import json
 
 from grpc_health.v1 import health_pb2
 
+from planserve.contract import CONTRACT_VERSION
 from tools.conformance.engine_bad_plans import BAD_PLAN_CHECKS
-from tools.conformance.engine_context import (
-    CONTRACT_VERSION,
-    SERVICE_NAME,
-    EngineContext,
-    same_as_reference,
-)
+from tools.conformance.engine_context import SERVICE_NAME, EngineContext, same_as_reference
 from tools.conformance.report import Check, CheckFailed, Skipped, check, expect
 
 __all__ = ["CHECKS", "CONTRACT_VERSION", "SERVICE_NAME", "EngineContext"]

@@ -24,7 +24,7 @@ class EngineFeatures(_message.Message):
     def __init__(self, chunked_prefill: _Optional[bool] = ..., block_copy: _Optional[bool] = ..., swap: _Optional[bool] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features", "num_swap_blocks", "num_speculative_tokens", "max_top_logprobs", "compute")
+    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features", "num_swap_blocks", "num_speculative_tokens", "max_top_logprobs", "compute", "request_bounds")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class DescribeResponse(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     contract_version: int
     model_name: str
     architecture: str
@@ -79,7 +80,20 @@ class DescribeResponse(_message.Message):
     num_speculative_tokens: int
     max_top_logprobs: int
     compute: _containers.ScalarMap[str, str]
-    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ..., num_swap_blocks: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., compute: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    request_bounds: RequestBounds
+    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ..., num_swap_blocks: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., compute: _Optional[_Mapping[str, str]] = ..., request_bounds: _Optional[_Union[RequestBounds, _Mapping]] = ...) -> None: ...
+
+class RequestBounds(_message.Message):
+    __slots__ = ("max_logit_bias_entries", "max_logit_bias", "max_repetition_penalty", "max_penalty")
+    MAX_LOGIT_BIAS_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    max_logit_bias_entries: int
+    max_logit_bias: float
+    max_repetition_penalty: float
+    max_penalty: float
+    def __init__(self, max_logit_bias_entries: _Optional[int] = ..., max_logit_bias: _Optional[float] = ..., max_repetition_penalty: _Optional[float] = ..., max_penalty: _Optional[float] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("slot", "token_ids", "sampling", "num_computed_tokens", "num_prompt_tokens", "min_new_tokens", "min_tokens_suppressed_ids", "num_logprobs", "num_prompt_logprobs", "speculate")

@@ -1,0 +1,38 @@
+"""The contract facts both services hold alike, owned here once: the scheduler service and the
+model service both import the planserve package (and neither imports the other).
+
+CONTRACT_VERSION is engine.proto's: Describe reports it and the scheduler refuses an engine that
+speaks another. It changes only on a breaking change of the wire; additive fields keep it (buf
+breaking guards that, tests/contract).
+
+REQUEST_BOUNDS are the sampling bounds: the model service checks every plan against them and
+reports them in Describe (max_top_logprobs, request_bounds); the scheduler's doors check each
+request against what the engine reported, so a request out of bounds is refused, naming the field,
+before it is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+CONTRACT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestBounds:
+    """Bounds of a request's sampling fields (engine.proto RequestBounds, plus
+    DescribeResponse.max_top_logprobs), inclusive unless noted."""
+
+    max_top_logprobs: int = 20
+    """Alternatives per position returned with logprobs (and prompt logprobs)."""
+    max_logit_bias_entries: int = 300
+    """logit_bias entries in one request."""
+    max_logit_bias: float = 100.0
+    """|logit_bias[token id]| at most this."""
+    max_repetition_penalty: float = 2.0
+    """repetition_penalty in (0, this]."""
+    max_penalty: float = 2.0
+    """|presence_penalty| and |frequency_penalty| at most this (OpenAI's bound)."""
+
+
+REQUEST_BOUNDS = RequestBounds()
