@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 
-# Measured (AMD EPYC Zen 5, 2 cores; peer workload output tok/s, 2-3 runs each, quiet / one core
-# kept busy): libgomp's spin (300,000) ~322 / ~214, a short spin (10,000) ~330 / ~210, passive
-# waiting ~318 / ~223, 1 thread ~240 / ~218, threads bound to cores ~330 / 142. The 2-thread
-# waiting policies tie within the noise (+-5%) on both machines, binding loses a third when another
-# process holds a core, one thread a quarter on a quiet machine. Of the ties, the short spin holds a
-# core for ~0.1-0.5 ms after a parallel region instead of several ms (300,000 pause instructions),
-# which leaves the cores to the scheduler and clients between steps. Thread count: torch's default
-# (the physical cores this process may use); tensor-parallel ranks share them (tp_worker.py).
+# Why these settings (the measurements: docs/benchmarks.md, "Figures behind the code's comments",
+# and bench/results/threads.json): the 2-thread waiting policies tie within the noise, binding
+# threads to cores loses a third of the throughput when another process holds a core, and one
+# thread loses a quarter on a quiet machine. Of the ties, the short spin gives a core back soonest
+# after a parallel region (a fraction of a millisecond instead of several), which leaves the cores
+# to the scheduler and clients between steps. Thread count: torch's default (the physical cores
+# this process may use); tensor-parallel ranks share them (tp_worker.py).
 DEFAULTS: dict[str, str] = {"GOMP_SPINCOUNT": "10000"}
 # numpy's OpenBLAS starts a thread per core at import and never does work here: one is enough.
 QUIET_LIBRARIES = {"OPENBLAS_NUM_THREADS": "1"}

@@ -3,7 +3,8 @@
 // The Python loop over the layers (model_service/models/llama.py) makes nine native calls a layer
 // (add + RMSNorm, the QKV GEMM, RoPE, paged attention, the output GEMM, add + RMSNorm, the
 // gate/up GEMM, SiLU x up, the down GEMM), each behind a Python wrapper that checks its tensors
-// and allocates its output: ~1.4 ms of a 20 ms decode step at batch 16 on two cores. dl_run_layers
+// and allocates its output: a visible share of a decode step on two cores (docs/benchmarks.md,
+// "Figures behind the code's comments"). dl_run_layers
 // makes the same calls, in the same order, on the same kernels, into buffers allocated once per
 // step: the same bits as the Python loop by construction (it computes nothing itself).
 //

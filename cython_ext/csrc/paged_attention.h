@@ -104,11 +104,13 @@ static inline void pa_store_row_bf16(const float* acc, float l, uint16_t* out, i
 // it is. The one place the splits' combination is defined (paged_attention_dispatch.cpp).
 void pa_fold_split(float* m, float* l, float* acc, float m_s, float l_s, const float* acc_s, int64_t d);
 
-// The ISA kernels: process the items (each TU compiled with its own ISA flags).
-void pa_run_items_portable(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
-void pa_run_items_avx2(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
-void pa_run_items_avx512(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
-void pa_run_items_avx512_bf16(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
+// The ISA kernels: process the items (each TU compiled with its own ISA flags); 0, or
+// PA_SCRATCH_OUT_OF_MEMORY when a thread's scratch buffers could not be allocated.
+#define PA_SCRATCH_OUT_OF_MEMORY (-6)
+int pa_run_items_portable(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
+int pa_run_items_avx2(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
+int pa_run_items_avx512(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
+int pa_run_items_avx512_bf16(const pa_args* a, const pa_item* items, int64_t num_items, float* partials);
 
 // The entry point: 0 on success, else a negative code (pa_error_message says which). It trusts
 // the indices: pa_check_indices must have passed for them and the same cache shape.

@@ -369,6 +369,6 @@ struct Ops {
 
 }  // namespace PA_NS
 
-extern "C" void PA_ENTRY(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
-    PA_NS::pa_run_items_dispatch_dtype(a, items, num_items, partials);
+extern "C" int PA_ENTRY(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
+    return PA_NS::pa_run_items_dispatch_dtype(a, items, num_items, partials);
 }

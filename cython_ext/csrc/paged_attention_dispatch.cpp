@@ -19,6 +19,7 @@ enum pa_error {
     PA_BAD_BLOCK = -3,
     PA_BAD_SEQUENCE = -4,
     PA_ISA_UNAVAILABLE = -5,
+    PA_OUT_OF_MEMORY = PA_SCRATCH_OUT_OF_MEMORY,
 };
 
 // A sequence with at most this many query rows spreads its KV splits over separate items (so a
@@ -152,6 +153,7 @@ const char* pa_error_message(int code) {
         case PA_BAD_BLOCK: return "block_tables entry outside the cache";
         case PA_BAD_SEQUENCE: return "num_scheduled, context_lens or query_start inconsistent";
         case PA_ISA_UNAVAILABLE: return "the requested ISA path is not available on this CPU or build";
+        case PA_OUT_OF_MEMORY: return "out of memory for the kernel's per-thread scratch buffers";
     }
     return "unknown error";
 }
@@ -189,15 +191,18 @@ int pa_paged_attention(const pa_args* a, int isa) {
         }
     }
     std::vector<float> partials(partial_floats);
+    const int64_t n = (int64_t)items.size();
+    int ran;
     switch (isa) {
-        case PA_ISA_PORTABLE: pa_run_items_portable(a, items.data(), (int64_t)items.size(), partials.data()); break;
+        case PA_ISA_PORTABLE: ran = pa_run_items_portable(a, items.data(), n, partials.data()); break;
 #if defined(PLANSERVE_PA_X86)
-        case PA_ISA_AVX2: pa_run_items_avx2(a, items.data(), (int64_t)items.size(), partials.data()); break;
-        case PA_ISA_AVX512: pa_run_items_avx512(a, items.data(), (int64_t)items.size(), partials.data()); break;
-        case PA_ISA_AVX512_BF16: pa_run_items_avx512_bf16(a, items.data(), (int64_t)items.size(), partials.data()); break;
+        case PA_ISA_AVX2: ran = pa_run_items_avx2(a, items.data(), n, partials.data()); break;
+        case PA_ISA_AVX512: ran = pa_run_items_avx512(a, items.data(), n, partials.data()); break;
+        case PA_ISA_AVX512_BF16: ran = pa_run_items_avx512_bf16(a, items.data(), n, partials.data()); break;
 #endif
         default: return PA_ISA_UNAVAILABLE;
     }
+    if (ran) return ran;
     if (!split_seqs.empty()) {
         if (a->dtype == PA_BFLOAT16) combine<uint16_t>(a, split_seqs, partials.data());
         else combine<float>(a, split_seqs, partials.data());

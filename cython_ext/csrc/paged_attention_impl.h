@@ -59,6 +59,10 @@ struct Scratch {
         free(qf); free(kbuf); free(vbuf); free(s); free(alpha); free(m); free(l); free(acc);
         free(fm); free(fl); free(facc); free(folded); free(keys);
     }
+    // Whether every buffer was allocated (free(nullptr) is a no-op, so a partial one still frees).
+    bool ok() const {
+        return qf && kbuf && vbuf && s && alpha && m && l && acc && fm && fl && facc && folded && keys;
+    }
     static float* alloc(int64_t n) { return (float*)malloc(sizeof(float) * n); }
 };
 
@@ -78,8 +82,8 @@ static inline const T* pa_cache_block(const void* cache, int64_t block_id, int64
 
 // Asks for a line of K or V ahead of use. Blocks are scattered over the cache (no stride for the
 // hardware prefetcher to follow) and a step's KV is larger than the caches, so without it every
-// block's first lines wait for memory: decode attention at 16 sequences read ~4 GB/s of KV
-// instead of tens.
+// block's first lines wait for memory and decode attention reads KV at a fraction of the memory's
+// bandwidth (docs/benchmarks.md, "Figures behind the code's comments").
 static inline __attribute__((always_inline)) void pa_prefetch(const char* p) {
 #if defined(__x86_64__)
     asm volatile("prefetcht0 %0" : : "m"(*p));  // GCC 12 drops __builtin_prefetch in this loop
@@ -91,8 +95,8 @@ static inline __attribute__((always_inline)) void pa_prefetch(const char* p) {
 // Walks one block's K and V lines of one KV head. pa_attend_block takes four steps of a quarter
 // each, so the prefetches of the block ahead are spread over the current block's work: one burst of
 // 64 lines at the start of each block stalled on the core's miss buffers and then left them idle
-// while the block computed (decode at 16 sequences walking 30 layers' caches: 0.237 -> 0.174 ms a
-// layer). An idle cursor (never started) steps over nothing.
+// while the block computed (the gain: docs/benchmarks.md, "Figures behind the code's comments").
+// An idle cursor (never started) steps over nothing.
 struct PrefetchCursor {
     const char* k = nullptr;
     const char* v = nullptr;
@@ -248,24 +252,32 @@ static void pa_run_item(const pa_args* a, const pa_item& item, Scratch& w, float
         }
 }
 
+// 0, or PA_SCRATCH_OUT_OF_MEMORY when a thread could not allocate its scratch: then the call
+// fails as a whole (the other threads still run the loop, every thread must reach it).
 template <class T>
-static void pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
+static int pa_run_items_impl(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
     static_assert(sizeof(T) == 2 || sizeof(T) == 4, "float32 or bfloat16 (as uint16_t)");
+    int failed = 0;
 #pragma omp parallel num_threads(a->num_threads)
     {
         Scratch w(a);
+        if (!w.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < num_items; ++it) {
+            if (!w.ok()) continue;
             // This thread's next item is likely num_threads further: its first blocks are on their way.
             if (it + a->num_threads < num_items) pa_prefetch_item<T>(a, items[it + a->num_threads]);
             pa_run_item<T>(a, items[it], w, partials);
         }
     }
+    return failed ? PA_SCRATCH_OUT_OF_MEMORY : 0;
 }
 
-static void pa_run_items_dispatch_dtype(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
+static int pa_run_items_dispatch_dtype(const pa_args* a, const pa_item* items, int64_t num_items, float* partials) {
     if (a->dtype == PA_BFLOAT16)
-        pa_run_items_impl<uint16_t>(a, items, num_items, partials);
-    else
-        pa_run_items_impl<float>(a, items, num_items, partials);
+        return pa_run_items_impl<uint16_t>(a, items, num_items, partials);
+    return pa_run_items_impl<float>(a, items, num_items, partials);
 }

@@ -1,8 +1,8 @@
 """The decoder's layers in one native call per step (cython_ext/decoder.pyx over csrc/decoder.cpp).
 
 The Python loop in models/llama.py makes nine native calls a layer, each behind a wrapper that
-checks its tensors and allocates its output: ~1.4 ms of a 20 ms bf16 decode step at batch 16 on
-two cores, ~1.1 ms of 9.6 at batch 1 (docs/design-notes.md). `NativeLayers` makes the same calls
+checks its tensors and allocates its output: on two cores a visible share of a bf16 decode step
+(docs/benchmarks.md, "Figures behind the code's comments"). `NativeLayers` makes the same calls
 in the same order on the same kernels from C++, into buffers allocated once per step, with the
 GIL released for the whole step: the same bits as the Python loop by construction, so batch
 invariance holds as it does there (tests/model_service/test_ms_decoder_loop.py checks the logits

@@ -5,8 +5,9 @@ once; scheduled ones send only packed per-slot arrays; lifecycle lists drop stat
 
 The Scheduler's C core (cython_ext/step_core.pyx) hands each plan its packed arrays already in
 protobuf wire format (`StepPlan.packed.wire`); `to_pb` merges those bytes, which upb parses in
-C, instead of extending four repeated fields from Python lists (at 256 decodes: about 3 µs
-against 14 µs with protobuf 7 / upb; array('I') and numpy extend are slower than lists).
+C, instead of extending four repeated fields from Python lists (several times faster at 256
+decodes with protobuf 7 / upb, and array('I') and numpy extend are slower than lists: the
+figures are in docs/benchmarks.md, "Figures behind the code's comments").
 """
 
 from __future__ import annotations
