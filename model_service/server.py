@@ -22,8 +22,11 @@ from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
 from model_service.step.plan import PlanError
-from model_service.tp_worker import start_tensor_parallel, torchrun_rank
+from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
+
+# What serves the plans: one runner, or rank 0 of a tensor-parallel group (the same calls).
+Runner = ModelRunner | TensorParallelRunner
 
 log = structlog.get_logger(__name__)
 
@@ -31,7 +34,7 @@ SERVICE_NAME = "planserve.v1.EngineService"
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self._describe = facts_to_pb(runner.describe_facts())
         # One open stream at a time. The flag is cleared as soon as a stream is ending (before its
@@ -101,7 +104,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             log.info("execute_stream_closed", generation=generation)
 
 
-def warm_up(runner: ModelRunner) -> None:
+def warm_up(runner: Runner) -> None:
     """Readiness: one real one-token step (slot 0, block 1) through the same path as a plan from
     the scheduler, then every slot dropped. A process that loaded but cannot compute fails here
     instead of reporting SERVING."""
@@ -161,9 +164,17 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+async def _start(config: ModelServiceConfig) -> Runner:
+    """Rank 0 of a tensor-parallel group (it starts or joins the other ranks), else one runner."""
+    if config.tensor_parallel_size > 1 or torchrun_rank() is not None:
+        return await asyncio.to_thread(start_tensor_parallel, config)
+    loaded = await asyncio.to_thread(load_model, config)
+    return build_runner(loaded, config)
+
+
 async def serve(
     config: ModelServiceConfig,
-    runner: ModelRunner | None = None,
+    runner: Runner | None = None,
     credentials: grpc.ServerCredentials | None = None,
 ) -> grpc.aio.Server:
     """Load the model (unless a runner is given), bind, start; returns the started server.
@@ -172,12 +183,8 @@ async def serve(
     `server.health` (SERVING for "" and the engine service once started).
     """
     config.validate()
-    if runner is None and (config.tensor_parallel_size > 1 or torchrun_rank() is not None):
-        # Rank 0 of a tensor-parallel group: starts (or joins) the other ranks, same interface.
-        runner = await asyncio.to_thread(start_tensor_parallel, config)
-    elif runner is None:
-        loaded = await asyncio.to_thread(load_model, config)
-        runner = build_runner(loaded, config)
+    if runner is None:
+        runner = await _start(config)
     # Not SERVING (not even listening) before one real step went through the model.
     await asyncio.to_thread(warm_up, runner)
     server = grpc.aio.server(

@@ -54,8 +54,8 @@ class TPGroup:
 
     rank: int
     world_size: int
-    compute: object  # process group of the all_reduces (nccl on CUDA, gloo on CPU)
-    control: object  # gloo group on which rank 0 broadcasts each step's plan
+    compute: Optional[dist.ProcessGroup]  # of the all_reduces (nccl on CUDA, gloo on CPU)
+    control: dist.ProcessGroup  # gloo group on which rank 0 broadcasts each step's plan
 
 
 def backend_for(device: str) -> str:
@@ -173,7 +173,9 @@ def run_torchrun_worker(config: ModelServiceConfig) -> None:
     # while rank 0 shuts down) so that it leaves the group cleanly, and exits 0.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rank, world_size = torchrun_rank()
+    launched = torchrun_rank()
+    assert launched is not None, "run_torchrun_worker runs under torchrun only"
+    rank, world_size = launched
     runner, group = setup_rank(config, rank, world_size, "env://")
     worker_loop(runner, group)
     dist.destroy_process_group()

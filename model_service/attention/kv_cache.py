@@ -54,8 +54,9 @@ class KVCache:
         self.block_bytes = kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
         self.num_swap_blocks = 0
-        self.host_k: torch.Tensor | None = None
-        self.host_v: torch.Tensor | None = None
+        # No swap space until allocate_swap: host tensors of 0 blocks.
+        self.host_k = torch.zeros((num_layers, 0, *shape[2:]), dtype=dtype)
+        self.host_v = torch.zeros_like(self.host_k)
 
     def allocate_swap(self, num_swap_blocks: int) -> None:
         """Host tensors for num_swap_blocks swapped-out blocks (pinned when the cache is on

@@ -330,7 +330,7 @@ def _byte_level_bpe(reader, tokens: list[str], merges: list[str], types: list):
     }
     bpe = models.BPE(
         vocab=vocab,
-        merges=[tuple(m.split(" ")) for m in merges],
+        merges=[_merge_pair(m) for m in merges],
         fuse_unk=False,
         byte_fallback=False,
     )
@@ -353,3 +353,9 @@ def _byte_level_bpe(reader, tokens: list[str], merges: list[str], types: list):
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     return tokenizer
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge "a b" as the pair BPE takes."""
+    first, _, second = merge.partition(" ")
+    return first, second

@@ -114,7 +114,7 @@ def load_hf_folder(folder: str) -> HFFolderContents:
         if token is not None:
             special[key] = token
     eos, bos = _eos_and_bos(tokenizer, config, generation, special)
-    sampling_defaults = {
+    sampling_defaults: dict[str, float] = {
         k: float(generation[k]) for k in ("temperature", "top_p", "top_k") if k in generation
     }
     if sampling_defaults:

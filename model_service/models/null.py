@@ -108,6 +108,8 @@ def _gpt2_byte_spelling() -> list[str]:
 class NullLM(nn.Module):
     """Same call signature as LlamaForCausalLM; returns one-hot float32 logits [R, V]."""
 
+    alphabet: torch.Tensor  # a buffer, declared for the type checker
+
     def __init__(self, step_delay_ms: float = 0.0, eos_at: int | None = None) -> None:
         super().__init__()
         # One parameter so the runner can read the device and dtype off the module.

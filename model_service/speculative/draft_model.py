@@ -160,7 +160,7 @@ class DraftModelDrafter:
         num_tokens = c.num_tokens.copy()
         # Catch up on everything the draft has not computed, up to the last known token.
         logits = self._forward(slots, lengths - self.num_computed[slots], num_tokens)
-        proposals = [[] for _ in slots]
+        proposals: list[list[int]] = [[] for _ in slots]
         probs: list[list[torch.Tensor]] = [[] for _ in slots]
         live = np.arange(len(slots))
         for i in range(int(rooms.max())):

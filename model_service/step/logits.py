@@ -87,9 +87,10 @@ def gather_logprobs(
     )
     k_max = int(counts.max()) if counts.size else 0
     if k_max:
-        top_values, top_ids = logprobs.topk(k_max, dim=-1)
-        top_values, top_ids = top_values.cpu().numpy(), top_ids.cpu().numpy()
-    values, ids = [], []
+        top = logprobs.topk(k_max, dim=-1)
+        top_values, top_ids = top.values.cpu().numpy(), top.indices.cpu().numpy()
+    values: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
     for row in range(len(targets)):
         k = int(counts[row])
         values.append(chosen[row : row + 1])
