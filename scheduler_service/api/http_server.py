@@ -12,6 +12,7 @@ import uvicorn
 
 from scheduler_service.api.admission import Admission
 from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.ports import StartupError
 
 log = structlog.get_logger("planserve.openai")
@@ -29,10 +30,16 @@ class HttpServer:
     """The OpenAI-compatible API on its own port, in the running event loop."""
 
     def __init__(
-        self, admission: Admission, host: str, port: int, ssl_options: Optional[dict] = None
+        self,
+        admission: Admission,
+        host: str,
+        port: int,
+        ssl_options: Optional[dict] = None,
+        config: Optional[SchedulerConfig] = None,
     ):
-        """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP."""
-        self.app = OpenAIApp(admission).app
+        """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP;
+        config: the doors' settings (tool parser) when not the admission's."""
+        self.app = OpenAIApp(admission, config).app
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None

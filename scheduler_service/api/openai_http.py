@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
+from scheduler_service.api import chat_prompt
 from scheduler_service.api.admission import Admission, Rejected, Serving
 from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.api.openai_requests import (
@@ -42,7 +43,11 @@ from scheduler_service.api.openai_requests import (
     to_pb,
 )
 from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of
+from scheduler_service.api.tool_outputs import ToolOutput
+from scheduler_service.api.tool_requests import ToolPlan, plan_tools
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.request import Request, RequestOutput
+from scheduler_service.text import tool_parsers
 
 
 class _Totals:
@@ -83,8 +88,14 @@ class OpenAIApp:
     """Builds the FastAPI app over the admission of the gRPC doors (which holds the serving
     state)."""
 
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, config: Optional[SchedulerConfig] = None):
+        """config: the tool settings' source, when not the admission's (tests serve one
+        engine through doors with different parsers)."""
         self.admission = admission
+        config = config or admission.config
+        self.tool_parser: Optional[tool_parsers.ToolParser] = None
+        if config.enable_auto_tool_choice:
+            self.tool_parser = tool_parsers.create(config.tool_call_parser)
         self.app = FastAPI(
             title="planserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
@@ -190,16 +201,40 @@ class OpenAIApp:
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None
         return {"prompt": reply.text}
 
-    async def _admit(self, body: _Common, chat: bool) -> tuple[Serving, Request]:
+    def _request_pb(
+        self, body: _Common, serving: Serving
+    ) -> tuple[generate_pb2.GenerateRequest, Optional[ToolPlan]]:
+        """The public request of a body, and its tool plan (chat requests with tools): a chat
+        with tools or tool turns has its prompt rendered here (chat_prompt.py), and
+        "required" or a named function its calls' grammar."""
+        if not isinstance(body, ChatCompletionRequest):
+            return to_pb(body, uuid.uuid4().hex), None
+        parser = self.tool_parser.name if self.tool_parser is not None else None
+        plan = plan_tools(body, parser)
+        prompt_ids = None
+        if plan is not None or chat_prompt.has_tool_turns(body.messages):
+            prompt_ids = chat_prompt.prompt_ids(body.messages, plan, serving.tokenizer)
+        pb = to_pb(body, uuid.uuid4().hex, prompt_ids)
+        schema = plan.grammar_schema() if plan is not None else None
+        if schema is not None:
+            pb.structured_output.json_schema = json.dumps(schema, ensure_ascii=False)
+        return pb, plan
+
+    async def _admit(
+        self, body: _Common, chat: bool
+    ) -> tuple[Serving, Request, Optional[ToolPlan]]:
         serving = self._serving(body.model)
+        pb, plan = self._request_pb(body, serving)
         try:
-            return serving, await self.admission.admit(to_pb(body, uuid.uuid4().hex))
+            return serving, await self.admission.admit(pb), plan
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
 
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
-        serving, req = await self._admit(body, chat)
+        serving, req, plan = await self._admit(body, chat)
         response = _Response(serving, req, body, chat)
+        if plan is not None:
+            response.tool_outputs = [ToolOutput(plan, self.tool_parser) for _ in range(req.n)]
         if body.stream:
             return StreamingResponse(
                 response.events(),
@@ -229,6 +264,8 @@ class _Response:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req.request_id
         self.created = int(time.time())
         self.totals = _Totals(req)
+        # Chat with tools: each sample's text split into content and calls.
+        self.tool_outputs: Optional[list[ToolOutput]] = None
 
     def _logprobs(self, entries, completion: Optional[CompletionLogprobs] = None):
         if self.req.logprobs is None:
@@ -247,12 +284,17 @@ class _Response:
         choices = []
         for index, sample in enumerate(collected.samples):
             choice: dict[str, Any] = {"index": index}
-            if self.chat:
+            reason = finish_reason_name(sample.finish_reason)
+            if self.tool_outputs is not None:
+                split = self.tool_outputs[index]
+                choice["message"] = split.message(sample.text, sample.finish_reason)
+                reason = split.finish_reason(sample.finish_reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": sample.text}
             else:
                 choice["text"] = sample.text
             choice["logprobs"] = self._logprobs(sample.logprobs)
-            choice["finish_reason"] = finish_reason_name(sample.finish_reason)
+            choice["finish_reason"] = reason
             if self.body.return_token_ids:
                 choice["token_ids"] = sample.token_ids
             choices.append(choice)
@@ -279,6 +321,26 @@ class _Response:
             payload["usage"] = usage
         return _sse(payload)
 
+    def _tool_chunks(self, output: RequestOutput, include_usage: bool) -> list[str]:
+        """One output of a chat with tools as chunks: its deltas (tool_outputs.py), the first
+        carrying the output's logprobs and token ids, then the finish reason on its own."""
+        assert self.tool_outputs is not None
+        split = self.tool_outputs[output.index]
+        deltas = split.deltas(output.text, output.finish_reason)
+        if output.finish_reason is not None:
+            deltas.append({})  # the finishing chunk, after the calls
+        chunks = []
+        for number, delta in enumerate(deltas):
+            choice: dict[str, Any] = {"index": output.index, "delta": delta, "logprobs": None}
+            if number == 0:
+                choice["logprobs"] = self._logprobs(output.logprobs)
+                if self.body.return_token_ids:
+                    choice["token_ids"] = output.token_ids
+            last = output.finish_reason is not None and number == len(deltas) - 1
+            choice["finish_reason"] = split.finish_reason(output.finish_reason) if last else None
+            chunks.append(self._chunk([choice], with_usage=include_usage))
+        return chunks
+
     async def events(self) -> AsyncIterator[str]:
         """Chunks as server-sent events. The request is queued only once the response
         started, so a client gone before that leaves nothing behind; one gone later (the
@@ -296,6 +358,10 @@ class _Response:
                 if output.finish_reason is not None:
                     self.totals.add(output)
                 elif not output.text and not output.token_ids:
+                    continue
+                if self.tool_outputs is not None:
+                    for chunk in self._tool_chunks(output, include_usage):
+                        yield chunk
                     continue
                 choice: dict[str, Any] = {"index": output.index}
                 if chat:

@@ -228,3 +228,24 @@ def test_a_parser_resolves_by_name_or_dotted_path_and_unknown_names_list_the_val
         tool_parsers.resolve("qwen9")
     with pytest.raises(ValueError, match="not a ToolParser subclass"):
         tool_parsers.resolve("json:dumps")
+
+
+def test_the_config_checks_the_parser_and_that_auto_has_one():
+    from scheduler_service.config import SchedulerConfig
+
+    SchedulerConfig(enable_auto_tool_choice=True, tool_call_parser="pythonic").validate()
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
+        SchedulerConfig(enable_auto_tool_choice=True).validate()
+    with pytest.raises(ValueError, match="unknown tool parser 'qwen9'; valid: hermes"):
+        SchedulerConfig(tool_call_parser="qwen9").validate()
+
+
+def test_the_flags_are_the_config_fields():
+    import argparse
+
+    from scheduler_service.cli import add_scheduler_flags
+
+    parser = argparse.ArgumentParser()
+    add_scheduler_flags(parser)
+    args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "mistral"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "mistral")
