@@ -158,6 +158,11 @@ class SchedulerConfig:
     (Qwen2.5/3, Hermes, planserve's default tool format), llama3_json, mistral, pythonic, an
     entry point of `planserve.tool_parsers`, or `package.module:Class` (docs/tools.md)."""
 
+    reasoning_parser: str = setting("", choices=("", "qwen3", "deepseek_r1"))
+    """A thinking model's think block to `reasoning_content` on chat completions, the rest to
+    `content` (text/reasoning.py): qwen3 (the model writes <think>), deepseek_r1 (the chat
+    template wrote it); empty: none."""
+
     def validate(self) -> "SchedulerConfig":
         """Every field's declared bound (config_fields.check_bounds), then the rules that tie fields
         together or need a lookup; ValueError names the field. Returns self."""

@@ -11,12 +11,19 @@ rewritten in planserve's default tool format (text/tool_prompt.py).
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Optional
 
 import jinja2
 
-from scheduler_service.api.openai_requests import ApiError, ChatMessage
-from scheduler_service.api.tool_requests import ToolPlan
+from planserve.v1 import generate_pb2
+from scheduler_service.api.openai_requests import (
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    to_pb,
+)
+from scheduler_service.api.tool_requests import ToolPlan, plan_tools
 from scheduler_service.text import tool_prompt
 from scheduler_service.text.tokenizer import Tokenizer
 
@@ -110,3 +117,19 @@ def prompt_ids(
 ) -> list[int]:
     """The prompt's token ids (the template wrote every special token it wants)."""
     return tokenizer.encode(render(messages, plan, tokenizer), add_special_tokens=False)
+
+
+def chat_request_pb(
+    body: ChatCompletionRequest, auto_parser: Optional[str], tokenizer: Tokenizer
+) -> tuple[generate_pb2.GenerateRequest, Optional[ToolPlan]]:
+    """A chat body's public request and its tool plan (None without tools): with tools or tool
+    turns its prompt is rendered here; "required" or a named function adds its calls' grammar."""
+    plan = plan_tools(body, auto_parser)
+    ids = None
+    if plan is not None or has_tool_turns(body.messages):
+        ids = prompt_ids(body.messages, plan, tokenizer)
+    pb = to_pb(body, uuid.uuid4().hex, ids)
+    schema = plan.grammar_schema() if plan is not None else None
+    if schema is not None:
+        pb.structured_output.json_schema = json.dumps(schema, ensure_ascii=False)
+    return pb, plan

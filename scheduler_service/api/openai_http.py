@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
-from scheduler_service.api import chat_prompt
+from scheduler_service.api import chat_outputs, chat_prompt
 from scheduler_service.api.admission import Admission, Rejected, Serving
+from scheduler_service.api.chat_outputs import ChatOutput
 from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.api.openai_requests import (
     ApiError,
@@ -43,8 +44,7 @@ from scheduler_service.api.openai_requests import (
     to_pb,
 )
 from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of
-from scheduler_service.api.tool_outputs import ToolOutput
-from scheduler_service.api.tool_requests import ToolPlan, plan_tools
+from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.text import tool_parsers
@@ -96,6 +96,7 @@ class OpenAIApp:
         self.tool_parser: Optional[tool_parsers.ToolParser] = None
         if config.enable_auto_tool_choice:
             self.tool_parser = tool_parsers.create(config.tool_call_parser)
+        self.reasoning_parser = config.reasoning_parser
         self.app = FastAPI(
             title="planserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
@@ -201,30 +202,15 @@ class OpenAIApp:
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None
         return {"prompt": reply.text}
 
-    def _request_pb(
-        self, body: _Common, serving: Serving
-    ) -> tuple[generate_pb2.GenerateRequest, Optional[ToolPlan]]:
-        """The public request of a body, and its tool plan (chat requests with tools): a chat
-        with tools or tool turns has its prompt rendered here (chat_prompt.py), and
-        "required" or a named function its calls' grammar."""
-        if not isinstance(body, ChatCompletionRequest):
-            return to_pb(body, uuid.uuid4().hex), None
-        parser = self.tool_parser.name if self.tool_parser is not None else None
-        plan = plan_tools(body, parser)
-        prompt_ids = None
-        if plan is not None or chat_prompt.has_tool_turns(body.messages):
-            prompt_ids = chat_prompt.prompt_ids(body.messages, plan, serving.tokenizer)
-        pb = to_pb(body, uuid.uuid4().hex, prompt_ids)
-        schema = plan.grammar_schema() if plan is not None else None
-        if schema is not None:
-            pb.structured_output.json_schema = json.dumps(schema, ensure_ascii=False)
-        return pb, plan
-
     async def _admit(
         self, body: _Common, chat: bool
     ) -> tuple[Serving, Request, Optional[ToolPlan]]:
         serving = self._serving(body.model)
-        pb, plan = self._request_pb(body, serving)
+        if isinstance(body, ChatCompletionRequest):
+            parser = self.tool_parser.name if self.tool_parser is not None else None
+            pb, plan = chat_prompt.chat_request_pb(body, parser, serving.tokenizer)
+        else:
+            pb, plan = to_pb(body, uuid.uuid4().hex), None
         try:
             return serving, await self.admission.admit(pb), plan
         except Rejected as rejected:
@@ -233,8 +219,10 @@ class OpenAIApp:
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
         serving, req, plan = await self._admit(body, chat)
         response = _Response(serving, req, body, chat)
-        if plan is not None:
-            response.tool_outputs = [ToolOutput(plan, self.tool_parser) for _ in range(req.n)]
+        if chat:
+            response.chat_outputs = chat_outputs.for_samples(
+                req, plan, self.tool_parser, self.reasoning_parser
+            )
         if body.stream:
             return StreamingResponse(
                 response.events(),
@@ -264,8 +252,8 @@ class _Response:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req.request_id
         self.created = int(time.time())
         self.totals = _Totals(req)
-        # Chat with tools: each sample's text split into content and calls.
-        self.tool_outputs: Optional[list[ToolOutput]] = None
+        # Chat with tools or a reasoning parser: each sample split (chat_outputs.py).
+        self.chat_outputs: Optional[list[ChatOutput]] = None
 
     def _logprobs(self, entries, completion: Optional[CompletionLogprobs] = None):
         if self.req.logprobs is None:
@@ -285,8 +273,8 @@ class _Response:
         for index, sample in enumerate(collected.samples):
             choice: dict[str, Any] = {"index": index}
             reason = finish_reason_name(sample.finish_reason)
-            if self.tool_outputs is not None:
-                split = self.tool_outputs[index]
+            if self.chat_outputs is not None:
+                split = self.chat_outputs[index]
                 choice["message"] = split.message(sample.text, sample.finish_reason)
                 reason = split.finish_reason(sample.finish_reason)
             elif self.chat:
@@ -321,11 +309,11 @@ class _Response:
             payload["usage"] = usage
         return _sse(payload)
 
-    def _tool_chunks(self, output: RequestOutput, include_usage: bool) -> list[str]:
-        """One output of a chat with tools as chunks: its deltas (tool_outputs.py), the first
+    def _split_chunks(self, output: RequestOutput, include_usage: bool) -> list[str]:
+        """One output of a split chat sample as chunks: its deltas (chat_outputs.py), the first
         carrying the output's logprobs and token ids, then the finish reason on its own."""
-        assert self.tool_outputs is not None
-        split = self.tool_outputs[output.index]
+        assert self.chat_outputs is not None
+        split = self.chat_outputs[output.index]
         deltas = split.deltas(output.text, output.finish_reason)
         if output.finish_reason is not None:
             deltas.append({})  # the finishing chunk, after the calls
@@ -359,8 +347,8 @@ class _Response:
                     self.totals.add(output)
                 elif not output.text and not output.token_ids:
                     continue
-                if self.tool_outputs is not None:
-                    for chunk in self._tool_chunks(output, include_usage):
+                if self.chat_outputs is not None:
+                    for chunk in self._split_chunks(output, include_usage):
                         yield chunk
                     continue
                 choice: dict[str, Any] = {"index": output.index}

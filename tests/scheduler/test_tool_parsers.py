@@ -1,6 +1,6 @@
 """The tool-call parsers (text/tool_parsers) against outputs written by hand in each family's
 format: several calls, malformed JSON, text before and after; and the split into content and
-calls (api/tool_outputs.py) fed the same outputs whole and cut into stream chunks at every
+calls (api/chat_outputs.py) fed the same outputs whole and cut into stream chunks at every
 place, which must give the same content and calls."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scheduler_service.api.tool_outputs import ToolOutput
+from scheduler_service.api.chat_outputs import ChatOutput
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.core.request import FinishReason
 from scheduler_service.text import tool_parsers
@@ -118,9 +118,9 @@ def test_parser_reads_a_whole_output(name, text, content, calls):
         assert isinstance(json.loads(call.arguments), dict)
 
 
-def _auto(name: str) -> ToolOutput:
+def _auto(name: str) -> ChatOutput:
     plan = ToolPlan("auto", ({"name": "get_weather"}, {"name": "get_time"}))
-    return ToolOutput(plan, tool_parsers.create(name))
+    return ChatOutput(plan, tool_parsers.create(name))
 
 
 def _streamed(name: str, chunks: list[str]) -> tuple[str, list[ToolCall]]:
@@ -177,7 +177,7 @@ def test_an_output_cut_by_max_tokens_is_text_and_keeps_its_finish_reason():
 
 def test_guided_outputs_become_calls_only_when_complete():
     plan = ToolPlan("required", ({"name": "get_time"},))
-    split = ToolOutput(plan, None)
+    split = ChatOutput(plan, None)
     message = split.message(
         '[{"name": "get_time", "arguments": {"zone": "CET"}}]', FinishReason.EOS
     )
@@ -187,14 +187,14 @@ def test_guided_outputs_become_calls_only_when_complete():
         "arguments": '{"zone": "CET"}',
     }
     assert message["tool_calls"][0]["id"].startswith("call_")
-    cut = ToolOutput(plan, None).message('[{"name": "get_time", "argum', FinishReason.LENGTH)
+    cut = ChatOutput(plan, None).message('[{"name": "get_time", "argum', FinishReason.LENGTH)
     assert cut == {"role": "assistant", "content": '[{"name": "get_time", "argum'}
-    named = ToolOutput(ToolPlan("function", ({"name": "get_time"},), "get_time"), None)
+    named = ChatOutput(ToolPlan("function", ({"name": "get_time"},), "get_time"), None)
     assert named.message('{"zone": "UTC"}', FinishReason.EOS)["tool_calls"][0]["function"] == {
         "name": "get_time",
         "arguments": '{"zone": "UTC"}',
     }
-    none = ToolOutput(ToolPlan("none", ({"name": "get_time"},)), None)
+    none = ChatOutput(ToolPlan("none", ({"name": "get_time"},)), None)
     assert "tool_calls" not in none.message(f"<tool_call>{TIME}</tool_call>", FinishReason.EOS)
 
 

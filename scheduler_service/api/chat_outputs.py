@@ -1,4 +1,7 @@
-"""One sample's text split into content and tool calls, whole or as it streams.
+"""One chat sample's text split into reasoning, content and tool calls, whole or as it streams.
+
+With a reasoning parser the think block is split off first (text/reasoning.py) and the rest
+goes on as the content below; tool calls are read from that content only.
 
 The text before anything that may be a call is content at once (streamed as it comes); the rest
 is held until the sample ends and is then read whole: by the tool-call parser ("auto"), or as
@@ -18,18 +21,26 @@ from typing import Any, Optional
 
 from scheduler_service.api.streams import finish_reason_name
 from scheduler_service.api.tool_requests import ToolPlan
-from scheduler_service.core.request import FinishReason
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.text.reasoning import ReasoningSplit
 from scheduler_service.text.tool_parsers import Parsed, ToolCall, ToolParser
 from scheduler_service.text.tool_parsers.base import call_from, new_call_id
 
 _ENDED_BY_ITSELF = (FinishReason.EOS, FinishReason.STOP)
 
 
-class ToolOutput:
-    """One sample's split; `feed` its text as it comes, `finish` once it ended."""
+class ChatOutput:
+    """One sample's split; `feed` its text as it comes, `finish` once it ended (the tool
+    split); `message` and `deltas` put the reasoning split in front of it."""
 
-    def __init__(self, plan: ToolPlan, parser: Optional[ToolParser]):
-        self.plan, self.parser = plan, parser
+    def __init__(
+        self,
+        plan: ToolPlan,
+        parser: Optional[ToolParser],
+        reasoning: Optional[ReasoningSplit] = None,
+    ):
+        self.plan, self.parser, self.reasoning = plan, parser, reasoning
+        self.reasoning_text = ""  # the reasoning given out so far
         self.text = ""  # the sample's whole text so far
         self.num_sent = 0  # characters of `text` already given out as content
         self.calls: tuple[ToolCall, ...] = ()
@@ -92,24 +103,39 @@ class ToolOutput:
             for call in self.calls
         ]
 
+    def _think(self, text: str, ended: bool) -> tuple[str, str]:
+        """(reasoning, content) of generated text: all content without a reasoning parser."""
+        if self.reasoning is None:
+            return "", text
+        reasoning, content = self.reasoning.feed(text)
+        if ended:
+            more_reasoning, more_content = self.reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        self.reasoning_text += reasoning
+        return reasoning, content
+
     def message(self, text: str, reason: Optional[FinishReason]) -> dict[str, Any]:
         """A whole sample as a chat message (content null when it only called tools)."""
-        content = self.feed(text) + self.finish(reason)
-        if not self.calls:
-            return {"role": "assistant", "content": content}
-        return {
-            "role": "assistant",
-            "content": content if content.strip() else None,
-            "tool_calls": self.tool_calls(),
-        }
+        _, text = self._think(text, ended=True)
+        content: Optional[str] = self.feed(text) + self.finish(reason)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning_text or None
+        if self.calls:
+            message["content"] = content if content and content.strip() else None
+            message["tool_calls"] = self.tool_calls()
+        return message
 
     def deltas(self, text: str, reason: Optional[FinishReason]) -> list[dict[str, Any]]:
-        """The chunk deltas one streamed output becomes: its content that may go now, and
-        once the sample ended the held content and each call (id and name, then arguments)."""
+        """The chunk deltas one streamed output becomes: its reasoning and content that may go
+        now, and once the sample ended the held content and each call (id and name, then
+        arguments)."""
+        reasoning, text = self._think(text, ended=reason is not None)
         content = self.feed(text)
         if reason is not None:
             content += self.finish(reason)
-        deltas: list[dict[str, Any]] = [{"content": content}] if content else []
+        deltas: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+        deltas += [{"content": content}] if content else []
         for index, call in enumerate(self.tool_calls() if reason is not None else ()):
             function = call["function"]
             head = dict(call, function={"name": function["name"], "arguments": ""})
@@ -117,3 +143,21 @@ class ToolOutput:
             arguments = {"arguments": function["arguments"]}
             deltas.append({"tool_calls": [{"index": index, "function": arguments}]})
         return deltas
+
+
+def for_samples(
+    req: Request, plan: Optional[ToolPlan], parser: Optional[ToolParser], reasoning_parser: str
+) -> Optional[list[ChatOutput]]:
+    """Each sample's split of a chat request; None when there is nothing to split. Under
+    deepseek_r1 a request with a grammar gets no reasoning split: the grammar binds its first
+    token, so it writes no think block, yet all its output would read as reasoning."""
+    reasoning = reasoning_parser
+    if reasoning == "deepseek_r1" and req.structured is not None:
+        reasoning = ""
+    if plan is None and not reasoning:
+        return None
+    plan = plan or ToolPlan("none", ())
+    return [
+        ChatOutput(plan, parser, ReasoningSplit(reasoning) if reasoning else None)
+        for _ in range(req.n)
+    ]
