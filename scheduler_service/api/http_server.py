@@ -11,6 +11,7 @@ import structlog
 import uvicorn
 
 from scheduler_service.api.admission import Admission
+from scheduler_service.api.anthropic_http import MessagesDoor
 from scheduler_service.api.openai_http import OpenAIApp
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.ports import StartupError
@@ -39,7 +40,9 @@ class HttpServer:
     ):
         """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP;
         config: the doors' settings (tool parser) when not the admission's."""
-        self.app = OpenAIApp(admission, config).app
+        door = OpenAIApp(admission, config)
+        MessagesDoor(door)  # POST /v1/messages over the same path
+        self.app = door.app
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None

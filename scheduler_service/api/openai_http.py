@@ -19,7 +19,7 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Mapping, Optional
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -84,6 +84,33 @@ async def _disconnected(http: HttpRequest) -> None:
             return
 
 
+def _error_response(
+    http: HttpRequest, error: ApiError, headers: Optional[Mapping[str, str]] = None
+) -> JSONResponse:
+    """OpenAI's error shape; Anthropic's on /v1/messages (its clients read error.message)."""
+    if http.url.path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": error.type, "message": error.message}}
+        return JSONResponse(status_code=error.status, content=body, headers=headers)
+    return error.response(headers)
+
+
+async def unless_disconnected(http: HttpRequest, answer: Awaitable[Any]) -> Any:
+    """The whole answer's result; its request aborted (499) if the client disconnects first."""
+    collect = asyncio.ensure_future(answer)
+    watch = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():  # the client went away (or this handler was cancelled)
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+    if collect.cancelled():
+        raise ApiError(499, "client closed the request", "cancelled")
+    return collect.result()
+
+
 class OpenAIApp:
     """Builds the FastAPI app over the admission of the gRPC doors (which holds the serving
     state)."""
@@ -112,27 +139,26 @@ class OpenAIApp:
         self.app.post("/detokenize")(self.detokenize)
 
     @staticmethod
-    async def _api_error(_, error: ApiError) -> JSONResponse:
-        return error.response()
+    async def _api_error(http: HttpRequest, error: ApiError) -> JSONResponse:
+        return _error_response(http, error)
 
     @staticmethod
-    async def _http_error(_, error: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(http: HttpRequest, error: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return ApiError(error.status_code, str(error.detail), type_).response(error.headers)
+        error_ = ApiError(error.status_code, str(error.detail), type_)
+        return _error_response(http, error_, error.headers)
 
     @staticmethod
-    async def _validation_error(_, error: RequestValidationError) -> JSONResponse:
+    async def _validation_error(http: HttpRequest, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         if first.get("type") == "json_invalid":
-            return ApiError(
-                400, f"body: not valid JSON ({first.get('ctx', {}).get('error')})"
-            ).response()
+            invalid = f"body: not valid JSON ({first.get('ctx', {}).get('error')})"
+            return _error_response(http, ApiError(400, invalid))
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        return ApiError(
-            400, f"{where}: {first.get('msg', 'invalid request')}", param=param
-        ).response()
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+        return _error_response(http, ApiError(400, message, param=param))
 
     def _serving(self, model: Optional[str] = None) -> Serving:
         """The serving state; 503 before the engine answered Describe, 404 for another model."""
@@ -202,9 +228,7 @@ class OpenAIApp:
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None
         return {"prompt": reply.text}
 
-    async def _admit(
-        self, body: _Common, chat: bool
-    ) -> tuple[Serving, Request, Optional[ToolPlan]]:
+    async def admit(self, body: _Common, chat: bool) -> tuple[Serving, Request, Optional[ToolPlan]]:
         serving = self._serving(body.model)
         if isinstance(body, ChatCompletionRequest):
             parser = self.tool_parser.name if self.tool_parser is not None else None
@@ -217,7 +241,7 @@ class OpenAIApp:
             raise rejected_error(rejected, chat, body) from None
 
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
-        serving, req, plan = await self._admit(body, chat)
+        serving, req, plan = await self.admit(body, chat)
         response = _Response(serving, req, body, chat)
         if chat:
             response.chat_outputs = chat_outputs.for_samples(
@@ -229,19 +253,7 @@ class OpenAIApp:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        collect = asyncio.ensure_future(response.collect())
-        watch = asyncio.ensure_future(_disconnected(http))
-        try:
-            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not collect.done():  # the client went away (or this handler was cancelled)
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-        if collect.cancelled():
-            raise ApiError(499, "client closed the request", "cancelled")
-        return collect.result()
+        return await unless_disconnected(http, response.collect())
 
 
 class _Response:
