@@ -13,6 +13,7 @@ import uvicorn
 from scheduler_service.api.admission import Admission
 from scheduler_service.api.anthropic_http import MessagesDoor
 from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.api.responses_http import ResponsesDoor
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.ports import StartupError
 
@@ -42,6 +43,7 @@ class HttpServer:
         config: the doors' settings (tool parser) when not the admission's."""
         door = OpenAIApp(admission, config)
         MessagesDoor(door)  # POST /v1/messages over the same path
+        ResponsesDoor(door)  # POST /v1/responses too
         self.app = door.app
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}
