@@ -148,6 +148,12 @@ class SchedulerConfig:
     max_message_bytes: int = setting(4 << 20, low=1024)
     """Largest request message the public API accepts (bigger ones get RESOURCE_EXHAUSTED)."""
 
+    max_grammar_compile_s: float = setting(30.0, above=0)
+    """Longest a request waits for its structured-output grammar (a JSON schema, a tool's
+    parameters) to compile before it gets INVALID_ARGUMENT naming the field. The compile goes on
+    in the background and is cached, so the same grammar sent again may find it ready; other
+    requests never wait for it (it runs off the event loop)."""
+
     enable_auto_tool_choice: bool = False
     """Let chat requests with tools use tool_choice "auto" (OpenAI's default when tools are
     sent): the model's text is read for calls by tool_call_parser. Without it "auto" gets a 400

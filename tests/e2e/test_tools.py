@@ -392,3 +392,33 @@ async def test_smollm2_required_and_named_calls_validate_and_the_conversation_go
     assert answer.choices[0].message.tool_calls is None
     await wait_until_idle(smollm2_server)
     assert_no_leaked_blocks(smollm2_server)
+
+
+async def test_a_grammar_slower_than_its_bound_is_a_400_and_is_kept_for_the_next_try(
+    tiny_server, client
+):
+    schema = dict(ZONE_SCHEMA, properties=dict(ZONE_SCHEMA["properties"], note={"enum": ["x7"]}))
+    body = dict(
+        model=_model(tiny_server),
+        messages=ASK,
+        max_tokens=60,
+        seed=3,
+        tools=[_tool("get_time", schema)],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    grammars = tiny_server.admission.serving.grammars
+    compiled = grammars.num_compiled
+    config = tiny_server.admission.config
+    tiny_server.admission.config = dataclasses.replace(config, max_grammar_compile_s=0.001)
+    try:
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.chat.completions.create(**body)
+    finally:
+        tiny_server.admission.config = config
+    assert raised.value.body["param"] == "tools"
+    assert "took over 0.001 s to compile" in raised.value.body["message"]
+    result = await client.chat.completions.create(**body)  # the compile went on: not redone
+    assert grammars.num_compiled == compiled + 1
+    _validated(result.choices[0].message.tool_calls[0], {"get_time": schema})
+    await wait_until_idle(tiny_server)
+    assert_no_leaked_blocks(tiny_server)
