@@ -422,3 +422,43 @@ async def test_a_grammar_slower_than_its_bound_is_a_400_and_is_kept_for_the_next
     _validated(result.choices[0].message.tool_calls[0], {"get_time": schema})
     await wait_until_idle(tiny_server)
     assert_no_leaked_blocks(tiny_server)
+
+
+async def test_each_of_n_samples_gets_its_own_calls_streamed_with_usage(tiny_server, client):
+    kwargs = dict(
+        model=_model(tiny_server),
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        seed=9,
+        n=2,
+    )
+    whole = await client.chat.completions.create(**kwargs)
+    assert [choice.index for choice in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        _validated(call, SCHEMAS)
+    calls: dict[int, dict] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    stream = await client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            for part in choice.delta.tool_calls or ():
+                call = calls.setdefault(choice.index, {"name": "", "arguments": ""})
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for index, choice in enumerate(whole.choices):  # same seed: the same calls
+        [call] = choice.message.tool_calls
+        assert calls[index]["name"] == call.function.name
+        assert json.loads(calls[index]["arguments"]) == json.loads(call.function.arguments)
+    assert usage.completion_tokens == whole.usage.completion_tokens
