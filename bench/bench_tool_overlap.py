@@ -2,8 +2,8 @@
 ignore_eos, sent at once) alone, then beside a client that sends named-tool requests one after
 another (each generated under its tool's grammar, which today turns overlap off while it runs),
 then beside a client that sends plain 40-token requests one after another (the control: the
-same arrivals without a grammar), and alone with --no-overlap for reference. Reports the 15
-requests' output tokens/s in each case.
+same arrivals without a grammar), each greedy and sampled (temperature 1), and alone with
+--no-overlap for reference. Reports the 15 requests' output tokens/s in each case.
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_tool_overlap.py --model tiny \
         --out bench/results/tool_overlap_cpu.json
@@ -106,7 +106,7 @@ async def _beside(send, stop: asyncio.Event) -> int:
     return calls
 
 
-async def _run(port: int, beside: str) -> dict:
+async def _run(port: int, beside: str, temperature: float) -> dict:
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600
     )
@@ -142,21 +142,25 @@ def main() -> None:
     args = parser.parse_args()
     results = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "model": args.model}
     cases = (
-        ("alone", [], ""),
-        ("beside tool requests", [], "tool"),
-        ("beside plain requests", [], "plain"),
-        ("alone, no-overlap", ["--no-overlap"], ""),
+        ("alone", [], "", 0.0),
+        ("beside greedy tool requests", [], "tool", 0.0),
+        ("beside greedy plain requests", [], "plain", 0.0),
+        ("beside sampled tool requests", [], "tool", 1.0),
+        ("beside sampled plain requests", [], "plain", 1.0),
+        ("alone, no-overlap", ["--no-overlap"], "", 0.0),
     )
-    for label, extra, beside in cases:
+    for label, extra, beside, temperature in cases:
         server = _serve(args.model, extra)
         try:
-            results[label] = asyncio.run(_run(server.http_port, beside))
+            results[label] = asyncio.run(_run(server.http_port, beside, temperature))
         finally:
             server.terminate()
             server.wait(timeout=60)
         print(label, results[label], flush=True)
     base = results["alone"]["plain_output_tok_s"]
-    for label in ("beside tool requests", "beside plain requests"):
+    for label, _, beside, _ in cases:
+        if not beside:
+            continue
         results[f"slowdown {label}"] = round(1 - results[label]["plain_output_tok_s"] / base, 3)
     print(json.dumps(results, indent=1))
     if args.out:
