@@ -148,6 +148,27 @@ class SchedulerConfig:
     max_message_bytes: int = setting(4 << 20, low=1024)
     """Largest request message the public API accepts (bigger ones get RESOURCE_EXHAUSTED)."""
 
+    max_grammar_compile_s: float = setting(30.0, above=0)
+    """Longest a request waits for its structured-output grammar (a JSON schema, a tool's
+    parameters) to compile before it gets INVALID_ARGUMENT naming the field. The compile goes on
+    in the background and is cached, so the same grammar sent again may find it ready; other
+    requests never wait for it (it runs off the event loop)."""
+
+    enable_auto_tool_choice: bool = False
+    """Let chat requests with tools use tool_choice "auto" (OpenAI's default when tools are
+    sent): the model's text is read for calls by tool_call_parser. Without it "auto" gets a 400
+    naming tool_choice; "none", "required" and a named function need neither flag."""
+
+    tool_call_parser: str = ""
+    """The served model family's tool-call format, read for tool_choice "auto": hermes
+    (Qwen2.5/3, Hermes, planserve's default tool format), llama3_json, mistral, pythonic, an
+    entry point of `planserve.tool_parsers`, or `package.module:Class` (docs/tools.md)."""
+
+    reasoning_parser: str = setting("", choices=("", "qwen3", "deepseek_r1"))
+    """A thinking model's think block to `reasoning_content` on chat completions, the rest to
+    `content` (text/reasoning.py): qwen3 (the model writes <think>), deepseek_r1 (the chat
+    template wrote it); empty: none."""
+
     def validate(self) -> "SchedulerConfig":
         """Every field's declared bound (config_fields.check_bounds), then the rules that tie fields
         together or need a lookup; ValueError names the field. Returns self."""
@@ -163,6 +184,14 @@ class SchedulerConfig:
             scorers.parse_weights(self.router_weights)  # names the bad scorer or weight
         # Fails with the valid names when the policy is unknown or does not import.
         policies.resolve(self.policy)
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError(
+                "enable_auto_tool_choice needs tool_call_parser (which format to read)"
+            )
+        if self.tool_call_parser:
+            from scheduler_service.text import tool_parsers
+
+            tool_parsers.resolve(self.tool_call_parser)  # names the valid parsers
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca and not self.tls_cert:

@@ -155,17 +155,28 @@ class Admission:
     async def _compile_grammar(self, request: Request) -> None:
         """Structured output: compiles the request's grammar off the event loop (outlines-core
         releases the GIL; repeats hit the cache) and gives the request its guide, before it is
-        queued. Rejected (INVALID_ARGUMENT naming the field) when it does not compile."""
-        if request.structured is None:
+        queued. Rejected (INVALID_ARGUMENT naming the field) when it does not compile, or not
+        within max_grammar_compile_s (the compile goes on and is cached)."""
+        spec = request.structured
+        if spec is None:
             return
         grammars = self._ready().grammars
         assert grammars is not None  # set with the serving state
+        compiling = asyncio.get_running_loop().run_in_executor(None, grammars.compile, spec)
+        # Whoever waited, the outcome is read, so that a late failure is not reported unread.
+        compiling.add_done_callback(lambda done: done.cancelled() or done.exception())
+        bound = self.config.max_grammar_compile_s
         try:
-            grammar = await asyncio.get_running_loop().run_in_executor(
-                None, grammars.compile, request.structured
-            )
+            grammar = await asyncio.wait_for(asyncio.shield(compiling), bound)
         except structured.StructuredOutputError as error:
             raise Rejected.invalid(error.field, error.message) from None
+        except asyncio.TimeoutError:
+            field = f"structured_output.{spec.kind}"
+            raise Rejected.invalid(
+                field,
+                f"took over {bound:g} s to compile (max_grammar_compile_s); it is still "
+                "compiling and is kept when done, so the same grammar may be sent again",
+            ) from None
         request.guide = grammar.new_guide()
 
     def tokenize(self, pb: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:

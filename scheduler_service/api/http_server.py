@@ -11,7 +11,10 @@ import structlog
 import uvicorn
 
 from scheduler_service.api.admission import Admission
+from scheduler_service.api.anthropic_http import MessagesDoor
 from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.api.responses_http import ResponsesDoor
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.ports import StartupError
 
 log = structlog.get_logger("planserve.openai")
@@ -29,10 +32,19 @@ class HttpServer:
     """The OpenAI-compatible API on its own port, in the running event loop."""
 
     def __init__(
-        self, admission: Admission, host: str, port: int, ssl_options: Optional[dict] = None
+        self,
+        admission: Admission,
+        host: str,
+        port: int,
+        ssl_options: Optional[dict] = None,
+        config: Optional[SchedulerConfig] = None,
     ):
-        """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP."""
-        self.app = OpenAIApp(admission).app
+        """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP;
+        config: the doors' settings (tool parser) when not the admission's."""
+        door = OpenAIApp(admission, config)
+        MessagesDoor(door)  # POST /v1/messages over the same path
+        ResponsesDoor(door)  # POST /v1/responses too
+        self.app = door.app
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None

@@ -19,7 +19,7 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Mapping, Optional
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -28,7 +28,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
+from scheduler_service.api import chat_outputs, chat_prompt
 from scheduler_service.api.admission import Admission, Rejected, Serving
+from scheduler_service.api.chat_outputs import ChatOutput
 from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.api.openai_requests import (
     ApiError,
@@ -42,7 +44,10 @@ from scheduler_service.api.openai_requests import (
     to_pb,
 )
 from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of
+from scheduler_service.api.tool_requests import ToolPlan
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.request import Request, RequestOutput
+from scheduler_service.text import tool_parsers
 
 
 class _Totals:
@@ -79,12 +84,46 @@ async def _disconnected(http: HttpRequest) -> None:
             return
 
 
+def _error_response(
+    http: HttpRequest, error: ApiError, headers: Optional[Mapping[str, str]] = None
+) -> JSONResponse:
+    """OpenAI's error shape; Anthropic's on /v1/messages (its clients read error.message)."""
+    if http.url.path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": error.type, "message": error.message}}
+        return JSONResponse(status_code=error.status, content=body, headers=headers)
+    return error.response(headers)
+
+
+async def unless_disconnected(http: HttpRequest, answer: Awaitable[Any]) -> Any:
+    """The whole answer's result; its request aborted (499) if the client disconnects first."""
+    collect = asyncio.ensure_future(answer)
+    watch = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():  # the client went away (or this handler was cancelled)
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+    if collect.cancelled():
+        raise ApiError(499, "client closed the request", "cancelled")
+    return collect.result()
+
+
 class OpenAIApp:
     """Builds the FastAPI app over the admission of the gRPC doors (which holds the serving
     state)."""
 
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, config: Optional[SchedulerConfig] = None):
+        """config: the tool settings' source, when not the admission's (tests serve one
+        engine through doors with different parsers)."""
         self.admission = admission
+        config = config or admission.config
+        self.tool_parser: Optional[tool_parsers.ToolParser] = None
+        if config.enable_auto_tool_choice:
+            self.tool_parser = tool_parsers.create(config.tool_call_parser)
+        self.reasoning_parser = config.reasoning_parser
         self.app = FastAPI(
             title="planserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
@@ -100,27 +139,26 @@ class OpenAIApp:
         self.app.post("/detokenize")(self.detokenize)
 
     @staticmethod
-    async def _api_error(_, error: ApiError) -> JSONResponse:
-        return error.response()
+    async def _api_error(http: HttpRequest, error: ApiError) -> JSONResponse:
+        return _error_response(http, error)
 
     @staticmethod
-    async def _http_error(_, error: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(http: HttpRequest, error: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return ApiError(error.status_code, str(error.detail), type_).response(error.headers)
+        error_ = ApiError(error.status_code, str(error.detail), type_)
+        return _error_response(http, error_, error.headers)
 
     @staticmethod
-    async def _validation_error(_, error: RequestValidationError) -> JSONResponse:
+    async def _validation_error(http: HttpRequest, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         if first.get("type") == "json_invalid":
-            return ApiError(
-                400, f"body: not valid JSON ({first.get('ctx', {}).get('error')})"
-            ).response()
+            invalid = f"body: not valid JSON ({first.get('ctx', {}).get('error')})"
+            return _error_response(http, ApiError(400, invalid))
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        return ApiError(
-            400, f"{where}: {first.get('msg', 'invalid request')}", param=param
-        ).response()
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+        return _error_response(http, ApiError(400, message, param=param))
 
     def _serving(self, model: Optional[str] = None) -> Serving:
         """The serving state; 503 before the engine answered Describe, 404 for another model."""
@@ -190,35 +228,32 @@ class OpenAIApp:
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None
         return {"prompt": reply.text}
 
-    async def _admit(self, body: _Common, chat: bool) -> tuple[Serving, Request]:
+    async def admit(self, body: _Common, chat: bool) -> tuple[Serving, Request, Optional[ToolPlan]]:
         serving = self._serving(body.model)
+        if isinstance(body, ChatCompletionRequest):
+            parser = self.tool_parser.name if self.tool_parser is not None else None
+            pb, plan = chat_prompt.chat_request_pb(body, parser, serving.tokenizer)
+        else:
+            pb, plan = to_pb(body, uuid.uuid4().hex), None
         try:
-            return serving, await self.admission.admit(to_pb(body, uuid.uuid4().hex))
+            return serving, await self.admission.admit(pb), plan
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
 
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
-        serving, req = await self._admit(body, chat)
+        serving, req, plan = await self.admit(body, chat)
         response = _Response(serving, req, body, chat)
+        if chat:
+            response.chat_outputs = chat_outputs.for_samples(
+                req, plan, self.tool_parser, self.reasoning_parser
+            )
         if body.stream:
             return StreamingResponse(
                 response.events(),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        collect = asyncio.ensure_future(response.collect())
-        watch = asyncio.ensure_future(_disconnected(http))
-        try:
-            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not collect.done():  # the client went away (or this handler was cancelled)
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-        if collect.cancelled():
-            raise ApiError(499, "client closed the request", "cancelled")
-        return collect.result()
+        return await unless_disconnected(http, response.collect())
 
 
 class _Response:
@@ -229,6 +264,8 @@ class _Response:
         self.id = ("chatcmpl-" if chat else "cmpl-") + req.request_id
         self.created = int(time.time())
         self.totals = _Totals(req)
+        # Chat with tools or a reasoning parser: each sample split (chat_outputs.py).
+        self.chat_outputs: Optional[list[ChatOutput]] = None
 
     def _logprobs(self, entries, completion: Optional[CompletionLogprobs] = None):
         if self.req.logprobs is None:
@@ -247,12 +284,17 @@ class _Response:
         choices = []
         for index, sample in enumerate(collected.samples):
             choice: dict[str, Any] = {"index": index}
-            if self.chat:
+            reason = finish_reason_name(sample.finish_reason)
+            if self.chat_outputs is not None:
+                split = self.chat_outputs[index]
+                choice["message"] = split.message(sample.text, sample.finish_reason)
+                reason = split.finish_reason(sample.finish_reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": sample.text}
             else:
                 choice["text"] = sample.text
             choice["logprobs"] = self._logprobs(sample.logprobs)
-            choice["finish_reason"] = finish_reason_name(sample.finish_reason)
+            choice["finish_reason"] = reason
             if self.body.return_token_ids:
                 choice["token_ids"] = sample.token_ids
             choices.append(choice)
@@ -279,6 +321,26 @@ class _Response:
             payload["usage"] = usage
         return _sse(payload)
 
+    def _split_chunks(self, output: RequestOutput, include_usage: bool) -> list[str]:
+        """One output of a split chat sample as chunks: its deltas (chat_outputs.py), the first
+        carrying the output's logprobs and token ids, then the finish reason on its own."""
+        assert self.chat_outputs is not None
+        split = self.chat_outputs[output.index]
+        deltas = split.deltas(output.text, output.finish_reason)
+        if output.finish_reason is not None:
+            deltas.append({})  # the finishing chunk, after the calls
+        chunks = []
+        for number, delta in enumerate(deltas):
+            choice: dict[str, Any] = {"index": output.index, "delta": delta, "logprobs": None}
+            if number == 0:
+                choice["logprobs"] = self._logprobs(output.logprobs)
+                if self.body.return_token_ids:
+                    choice["token_ids"] = output.token_ids
+            last = output.finish_reason is not None and number == len(deltas) - 1
+            choice["finish_reason"] = split.finish_reason(output.finish_reason) if last else None
+            chunks.append(self._chunk([choice], with_usage=include_usage))
+        return chunks
+
     async def events(self) -> AsyncIterator[str]:
         """Chunks as server-sent events. The request is queued only once the response
         started, so a client gone before that leaves nothing behind; one gone later (the
@@ -296,6 +358,10 @@ class _Response:
                 if output.finish_reason is not None:
                     self.totals.add(output)
                 elif not output.text and not output.token_ids:
+                    continue
+                if self.chat_outputs is not None:
+                    for chunk in self._split_chunks(output, include_usage):
+                        yield chunk
                     continue
                 choice: dict[str, Any] = {"index": output.index}
                 if chat:

@@ -100,7 +100,8 @@ def rejected_error(rejected: Rejected, chat: bool, body: Optional["_Common"] = N
     if rejected.code is grpc.StatusCode.INVALID_ARGUMENT and rejected.field is not None:
         field, detail = rejected.field, rejected.detail
         if field.startswith("structured_output") and body is not None:
-            param = structured_param(body)
+            # Without response_format or guided_*, the grammar is the tools' (tool_requests.py).
+            param = structured_param(body) or "tools"
             message = f"{param} ({field}): {detail}"
         else:
             param, path = openai_param(field, chat)
@@ -172,12 +173,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
+    tool_calls: Optional[list[Any]] = None  # an assistant turn's calls (content may be null)
+    tool_call_id: Optional[str] = None  # a tool turn's call; both read in chat_prompt.py
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Any]] = None  # checked and planned in tool_requests.py
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(BaseModel):
@@ -341,7 +346,9 @@ def _stopping_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
     pb.stopping.ignore_eos = body.ignore_eos
 
 
-def to_pb(body: _Common, request_id: str) -> generate_pb2.GenerateRequest:
+def to_pb(
+    body: _Common, request_id: str, prompt_ids: Optional[list[int]] = None
+) -> generate_pb2.GenerateRequest:
     """The GenerateRequest a gRPC client would send for this body (checked by admission)."""
     pb = generate_pb2.GenerateRequest(request_id=request_id)
     _logprobs_to_pb(body, pb)
@@ -350,9 +357,10 @@ def to_pb(body: _Common, request_id: str) -> generate_pb2.GenerateRequest:
         max_tokens = body.max_tokens
     else:
         body = cast(ChatCompletionRequest, body)
-        if body.tools:
-            raise ApiError(400, "tools: not supported", param="tools")
-        chat_turns(body.messages, pb.messages)
+        if prompt_ids is not None:  # rendered by the door (tools, or tool turns in the history)
+            pb.token_ids.ids.extend(prompt_ids)
+        else:
+            chat_turns(body.messages, pb.messages)
         max_tokens = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None

@@ -145,7 +145,8 @@ def interceptors(config: SchedulerConfig) -> list[grpc.aio.ServerInterceptor]:
 
 def add_http_bearer_auth(app, token: str) -> None:
     """The same token on the OpenAI-compatible HTTP API: 401 in OpenAI's error shape for any path
-    but /health without `Authorization: Bearer <token>`. Call before the app starts."""
+    but /health without `Authorization: Bearer <token>` (or `x-api-key: <token>`, as Anthropic's
+    clients send it). Call before the app starts."""
     from fastapi.responses import JSONResponse
 
     @app.middleware("http")
@@ -153,6 +154,9 @@ def add_http_bearer_auth(app, token: str) -> None:
         if request.url.path == "/health" or bearer_token_ok(
             request.headers.get("authorization"), token
         ):
+            return await call_next(request)
+        api_key = request.headers.get("x-api-key")  # how Anthropic's clients send the token
+        if api_key and hmac.compare_digest(api_key.strip().encode(), token.encode()):
             return await call_next(request)
         return JSONResponse(
             status_code=401,

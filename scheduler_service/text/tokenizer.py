@@ -8,7 +8,7 @@ document and the chat template as Jinja2 source, rendered the way `transformers`
 from __future__ import annotations
 
 import json
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jinja2
 import jinja2.ext
@@ -26,6 +26,9 @@ class Tokenizer:
         self._single_token_texts: dict[int, str] = {}
         self._special_tokens = dict(special_tokens)
         self._chat_template = None
+        # A template that mentions `tools` renders them (transformers' convention); others get
+        # planserve's default tool format (text/tool_prompt.py).
+        self.supports_tools = "tools" in chat_template
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -45,14 +48,24 @@ class Tokenizer:
         (none with add_special_tokens=False)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Renders the conversation with the chat template and the assistant prompt."""
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
+    ) -> str:
+        """The conversation rendered by the chat template, with the assistant prompt; `tools`
+        (OpenAI's tool objects) are passed to the template as transformers passes them."""
         if self._chat_template is None:
             raise ValueError("the model has no chat template")
-        text = self._chat_template.render(
-            messages=list(messages), add_generation_prompt=True, **self._special_tokens
+        extra = {"tools": tools} if tools else {}
+        return self._chat_template.render(
+            messages=list(messages), add_generation_prompt=True, **extra, **self._special_tokens
         )
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
+    ) -> list[int]:
+        """Token ids of render_chat's text."""
         # The template already wrote every special token it wants.
+        text = self.render_chat(messages, tools)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
