@@ -65,6 +65,8 @@ class SchedulerServer:
         self.metrics_port: int | None = None
         self.http: HttpServer | None = None
         self.http_port: int | None = None  # the OpenAI-compatible API's bound port, if served
+        # Health SERVING: the model service computed a real step and the server is not draining.
+        self.ready = False
 
     def _engine_client(self, address: str) -> EngineClient:
         """A client of one model service, with the engine TLS settings (--engine-tls-*)."""
@@ -126,6 +128,8 @@ class SchedulerServer:
                 self.config.host,
                 self.config.http_port,
                 security.http_ssl_options(self.config),
+                registry=self.metrics.registry,
+                is_ready=lambda: self.ready,
             )
             if self.config.auth_token_file:
                 security.add_http_bearer_auth(
@@ -147,6 +151,7 @@ class SchedulerServer:
                 facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size
             ),
         )
+        self.metrics.on_engine_facts(facts.block_size, facts.num_kv_blocks)
         if engine_down is None:
             if not is_replicated(self.config.engine_address):
                 self.metrics.on_engine_ready()  # a replica set keeps the gauge itself
@@ -224,6 +229,7 @@ class SchedulerServer:
         return not num_left
 
     def _set_health(self, status) -> None:
+        self.ready = status == health_pb2.HealthCheckResponse.SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 

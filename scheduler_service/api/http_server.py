@@ -1,17 +1,20 @@
-"""The OpenAI-compatible API's server: uvicorn on its own port, in the scheduler's event loop."""
+"""The HTTP serving port: uvicorn in the scheduler's event loop, serving the OpenAI-compatible API
+(openai_http.py) and the probe, scrape and operator routes (ops_http.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from scheduler_service.api.admission import Admission
 from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.api.ops_http import add_ops_routes
 from scheduler_service.ports import StartupError
 
 log = structlog.get_logger("planserve.openai")
@@ -29,10 +32,18 @@ class HttpServer:
     """The OpenAI-compatible API on its own port, in the running event loop."""
 
     def __init__(
-        self, admission: Admission, host: str, port: int, ssl_options: Optional[dict] = None
+        self,
+        admission: Admission,
+        host: str,
+        port: int,
+        ssl_options: Optional[dict] = None,
+        registry: Optional[CollectorRegistry] = None,
+        is_ready: Callable[[], bool] = lambda: False,
     ):
-        """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP."""
+        """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP;
+        registry: what /metrics serves (none: no /metrics); is_ready: /health/ready's answer."""
         self.app = OpenAIApp(admission).app
+        add_ops_routes(self.app, admission, registry, is_ready)
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None

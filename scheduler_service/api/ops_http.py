@@ -1,0 +1,67 @@
+"""Routes for probes, scrapers and operators on the HTTP serving port, beside the OpenAI API.
+
+Open (no bearer token, security.OPEN_HTTP_PATHS: they carry no request content): GET /metrics
+(the Prometheus registry, the same as --metrics-port serves: the Gateway API Inference Extension
+scrapes the serving port), GET /version and GET /health/ready (200 only once the model service
+computed a real step, and not while it is down or the server drains). Behind the token: GET /load
+(queue and batch now).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from scheduler_service.api.admission import Admission
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("planserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+def add_ops_routes(
+    app: FastAPI,
+    admission: Admission,
+    registry: CollectorRegistry | None,
+    is_ready: Callable[[], bool],
+) -> None:
+    """Adds the routes above to `app`; /metrics only when there is a registry."""
+    version = _version()
+
+    if registry is not None:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version_route() -> dict:
+        return {"version": version}
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        if is_ready():
+            return JSONResponse(content={"status": "ready"})
+        return JSONResponse(status_code=503, content={"status": "not ready"})
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        serving = admission.serving
+        if serving is None:
+            return JSONResponse(status_code=503, content={"status": "starting"})
+        scheduler = serving.frontend.scheduler
+        usable = scheduler.kv.num_usable_blocks
+        return JSONResponse(
+            content={
+                "num_requests_waiting": scheduler.num_waiting,
+                "num_requests_running": len(scheduler.running),
+                "kv_cache_usage_perc": (usable - scheduler.kv.num_free_blocks) / usable,
+            }
+        )

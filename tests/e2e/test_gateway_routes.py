@@ -1,0 +1,108 @@
+"""The routes probes, scrapers and operators expect on the HTTP serving port: /metrics (also on
+--metrics-port), /version and /health/ready open; /load behind the bearer token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest_asyncio
+from api import complete, greedy_ids_request, stub_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.server import SchedulerServer
+
+TOKEN = "gateway-test-token"
+
+
+def _get(port: int, path: str, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+async def get(port: int, path: str, token: str | None = None) -> tuple[int, bytes]:
+    return await asyncio.to_thread(_get, port, path, token)
+
+
+@pytest_asyncio.fixture
+async def token_server(tiny_engine, tmp_path):
+    """A scheduler with a bearer token and both ports, listening before it meets the engine."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    config = SchedulerConfig(
+        port=0,
+        engine_address=tiny_engine,
+        http_port=0,
+        metrics_port=0,
+        auth_token_file=str(token_file),
+    )
+    server = SchedulerServer(config)
+    await server.start()
+    yield server
+    await server.stop(grace_s=1)
+
+
+async def test_ready_only_after_a_real_step_and_not_while_draining(token_server):
+    port = token_server.http_port
+    assert await get(port, "/health/ready") == (503, b'{"status":"not ready"}')
+    await token_server.connect_engine()  # Describe, then a one-token step on the model
+    assert await get(port, "/health/ready") == (200, b'{"status":"ready"}')
+    await token_server.drain(grace_s=0)
+    assert (await get(port, "/health/ready"))[0] == 503
+
+
+async def test_open_and_guarded_routes_under_a_token(token_server):
+    await token_server.connect_engine()
+    port = token_server.http_port
+    status, body = await get(port, "/version")
+    assert status == 200 and json.loads(body)["version"]
+    assert (await get(port, "/load"))[0] == 401
+    assert (await get(port, "/v1/models"))[0] == 401
+    status, body = await get(port, "/load", TOKEN)
+    assert status == 200
+    assert json.loads(body) == {
+        "num_requests_waiting": 0,
+        "num_requests_running": 0,
+        "kv_cache_usage_perc": 0.0,
+    }
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    request = greedy_ids_request([4, 5, 6], 3)
+    await complete_with(stub_for(token_server), request, metadata)
+    # /metrics needs no token, on the serving port and on --metrics-port alike.
+    status, served = await get(port, "/metrics")
+    assert status == 200
+    status, dedicated = await get(token_server.metrics_port, "/metrics")
+    assert status == 200
+
+    def names(text: bytes) -> set[str]:
+        return {family.name for family in text_string_to_metric_families(text.decode())}
+
+    assert names(served) == names(dedicated)
+    assert {"vllm:num_requests_waiting", "vllm:cache_config_info"} <= names(served)
+    assert b'vllm:request_success_total{finished_reason="length"} 1.0' in served
+
+
+async def complete_with(stub, request, metadata) -> None:
+    async for _ in stub.Generate(request, metadata=metadata):
+        pass
+
+
+async def test_load_reports_the_queue_while_busy(tiny_server):
+    stub = stub_for(tiny_server)
+    call = stub.Generate(greedy_ids_request(list(range(1, 20)), 300))
+    await call.read()
+    status, body = await get(tiny_server.http_port, "/load")
+    assert status == 200
+    load = json.loads(body)
+    assert load["num_requests_running"] == 1 and load["kv_cache_usage_perc"] > 0
+    call.cancel()
+    await complete(stub, greedy_ids_request([1, 2], 1))
