@@ -1,5 +1,6 @@
 """The HTTP serving port: uvicorn in the scheduler's event loop, serving the OpenAI-compatible API
-(openai_http.py) and the probe, scrape and operator routes (ops_http.py)."""
+(openai_http.py, with vLLM's render endpoints: openai_render.py) and the probe, scrape and
+operator routes (ops_http.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from scheduler_service.api.admission import Admission
 from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.api.openai_render import add_render_routes
 from scheduler_service.api.ops_http import add_ops_routes
 from scheduler_service.ports import StartupError
 
@@ -42,7 +44,9 @@ class HttpServer:
     ):
         """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP;
         registry: what /metrics serves (none: no /metrics); is_ready: /health/ready's answer."""
-        self.app = OpenAIApp(admission).app
+        openai = OpenAIApp(admission)
+        add_render_routes(openai)
+        self.app = openai.app
         add_ops_routes(self.app, admission, registry, is_ready)
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}

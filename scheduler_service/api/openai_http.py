@@ -122,7 +122,7 @@ class OpenAIApp:
             400, f"{where}: {first.get('msg', 'invalid request')}", param=param
         ).response()
 
-    def _serving(self, model: Optional[str] = None) -> Serving:
+    def serving(self, model: Optional[str] = None) -> Serving:
         """The serving state; 503 before the engine answered Describe, 404 for another model."""
         serving = self.admission.serving
         if serving is None:
@@ -145,7 +145,7 @@ class OpenAIApp:
         return JSONResponse(content={"status": "ok"})
 
     async def models(self) -> dict:
-        facts = self._serving().facts
+        facts = self.serving().facts
         model = {
             "id": facts.model_name,
             "object": "model",
@@ -162,7 +162,7 @@ class OpenAIApp:
         return await self._handle(body, http, chat=True)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
-        self._serving(body.model)
+        self.serving(body.model)
         pb = generate_pb2.TokenizeRequest(add_special_tokens=body.add_special_tokens)
         if body.messages is not None:
             chat_turns(body.messages, pb.messages, only_text=False)
@@ -179,7 +179,7 @@ class OpenAIApp:
         }
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
-        self._serving(body.model)
+        self.serving(body.model)
         for index, token in enumerate(body.tokens):
             if not 0 <= token < 1 << 32:
                 raise ApiError(400, f"tokens[{index}]: {token} is not a token id", param="tokens")
@@ -191,7 +191,7 @@ class OpenAIApp:
         return {"prompt": reply.text}
 
     async def _admit(self, body: _Common, chat: bool) -> tuple[Serving, Request]:
-        serving = self._serving(body.model)
+        serving = self.serving(body.model)
         try:
             return serving, await self.admission.admit(to_pb(body, uuid.uuid4().hex))
         except Rejected as rejected:
