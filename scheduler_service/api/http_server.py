@@ -30,6 +30,28 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+class EchoRequestId:
+    """ASGI middleware: a response carries the X-Request-Id its request sent (the request's id
+    too: api/gateway.py), as vLLM's server does, so a gateway can match the two."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        echo = [(k, v) for k, v in scope["headers"] if k == b"x-request-id"][:1]
+        if not echo:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), *echo])
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
 class HttpServer:
     """The OpenAI-compatible API on its own port, in the running event loop."""
 
@@ -48,6 +70,7 @@ class HttpServer:
         add_render_routes(openai)
         self.app = openai.app
         add_ops_routes(self.app, admission, registry, is_ready)
+        self.app.add_middleware(EchoRequestId)
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None

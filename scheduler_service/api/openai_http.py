@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
+from scheduler_service.api import gateway
 from scheduler_service.api.admission import Admission, Rejected, Serving
 from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.api.openai_requests import (
@@ -42,6 +43,7 @@ from scheduler_service.api.openai_requests import (
     to_pb,
 )
 from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of
+from scheduler_service.config import parse_objective_priorities
 from scheduler_service.core.request import Request, RequestOutput
 
 
@@ -85,6 +87,13 @@ class OpenAIApp:
 
     def __init__(self, admission: Admission):
         self.admission = admission
+        config = admission.config
+        # The gateway's headers are read only when trusted (None: ignored).
+        self._gateway_objectives = (
+            parse_objective_priorities(config.gateway_objective_priorities)
+            if config.trust_gateway_headers
+            else None
+        )
         self.app = FastAPI(
             title="planserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
@@ -190,15 +199,17 @@ class OpenAIApp:
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None
         return {"prompt": reply.text}
 
-    async def _admit(self, body: _Common, chat: bool) -> tuple[Serving, Request]:
+    async def _admit(self, body: _Common, chat: bool, http: HttpRequest) -> tuple[Serving, Request]:
         serving = self.serving(body.model)
+        pb = to_pb(body, gateway.request_id(http.headers, uuid.uuid4().hex))
+        gateway.apply(pb, body.priority, body.cache_salt, http.headers, self._gateway_objectives)
         try:
-            return serving, await self.admission.admit(to_pb(body, uuid.uuid4().hex))
+            return serving, await self.admission.admit(pb)
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
 
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
-        serving, req = await self._admit(body, chat)
+        serving, req = await self._admit(body, chat, http)
         response = _Response(serving, req, body, chat)
         if body.stream:
             return StreamingResponse(

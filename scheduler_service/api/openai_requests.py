@@ -146,6 +146,8 @@ class _Common(BaseModel):
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias
     min_tokens: Optional[int] = None  # extension
     user: Optional[str] = None
+    priority: Optional[int] = None  # extension, vLLM's: lower is handled first (api/gateway.py)
+    cache_salt: Optional[str] = None  # extension: requests share cached prefixes per salt
     stream_interval: Optional[int] = None  # extension: tokens per streamed chunk
     # Structured output: OpenAI's response_format, or vLLM's guided_* (at most one of them).
     response_format: Optional[dict[str, Any]] = None

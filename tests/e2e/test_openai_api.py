@@ -17,6 +17,7 @@ from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for,
 from planserve.v1 import generate_pb2
 from scheduler_service.api.http_server import HttpServer
 from scheduler_service.api.admission import Rejected
+from scheduler_service.config import SchedulerConfig
 
 PROMPT_IDS = [1, 17, 300, 4000, 22, 9]
 
@@ -224,6 +225,7 @@ class _FakeAdmission:
     def __init__(self, serving, rejection=None):
         self.serving = serving
         self._rejection = rejection
+        self.config = SchedulerConfig()  # the door reads its gateway settings from it
 
     async def admit(self, pb):
         raise self._rejection
