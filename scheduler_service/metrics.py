@@ -13,10 +13,21 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.metrics_vllm import VllmMetrics
+
+# No `_created` series beside each counter and histogram (as vLLM): a scrape every 50 ms renders
+# a third fewer lines, and no router reads them.
+disable_created_metrics()
 
 # Seconds: from a few milliseconds (a tiny model's step) to minutes (a long queue).
 _LATENCY_BUCKETS = (

@@ -8,8 +8,10 @@ import json
 import urllib.error
 import urllib.request
 
+import pytest
 import pytest_asyncio
 from api import complete, greedy_ids_request, stub_for
+from conftest import EngineProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_service.config import SchedulerConfig
@@ -33,14 +35,22 @@ async def get(port: int, path: str, token: str | None = None) -> tuple[int, byte
     return await asyncio.to_thread(_get, port, path, token)
 
 
+@pytest.fixture(scope="module")
+def engine():
+    """A model service of its own: the session's tiny_server holds the shared one's stream."""
+    process = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
+    yield process.address
+    process.stop()
+
+
 @pytest_asyncio.fixture
-async def token_server(tiny_engine, tmp_path):
+async def token_server(engine, tmp_path):
     """A scheduler with a bearer token and both ports, listening before it meets the engine."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     config = SchedulerConfig(
         port=0,
-        engine_address=tiny_engine,
+        engine_address=engine,
         http_port=0,
         metrics_port=0,
         auth_token_file=str(token_file),
