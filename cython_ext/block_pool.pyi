@@ -88,5 +88,7 @@ class BlockPool:
         hits, leaves fewer free). ValueError for an invalid id."""
     def block_hashes(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
         """The chained digests of every full block of token_ids (what cache_block wants)."""
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block while no block is held (True); else False, no change."""
     def free_queue(self) -> list[int]:
         """The free queue, head (next to be allocated) first. O(num_free): for tests and debugging."""

@@ -542,6 +542,17 @@ cdef class BlockPool:
                 count += 1
         return count
 
+    def reset_prefix_cache(self):
+        """Forgets every cached block (the hash index empties), as vLLM's reset_prefix_cache: only
+        while no block is held, else False and nothing changes (a held block's hash would then
+        be missing from the index while a sequence still counts it as cached)."""
+        cdef int32_t b
+        if self.num_free != self.num_blocks - 1:
+            return False
+        for b in range(1, self.num_blocks):
+            self._evict_hash(b)
+        return True
+
     def free_queue(self):
         cdef int32_t sentinel = self.num_blocks
         cdef int32_t b = self._next[sentinel]

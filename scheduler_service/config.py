@@ -155,6 +155,10 @@ class SchedulerConfig:
     ("critical=10,standard=0,sheddable=-10"; higher is more urgent). A request naming an
     objective not listed gets 400."""
 
+    enable_reset_prefix_cache: bool = False
+    """Serve POST /reset_prefix_cache on the HTTP API (behind the bearer token): forgets every
+    cached prefix block while no request holds blocks (409 otherwise), as vLLM's. Off: 404."""
+
     max_concurrent_streams: int = setting(1024, low=1)
     """Most concurrent RPCs per HTTP/2 connection of the public API."""
 

@@ -4,7 +4,7 @@ Open (no bearer token, security.OPEN_HTTP_PATHS: they carry no request content):
 (the Prometheus registry, the same as --metrics-port serves: the Gateway API Inference Extension
 scrapes the serving port), GET /version and GET /health/ready (200 only once the model service
 computed a real step, and not while it is down or the server drains). Behind the token: GET /load
-(queue and batch now).
+(queue and batch now) and, with --enable-reset-prefix-cache, POST /reset_prefix_cache.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def add_ops_routes(
             return JSONResponse(content={"status": "ready"})
         return JSONResponse(status_code=503, content={"status": "not ready"})
 
+    if admission.config.enable_reset_prefix_cache:
+        app.post("/reset_prefix_cache")(_reset_prefix_cache(admission))
+
     @app.get("/load")
     async def load() -> JSONResponse:
         serving = admission.serving
@@ -81,3 +84,21 @@ def add_ops_routes(
                 "kv_cache_usage_perc": (usable - scheduler.kv.num_free_blocks) / usable,
             }
         )
+
+
+def _reset_prefix_cache(admission: Admission):
+    async def reset_prefix_cache() -> JSONResponse:
+        serving = admission.serving
+        if serving is None:
+            return JSONResponse(status_code=503, content={"status": "starting"})
+        scheduler = serving.frontend.scheduler
+        if scheduler.kv.reset_prefix_cache():
+            return JSONResponse(content={"reset": True})
+        message = (
+            f"reset_prefix_cache: {len(scheduler.requests)} requests in flight hold KV blocks; "
+            "retry when the server is idle"
+        )
+        error = {"message": message, "type": "conflict", "param": None, "code": "busy"}
+        return JSONResponse(status_code=409, content={"error": error})
+
+    return reset_prefix_cache

@@ -76,6 +76,10 @@ class KVBlockManager:
 
     # ---- prefix caching -------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; only while no sequence holds a block (else False)."""
+        return self.pool.reset_prefix_cache()
+
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks matching the start of a request that holds no block yet.
 

@@ -72,6 +72,10 @@ class _MergedKV:
         # One request lives on one replica: it must fit the smallest.
         return min((r.scheduler.kv.capacity_tokens for r in self._replicas.replicas), default=0)
 
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's (each one that holds no block forgets its cache); True if all did."""
+        return all([r.scheduler.kv.reset_prefix_cache() for r in self._replicas.replicas])
+
     @property
     def block_size(self) -> int:
         facts = self._replicas.facts

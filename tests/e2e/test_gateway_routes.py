@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 import pytest_asyncio
-from api import complete, greedy_ids_request, stub_for
-from conftest import EngineProcess
+from api import complete, greedy_ids_request, stub_for, wait_until_idle
+from conftest import EngineProcess, start_scheduler
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_service.config import SchedulerConfig
@@ -116,3 +116,62 @@ async def test_load_reports_the_queue_while_busy(tiny_server):
     assert load["num_requests_running"] == 1 and load["kv_cache_usage_perc"] > 0
     call.cancel()
     await complete(stub, greedy_ids_request([1, 2], 1))
+
+
+def _post(port: int, path: str, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+async def post(port: int, path: str, token: str | None = None) -> tuple[int, bytes]:
+    return await asyncio.to_thread(_post, port, path, token)
+
+
+async def test_reset_prefix_cache_is_off_unless_enabled(token_server):
+    await token_server.connect_engine()
+    assert (await post(token_server.http_port, "/reset_prefix_cache", TOKEN))[0] == 404
+
+
+async def test_reset_prefix_cache_forgets_the_cache_when_idle(engine, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    server = await start_scheduler(
+        engine, http_port=0, enable_reset_prefix_cache=True, auth_token_file=str(token_file)
+    )
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    stub = stub_for(server)
+
+    async def cached_tokens(prompt: list[int], max_new_tokens: int = 2) -> int:
+        last = None
+        async for chunk in stub.Generate(
+            greedy_ids_request(prompt, max_new_tokens), metadata=metadata
+        ):
+            last = chunk
+        return last.usage.cached_tokens
+
+    try:
+        prompt = list(range(100, 150))  # 3 full blocks
+        assert await cached_tokens(prompt) == 0
+        assert await cached_tokens(prompt) == 48
+        port = server.http_port
+        assert (await post(port, "/reset_prefix_cache"))[0] == 401  # behind the token
+        # A request holding blocks: refused, the cache kept.
+        call = stub.Generate(greedy_ids_request(list(range(1, 20)), 300), metadata=metadata)
+        await call.read()
+        status, body = await post(port, "/reset_prefix_cache", TOKEN)
+        assert status == 409 and b"retry when the server is idle" in body
+        call.cancel()
+        await wait_until_idle(server)
+        assert server.loop.scheduler.kv.pool.num_cached > 0
+        assert await post(port, "/reset_prefix_cache", TOKEN) == (200, b'{"reset":true}')
+        assert server.loop.scheduler.kv.pool.num_cached == 0
+        assert await cached_tokens(prompt) == 0  # computed again
+        assert await cached_tokens(prompt) == 48
+    finally:
+        await server.stop(grace_s=1)

@@ -193,5 +193,12 @@ class OracleBlockPool:
     def num_unheld(self, block_ids: Sequence[int]) -> int:
         return sum(1 for b in block_ids if self.ref[self._check(b)] == 0)
 
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free != self.num_blocks - 1:
+            return False
+        for b in list(self.block_to_hash):
+            self._evict(b)
+        return True
+
     def free_queue(self) -> list[int]:
         return list(self.free_blocks)

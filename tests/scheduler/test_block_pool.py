@@ -238,6 +238,22 @@ def test_eviction_removes_hash(make_pool):
     assert pool.match_prefix([1, 2, 3, 4], 2) == []
 
 
+def test_reset_prefix_cache_only_when_nothing_is_held(make_pool):
+    pool = make_pool(5)
+    tokens = [1, 2, 3, 4, 5, 6]
+    blocks = cache_prompt(pool, tokens, 2)
+    hashes = pool.block_hashes(tokens, 2)
+    assert pool.reset_prefix_cache() is False  # held: nothing changes
+    assert pool.num_cached == 3 and [pool.lookup(h) for h in hashes] == blocks
+    pool.free(blocks[::-1])
+    queue = pool.free_queue()
+    assert pool.reset_prefix_cache() is True
+    assert pool.num_cached == 0 and [pool.lookup(h) for h in hashes] == [-1, -1, -1]
+    assert pool.match_prefix(tokens, 2) == []
+    assert pool.free_queue() == queue and pool.num_free == pool.num_usable
+    assert cache_prompt(pool, tokens, 2)  # the blocks cache again
+
+
 def test_cache_block_rules(make_pool):
     pool = make_pool(4)
     a, b = pool.allocate(2)
@@ -415,6 +431,15 @@ class PoolMachine(RuleBasedStateMachine):
             b = data.draw(st.sampled_from(cached_free))
             self.both("incref", [b])
             self.held.append(b)
+
+    @rule(free_first=st.booleans())
+    def reset_prefix_cache(self, free_first):
+        if free_first:  # everything freed first, so that the reset happens
+            self.both("free", self.held[::-1])
+            self.held = []
+        done, _ = self.both("reset_prefix_cache")
+        event(f"reset_prefix_cache: {done}")
+        assert done == (not self.held)
 
     # ---- bad calls: same exception, nothing changes ----
 
