@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 
@@ -175,3 +177,23 @@ async def test_reset_prefix_cache_forgets_the_cache_when_idle(engine, tmp_path):
         assert await cached_tokens(prompt) == 48
     finally:
         await server.stop(grace_s=1)
+
+
+async def test_keep_alive_connections_send_without_delay(tiny_server):
+    """A gateway scrapes /metrics every 50 ms on one keep-alive connection: the server's side of
+    it has TCP_NODELAY, so a response's body never waits for the client's delayed ACK (40 ms)."""
+    connection = http.client.HTTPConnection("127.0.0.1", tiny_server.http_port, timeout=30)
+    try:
+        await asyncio.to_thread(connection.request, "GET", "/metrics")
+        response = await asyncio.to_thread(connection.getresponse)
+        assert response.status == 200 and await asyncio.to_thread(response.read)
+        client_port = connection.sock.getsockname()[1]
+        # uvicorn's open connections: the one whose peer is this client.
+        [server_side] = [
+            protocol.transport.get_extra_info("socket")
+            for protocol in tiny_server.http._server.server_state.connections
+            if protocol.transport.get_extra_info("peername")[1] == client_port
+        ]
+        assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        connection.close()
