@@ -14,9 +14,10 @@ from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from scheduler_service.api.admission import Admission
+from scheduler_service.metrics_text import TextRenderer
 
 
 def _version() -> str:
@@ -31,12 +32,12 @@ class ServeMetrics:
     skips the framework's routing and exception layers (docs/benchmarks.md, the scrape cost)."""
 
     def __init__(self, app, registry: CollectorRegistry):
-        self.app, self.registry = app, registry
+        self.app, self.text = app, TextRenderer(registry)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/metrics" or scope["method"] != "GET":
             return await self.app(scope, receive, send)
-        body = generate_latest(self.registry)
+        body = self.text.render()
         headers = [
             (b"content-type", CONTENT_TYPE_LATEST.encode()),
             (b"content-length", str(len(body)).encode()),

@@ -165,3 +165,40 @@ async def test_a_cancelled_request_counts_as_abort(tiny_server):
     _, after = await scrape(tiny_server)
     assert delta(after, before, "vllm:request_success_total", finished_reason="abort") == 1
     assert delta(after, before, "vllm:request_success_total", finished_reason="length") == 0
+
+
+def _parsed(text: str) -> list:
+    return [
+        (
+            f.name,
+            f.type,
+            f.documentation,
+            sorted((s.name, sorted(s.labels.items()), s.value) for s in f.samples),
+        )
+        for f in text_string_to_metric_families(text)
+    ]
+
+
+async def test_the_fast_text_reads_as_generate_latest(tiny_server):
+    """The serving port's renderer (metrics_text.py) against prometheus_client's own, parsed by
+    its parser: the live registry after the workloads above, and label values and help text that
+    need escaping, counters, infinities and NaN."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    from scheduler_service.metrics_text import TextRenderer
+
+    live = tiny_server.metrics.registry
+    renderer = TextRenderer(live)
+    for _ in range(2):  # the second render comes from the kept prefixes
+        assert _parsed(renderer.render().decode()) == _parsed(generate_latest(live).decode())
+    odd = CollectorRegistry()
+    gauge = Gauge("odd_gauge", "help with \\ and\nnewline", ["label"], registry=odd)
+    for i, value in enumerate(['quote " here', "back\\slash", "new\nline", ""]):
+        gauge.labels(value).set(i - 1.5)
+    Gauge("odd_big", "big", registry=odd).set(1e22)
+    Gauge("odd_inf", "inf", registry=odd).set(float("-inf"))
+    Counter("odd_requests", "a counter", ["a", "b"], registry=odd).labels("x", "y").inc(3)
+    text = TextRenderer(odd).render().decode()
+    assert _parsed(text) == _parsed(generate_latest(odd).decode())
+    Gauge("odd_nan", "nan", registry=odd).set(float("nan"))
+    assert "odd_nan NaN\n" in TextRenderer(odd).render().decode()
