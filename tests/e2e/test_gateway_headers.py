@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 import pytest_asyncio
-from api import complete, greedy_ids_request, stub_for
+from api import greedy_ids_request, stub_for
 from conftest import EngineProcess, start_scheduler
 
 PREFIX = " ".join(f"w{i}" for i in range(60))  # well over 2 blocks of 16 tokens
@@ -84,12 +84,20 @@ async def test_cache_salt_in_the_body_separates_prefix_caches(trusting):
     assert cached(again) >= 32 and cached(salted) == 0
 
 
+async def _in_flight(server, count: int) -> None:
+    """Waits until the scheduler holds `count` requests (running or waiting)."""
+    for _ in range(1000):
+        if len(server.loop.scheduler.requests) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{count} requests never reached the scheduler")
+
+
 async def _finishing_order(server, second: dict, third: dict) -> list[str]:
-    """A long request holds the one sequence; two more wait; which of them finishes first."""
-    blocker = asyncio.ensure_future(
-        complete(stub_for(server), greedy_ids_request(list(range(2, 30)), 120))
-    )
-    await asyncio.sleep(0.3)  # it runs
+    """A long request holds the one sequence while two more arrive, one after the other; then it
+    is cancelled, and the two run one at a time: which finishes first."""
+    blocker = stub_for(server).Generate(greedy_ids_request(list(range(2, 30)), 400))
+    await blocker.read()  # it runs
     order: list[str] = []
 
     async def run(name: str, kwargs: dict) -> None:
@@ -98,9 +106,11 @@ async def _finishing_order(server, second: dict, third: dict) -> list[str]:
         order.append(name)
 
     low = asyncio.ensure_future(run("second", second))
-    await asyncio.sleep(0.1)  # queued first
+    await _in_flight(server, 2)  # queued first
     high = asyncio.ensure_future(run("third", third))
-    await asyncio.gather(blocker, low, high)
+    await _in_flight(server, 3)
+    blocker.cancel()
+    await asyncio.gather(low, high)
     return order
 
 

@@ -115,7 +115,7 @@ async def test_load_reports_the_queue_while_busy(tiny_server):
     status, body = await get(tiny_server.http_port, "/load")
     assert status == 200
     load = json.loads(body)
-    assert load["num_requests_running"] == 1 and load["kv_cache_usage_perc"] > 0
+    assert load["num_requests_running"] >= 1 and load["kv_cache_usage_perc"] > 0
     call.cancel()
     await complete(stub, greedy_ids_request([1, 2], 1))
 
