@@ -159,6 +159,13 @@ class SchedulerConfig:
     """Serve POST /reset_prefix_cache on the HTTP API (behind the bearer token): forgets every
     cached prefix block while no request holds blocks (409 otherwise), as vLLM's. Off: 404."""
 
+    kv_events_config: str = ""
+    """KV-cache events as vLLM publishes them, as vLLM's JSON: '{"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}' (also buffer_steps,
+    hwm, max_queue_size; replay_endpoint is not served yet). A ZMQ PUB socket bound to exactly
+    the endpoint; one batch per step (scheduler_service/engine/kv_events.py). The events carry
+    every tenant's prompt tokens: bind where only the router reaches. Empty: none."""
+
     max_concurrent_streams: int = setting(1024, low=1)
     """Most concurrent RPCs per HTTP/2 connection of the public API."""
 
@@ -181,6 +188,13 @@ class SchedulerConfig:
         # Fails with the valid names when the policy is unknown or does not import.
         policies.resolve(self.policy)
         parse_objective_priorities(self.gateway_objective_priorities)  # names the bad entry
+        from scheduler_service.engine import kv_events
+
+        events = kv_events.parse_config(self.kv_events_config)  # names the bad field
+        if events is not None and events.publishes and "," in self.engine_address:
+            raise ValueError("kv_events_config: one model service only (not with replicas yet)")
+        if events is not None and events.publishes and self.engine_address.startswith("dns:///"):
+            raise ValueError("kv_events_config: one model service only (not with replicas yet)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca and not self.tls_cert:

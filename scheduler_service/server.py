@@ -24,9 +24,11 @@ from scheduler_service.api.http_server import HttpServer
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import client as engine_client
+from scheduler_service.engine import kv_events
 from scheduler_service.engine.addresses import is_replicated
 from scheduler_service.engine.client import EngineClient, EngineFacts
 from scheduler_service.engine.frontend import EngineFrontend
+from scheduler_service.engine.kv_events import KVEventPublisher, KVEventStream
 from scheduler_service.engine.loop import EngineLoop
 from scheduler_service.engine.replicas import ReplicaSet
 from scheduler_service.metrics import Metrics
@@ -65,6 +67,7 @@ class SchedulerServer:
         self.metrics_port: int | None = None
         self.http: HttpServer | None = None
         self.http_port: int | None = None  # the OpenAI-compatible API's bound port, if served
+        self.kv_publisher: KVEventPublisher | None = None  # with --kv-events-config
         # Health SERVING: the model service computed a real step and the server is not draining.
         self.ready = False
 
@@ -183,6 +186,7 @@ class SchedulerServer:
         tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
         output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
         scheduler = Scheduler(self.config, facts, output_processor)
+        events = self._kv_event_stream(scheduler)
         # Readiness is a real one-token step on the model, not only an answer to Describe:
         # when it fails, the loop starts by reconnecting, NOT_SERVING until a step works.
         engine_down = await self._probe(scheduler, facts)
@@ -192,9 +196,22 @@ class SchedulerServer:
             self.metrics,
             on_engine_up=self._on_engine_up,
             is_compatible=lambda new: engine_client.incompatibility(facts, new),
+            kv_events=events,
         )
         loop.start(engine_down)
         return facts, tokenizer, loop, engine_down
+
+    def _kv_event_stream(self, scheduler: Scheduler) -> Optional[KVEventStream]:
+        """With --kv-events-config: the pool logs its changes and a publisher sends them."""
+        config = kv_events.parse_config(self.config.kv_events_config)
+        if config is None or not config.publishes:
+            return None
+        try:
+            self.kv_publisher = KVEventPublisher(config)
+        except OSError as error:
+            raise StartupError(f"--kv-events-config: {error}") from None
+        scheduler.kv.enable_events()
+        return KVEventStream(self.kv_publisher, scheduler.kv.block_size)
 
     async def _probe(self, scheduler: Scheduler, facts: EngineFacts) -> str | None:
         """None when the model service computed a one-token step, else why not."""
@@ -244,6 +261,9 @@ class SchedulerServer:
             await self.loop.stop()
         await self.client.close()
         self.metrics.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

@@ -54,6 +54,18 @@ class KVBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_scope = prefix_cache_scope
+        self.logs_events = False  # the pool logs KV-cache events (engine/kv_events.py)
+
+    def enable_events(self) -> None:
+        """The pool logs its prefix cache's changes, and so does every pool that replaces it."""
+        self.logs_events = True
+        self.pool.enable_events(self.block_size)
+
+    def replace_pool(self, num_blocks: int) -> None:
+        """A new, empty pool (the model service restarted: the cached KV is gone)."""
+        self.pool = BlockPool(num_blocks)
+        if self.logs_events:
+            self.pool.enable_events(self.block_size)
 
     def salt(self, request: Request) -> int:
         """The request's prefix-cache salt under this manager's scope (see salt_of)."""
