@@ -161,10 +161,10 @@ class SchedulerConfig:
 
     kv_events_config: str = ""
     """KV-cache events as vLLM publishes them, as vLLM's JSON: '{"enable_kv_cache_events": true,
-    "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}' (also buffer_steps,
-    hwm, max_queue_size; replay_endpoint is not served yet). A ZMQ PUB socket bound to exactly
-    the endpoint; one batch per step (scheduler_service/engine/kv_events.py). The events carry
-    every tenant's prompt tokens: bind where only the router reaches. Empty: none."""
+    "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}' (also
+    replay_endpoint, buffer_steps, hwm, max_queue_size). A ZMQ PUB socket bound to exactly the
+    endpoint; one batch per step (scheduler_service/engine/kv_events.py). The events carry every
+    tenant's prompt tokens: bind where only the router reaches. Empty: none."""
 
     max_concurrent_streams: int = setting(1024, low=1)
     """Most concurrent RPCs per HTTP/2 connection of the public API."""

@@ -23,12 +23,14 @@ salt itself is never published (it is inside the digest). A consumer keys blocks
 and the parent chain. AllBlocksCleared starts the stream, follows a model-service restart (a new
 pool) and a prefix-cache reset; when a batch could not be queued (or logged), the next one is
 AllBlocksCleared followed by a BlockStored for every cached block, so no consumer keeps a wrong
-index. The events reveal every tenant's prompt tokens: off by default, and the socket binds only
-the endpoint given (docs/gateway.md).
+index. A ROUTER socket on the replay endpoint sends a subscriber the batches it missed (vLLM's
+protocol; KVEventPublisher). The events reveal every tenant's prompt tokens: off by default, and
+the sockets bind only the endpoints given (docs/gateway.md).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import queue
@@ -37,6 +39,8 @@ import time
 from typing import Any, Optional
 
 HASH_MASK = (1 << 64) - 1
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay sequence number
+REPLAYS_PER_S = 10  # replay requests served per second; more get the end marker at once
 MEDIUM = "GPU"  # vLLM's name for the model's own KV memory (the tier the router asks about)
 STORED, REMOVED, CLEARED = 1, 2, 3  # the pool's event kinds (BlockPool.take_events)
 CLEARED_EVENT = {"type": "AllBlocksCleared"}
@@ -44,7 +48,7 @@ CLEARED_EVENT = {"type": "AllBlocksCleared"}
 
 @dataclasses.dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM's KVEventsConfig fields (`--kv-events-config` JSON); replay is not served yet."""
+    """vLLM's KVEventsConfig fields (`--kv-events-config` JSON)."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "null"  # "zmq" publishes; "null" (vLLM's default) does not
@@ -93,10 +97,10 @@ def _check(config: KVEventsConfig) -> None:
         ("tcp://", "ipc://", "inproc://")
     ):
         raise bad("endpoint", "must be a tcp://, ipc:// or inproc:// address", config.endpoint)
-    if config.replay_endpoint is not None:
-        raise bad(
-            "replay_endpoint", "replay is not served yet (leave it out)", config.replay_endpoint
-        )
+    addresses = ("tcp://", "ipc://", "inproc://")
+    replay = config.replay_endpoint
+    if replay is not None and not (isinstance(replay, str) and replay.startswith(addresses)):
+        raise bad("replay_endpoint", "must be a tcp://, ipc:// or inproc:// address", replay)
     for name in ("buffer_steps", "hwm", "max_queue_size"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -107,7 +111,12 @@ def _check(config: KVEventsConfig) -> None:
 
 class KVEventPublisher:
     """A ZMQ PUB socket bound to the endpoint and the thread that sends on it; `publish` only
-    queues (False when the queue is full: the batch is dropped and the caller resynchronizes)."""
+    queues (False when the queue is full: the batch is dropped and the caller resynchronizes).
+
+    With a replay_endpoint, a ROUTER socket there answers a request [b"", start sequence (8 bytes
+    big-endian)] with every kept batch from that number on ([b"", seq, payload] each), then
+    [b"", -1, b""], as vLLM's: the last buffer_steps batches are kept, and at most
+    REPLAYS_PER_S requests a second are served (more get the end marker alone)."""
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0, start: bool = True):
         import zmq
@@ -117,12 +126,19 @@ class KVEventPublisher:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.set_hwm(config.hwm)
+        self._replay = self._context.socket(zmq.ROUTER) if config.replay_endpoint else None
         try:
             self._socket.bind(config.endpoint)
+            if self._replay is not None and config.replay_endpoint:
+                self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as error:
             self._socket.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
             self._context.term()
-            raise OSError(f"kv_events_config.endpoint {config.endpoint}: {error}") from None
+            raise OSError(f"kv_events_config: cannot bind ({error})") from None
+        self._kept: collections.deque = collections.deque(maxlen=config.buffer_steps)
+        self._replay_times: collections.deque = collections.deque(maxlen=REPLAYS_PER_S)
         self._topic = config.topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self.num_published = 0  # batches sent; the next one's sequence number
@@ -144,21 +160,48 @@ class KVEventPublisher:
         import msgpack
 
         while True:
-            item = self._queue.get()
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._serve_replay()
+            try:
+                # With a replay socket, come back to it at least every 50 ms.
+                item = self._queue.get(timeout=0.05 if self._replay is not None else None)
+            except queue.Empty:
+                continue
             if item is None:
                 return
             timestamp, events = item
             payload = msgpack.packb([timestamp, events, self.data_parallel_rank])
             sequence = self.num_published.to_bytes(8, "big")
             self._socket.send_multipart((self._topic, sequence, payload))
+            if self._replay is not None:
+                self._kept.append((sequence, payload))
             self.num_published += 1
 
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request
+        client, _, start = frames
+        now = time.monotonic()
+        within_rate = len(self._replay_times) < REPLAYS_PER_S or now - self._replay_times[0] > 1
+        if within_rate:
+            self._replay_times.append(now)
+            first = int.from_bytes(start, "big")
+            for sequence, payload in list(self._kept):
+                if int.from_bytes(sequence, "big") >= first:
+                    self._replay.send_multipart((client, b"", sequence, payload))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+
     def close(self) -> None:
-        """Sends what is queued (for up to a second), then closes the socket."""
+        """Sends what is queued (for up to a second), then closes the sockets."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=1.0)
         self._socket.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._context.term()
 
 

@@ -257,7 +257,7 @@ def test_a_dropped_batch_and_a_new_pool_resynchronize(tmp_path):
     [
         ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
         ('{"endpoint": "http://x:1"}', "endpoint"),
-        ('{"replay_endpoint": "tcp://127.0.0.1:5558"}', "replay_endpoint"),
+        ('{"replay_endpoint": "http://127.0.0.1:5558"}', "replay_endpoint"),
         ('{"hwm": 0}', "hwm"),
         ('{"buffer_steps": "many"}', "buffer_steps"),
         ('{"colour": "blue"}', "colour"),
@@ -274,3 +274,54 @@ def test_events_are_off_by_default():
     assert SchedulerConfig().kv_events_config == ""
     assert parse_config("") is None
     assert not parse_config('{"enable_kv_cache_events": true}').publishes  # publisher "null"
+
+
+def _replay(endpoint: str, first: int) -> list[list[bytes]]:
+    """vLLM's replay request from a DEALER: every kept batch from `first` on, to the end marker."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart((b"", first.to_bytes(8, "big")))
+        replies = []
+        while True:
+            _, sequence, payload = dealer.recv_multipart()
+            if int.from_bytes(sequence, "big", signed=True) == -1:
+                return replies
+            replies.append([b"", sequence, payload])
+    finally:
+        dealer.close(linger=0)
+        context.term()
+
+
+def test_replay_returns_what_a_late_subscriber_missed(tmp_path):
+    config = parse_config(
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        f'"endpoint": "ipc://{tmp_path}/kv", "replay_endpoint": "ipc://{tmp_path}/replay", '
+        '"buffer_steps": 3}'
+    )
+    publisher = KVEventPublisher(config)  # nobody subscribes: every batch is missed
+    try:
+        kv = KVBlockManager(16, block_size=2)
+        kv.enable_events()
+        stream = KVEventStream(publisher, block_size=2)
+        for first_token in (1, 3, 5, 7, 9):
+            _cache(kv.pool, [first_token, first_token + 1], 2)
+            stream.on_step(kv.pool)
+        deadline = time.monotonic() + 5
+        while publisher.num_published < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        replayed = _replay(config.replay_endpoint, 1)
+        # Kept: the last 3 batches (buffer_steps); asked from 1: sequences 2, 3, 4.
+        assert [int.from_bytes(frames[1], "big") for frames in replayed] == [2, 3, 4]
+        events = [msgpack.unpackb(frames[2])[1] for frames in replayed]
+        assert [[e["token_ids"] for e in batch] for batch in events] == [
+            [[5, 6]],
+            [[7, 8]],
+            [[9, 10]],
+        ]
+        assert _replay(config.replay_endpoint, 5) == []  # nothing from 5 on: the end marker alone
+    finally:
+        publisher.close()
