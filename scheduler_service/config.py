@@ -190,11 +190,7 @@ class SchedulerConfig:
         parse_objective_priorities(self.gateway_objective_priorities)  # names the bad entry
         from scheduler_service.engine import kv_events
 
-        events = kv_events.parse_config(self.kv_events_config)  # names the bad field
-        if events is not None and events.publishes and "," in self.engine_address:
-            raise ValueError("kv_events_config: one model service only (not with replicas yet)")
-        if events is not None and events.publishes and self.engine_address.startswith("dns:///"):
-            raise ValueError("kv_events_config: one model service only (not with replicas yet)")
+        kv_events.parse_config(self.kv_events_config)  # names the bad field
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca and not self.tls_cert:

@@ -175,6 +175,7 @@ class SchedulerServer:
             self.metrics,
             on_serving=self._on_engine_up,
             make_client=self._engine_client,
+            kv_publisher=self._kv_publisher(),
         )
         facts, tokenizer = await replicas.connect()
         return facts, tokenizer, replicas, None
@@ -201,8 +202,8 @@ class SchedulerServer:
         loop.start(engine_down)
         return facts, tokenizer, loop, engine_down
 
-    def _kv_event_stream(self, scheduler: Scheduler) -> Optional[KVEventStream]:
-        """With --kv-events-config: the pool logs its changes and a publisher sends them."""
+    def _kv_publisher(self) -> Optional[KVEventPublisher]:
+        """With --kv-events-config: the socket the KV-cache events go out on."""
         config = kv_events.parse_config(self.config.kv_events_config)
         if config is None or not config.publishes:
             return None
@@ -210,8 +211,15 @@ class SchedulerServer:
             self.kv_publisher = KVEventPublisher(config)
         except OSError as error:
             raise StartupError(f"--kv-events-config: {error}") from None
+        return self.kv_publisher
+
+    def _kv_event_stream(self, scheduler: Scheduler) -> Optional[KVEventStream]:
+        """One model service: its pool logs its changes, published after each step."""
+        publisher = self._kv_publisher()
+        if publisher is None:
+            return None
         scheduler.kv.enable_events()
-        return KVEventStream(self.kv_publisher, scheduler.kv.block_size)
+        return KVEventStream(publisher, scheduler.kv.block_size)
 
     async def _probe(self, scheduler: Scheduler, facts: EngineFacts) -> str | None:
         """None when the model service computed a one-token step, else why not."""

@@ -149,9 +149,11 @@ class KVEventPublisher:
     def start(self) -> None:
         self._thread.start()
 
-    def publish(self, events: list[dict]) -> bool:
+    def publish(self, events: list[dict], rank: Optional[int] = None) -> bool:
+        """Queues one batch, tagged with `rank` (default: the publisher's data_parallel_rank)."""
+        rank = self.data_parallel_rank if rank is None else rank
         try:
-            self._queue.put_nowait((time.time(), events))
+            self._queue.put_nowait((time.time(), events, rank))
         except queue.Full:
             return False
         return True
@@ -170,8 +172,8 @@ class KVEventPublisher:
                 continue
             if item is None:
                 return
-            timestamp, events = item
-            payload = msgpack.packb([timestamp, events, self.data_parallel_rank])
+            timestamp, events, rank = item
+            payload = msgpack.packb([timestamp, events, rank])
             sequence = self.num_published.to_bytes(8, "big")
             self._socket.send_multipart((self._topic, sequence, payload))
             if self._replay is not None:
@@ -245,13 +247,19 @@ def parents_first(events: list[tuple]) -> list[tuple]:
 
 
 class KVEventStream:
-    """One scheduler's events: its pool's log drained after each step into one batch."""
+    """One scheduler's events: its pool's log drained after each step into one batch, tagged
+    with its rank (with several model services, each replica's scheduler has its own)."""
 
-    def __init__(self, publisher: KVEventPublisher, block_size: int):
+    def __init__(self, publisher: KVEventPublisher, block_size: int, rank: int = 0):
         self.publisher = publisher
         self.block_size = block_size
+        self.rank = rank
         self._pool: Any = None
         self._resync = False
+
+    def clear(self) -> None:
+        """The model service is gone (a replica removed): its rank's blocks are all gone."""
+        self._resync = not self.publisher.publish([CLEARED_EVENT], self.rank)
 
     def on_step(self, pool) -> None:
         """Publishes what the pool logged since the last step (nothing: no batch)."""
@@ -266,4 +274,4 @@ class KVEventStream:
             batch = [_wire(e, self.block_size) for e in logged]
         else:
             return
-        self._resync = not self.publisher.publish(batch)
+        self._resync = not self.publisher.publish(batch, self.rank)

@@ -43,6 +43,7 @@ from scheduler_service.engine.addresses import (
     split_addresses,
 )
 from scheduler_service.engine.client import EngineClient, EngineFacts
+from scheduler_service.engine.kv_events import KVEventPublisher, KVEventStream
 from scheduler_service.engine.loop import EngineLoop
 from scheduler_service.engine.merged import MergedScheduler, ReplicaMetrics
 from scheduler_service.engine.router import Router
@@ -85,8 +86,11 @@ class ReplicaSet:
         metrics: Metrics,
         make_client: Callable[[str], EngineClient] = EngineClient,
         on_serving: Callable[[bool], None] = lambda up: None,
+        kv_publisher: Optional[KVEventPublisher] = None,
     ):
         self.config = config
+        self.kv_publisher = kv_publisher  # KV-cache events: one socket, a rank per replica
+        self._ranks: dict[str, int] = {}  # by address, in the order replicas first connect
         self.metrics = metrics
         self.router = Router.from_spec(config.router_weights)
         self.replicas: list[Replica] = []
@@ -262,6 +266,7 @@ class ReplicaSet:
             ReplicaMetrics(self, address),
             on_engine_up=lambda up: self._on_engine_up(replica, up),
             is_compatible=lambda new: engine_client.incompatibility(first, new),
+            kv_events=self._kv_event_stream(address, scheduler),
         )
         replica = Replica(address, client, loop)
         self.replicas.append(replica)
@@ -274,6 +279,13 @@ class ReplicaSet:
             num_replicas=len(self.replicas),
         )
         self._update_serving()
+
+    def _kv_event_stream(self, address: str, scheduler: Scheduler) -> Optional[KVEventStream]:
+        if self.kv_publisher is None:
+            return None
+        rank = self._ranks.setdefault(address, len(self._ranks))
+        scheduler.kv.enable_events()
+        return KVEventStream(self.kv_publisher, scheduler.kv.block_size, rank)
 
     def _join(self, address: str, facts: EngineFacts) -> tuple[EngineFacts, OutputProcessor]:
         """The first replica's facts and the OutputProcessor every replica shares, both made
@@ -297,6 +309,8 @@ class ReplicaSet:
             return
         await replica.loop.stop()
         replica.scheduler.reset_engine(replica.scheduler.facts)  # every sequence back to waiting
+        if replica.loop.kv_events is not None:
+            replica.loop.kv_events.clear()
         self.replicas.remove(replica)
         # Up replicas first; if they all went down during the stop, any other one (the
         # maintenance pass moves requests off a down replica once one is up).

@@ -73,7 +73,7 @@ class Subscriber(threading.Thread):
             time.sleep(0.01)
 
 
-def decode(messages: list[list[bytes]], topic: str) -> list[list[dict]]:
+def decode(messages: list[list[bytes]], topic: str, ranks=(0,)) -> list[list[dict]]:
     """Every batch's events, checked strictly; the sequence numbers must run 0, 1, 2, ..."""
     batches = []
     for expected_seq, frames in enumerate(messages):
@@ -83,7 +83,7 @@ def decode(messages: list[list[bytes]], topic: str) -> list[list[dict]]:
         assert int.from_bytes(seq, "big") == expected_seq
         timestamp, events, rank = msgpack.unpackb(payload)
         assert isinstance(timestamp, float) and abs(timestamp - time.time()) < 600
-        assert rank == 0 and isinstance(events, list)
+        assert rank in ranks and isinstance(events, list)
         for event in events:
             assert set(event) == REQUIRED[event["type"]], event
             if event["type"] != "AllBlocksCleared":
@@ -325,3 +325,46 @@ def test_replay_returns_what_a_late_subscriber_missed(tmp_path):
         assert _replay(config.replay_endpoint, 5) == []  # nothing from 5 on: the end marker alone
     finally:
         publisher.close()
+
+
+async def test_each_replica_publishes_under_its_own_rank(engine, tmp_path):
+    """Two model services behind one scheduler: one socket, each replica's batches tagged with
+    its rank, and each rank's rebuilt set equal to that replica's prefix cache."""
+    second = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
+    endpoint = f"ipc://{tmp_path}/kv-replicas"
+    config = (
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        f'"endpoint": "{endpoint}", "topic": "kv"}}'
+    )
+    server = await start_scheduler(
+        f"{engine},{second.address}",
+        kv_events_config=config,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+    )
+    subscriber = Subscriber(endpoint, "kv")
+    subscriber.start()
+    try:
+        await asyncio.sleep(0.5)
+        stub = stub_for(server)
+        await asyncio.gather(
+            *(complete(stub, greedy_ids_request([11 + i] * 40, 8)) for i in range(12))
+        )
+        await wait_until_idle(server)
+        await asyncio.to_thread(subscriber.wait_for, server.kv_publisher.num_published)
+        by_rank: dict[int, list[list[dict]]] = {0: [], 1: []}
+        decode(subscriber.messages, "kv", ranks=(0, 1))
+        for _, _, payload in subscriber.messages:
+            _, events, rank = msgpack.unpackb(payload)
+            by_rank[rank].append(events)
+        replicas = server.loop.replicas
+        assert len(replicas) == 2
+        for rank, replica in enumerate(replicas):
+            pool = replica.scheduler.kv.pool
+            assert pool.num_cached > 0  # the router sent work to both
+            assert rebuild(by_rank[rank]) == cached_hashes(pool)
+    finally:
+        subscriber.stopping.set()
+        subscriber.join()
+        await server.stop(grace_s=1)
+        second.stop()
