@@ -7,6 +7,7 @@ and a new pool (a model-service restart) are followed by AllBlocksCleared and th
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -368,3 +369,54 @@ async def test_each_replica_publishes_under_its_own_rank(engine, tmp_path):
         subscriber.join()
         await server.stop(grace_s=1)
         second.stop()
+
+
+async def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_model_service_restart_clears_the_consumers_index(tmp_path):
+    """SIGKILL the model service after its blocks were announced, start it again on its port:
+    the cached KV is gone, so the next batch starts with AllBlocksCleared, and the rebuilt set
+    equals the new pool's cache (none of the old blocks)."""
+    own = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
+    endpoint = f"ipc://{tmp_path}/kv-restart"
+    config = (
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        f'"endpoint": "{endpoint}", "topic": "kv"}}'
+    )
+    server = await start_scheduler(own.address, kv_events_config=config)
+    subscriber = Subscriber(endpoint, "kv")
+    subscriber.start()
+    try:
+        await asyncio.sleep(0.5)
+        stub = stub_for(server)
+        await complete(stub, greedy_ids_request(list(range(200, 250)), 4))
+        await wait_until_idle(server)
+        before = rebuild(decode(subscriber.messages, "kv"))
+        assert len(before) == 3  # 50 prompt tokens: 3 full blocks announced
+        own.process.send_signal(signal.SIGKILL)
+        own.process.wait()
+        await _until(lambda: not server.ready)
+        port = server.config.engine_address.rsplit(":", 1)[1]
+        own = EngineProcess(
+            "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64", "--port", port
+        )
+        await _until(lambda: server.ready)
+        published_before = server.kv_publisher.num_published
+        await complete(stub, greedy_ids_request(list(range(600, 640)), 4))
+        await wait_until_idle(server)
+        await asyncio.to_thread(subscriber.wait_for, server.kv_publisher.num_published)
+        batches = decode(subscriber.messages, "kv")
+        assert batches[published_before][0] == {"type": "AllBlocksCleared"}
+        after = rebuild(batches)
+        assert after == cached_hashes(server.loop.scheduler.kv.pool) and len(after) == 2
+        assert not after & before
+    finally:
+        subscriber.stopping.set()
+        subscriber.join()
+        await server.stop(grace_s=1)
+        own.stop()
