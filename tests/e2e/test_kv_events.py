@@ -10,8 +10,10 @@ import asyncio
 import signal
 import threading
 import time
+from typing import Optional, Union
 
 import msgpack
+import msgspec
 import pytest
 import pytest_asyncio
 import zmq
@@ -27,8 +29,42 @@ from scheduler_service.engine.kv_events import (
     parse_config,
 )
 
-# The fields of vLLM's event classes (vllm/distributed/kv_events.py) without a default: a strict
-# decoder needs every one; planserve sends no other.
+
+# vLLM's event classes (vllm/distributed/kv_events.py) for a strict decoder: every field without
+# a default is required, no unknown field is taken; the batch is [ts, events, rank].
+class _Event(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class BlockStored(_Event):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list] = None
+
+
+class BlockRemoved(_Event):
+    block_hashes: list[int]
+    medium: Optional[str]
+
+
+class AllBlocksCleared(_Event):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    data_parallel_rank: Optional[int] = None
+
+
+STRICT = msgspec.msgpack.Decoder(KVEventBatch)
+
+# The fields planserve sends: exactly the required ones.
 REQUIRED = {
     "BlockStored": {
         "type",
@@ -82,6 +118,7 @@ def decode(messages: list[list[bytes]], topic: str, ranks=(0,)) -> list[list[dic
         frame_topic, seq, payload = frames
         assert frame_topic == topic.encode() and len(seq) == 8
         assert int.from_bytes(seq, "big") == expected_seq
+        STRICT.decode(payload)  # raises on a missing, mistyped or unknown field
         timestamp, events, rank = msgpack.unpackb(payload)
         assert isinstance(timestamp, float) and abs(timestamp - time.time()) < 600
         assert rank in ranks and isinstance(events, list)
