@@ -4,7 +4,7 @@ This file is the contract (STYLE.md item 8): the C layout other Cython modules m
 block_pool.pyx implements it, block_pool.pyi is the Python view. tests/scheduler/block_pool_oracle.py
 is the pure-Python oracle that must make the same decisions.
 """
-from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libcpp.unordered_map cimport unordered_map
 
 # libcpp.unordered_map: a module that cimports this one must build as C++ too.
@@ -38,6 +38,28 @@ cdef class BlockPool:
     cdef uint32_t* _scratch            # token ids of one block being hashed (Python callers)
     cdef Py_ssize_t _scratch_cap
 
+    # KV-cache event log (enable_events; block_pool.pyx "event log"): what the step stored,
+    # evicted or cleared, in order, drained once per step by take_events.
+    cdef uint8_t _record               # 1 once enable_events ran
+    cdef uint8_t _clearing             # reset_prefix_cache in progress: one CLEARED, no REMOVED
+    cdef uint8_t _ev_lost              # an append could not grow the log: the batch is incomplete
+    cdef int32_t _ev_block_size
+    cdef Py_ssize_t _ev_n, _ev_cap     # events
+    cdef uint8_t* _ev_kind             # [cap] EV_STORED, EV_REMOVED, EV_CLEARED
+    cdef Digest* _ev_digest            # [cap] the block's digest (STORED, REMOVED)
+    cdef Digest* _ev_parent            # [cap] STORED: the parent's digest, if _ev_has_parent
+    cdef uint8_t* _ev_has_parent       # [cap]
+    cdef int64_t* _ev_tok_start        # [cap] STORED: its tokens in _ev_tokens
+    cdef int32_t* _ev_tok_n            # [cap]
+    cdef uint32_t* _ev_tokens          # token ids of the logged STORED blocks, back to back
+    cdef int64_t _ev_tok_len, _ev_tok_cap
+    # Per block, what a STORED event of it said (to re-announce every cached block after a lost
+    # batch): its parent digest and tokens, valid where _blk_logged[b].
+    cdef Digest* _blk_parent           # [num_blocks]
+    cdef uint8_t* _blk_has_parent      # [num_blocks]
+    cdef uint8_t* _blk_logged          # [num_blocks]
+    cdef uint32_t* _blk_tokens         # [num_blocks * _ev_block_size]
+
     # Free queue (O(1) each).
     cdef void _push_tail(self, int32_t block_id) noexcept nogil
     cdef void _unlink(self, int32_t block_id) noexcept nogil
@@ -47,6 +69,15 @@ cdef class BlockPool:
     cdef void _evict_hash(self, int32_t block_id) noexcept nogil
     cdef int32_t _lookup(self, const Digest* digest) noexcept nogil   # full-digest hit, or -1
     cdef int _cache(self, int32_t block_id, const Digest* digest) except -1  # 1 cached, 0 not
+    # _cache, and a STORED event when the block became cached just now (parent NULL: the first).
+    cdef int _cache_logged(self, int32_t block_id, const Digest* digest, const Digest* parent,
+                           const uint32_t* token_ids, Py_ssize_t num_tokens) except -1
+
+    # Event log appends; a failed growth sets _ev_lost instead.
+    cdef int _ev_reserve(self, Py_ssize_t num_events, int64_t num_tokens) noexcept nogil
+    cdef void _log_stored(self, int32_t block_id, const Digest* parent,
+                          const uint32_t* token_ids, Py_ssize_t num_tokens) noexcept nogil
+    cdef void _log(self, uint8_t kind, const Digest* digest) noexcept nogil
     cdef uint32_t* _tokens_of(self, object token_ids, Py_ssize_t start, Py_ssize_t n) except NULL
 
     # Ref counts; ids are already validated.

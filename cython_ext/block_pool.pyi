@@ -70,11 +70,13 @@ class BlockPool:
         return the new id (the caller asks the model service to copy). Otherwise return block_id.
         ValueError if the block is not held; MemoryError, with nothing changed, if no block is
         free."""
-    def cache_block(self, block_id: int, block_hash: int) -> bool:
+    def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None = None,
+                    token_ids: Sequence[int] | None = None) -> bool:
         """Register a held, FULL block under its digest. True if the block is now the one cached
         for the digest (also when it already was); False, with nothing changed, when another
         block already holds that digest or its index key. ValueError if the block is not held or
-        is already cached under a different digest."""
+        is already cached under a different digest. With token_ids (and the parent's digest,
+        None for a first block), a block cached just now is logged for the events."""
     def lookup(self, block_hash: int) -> int:
         """The block cached under exactly this digest (all 256 bits compared), or -1."""
     def match_prefix(self, token_ids: Sequence[int], block_size: int, salt: int = 0,
@@ -88,5 +90,15 @@ class BlockPool:
         hits, leaves fewer free). ValueError for an invalid id."""
     def block_hashes(self, token_ids: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
         """The chained digests of every full block of token_ids (what cache_block wants)."""
+    def enable_events(self, block_size: int) -> None:
+        """Starts the event log (take_events) for blocks of block_size tokens."""
+    def take_events(self) -> tuple[list[tuple[int, int | None, int | None, list[int]]], bool]:
+        """(events, lost) since the last call, oldest first; empties the log. An event is (kind,
+        digest, parent digest or None, token ids): 1 STORED, 2 REMOVED, 3 CLEARED. lost: some
+        events were not logged (memory): re-announce the cache with cached_block_events."""
+    def cached_block_events(self) -> list[tuple[int, int | None, int | None, list[int]]]:
+        """A STORED event for every cached block whose caching was logged, in block order."""
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block while no block is held (True); else False, no change."""
     def free_queue(self) -> list[int]:
         """The free queue, head (next to be allocated) first. O(num_free): for tests and debugging."""

@@ -30,7 +30,7 @@ first keeps the key and the second stays uncached, which costs a cache miss, nev
 from cython.operator cimport dereference as deref
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.number cimport PyNumber_Index
-from libc.stdint cimport INT32_MAX, int32_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free as c_free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 from libcpp.unordered_map cimport unordered_map
@@ -252,6 +252,22 @@ def block_hash(parent_hash, token_ids, salt=0):
     return digest_to_int(&out)
 
 
+# Event kinds of the log (take_events): vLLM's BlockStored, BlockRemoved, AllBlocksCleared.
+cdef enum:
+    EV_STORED = 1
+    EV_REMOVED = 2
+    EV_CLEARED = 3
+
+
+cdef inline int _grow(void** array, Py_ssize_t count, size_t item_size) noexcept nogil:
+    # realloc in place of *array; 0 (and *array unchanged) when memory runs out.
+    cdef void* p = realloc(array[0], count * item_size)
+    if p == NULL:
+        return 0
+    array[0] = p
+    return 1
+
+
 cdef class BlockPool:
     """Ref-counted KV blocks with an LRU free queue and a prefix-hash map. Not thread safe."""
 
@@ -271,6 +287,18 @@ cdef class BlockPool:
         self._key_shift = 64 - _new_pool_key_bits
         self._scratch = NULL
         self._scratch_cap = 0
+        self._record = self._clearing = self._ev_lost = 0
+        self._ev_block_size = 0
+        self._ev_n = self._ev_cap = 0
+        self._ev_tok_len = self._ev_tok_cap = 0
+        self._ev_kind = self._ev_has_parent = NULL
+        self._ev_digest = self._ev_parent = NULL
+        self._ev_tok_start = NULL
+        self._ev_tok_n = NULL
+        self._ev_tokens = NULL
+        self._blk_parent = NULL
+        self._blk_has_parent = self._blk_logged = NULL
+        self._blk_tokens = NULL
         if not (self._ref and self._prev and self._next and self._digest and self._has_hash):
             raise MemoryError(f"cannot allocate block pool arrays for {n} blocks")
         self._prev[sentinel] = sentinel
@@ -288,6 +316,17 @@ cdef class BlockPool:
         c_free(self._digest)
         c_free(self._has_hash)
         c_free(self._scratch)
+        c_free(self._ev_kind)
+        c_free(self._ev_digest)
+        c_free(self._ev_parent)
+        c_free(self._ev_has_parent)
+        c_free(self._ev_tok_start)
+        c_free(self._ev_tok_n)
+        c_free(self._ev_tokens)
+        c_free(self._blk_parent)
+        c_free(self._blk_has_parent)
+        c_free(self._blk_logged)
+        c_free(self._blk_tokens)
 
     # ---- free queue -------------------------------------------------------------------------------
 
@@ -319,6 +358,10 @@ cdef class BlockPool:
 
     cdef void _evict_hash(self, int32_t block_id) noexcept nogil:
         if self._has_hash[block_id]:
+            if self._record:
+                if not self._clearing:
+                    self._log(EV_REMOVED, &self._digest[block_id])
+                self._blk_logged[block_id] = 0
             self._key_to_block.erase(_digest_key(&self._digest[block_id], self._key_shift))
             self._has_hash[block_id] = 0
 
@@ -350,6 +393,151 @@ cdef class BlockPool:
         self._digest[block_id] = digest[0]
         self._has_hash[block_id] = 1
         return 1
+
+    cdef int _cache_logged(self, int32_t block_id, const Digest* digest, const Digest* parent,
+                           const uint32_t* token_ids, Py_ssize_t num_tokens) except -1:
+        cdef uint8_t was_cached = self._has_hash[block_id]
+        cdef int cached = self._cache(block_id, digest)
+        if cached == 1 and not was_cached and self._record:
+            self._log_stored(block_id, parent, token_ids, num_tokens)
+        return cached
+
+    # ---- event log --------------------------------------------------------------------------------
+    #
+    # With enable_events, every change of the prefix cache is appended here in the order it
+    # happens: STORED when a full block becomes cached (with its parent digest and tokens, as
+    # vLLM's BlockStored carries them), REMOVED when a cached block is evicted for reuse, CLEARED
+    # for reset_prefix_cache. The scheduler drains it after each step (take_events) into one
+    # published batch (scheduler_service/engine/kv_events.py). Appends run inside nogil paths
+    # (_evict_hash under _take_head), so a failed growth cannot raise: it sets _ev_lost, and the
+    # publisher then clears and re-announces every cached block from the per-block copies.
+
+    cdef int _ev_reserve(self, Py_ssize_t num_events, int64_t num_tokens) noexcept nogil:
+        cdef Py_ssize_t cap
+        cdef int64_t tok_cap
+        if self._ev_lost:
+            return 0
+        if self._ev_n + num_events > self._ev_cap:
+            cap = 2 * self._ev_cap if 2 * self._ev_cap > 64 else 64
+            if cap < self._ev_n + num_events:
+                cap = self._ev_n + num_events
+            if not (_grow(<void**>&self._ev_kind, cap, sizeof(uint8_t))
+                    and _grow(<void**>&self._ev_digest, cap, sizeof(Digest))
+                    and _grow(<void**>&self._ev_parent, cap, sizeof(Digest))
+                    and _grow(<void**>&self._ev_has_parent, cap, sizeof(uint8_t))
+                    and _grow(<void**>&self._ev_tok_start, cap, sizeof(int64_t))
+                    and _grow(<void**>&self._ev_tok_n, cap, sizeof(int32_t))):
+                self._ev_lost = 1
+                return 0
+            self._ev_cap = cap
+        if self._ev_tok_len + num_tokens > self._ev_tok_cap:
+            tok_cap = 2 * self._ev_tok_cap if 2 * self._ev_tok_cap > 1024 else 1024
+            if tok_cap < self._ev_tok_len + num_tokens:
+                tok_cap = self._ev_tok_len + num_tokens
+            if not _grow(<void**>&self._ev_tokens, tok_cap, sizeof(uint32_t)):
+                self._ev_lost = 1
+                return 0
+            self._ev_tok_cap = tok_cap
+        return 1
+
+    cdef void _log_stored(self, int32_t block_id, const Digest* parent,
+                          const uint32_t* token_ids, Py_ssize_t num_tokens) noexcept nogil:
+        cdef Py_ssize_t i
+        if num_tokens == self._ev_block_size:  # kept for a re-announcement
+            memcpy(&self._blk_tokens[<int64_t>block_id * self._ev_block_size], token_ids,
+                   num_tokens * sizeof(uint32_t))
+            self._blk_has_parent[block_id] = parent != NULL
+            if parent != NULL:
+                self._blk_parent[block_id] = parent[0]
+            self._blk_logged[block_id] = 1
+        if not self._ev_reserve(1, num_tokens):
+            return
+        i = self._ev_n
+        self._ev_kind[i] = EV_STORED
+        self._ev_digest[i] = self._digest[block_id]
+        self._ev_has_parent[i] = parent != NULL
+        if parent != NULL:
+            self._ev_parent[i] = parent[0]
+        self._ev_tok_start[i] = self._ev_tok_len
+        self._ev_tok_n[i] = <int32_t>num_tokens
+        memcpy(&self._ev_tokens[self._ev_tok_len], token_ids, num_tokens * sizeof(uint32_t))
+        self._ev_tok_len += num_tokens
+        self._ev_n += 1
+
+    cdef void _log(self, uint8_t kind, const Digest* digest) noexcept nogil:
+        cdef Py_ssize_t i
+        if not self._ev_reserve(1, 0):
+            return
+        i = self._ev_n
+        self._ev_kind[i] = kind
+        if digest != NULL:
+            self._ev_digest[i] = digest[0]
+        self._ev_has_parent[i] = 0
+        self._ev_tok_n[i] = 0
+        self._ev_n += 1
+
+    def enable_events(self, int block_size):
+        """Starts the event log (take_events) for blocks of `block_size` tokens."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if self._record:
+            if block_size != self._ev_block_size:
+                raise ValueError("enable_events: already enabled with another block_size")
+            return
+        self._blk_parent = <Digest*>calloc(self.num_blocks, sizeof(Digest))
+        self._blk_has_parent = <uint8_t*>calloc(self.num_blocks, sizeof(uint8_t))
+        self._blk_logged = <uint8_t*>calloc(self.num_blocks, sizeof(uint8_t))
+        self._blk_tokens = <uint32_t*>calloc(<size_t>self.num_blocks * block_size, sizeof(uint32_t))
+        if not (self._blk_parent and self._blk_has_parent and self._blk_logged and self._blk_tokens):
+            raise MemoryError("cannot allocate the event log's per-block copies")
+        self._ev_block_size = block_size
+        self._record = 1
+
+    def take_events(self):
+        """(events, lost) since the last call, oldest first, and empties the log. An event is
+        (kind, digest, parent digest or None, token ids): kind 1 STORED, 2 REMOVED (digest only),
+        3 CLEARED (neither). lost: some events could not be logged (memory); the batch is then
+        incomplete and the caller must re-announce the cache (cached_block_events)."""
+        cdef Py_ssize_t i
+        cdef int64_t j, start
+        cdef list events = []
+        for i in range(self._ev_n):
+            kind = self._ev_kind[i]
+            if kind == EV_STORED:
+                start = self._ev_tok_start[i]
+                events.append((
+                    EV_STORED,
+                    digest_to_int(&self._ev_digest[i]),
+                    digest_to_int(&self._ev_parent[i]) if self._ev_has_parent[i] else None,
+                    [self._ev_tokens[j] for j in range(start, start + self._ev_tok_n[i])],
+                ))
+            elif kind == EV_REMOVED:
+                events.append((EV_REMOVED, digest_to_int(&self._ev_digest[i]), None, []))
+            else:
+                events.append((EV_CLEARED, None, None, []))
+        lost = bool(self._ev_lost)
+        self._ev_n = 0
+        self._ev_tok_len = 0
+        self._ev_lost = 0
+        return events, lost
+
+    def cached_block_events(self):
+        """A STORED event for every cached block whose caching was logged, in block order."""
+        cdef int32_t b
+        cdef int64_t j, start
+        cdef list events = []
+        if not self._record:
+            return events
+        for b in range(1, self.num_blocks):
+            if self._has_hash[b] and self._blk_logged[b]:
+                start = <int64_t>b * self._ev_block_size
+                events.append((
+                    EV_STORED,
+                    digest_to_int(&self._digest[b]),
+                    digest_to_int(&self._blk_parent[b]) if self._blk_has_parent[b] else None,
+                    [self._blk_tokens[j] for j in range(start, start + self._ev_block_size)],
+                ))
+        return events
 
     cdef uint32_t* _tokens_of(self, object token_ids, Py_ssize_t start,
                               Py_ssize_t n) except NULL:
@@ -479,13 +667,20 @@ cdef class BlockPool:
         self._ref[b] -= 1  # still >= 1: it stays out of the free queue
         return fresh
 
-    def cache_block(self, block_id, block_hash):
-        cdef Digest d
+    def cache_block(self, block_id, block_hash, parent_hash=None, token_ids=None):
+        cdef Digest d, parent
+        cdef uint32_t* tokens
         digest_from_int(block_hash, &d, "block_hash")
         cdef int32_t b = self._check_id(block_id)
         if self._ref[b] == 0:
             raise ValueError(f"cache_block of block {b}, which is not held (ref count 0)")
-        return self._cache(b, &d) == 1
+        if token_ids is None:
+            return self._cache(b, &d) == 1
+        if parent_hash is not None:
+            digest_from_int(parent_hash, &parent, "parent_hash")
+        tokens = self._tokens_of(token_ids, 0, len(token_ids))
+        return self._cache_logged(b, &d, &parent if parent_hash is not None else NULL, tokens,
+                                  len(token_ids)) == 1
 
     def lookup(self, block_hash):
         cdef Digest d
@@ -541,6 +736,21 @@ cdef class BlockPool:
             if self._ref[self._check_id(ids[i])] == 0:
                 count += 1
         return count
+
+    def reset_prefix_cache(self):
+        """Forgets every cached block (the hash index empties), as vLLM's reset_prefix_cache: only
+        while no block is held, else False and nothing changes (a held block's hash would then
+        be missing from the index while a sequence still counts it as cached)."""
+        cdef int32_t b
+        if self.num_free != self.num_blocks - 1:
+            return False
+        self._clearing = 1  # one CLEARED event, not a REMOVED per block
+        for b in range(1, self.num_blocks):
+            self._evict_hash(b)
+        self._clearing = 0
+        if self._record:
+            self._log(EV_CLEARED, NULL)
+        return True
 
     def free_queue(self):
         cdef int32_t sentinel = self.num_blocks

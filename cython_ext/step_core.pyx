@@ -331,7 +331,10 @@ cdef class StepCore:
             hash_block(&s.block_hashes[index - 1] if index > 0 else NULL, &s.salt,
                        &s.token_ids[index * self.block_size], self.block_size,
                        &s.block_hashes[index])
-            self.pool._cache(s.block_ids[index], &s.block_hashes[index])
+            # Logged for the KV-cache events when the pool records them (enable_events).
+            self.pool._cache_logged(s.block_ids[index], &s.block_hashes[index],
+                                    &s.block_hashes[index - 1] if index > 0 else NULL,
+                                    &s.token_ids[index * self.block_size], self.block_size)
         s.num_hashed = <int32_t>num_full
         return 0
 

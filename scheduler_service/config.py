@@ -17,6 +17,7 @@ from scheduler_service.core import policies
 CHUNKING_MODES = ("interleaved", "prefill-first", "decode-priority")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 PREFIX_CACHE_SCOPES = ("global", "tenant")
+INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,29 @@ class SchedulerConfig:
     """File holding the bearer token the public API requires (`authorization: Bearer <token>`);
     empty: no authentication. Health checks and reflection stay open."""
 
+    trust_gateway_headers: bool = False
+    """Read the Gateway API Inference Extension's request headers on the HTTP API:
+    `x-gateway-inference-fairness-id` becomes the tenant (the fair policy's key and, with
+    prefix_cache_scope tenant, the prefix cache's), `x-gateway-inference-objective` a priority
+    (gateway_objective_priorities). Off by default: any client could claim another tenant, so
+    turn it on only where the gateway is the only way in (docs/gateway.md)."""
+
+    gateway_objective_priorities: str = ""
+    """With trust_gateway_headers: InferenceObjective names and the priority each gets
+    ("critical=10,standard=0,sheddable=-10"; higher is more urgent). A request naming an
+    objective not listed gets 400."""
+
+    enable_reset_prefix_cache: bool = False
+    """Serve POST /reset_prefix_cache on the HTTP API (behind the bearer token): forgets every
+    cached prefix block while no request holds blocks (409 otherwise), as vLLM's. Off: 404."""
+
+    kv_events_config: str = ""
+    """KV-cache events as vLLM publishes them, as vLLM's JSON: '{"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}' (also
+    replay_endpoint, buffer_steps, hwm, max_queue_size). A ZMQ PUB socket bound to exactly the
+    endpoint; one batch per step (scheduler_service/engine/kv_events.py). The events carry every
+    tenant's prompt tokens: bind where only the router reaches. Empty: none."""
+
     max_concurrent_streams: int = setting(1024, low=1)
     """Most concurrent RPCs per HTTP/2 connection of the public API."""
 
@@ -192,6 +216,10 @@ class SchedulerConfig:
             from scheduler_service.text import tool_parsers
 
             tool_parsers.resolve(self.tool_call_parser)  # names the valid parsers
+        parse_objective_priorities(self.gateway_objective_priorities)  # names the bad entry
+        from scheduler_service.engine import kv_events
+
+        kv_events.parse_config(self.kv_events_config)  # names the bad field
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca and not self.tls_cert:
@@ -201,3 +229,20 @@ class SchedulerConfig:
         if self.engine_tls_cert and not self.engine_tls_ca:
             raise ValueError("engine_tls_cert needs engine_tls_ca (mutual TLS is TLS)")
         return self
+
+
+def parse_objective_priorities(text: str) -> dict[str, int]:
+    """ "name=priority,..." -> {name: priority}; ValueError naming the field and the entry."""
+    priorities: dict[str, int] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = entry.partition("=")
+        try:
+            priority = int(value)
+        except ValueError:
+            priority = None
+        if not name.strip() or priority is None or not INT32[0] <= priority <= INT32[1]:
+            raise ValueError(
+                f"gateway_objective_priorities: {entry!r} must be name=integer (an int32)"
+            )
+        priorities[name.strip()] = priority
+    return priorities

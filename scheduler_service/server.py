@@ -24,9 +24,11 @@ from scheduler_service.api.http_server import HttpServer
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import client as engine_client
+from scheduler_service.engine import kv_events
 from scheduler_service.engine.addresses import is_replicated
 from scheduler_service.engine.client import EngineClient, EngineFacts
 from scheduler_service.engine.frontend import EngineFrontend
+from scheduler_service.engine.kv_events import KVEventPublisher, KVEventStream
 from scheduler_service.engine.loop import EngineLoop
 from scheduler_service.engine.replicas import ReplicaSet
 from scheduler_service.metrics import Metrics
@@ -65,6 +67,9 @@ class SchedulerServer:
         self.metrics_port: int | None = None
         self.http: HttpServer | None = None
         self.http_port: int | None = None  # the OpenAI-compatible API's bound port, if served
+        self.kv_publisher: KVEventPublisher | None = None  # with --kv-events-config
+        # Health SERVING: the model service computed a real step and the server is not draining.
+        self.ready = False
 
     def _engine_client(self, address: str) -> EngineClient:
         """A client of one model service, with the engine TLS settings (--engine-tls-*)."""
@@ -126,6 +131,8 @@ class SchedulerServer:
                 self.config.host,
                 self.config.http_port,
                 security.http_ssl_options(self.config),
+                registry=self.metrics.registry,
+                is_ready=lambda: self.ready,
             )
             if self.config.auth_token_file:
                 security.add_http_bearer_auth(
@@ -147,6 +154,7 @@ class SchedulerServer:
                 facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size
             ),
         )
+        self.metrics.on_engine_facts(facts.block_size, facts.num_kv_blocks)
         if engine_down is None:
             if not is_replicated(self.config.engine_address):
                 self.metrics.on_engine_ready()  # a replica set keeps the gauge itself
@@ -167,6 +175,7 @@ class SchedulerServer:
             self.metrics,
             on_serving=self._on_engine_up,
             make_client=self._engine_client,
+            kv_publisher=self._kv_publisher(),
         )
         facts, tokenizer = await replicas.connect()
         return facts, tokenizer, replicas, None
@@ -178,6 +187,7 @@ class SchedulerServer:
         tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
         output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
         scheduler = Scheduler(self.config, facts, output_processor)
+        events = self._kv_event_stream(scheduler)
         # Readiness is a real one-token step on the model, not only an answer to Describe:
         # when it fails, the loop starts by reconnecting, NOT_SERVING until a step works.
         engine_down = await self._probe(scheduler, facts)
@@ -187,9 +197,29 @@ class SchedulerServer:
             self.metrics,
             on_engine_up=self._on_engine_up,
             is_compatible=lambda new: engine_client.incompatibility(facts, new),
+            kv_events=events,
         )
         loop.start(engine_down)
         return facts, tokenizer, loop, engine_down
+
+    def _kv_publisher(self) -> Optional[KVEventPublisher]:
+        """With --kv-events-config: the socket the KV-cache events go out on."""
+        config = kv_events.parse_config(self.config.kv_events_config)
+        if config is None or not config.publishes:
+            return None
+        try:
+            self.kv_publisher = KVEventPublisher(config)
+        except OSError as error:
+            raise StartupError(f"--kv-events-config: {error}") from None
+        return self.kv_publisher
+
+    def _kv_event_stream(self, scheduler: Scheduler) -> Optional[KVEventStream]:
+        """One model service: its pool logs its changes, published after each step."""
+        publisher = self._kv_publisher()
+        if publisher is None:
+            return None
+        scheduler.kv.enable_events()
+        return KVEventStream(publisher, scheduler.kv.block_size)
 
     async def _probe(self, scheduler: Scheduler, facts: EngineFacts) -> str | None:
         """None when the model service computed a one-token step, else why not."""
@@ -224,6 +254,7 @@ class SchedulerServer:
         return not num_left
 
     def _set_health(self, status) -> None:
+        self.ready = status == health_pb2.HealthCheckResponse.SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
@@ -238,6 +269,9 @@ class SchedulerServer:
             await self.loop.stop()
         await self.client.close()
         self.metrics.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

@@ -125,6 +125,17 @@ class Admission:
             self._check_queue_room(request)
         return request
 
+    def render(self, pb: generate_pb2.GenerateRequest) -> Request:
+        """The request Generate would make of `pb` (the same intake: prompt ids with the chat
+        template, every bound), neither queued nor counted: the render endpoints' answer."""
+        serving = self._ready()
+        try:
+            return intake.to_request(
+                pb, serving.facts, serving.tokenizer, serving.frontend.scheduler.kv.capacity_tokens
+            )
+        except intake.InvalidRequest as error:
+            raise Rejected.invalid(error.field, error.detail) from None
+
     def _check_queue_room(self, request: Request) -> None:
         """RESOURCE_EXHAUSTED with a retry hint when the waiting queue is full, by requests or by
         tokens (a request arriving at an empty queue is always taken)."""

@@ -21,7 +21,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scheduler_service.api.openai_requests import ApiError, ChatCompletionRequest
+from scheduler_service.api.openai_errors import ApiError
+from scheduler_service.api.openai_requests import ChatCompletionRequest
 from scheduler_service.core.request import FinishReason
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}

@@ -17,8 +17,8 @@ from typing import Any, Optional
 import jinja2
 
 from planserve.v1 import generate_pb2
+from scheduler_service.api.openai_errors import ApiError
 from scheduler_service.api.openai_requests import (
-    ApiError,
     ChatCompletionRequest,
     ChatMessage,
     to_pb,

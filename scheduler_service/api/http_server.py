@@ -1,18 +1,23 @@
-"""The OpenAI-compatible API's server: uvicorn on its own port, in the scheduler's event loop."""
+"""The HTTP serving port: uvicorn in the scheduler's event loop, serving the OpenAI-compatible API
+(openai_http.py, with vLLM's render endpoints: openai_render.py) and the probe, scrape and
+operator routes (ops_http.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 import structlog
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from scheduler_service.api.admission import Admission
 from scheduler_service.api.anthropic_http import MessagesDoor
 from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.api.openai_render import add_render_routes
+from scheduler_service.api.ops_http import add_ops_routes
 from scheduler_service.api.responses_http import ResponsesDoor
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.ports import StartupError
@@ -28,6 +33,28 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+class EchoRequestId:
+    """ASGI middleware: a response carries the X-Request-Id its request sent (the request's id
+    too: api/gateway.py), as vLLM's server does, so a gateway can match the two."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        echo = [(k, v) for k, v in scope["headers"] if k == b"x-request-id"][:1]
+        if not echo:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), *echo])
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
 class HttpServer:
     """The OpenAI-compatible API on its own port, in the running event loop."""
 
@@ -38,13 +65,19 @@ class HttpServer:
         port: int,
         ssl_options: Optional[dict] = None,
         config: Optional[SchedulerConfig] = None,
+        registry: Optional[CollectorRegistry] = None,
+        is_ready: Callable[[], bool] = lambda: False,
     ):
         """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP;
-        config: the doors' settings (tool parser) when not the admission's."""
+        config: the doors' settings (tool parser, gateway headers) when not the admission's;
+        registry: what /metrics serves (none: no /metrics); is_ready: /health/ready's answer."""
         door = OpenAIApp(admission, config)
         MessagesDoor(door)  # POST /v1/messages over the same path
         ResponsesDoor(door)  # POST /v1/responses too
+        add_render_routes(door)
         self.app = door.app
+        add_ops_routes(self.app, admission, registry, is_ready)
+        self.app.add_middleware(EchoRequestId)
         self._host, self._requested_port = host, port
         self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None
@@ -54,7 +87,11 @@ class HttpServer:
     async def start(self) -> int:
         """Binds (port 0 picks a free one), serves and returns the bound port."""
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, so that asyncio sets TCP_NODELAY on every accepted connection (it
+        # does only for sockets whose proto says TCP): a response's head and body go out as two
+        # writes, and without it the body waits for the client's delayed ACK (40 ms on Linux) on
+        # every keep-alive request, a gateway's /metrics scrape every 50 ms included.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self._host, self._requested_port))

@@ -28,12 +28,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
-from scheduler_service.api import chat_outputs, chat_prompt
+from scheduler_service.api import chat_outputs, chat_prompt, gateway
 from scheduler_service.api.admission import Admission, Rejected, Serving
 from scheduler_service.api.chat_outputs import ChatOutput
+from scheduler_service.api.openai_errors import ApiError
 from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.api.openai_requests import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -45,7 +45,7 @@ from scheduler_service.api.openai_requests import (
 )
 from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of
 from scheduler_service.api.tool_requests import ToolPlan
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.config import SchedulerConfig, parse_objective_priorities
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.text import tool_parsers
 
@@ -124,6 +124,12 @@ class OpenAIApp:
         if config.enable_auto_tool_choice:
             self.tool_parser = tool_parsers.create(config.tool_call_parser)
         self.reasoning_parser = config.reasoning_parser
+        # The gateway's headers are read only when trusted (None: ignored).
+        self._gateway_objectives = (
+            parse_objective_priorities(config.gateway_objective_priorities)
+            if config.trust_gateway_headers
+            else None
+        )
         self.app = FastAPI(
             title="planserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
         )
@@ -160,7 +166,7 @@ class OpenAIApp:
         message = f"{where}: {first.get('msg', 'invalid request')}"
         return _error_response(http, ApiError(400, message, param=param))
 
-    def _serving(self, model: Optional[str] = None) -> Serving:
+    def serving(self, model: Optional[str] = None) -> Serving:
         """The serving state; 503 before the engine answered Describe, 404 for another model."""
         serving = self.admission.serving
         if serving is None:
@@ -183,7 +189,7 @@ class OpenAIApp:
         return JSONResponse(content={"status": "ok"})
 
     async def models(self) -> dict:
-        facts = self._serving().facts
+        facts = self.serving().facts
         model = {
             "id": facts.model_name,
             "object": "model",
@@ -200,7 +206,7 @@ class OpenAIApp:
         return await self._handle(body, http, chat=True)
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
-        self._serving(body.model)
+        self.serving(body.model)
         pb = generate_pb2.TokenizeRequest(add_special_tokens=body.add_special_tokens)
         if body.messages is not None:
             chat_turns(body.messages, pb.messages, only_text=False)
@@ -217,7 +223,7 @@ class OpenAIApp:
         }
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
-        self._serving(body.model)
+        self.serving(body.model)
         for index, token in enumerate(body.tokens):
             if not 0 <= token < 1 << 32:
                 raise ApiError(400, f"tokens[{index}]: {token} is not a token id", param="tokens")
@@ -228,20 +234,27 @@ class OpenAIApp:
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None
         return {"prompt": reply.text}
 
-    async def admit(self, body: _Common, chat: bool) -> tuple[Serving, Request, Optional[ToolPlan]]:
-        serving = self._serving(body.model)
+    async def admit(
+        self, body: _Common, chat: bool, http: Optional[HttpRequest] = None
+    ) -> tuple[Serving, Request, Optional[ToolPlan]]:
+        """Admits one body of any door (`http`: its request, for X-Request-Id and the gateway's
+        headers)."""
+        serving = self.serving(body.model)
         if isinstance(body, ChatCompletionRequest):
             parser = self.tool_parser.name if self.tool_parser is not None else None
             pb, plan = chat_prompt.chat_request_pb(body, parser, serving.tokenizer)
         else:
             pb, plan = to_pb(body, uuid.uuid4().hex), None
+        headers = http.headers if http is not None else {}
+        pb.request_id = gateway.request_id(headers, pb.request_id)
+        gateway.apply(pb, body.priority, body.cache_salt, headers, self._gateway_objectives)
         try:
             return serving, await self.admission.admit(pb), plan
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
 
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
-        serving, req, plan = await self.admit(body, chat)
+        serving, req, plan = await self.admit(body, chat, http)
         response = _Response(serving, req, body, chat)
         if chat:
             response.chat_outputs = chat_outputs.for_samples(

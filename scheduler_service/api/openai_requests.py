@@ -10,14 +10,14 @@ naming the public request's field; `rejected_error` names the body's parameter f
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional, Union, cast
+from typing import Any, Optional, Union, cast
 
 import grpc
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from planserve.v1 import generate_pb2
 from scheduler_service.api.admission import Rejected
+from scheduler_service.api.openai_errors import ApiError
 
 _STATUS = {  # gRPC status of a rejected request -> HTTP status and OpenAI error type
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -41,34 +41,6 @@ _PARAMS = (
     ("text", "prompt"),
     ("prompt", "prompt"),
 )
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        retry_after_ms: Optional[int] = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-        self.retry_after_ms = retry_after_ms
-
-    def response(self, headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
-        if self.retry_after_ms is not None:
-            # HTTP's Retry-After counts whole seconds; round up so a client never comes too early.
-            headers = dict(headers or {}, **{"Retry-After": str(-(-self.retry_after_ms // 1000))})
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse(status_code=self.status, headers=headers, content={"error": error})
 
 
 def _under(field: str, prefix: str) -> bool:
@@ -147,6 +119,8 @@ class _Common(BaseModel):
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias
     min_tokens: Optional[int] = None  # extension
     user: Optional[str] = None
+    priority: Optional[int] = None  # extension, vLLM's: lower is handled first (api/gateway.py)
+    cache_salt: Optional[str] = None  # extension: requests share cached prefixes per salt
     stream_interval: Optional[int] = None  # extension: tokens per streamed chunk
     # Structured output: OpenAI's response_format, or vLLM's guided_* (at most one of them).
     response_format: Optional[dict[str, Any]] = None

@@ -24,7 +24,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scheduler_service.api.openai_requests import ApiError, ChatCompletionRequest
+from scheduler_service.api.openai_errors import ApiError
+from scheduler_service.api.openai_requests import ChatCompletionRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

@@ -2,8 +2,9 @@
 
 The public API takes TLS (`tls_cert` + `tls_key`), optionally requiring client certificates
 signed by `tls_client_ca` (mutual TLS), on its gRPC port and on the OpenAI HTTP port alike, and
-optionally a bearer token (`auth_token_file`): every call but health checks and reflection must
-carry `authorization: Bearer <token>`, else UNAUTHENTICATED (HTTP: 401). The channel to the
+optionally a bearer token (`auth_token_file`): every call but health checks and reflection (HTTP:
+OPEN_HTTP_PATHS, the probes, /metrics and /version) must carry `authorization: Bearer <token>`,
+else UNAUTHENTICATED (HTTP: 401). The channel to the
 model service takes TLS (`engine_tls_ca`) and a client certificate (`engine_tls_cert` +
 `engine_tls_key`) for a model service that requires mTLS.
 """
@@ -27,6 +28,10 @@ OPEN_SERVICES = (
     reflection.SERVICE_NAME,
     "grpc.reflection.v1.ServerReflection",
 )
+
+# HTTP paths a probe or a scraper reaches without the token: none carries request content
+# (api/ops_http.py).
+OPEN_HTTP_PATHS = frozenset({"/health", "/health/ready", "/metrics", "/version"})
 
 
 def _read(path: str) -> bytes:
@@ -145,13 +150,13 @@ def interceptors(config: SchedulerConfig) -> list[grpc.aio.ServerInterceptor]:
 
 def add_http_bearer_auth(app, token: str) -> None:
     """The same token on the OpenAI-compatible HTTP API: 401 in OpenAI's error shape for any path
-    but /health without `Authorization: Bearer <token>` (or `x-api-key: <token>`, as Anthropic's
-    clients send it). Call before the app starts."""
+    but OPEN_HTTP_PATHS without `Authorization: Bearer <token>` (or `x-api-key: <token>`, as
+    Anthropic's clients send it). Call before the app starts."""
     from fastapi.responses import JSONResponse
 
     @app.middleware("http")
     async def require_bearer_token(request, call_next):
-        if request.url.path == "/health" or bearer_token_ok(
+        if request.url.path in OPEN_HTTP_PATHS or bearer_token_ok(
             request.headers.get("authorization"), token
         ):
             return await call_next(request)

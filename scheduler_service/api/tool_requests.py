@@ -22,7 +22,8 @@ import json
 import re
 from typing import Any, Optional
 
-from scheduler_service.api.openai_requests import ApiError, ChatCompletionRequest, structured_param
+from scheduler_service.api.openai_errors import ApiError
+from scheduler_service.api.openai_requests import ChatCompletionRequest, structured_param
 
 MAX_TOOLS = 128  # OpenAI's own bound
 MAX_TOOLS_CHARS = 32768  # the tools' JSON in all; structured.MAX_GRAMMAR_CHARS leaves room

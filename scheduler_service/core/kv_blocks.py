@@ -54,6 +54,18 @@ class KVBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_scope = prefix_cache_scope
+        self.logs_events = False  # the pool logs KV-cache events (engine/kv_events.py)
+
+    def enable_events(self) -> None:
+        """The pool logs its prefix cache's changes, and so does every pool that replaces it."""
+        self.logs_events = True
+        self.pool.enable_events(self.block_size)
+
+    def replace_pool(self, num_blocks: int) -> None:
+        """A new, empty pool (the model service restarted: the cached KV is gone)."""
+        self.pool = BlockPool(num_blocks)
+        if self.logs_events:
+            self.pool.enable_events(self.block_size)
 
     def salt(self, request: Request) -> int:
         """The request's prefix-cache salt under this manager's scope (see salt_of)."""
@@ -75,6 +87,10 @@ class KVBlockManager:
         return self.num_usable_blocks * self.block_size
 
     # ---- prefix caching -------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; only while no sequence holds a block (else False)."""
+        return self.pool.reset_prefix_cache()
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks matching the start of a request that holds no block yet.

@@ -22,7 +22,6 @@ import heapq
 import time
 from typing import Optional
 
-from cython_ext.block_pool import BlockPool
 from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepCore
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core import policies
@@ -135,7 +134,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         self._finished_slots.clear()
         self._aborted_slots.clear()
         self.facts = facts
-        self.kv.pool = BlockPool(facts.num_kv_blocks)
+        self.kv.replace_pool(facts.num_kv_blocks)
         self.slots = SlotAllocator(facts.max_num_slots)
         self.max_num_seqs = min(self.config.max_num_seqs, facts.max_num_slots)
         self.swap = SwapSpace(self._usable_swap_blocks(facts))

@@ -38,6 +38,8 @@ class KVView(Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
+    def reset_prefix_cache(self) -> bool: ...
+
 
 class SchedulerView(Protocol):
     """The scheduler's state the doors read: one Scheduler, or the replicas' merged."""

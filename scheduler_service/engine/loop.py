@@ -31,6 +31,7 @@ from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineClient, EngineFacts, EngineUnavailable
 from scheduler_service.engine.frontend import EngineMetrics
+from scheduler_service.engine.kv_events import KVEventStream
 
 log = structlog.get_logger("planserve.loop")
 
@@ -53,8 +54,10 @@ class EngineLoop:
         on_engine_up: Optional[Callable[[bool], None]] = None,
         engine_check_interval_s: float = 1.0,
         is_compatible: Optional[Callable[[EngineFacts], Optional[str]]] = None,
+        kv_events: Optional[KVEventStream] = None,
     ):
         self.scheduler = scheduler
+        self.kv_events = kv_events  # publishes the pool's KV-cache events after each step
         self.client = client
         self.metrics = metrics
         self._on_engine_up = on_engine_up or (lambda up: None)
@@ -196,6 +199,8 @@ class EngineLoop:
         self._after_step(result)
 
     def _after_step(self, result) -> None:
+        if self.kv_events is not None:
+            self.kv_events.on_step(self.scheduler.kv.pool)
         if self.metrics is not None:
             scheduler = self.scheduler
             usable = scheduler.kv.num_usable_blocks

@@ -5,27 +5,16 @@ itself."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineFacts
+from scheduler_service.engine.replica_series import ReplicaSeries
 
 # The replicas' schedulers now (replicas come and go), and the facts of the first one connected.
 Schedulers = Callable[[], list[Scheduler]]
 Facts = Callable[[], Optional[EngineFacts]]
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaSeries:
-    """The per-replica Prometheus series (labelled `replica`) a replica's metrics write."""
-
-    waiting: Any
-    running: Any
-    kv_usage: Any
-    prompt_tokens: Any
-    cached_tokens: Any
 
 
 class ReplicaMetrics:
@@ -87,6 +76,10 @@ class _MergedKV:
     def capacity_tokens(self) -> int:
         # One request lives on one replica: it must fit the smallest.
         return min((s.kv.capacity_tokens for s in self._schedulers()), default=0)
+
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's (each one that holds no block forgets its cache); True if all did."""
+        return all([s.kv.reset_prefix_cache() for s in self._schedulers()])
 
     @property
     def block_size(self) -> int:

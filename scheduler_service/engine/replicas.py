@@ -31,7 +31,6 @@ import dataclasses
 from typing import Callable, Optional
 
 import structlog
-from prometheus_client import Counter, Gauge
 
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.request import Request, RequestStatus
@@ -43,8 +42,10 @@ from scheduler_service.engine.addresses import (
     split_addresses,
 )
 from scheduler_service.engine.client import EngineClient, EngineFacts
+from scheduler_service.engine.kv_events import KVEventPublisher, KVEventStream
 from scheduler_service.engine.loop import EngineLoop
-from scheduler_service.engine.merged import MergedScheduler, ReplicaMetrics, ReplicaSeries
+from scheduler_service.engine.merged import MergedScheduler, ReplicaMetrics
+from scheduler_service.engine.replica_series import ReplicaSeries
 from scheduler_service.engine.router import Router
 from scheduler_service.metrics import Metrics
 from scheduler_service.text.outputs import OutputProcessor
@@ -85,8 +86,11 @@ class ReplicaSet:
         metrics: Metrics,
         make_client: Callable[[str], EngineClient] = EngineClient,
         on_serving: Callable[[bool], None] = lambda up: None,
+        kv_publisher: Optional[KVEventPublisher] = None,
     ):
         self.config = config
+        self.kv_publisher = kv_publisher  # KV-cache events: one socket, a rank per replica
+        self._ranks: dict[str, int] = {}  # by address, in the order replicas first connect
         self.metrics = metrics
         self.router = Router.from_spec(config.router_weights)
         self.replicas: list[Replica] = []
@@ -101,65 +105,7 @@ class ReplicaSet:
         self._connecting: set[str] = set()
         self._maintainer: Optional[asyncio.Task] = None
         self._serving = False
-        self._add_metrics(metrics.registry)
-
-    def _add_metrics(self, registry) -> None:
-        """The per-replica series, labelled `replica`."""
-        self.up_gauge = Gauge(
-            "planserve_replica_up",
-            "1 while the replica's engine is connected and computing.",
-            ["replica"],
-            registry=registry,
-        )
-        self.waiting_gauge = Gauge(
-            "planserve_replica_num_requests_waiting",
-            "Requests waiting on the replica.",
-            ["replica"],
-            registry=registry,
-        )
-        self.running_gauge = Gauge(
-            "planserve_replica_num_requests_running",
-            "Sequences running on the replica.",
-            ["replica"],
-            registry=registry,
-        )
-        self.kv_usage_gauge = Gauge(
-            "planserve_replica_kv_cache_usage_ratio",
-            "Fraction of the replica's usable KV blocks held.",
-            ["replica"],
-            registry=registry,
-        )
-        self.routed = Counter(
-            "planserve_replica_routed_requests",
-            "New requests the router sent to the replica.",
-            ["replica"],
-            registry=registry,
-        )
-        self.drained = Counter(
-            "planserve_replica_drained_requests",
-            "Requests moved off the replica (engine down or replica gone).",
-            ["replica"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "planserve_replica_prompt_tokens",
-            "Prompt tokens of samples finished there.",
-            ["replica"],
-            registry=registry,
-        )
-        self.cached_tokens = Counter(
-            "planserve_replica_prefix_cache_hit_tokens",
-            "Prompt tokens of samples finished there served from its prefix cache.",
-            ["replica"],
-            registry=registry,
-        )
-        self._series = ReplicaSeries(
-            self.waiting_gauge,
-            self.running_gauge,
-            self.kv_usage_gauge,
-            self.prompt_tokens,
-            self.cached_tokens,
-        )
+        self.series = ReplicaSeries.register(metrics.registry)  # labelled `replica`
 
     # ---- what the doors call (EngineFrontend) --------------------------------------------
 
@@ -171,7 +117,7 @@ class ReplicaSet:
         candidates = [r for r in self.replicas if r.up] or self.replicas
         replica = candidates[self.router.choose(request, candidates)]
         replica.loop.add_request(request)
-        self.routed.labels(replica.name).inc()
+        self.series.routed.labels(replica.name).inc()
 
     def abort_request(self, request_id: str) -> bool:
         found = False
@@ -268,14 +214,15 @@ class ReplicaSet:
         loop = EngineLoop(
             scheduler,
             client,
-            ReplicaMetrics(self._series, address, self.metrics, self.scheduler),
+            ReplicaMetrics(self.series, address, self.metrics, self.scheduler),
             on_engine_up=lambda up: self._on_engine_up(replica, up),
             is_compatible=lambda new: engine_client.incompatibility(first, new),
+            kv_events=self._kv_event_stream(address, scheduler),
         )
         replica = Replica(address, client, loop)
         self.replicas.append(replica)
         loop.start()
-        self.up_gauge.labels(address).set(1)
+        self.series.up.labels(address).set(1)
         log.info(
             "replica_up",
             replica=address,
@@ -283,6 +230,13 @@ class ReplicaSet:
             num_replicas=len(self.replicas),
         )
         self._update_serving()
+
+    def _kv_event_stream(self, address: str, scheduler: Scheduler) -> Optional[KVEventStream]:
+        if self.kv_publisher is None:
+            return None
+        rank = self._ranks.setdefault(address, len(self._ranks))
+        scheduler.kv.enable_events()
+        return KVEventStream(self.kv_publisher, scheduler.kv.block_size, rank)
 
     def _join(self, address: str, facts: EngineFacts) -> tuple[EngineFacts, OutputProcessor]:
         """The first replica's facts and the OutputProcessor every replica shares, both made
@@ -306,6 +260,8 @@ class ReplicaSet:
             return
         await replica.loop.stop()
         replica.scheduler.reset_engine(replica.scheduler.facts)  # every sequence back to waiting
+        if replica.loop.kv_events is not None:
+            replica.loop.kv_events.clear()
         self.replicas.remove(replica)
         # Up replicas first; if they all went down during the stop, any other one (the
         # maintenance pass moves requests off a down replica once one is up).
@@ -313,12 +269,12 @@ class ReplicaSet:
             replica, force=True, targets=[r for r in self.replicas if r.up] or list(self.replicas)
         )
         await replica.client.close()
-        self.up_gauge.remove(replica.name)
+        self.series.up.remove(replica.name)
         log.info("replica_removed", replica=replica.name, num_replicas=len(self.replicas))
         self._update_serving()
 
     def _on_engine_up(self, replica: Replica, up: bool) -> None:
-        self.up_gauge.labels(replica.name).set(1 if up else 0)
+        self.series.up.labels(replica.name).set(1 if up else 0)
         if not up:
             # The loop resets its scheduler (every sequence back to waiting) right after this
             # call, before its first await: drain once that happened.
@@ -356,7 +312,7 @@ class ReplicaSet:
                 move_waiting_request(request, src, dst.scheduler)
                 moved += 1
             dst.loop.wake()  # it may be sleeping with no work
-        self.drained.labels(replica.name).inc(moved)
+        self.series.drained.labels(replica.name).inc(moved)
         for touched in (replica, *targets):
             self._refresh_gauges(touched)  # its loop updates them only when it steps
         log.warning(
@@ -366,9 +322,9 @@ class ReplicaSet:
     def _refresh_gauges(self, replica: Replica) -> None:
         scheduler = replica.scheduler
         usable = scheduler.kv.num_usable_blocks
-        self.waiting_gauge.labels(replica.name).set(scheduler.num_waiting)
-        self.running_gauge.labels(replica.name).set(len(scheduler.running))
-        self.kv_usage_gauge.labels(replica.name).set(
+        self.series.waiting.labels(replica.name).set(scheduler.num_waiting)
+        self.series.running.labels(replica.name).set(len(scheduler.running))
+        self.series.kv_usage.labels(replica.name).set(
             (usable - scheduler.kv.num_free_blocks) / usable if usable else 0.0
         )
 

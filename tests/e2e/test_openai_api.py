@@ -225,7 +225,7 @@ class _FakeAdmission:
     def __init__(self, serving, rejection=None):
         self.serving = serving
         self._rejection = rejection
-        self.config = SchedulerConfig()  # the door reads its tool settings from it
+        self.config = SchedulerConfig()  # the door reads its tool and gateway settings from it
 
     async def admit(self, pb):
         raise self._rejection

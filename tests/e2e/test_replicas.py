@@ -72,7 +72,7 @@ async def replicated(two_engines):
 
 
 def _routed(server) -> dict[str, float]:
-    return {r.name: server.loop.routed.labels(r.name)._value.get() for r in server.loop.replicas}
+    return {r.name: server.loop.series.routed.labels(r.name)._value.get() for r in server.loop.replicas}
 
 
 async def test_requests_spread_across_both_replicas(replicated, tiny_server, two_engines):
@@ -189,7 +189,7 @@ async def test_killing_a_replica_mid_run_loses_no_request():
         for chunk in await samples:
             by_sample[chunk.index].extend(chunk.token_ids)
         assert by_sample[0] == by_sample[1] == samples_reference  # both samples of the n=2 request
-        assert server.loop.drained.labels(victim.name)._value.get() >= 1
+        assert server.loop.series.drained.labels(victim.name)._value.get() >= 1
         from prometheus_client import generate_latest
         exported = generate_latest(server.metrics.registry).decode()
         assert f'planserve_replica_up{{replica="{victim.name}"}} 0.0' in exported
@@ -300,7 +300,7 @@ async def test_replica_gone_from_dns_is_drained_mid_run(two_engines, monkeypatch
             assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
             assert tokens == ref.token_ids
         assert [r.name for r in server.loop.replicas] == answer
-        assert server.loop.drained.labels(leaving.name)._value.get() >= 1
+        assert server.loop.series.drained.labels(leaving.name)._value.get() >= 1
         await wait_until_idle(server)
         assert_no_leaked_blocks(server)
     finally:

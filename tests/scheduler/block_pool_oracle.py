@@ -58,6 +58,11 @@ class OracleBlockPool:
         self.hash_to_block: dict[int, int] = {}   # full digest -> block
         self.block_to_hash: dict[int, int] = {}
         self.keys: set[int] = set()               # index keys in use (first key_bits of a digest)
+        # The event log (enable_events): (kind, digest, parent, tokens), kind 1 STORED,
+        # 2 REMOVED, 3 CLEARED; and per cached block what its STORED event said.
+        self.block_size = 0
+        self.events: list[tuple] = []
+        self.logged: dict[int, tuple[int | None, list[int]]] = {}
 
     # ---- helpers ----
 
@@ -69,9 +74,12 @@ class OracleBlockPool:
             raise ValueError(f"block id {b} out of range")
         return b
 
-    def _evict(self, b: int) -> None:
+    def _evict(self, b: int, log: bool = True) -> None:
         h = self.block_to_hash.pop(b, None)
         if h is not None:
+            if self.block_size and log:
+                self.events.append((2, h, None, []))
+            self.logged.pop(b, None)
             del self.hash_to_block[h]
             self.keys.discard(digest_key(h, self.key_bits))
 
@@ -140,11 +148,23 @@ class OracleBlockPool:
         self.ref[b] -= 1
         return fresh
 
-    def cache_block(self, block_id: int, block_hash: int) -> bool:
+    def cache_block(self, block_id: int, block_hash: int, parent_hash: int | None = None,
+                    token_ids: Sequence[int] | None = None) -> bool:
         h = _as_uint(block_hash, 256)
         b = self._check(block_id)
         if self.ref[b] == 0:
             raise ValueError(f"block {b} not held")
+        parent = None if parent_hash is None else _as_uint(parent_hash, 256)
+        tokens = None if token_ids is None else [_as_uint(t, 32) for t in token_ids]
+        was_cached = b in self.block_to_hash
+        cached = self._cache(b, h)
+        if cached and not was_cached and tokens is not None and self.block_size:
+            if len(tokens) == self.block_size:
+                self.logged[b] = (parent, tokens)
+            self.events.append((1, h, parent, tokens))
+        return cached
+
+    def _cache(self, b: int, h: int) -> bool:
         if b in self.block_to_hash:
             if self.block_to_hash[b] == h:
                 return True
@@ -192,6 +212,30 @@ class OracleBlockPool:
 
     def num_unheld(self, block_ids: Sequence[int]) -> int:
         return sum(1 for b in block_ids if self.ref[self._check(b)] == 0)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free != self.num_blocks - 1:
+            return False
+        for b in list(self.block_to_hash):
+            self._evict(b, log=False)
+        if self.block_size:
+            self.events.append((3, None, None, []))
+        return True
+
+    def enable_events(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if self.block_size and block_size != self.block_size:
+            raise ValueError("enable_events: already enabled with another block_size")
+        self.block_size = block_size
+
+    def take_events(self) -> tuple[list[tuple], bool]:
+        events, self.events = self.events, []
+        return events, False
+
+    def cached_block_events(self) -> list[tuple]:
+        return [(1, self.block_to_hash[b], *self.logged[b])
+                for b in sorted(self.logged) if b in self.block_to_hash]
 
     def free_queue(self) -> list[int]:
         return list(self.free_blocks)

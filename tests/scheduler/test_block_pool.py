@@ -238,6 +238,45 @@ def test_eviction_removes_hash(make_pool):
     assert pool.match_prefix([1, 2, 3, 4], 2) == []
 
 
+def test_reset_prefix_cache_only_when_nothing_is_held(make_pool):
+    pool = make_pool(5)
+    tokens = [1, 2, 3, 4, 5, 6]
+    blocks = cache_prompt(pool, tokens, 2)
+    hashes = pool.block_hashes(tokens, 2)
+    assert pool.reset_prefix_cache() is False  # held: nothing changes
+    assert pool.num_cached == 3 and [pool.lookup(h) for h in hashes] == blocks
+    pool.free(blocks[::-1])
+    queue = pool.free_queue()
+    assert pool.reset_prefix_cache() is True
+    assert pool.num_cached == 0 and [pool.lookup(h) for h in hashes] == [-1, -1, -1]
+    assert pool.match_prefix(tokens, 2) == []
+    assert pool.free_queue() == queue and pool.num_free == pool.num_usable
+    assert cache_prompt(pool, tokens, 2)  # the blocks cache again
+
+
+def test_event_log_records_stores_evictions_and_clears(make_pool):
+    pool = make_pool(3)
+    pool.enable_events(2)
+    tokens = [1, 2, 3, 4]
+    h = pool.block_hashes(tokens, 2)
+    a, b = pool.allocate(2)
+    assert pool.cache_block(a, h[0], None, tokens[:2])
+    assert pool.cache_block(b, h[1], h[0], tokens[2:])
+    assert pool.cache_block(b, h[1], h[0], tokens[2:])  # already cached: no second event
+    stored = [(1, h[0], None, [1, 2]), (1, h[1], h[0], [3, 4])]
+    assert pool.take_events() == (stored, False)
+    assert pool.take_events() == ([], False)
+    assert pool.cached_block_events() == stored
+    pool.free([b, a])
+    (x,) = pool.allocate(1)  # reuses b: its hash is evicted
+    assert x == b and pool.take_events() == ([(2, h[1], None, [])], False)
+    assert pool.cached_block_events() == stored[:1]
+    pool.free([x])
+    assert pool.reset_prefix_cache()
+    assert pool.take_events() == ([(3, None, None, [])], False)  # one CLEARED, no REMOVED
+    assert pool.cached_block_events() == []
+
+
 def test_cache_block_rules(make_pool):
     pool = make_pool(4)
     a, b = pool.allocate(2)
@@ -333,6 +372,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.py = oracle.OracleBlockPool(num_blocks)
         self.held: list[int] = []
         self.hashes_seen: set[int] = set()
+        self.both("enable_events", BLOCK_SIZE)
 
     def both(self, method, *args):
         """Call both pools; same result or same exception type. Returns (result, exception)."""
@@ -362,8 +402,9 @@ class PoolMachine(RuleBasedStateMachine):
             self.both("free", hit)  # back out the hit, as a scheduler that cannot admit does
             return
         self.held += hit + new
-        for b, h in zip(new, hashes[len(hit):]):
-            self.both("cache_block", b, h)
+        for i, (b, h) in enumerate(zip(new, hashes[len(hit):]), start=len(hit)):
+            parent = hashes[i - 1] if i else None
+            self.both("cache_block", b, h, parent, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -416,6 +457,15 @@ class PoolMachine(RuleBasedStateMachine):
             self.both("incref", [b])
             self.held.append(b)
 
+    @rule(free_first=st.booleans())
+    def reset_prefix_cache(self, free_first):
+        if free_first:  # everything freed first, so that the reset happens
+            self.both("free", self.held[::-1])
+            self.held = []
+        done, _ = self.both("reset_prefix_cache")
+        event(f"reset_prefix_cache: {done}")
+        assert done == (not self.held)
+
     # ---- bad calls: same exception, nothing changes ----
 
     @rule(data=st.data())
@@ -449,6 +499,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert sorted(queue) == [b for b in range(1, n) if refs[b] == 0]
         assert self.cy.num_free == self.py.num_free == len(queue)
         assert self.cy.num_cached == self.py.num_cached
+        assert self.cy.take_events() == self.py.take_events()
+        assert self.cy.cached_block_events() == self.py.cached_block_events()
         for h in self.hashes_seen:
             assert self.cy.lookup(h) == self.py.lookup(h)
 

@@ -11,7 +11,8 @@ import tokenizers
 from tokenizers import models
 
 from scheduler_service.api.chat_prompt import render
-from scheduler_service.api.openai_requests import ApiError, ChatMessage
+from scheduler_service.api.openai_errors import ApiError
+from scheduler_service.api.openai_requests import ChatMessage
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.text.tokenizer import Tokenizer
 
