@@ -37,11 +37,11 @@ import torch
 
 from cython_ext.mapping import StepInputBuilder, StepInputs
 from model_service.attention.kv_cache import KVCache
-from model_service.attention.paged import build_attention_metadata
 from model_service.config import ModelServiceConfig
 from model_service.loading.loaded import LoadedModel
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
 from model_service.step.cuda_graphs import DecodeGraphs
+from model_service.step.forward import run_forward, to_device
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
@@ -210,9 +210,7 @@ class ModelRunner:
             self.kv_cache.swap_in(torch.from_numpy(plan.swap_in_src), self._dev(plan.swap_in_dst))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
-            self.device, non_blocking=True
-        )
+        return to_device(array, self.device)
 
     def _execute(self, plan: PlanArrays) -> ComputedStep:
         check_plan(plan, self.slot_table, self.limits, self.block_size, self.num_speculative_tokens)
@@ -283,22 +281,8 @@ class ModelRunner:
         if self.graphs and (logits := self.graphs.run(x, n, logits_indices)) is not None:
             self._sync()
             return logits
-        meta = build_attention_metadata(
-            self._dev(x.slot_mapping),
-            self._dev(x.query_start),
-            self._dev(n),
-            self._dev(x.context_lens),
-            self._dev(x.block_tables),
-            self.block_size,
-            x.max_query_len,
-            x.max_context_len,
-        )
-        logits = self.model(
-            self._dev(x.input_ids),
-            self._dev(x.positions),
-            meta,
-            self.kv_cache,
-            self._dev(logits_indices),
+        logits = run_forward(
+            self.model, self.kv_cache, x, n, logits_indices, self.block_size, self.device
         )
         self._sync()
         return logits

@@ -23,9 +23,9 @@ import torch
 
 from cython_ext.mapping import StepInputBuilder
 from model_service.attention.kv_cache import KVCache, kv_block_bytes
-from model_service.attention.paged import build_attention_metadata
 from model_service.loading.loaded import LoadedModel
 from model_service.speculative.verify import Draft
+from model_service.step.forward import run_forward
 from model_service.step.sampler import SamplingBatch, draw, filtered_probs, uniform_for
 from model_service.step.slot_table import SlotTable
 
@@ -106,29 +106,12 @@ class DraftModelDrafter:
         recomputed into the draft's cache; same tokens, same positions, same values)."""
         self.num_computed[slot] = 0
 
-    def _dev(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
-
     def _forward(self, slots: np.ndarray, n: np.ndarray, num_tokens: np.ndarray) -> torch.Tensor:
         """One draft forward computing n[i] tokens of slots[i]; logits of each slot's last row."""
         c = self.slot_table
         x = self.inputs.build(c.tokens, c.block_table, self.num_computed, num_tokens, slots, n)
-        meta = build_attention_metadata(
-            self._dev(x.slot_mapping),
-            self._dev(x.query_start),
-            self._dev(n),
-            self._dev(x.context_lens),
-            self._dev(x.block_tables),
-            self.block_size,
-            x.max_query_len,
-            x.max_context_len,
-        )
-        logits = self.model(
-            self._dev(x.input_ids),
-            self._dev(x.positions),
-            meta,
-            self.kv_cache,
-            self._dev(x.logits_indices),
+        logits = run_forward(
+            self.model, self.kv_cache, x, n, x.logits_indices, self.block_size, self.device
         )
         self.num_computed[slots] += n
         return logits.float()

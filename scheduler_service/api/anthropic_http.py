@@ -44,7 +44,7 @@ class MessagesDoor:
 
     async def messages(self, body: shapes.MessagesRequest, http: HttpRequest):
         chat = shapes.to_chat(body)
-        serving, req, plan = await self.door.admit(chat, chat=True)
+        serving, req, plan = await self.door.admit(chat, chat=True, http=http)
         split = self._split(req, plan)
         answer = _Answer(serving, req, split)
         if body.stream:

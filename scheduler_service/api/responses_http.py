@@ -38,7 +38,7 @@ class ResponsesDoor:
 
     async def responses(self, body: items.ResponsesRequest, http: HttpRequest):
         chat = items.to_chat(body)
-        serving, req, plan = await self.door.admit(chat, chat=True)
+        serving, req, plan = await self.door.admit(chat, chat=True, http=http)
         door = self.door
         splits = chat_outputs.for_samples(req, plan, door.tool_parser, door.reasoning_parser)
         split = splits[0] if splits else ChatOutput(ToolPlan("none", ()), None)

@@ -1,0 +1,49 @@
+"""One eager forward of a step's packed inputs (cython_ext.mapping.StepInputs): the host arrays
+to the model's device, the attention metadata built from them, the model called. The runner's
+step and the draft model's both run through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cython_ext.mapping import StepInputs
+from model_service.attention.kv_cache import KVCache
+from model_service.attention.paged import build_attention_metadata
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host index array as int64 on `device` (non-blocking: the step's kernels follow on the
+    same stream)."""
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
+        device, non_blocking=True
+    )
+
+
+def run_forward(
+    model: torch.nn.Module,
+    kv_cache: KVCache,
+    x: StepInputs,
+    num_scheduled: np.ndarray,
+    logits_indices: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The logits of the packed rows `logits_indices` after one forward over `x`."""
+    meta = build_attention_metadata(
+        to_device(x.slot_mapping, device),
+        to_device(x.query_start, device),
+        to_device(num_scheduled, device),
+        to_device(x.context_lens, device),
+        to_device(x.block_tables, device),
+        block_size,
+        x.max_query_len,
+        x.max_context_len,
+    )
+    return model(
+        to_device(x.input_ids, device),
+        to_device(x.positions, device),
+        meta,
+        kv_cache,
+        to_device(logits_indices, device),
+    )
