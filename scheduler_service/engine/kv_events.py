@@ -11,12 +11,15 @@ waits on the socket. Each message is three frames:
     seq     the batch's sequence number, 8 bytes big-endian, from 0 without gaps
     payload msgpack [timestamp, [event, ...], data_parallel_rank]
 
-and each event a msgpack map with a "type" key, every field vLLM's event classes require:
+and each event as vLLM's own event classes encode it (msgspec Structs with array_like=True,
+tag=True, omit_defaults=True): an array whose first element is the class name, then the fields
+in declaration order, the trailing ones left at their defaults omitted (lora_name, extra_keys):
 
-    {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p or None,
-     "token_ids": [...], "block_size": n, "lora_id": None, "medium": "GPU", "lora_name": None}
-    {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}
-    {"type": "AllBlocksCleared"}
+    ["BlockStored", [h], p or None, [token ids...], block_size, None (lora_id), "GPU"]
+    ["BlockRemoved", [h], "GPU"]
+    ["AllBlocksCleared"]
+
+So a consumer that decodes with vLLM's classes (llm-d's, Dynamo's) takes every batch.
 
 A hash is the low 64 bits of planserve's salted SHA-256 block digest, as an unsigned integer; the
 salt itself is never published (it is inside the digest). A consumer keys blocks by the token ids
@@ -43,7 +46,7 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay seq
 REPLAYS_PER_S = 10  # replay requests served per second; more get the end marker at once
 MEDIUM = "GPU"  # vLLM's name for the model's own KV memory (the tier the router asks about)
 STORED, REMOVED, CLEARED = 1, 2, 3  # the pool's event kinds (BlockPool.take_events)
-CLEARED_EVENT = {"type": "AllBlocksCleared"}
+CLEARED_EVENT = ["AllBlocksCleared"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,26 +210,19 @@ class KVEventPublisher:
         self._context.term()
 
 
-def _stored(event: tuple, block_size: int) -> dict:
+def _stored(event: tuple, block_size: int) -> list:
+    """BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)."""
     _, digest, parent, token_ids = event
-    return {
-        "type": "BlockStored",
-        "block_hashes": [digest & HASH_MASK],
-        "parent_block_hash": None if parent is None else parent & HASH_MASK,
-        "token_ids": token_ids,
-        "block_size": block_size,
-        "lora_id": None,
-        "medium": MEDIUM,
-        "lora_name": None,
-    }
+    parent_hash = None if parent is None else parent & HASH_MASK
+    return ["BlockStored", [digest & HASH_MASK], parent_hash, token_ids, block_size, None, MEDIUM]
 
 
-def _wire(event: tuple, block_size: int) -> dict:
+def _wire(event: tuple, block_size: int) -> list:
     kind = event[0]
     if kind == STORED:
         return _stored(event, block_size)
     if kind == REMOVED:
-        return {"type": "BlockRemoved", "block_hashes": [event[1] & HASH_MASK], "medium": MEDIUM}
+        return ["BlockRemoved", [event[1] & HASH_MASK], MEDIUM]  # (block_hashes, medium)
     return CLEARED_EVENT
 
 

@@ -30,9 +30,10 @@ from scheduler_service.engine.kv_events import (
 )
 
 
-# vLLM's event classes (vllm/distributed/kv_events.py) for a strict decoder: every field without
-# a default is required, no unknown field is taken; the batch is [ts, events, rank].
-class _Event(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+# vLLM's event classes (vllm/distributed/kv_events.py) for a strict decoder, encoded as vLLM
+# encodes them (array_like, tagged by class name, defaults omitted): every field without a default
+# is required, no unknown (extra) element is taken; the batch is [ts, events, rank].
+class _Event(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
     pass
 
 
@@ -43,7 +44,7 @@ class BlockStored(_Event):
     block_size: int
     lora_id: Optional[int]
     medium: Optional[str]
-    lora_name: Optional[str]
+    lora_name: Optional[str] = None
     extra_keys: Optional[list] = None
 
 
@@ -64,21 +65,26 @@ class KVEventBatch(msgspec.Struct, array_like=True):
 
 STRICT = msgspec.msgpack.Decoder(KVEventBatch)
 
-# The fields planserve sends: exactly the required ones.
+# The fields planserve sends, in vLLM's order after the tag: exactly the required ones.
 REQUIRED = {
-    "BlockStored": {
-        "type",
+    "BlockStored": (
         "block_hashes",
         "parent_block_hash",
         "token_ids",
         "block_size",
         "lora_id",
         "medium",
-        "lora_name",
-    },
-    "BlockRemoved": {"type", "block_hashes", "medium"},
-    "AllBlocksCleared": {"type"},
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
 }
+
+
+def as_map(event: list) -> dict:
+    """An array event as {"type": tag, field: value}; it must carry exactly REQUIRED's fields."""
+    fields = REQUIRED[event[0]]
+    assert len(event) == 1 + len(fields), event
+    return {"type": event[0], **dict(zip(fields, event[1:]))}
 
 
 class Subscriber(threading.Thread):
@@ -122,14 +128,14 @@ def decode(messages: list[list[bytes]], topic: str, ranks=(0,)) -> list[list[dic
         timestamp, events, rank = msgpack.unpackb(payload)
         assert isinstance(timestamp, float) and abs(timestamp - time.time()) < 600
         assert rank in ranks and isinstance(events, list)
+        events = [as_map(event) for event in events]
         for event in events:
-            assert set(event) == REQUIRED[event["type"]], event
             if event["type"] != "AllBlocksCleared":
                 assert event["medium"] == "GPU"
                 assert all(0 <= h <= HASH_MASK for h in event["block_hashes"])
             if event["type"] == "BlockStored":
                 assert len(event["token_ids"]) == event["block_size"] * len(event["block_hashes"])
-                assert event["lora_id"] is None and event["lora_name"] is None
+                assert event["lora_id"] is None
         batches.append(events)
     return batches
 
@@ -354,7 +360,7 @@ def test_replay_returns_what_a_late_subscriber_missed(tmp_path):
         replayed = _replay(config.replay_endpoint, 1)
         # Kept: the last 3 batches (buffer_steps); asked from 1: sequences 2, 3, 4.
         assert [int.from_bytes(frames[1], "big") for frames in replayed] == [2, 3, 4]
-        events = [msgpack.unpackb(frames[2])[1] for frames in replayed]
+        events = [[as_map(e) for e in msgpack.unpackb(frames[2])[1]] for frames in replayed]
         assert [[e["token_ids"] for e in batch] for batch in events] == [
             [[5, 6]],
             [[7, 8]],
@@ -394,7 +400,7 @@ async def test_each_replica_publishes_under_its_own_rank(engine, tmp_path):
         decode(subscriber.messages, "kv", ranks=(0, 1))
         for _, _, payload in subscriber.messages:
             _, events, rank = msgpack.unpackb(payload)
-            by_rank[rank].append(events)
+            by_rank[rank].append([as_map(event) for event in events])
         replicas = server.loop.replicas
         assert len(replicas) == 2
         for rank, replica in enumerate(replicas):
