@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from cython_ext import layer_ops as native
 from model_service.kernels import kernel_isa
 from model_service.kernels.gemm import PackedLinear
+from model_service.kernels.quant import Int8Linear, exact_blocks
 
 TORCH_PATH = kernel_isa.TORCH_PATH
 GEMM_MIN_ROWS = {torch.float32: 16, torch.bfloat16: 2}  # see linear()
@@ -150,6 +151,8 @@ def linear(module: torch.nn.Module, x: torch.Tensor, float32_out: bool = False) 
     if isinstance(
         module, PackedLinear
     ):  # no hooks on these: forward skips nn.Module.__call__ (~1.5 us x 121 a step)
+        return module.forward(x, torch.float32 if float32_out else torch.bfloat16)
+    if isinstance(module, Int8Linear) and exact_blocks(x):  # row by row already: no padding
         return module.forward(x, torch.float32 if float32_out else torch.bfloat16)
     rows = x.shape[0]
     minimum = GEMM_MIN_ROWS.get(x.dtype, 0)

@@ -95,10 +95,68 @@ class Int8Linear(nn.Module):
         self.w = weight
         self.register_buffer("bias", bias)  # in the compute dtype, like any bias (Qwen2's q/k/v)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(
-            x, self.w.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
-        )
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias), in out_dtype (default x's)."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if exact_blocks(x):
+            # Where the native GEMM does not run (its path is torch's, or the CPU lacks it), the
+            # same arithmetic in torch: bf16 through a dequantized weight rounds the weight and
+            # loses the int8 model's quality (x's int16 is finer than bf16's 8 bits).
+            out = int8_block_linear(x.reshape(-1, x.shape[-1]), self.w)
+            out = out.view(*x.shape[:-1], -1)
+            out = out if bias is None else out + bias.float()
+        else:
+            out = F.linear(x, self.w.dequantize(x.dtype), bias)
+        return out.to(out_dtype or x.dtype)
+
+
+def exact_blocks(x: torch.Tensor) -> bool:
+    """Whether an Int8Linear computes x as the native kernel does (int8_block_linear): bfloat16
+    on the CPU, the native kernel's own case; float32 and other devices dequantize."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+# Rows of x per pass of int8_block_linear: its [blocks, rows, N] partial dots stay bounded.
+_ROWS_PER_PASS = 64
+
+
+def int8_block_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """x [R, K] (bfloat16) times the int8 weight, float32 [R, N], computed as the native kernel
+    computes it (cython_ext/csrc/gemm.h): each row of x quantized per block of 32 to int16
+    (d_x = max|x| / 32767, q = x * (32767 / max|x|) rounded to nearest even, in float32), each
+    block's dot product exact, out = the blocks' dots times d_x * d_w added in block order.
+
+    The exact dots come from float32 matmuls over q's high and low bytes (q = 256 hi + lo): every
+    partial sum is an integer below 2^24, so whatever order the matmul adds in, the integers are
+    exact, and a row's result depends on nothing but the row (batch-invariant)."""
+    rows, k = x.shape
+    blocks = k // BLOCK
+    q_w = w.qweight.view(-1, blocks, BLOCK).permute(1, 2, 0).to(torch.float32)  # [B, 32, N]
+    d_w = w.scale.to(torch.float32).t()  # [B, N]
+    out = torch.empty((rows, q_w.shape[2]), dtype=torch.float32, device=x.device)
+    for first in range(0, rows, _ROWS_PER_PASS):
+        part = slice(first, min(rows, first + _ROWS_PER_PASS))
+        out[part] = _int8_rows(x[part].to(torch.float32).view(-1, blocks, BLOCK), q_w, d_w)
+    return out
+
+
+def _int8_rows(x: torch.Tensor, q_w: torch.Tensor, d_w: torch.Tensor) -> torch.Tensor:
+    """x [r, B, 32] float32 -> [r, N] float32 (int8_block_linear's arithmetic)."""
+    amax = x.abs().amax(dim=2)  # [r, B]
+    d_x = amax / 32767.0
+    # tensor / tensor: an IEEE division, as the kernel's (127.0 / t would be 127 * (1 / t))
+    inverse = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inverse[..., None]).transpose(0, 1)  # [B, r, 32], integers <= 32767
+    high = torch.floor(q / 256.0)
+    low = q - high * 256.0  # in [0, 255]
+    dots = torch.bmm(high, q_w).double() * 256.0 + torch.bmm(low, q_w).double()  # [B, r, N]
+    dots = dots.to(torch.float32)  # as the kernel converts its int32 dot
+    out = torch.zeros(dots.shape[1:], dtype=torch.float64, device=x.device)
+    for block in range(dots.shape[0]):
+        scale = d_x[:, block, None] * d_w[None, block]  # float32, as the kernel's
+        # fma(dot, scale, out): the float32 product is exact in float64, one rounding after
+        out = (dots[block].double() * scale.double() + out).to(torch.float32).double()
+    return out.to(torch.float32)
 
 
 class Int8Embedding(nn.Module):

@@ -152,7 +152,7 @@ class KVEventPublisher:
     def start(self) -> None:
         self._thread.start()
 
-    def publish(self, events: list[dict], rank: Optional[int] = None) -> bool:
+    def publish(self, events: list[list], rank: Optional[int] = None) -> bool:
         """Queues one batch, tagged with `rank` (default: the publisher's data_parallel_rank)."""
         rank = self.data_parallel_rank if rank is None else rank
         try:

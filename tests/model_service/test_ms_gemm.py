@@ -91,6 +91,23 @@ def _q8_reference(x, layer):
 
 @pytest.mark.parametrize("isa", SUPPORTED)
 @pytest.mark.parametrize("in_features, out_features", [(576, 960), (64, 100), (1536, 40)])
+def test_int8_torch_path_is_the_native_arithmetic_bit_for_bit(isa, in_features, out_features):
+    """Where the native GEMM does not run (gemm_isa torch, or a CPU without AVX512-BF16), an
+    Int8Linear in bf16 computes as the kernel does (quant.int8_block_linear): the same bits as
+    each native path, bf16 and float32 out, at every row count, and each row the same alone."""
+    layer = _int8(in_features, out_features)
+    packed = gemm.PackedLinear(layer, isa)
+    x = _randn(130, in_features, seed=3)
+    whole = layer_ops.linear(layer, x, float32_out=True)
+    assert whole.dtype == torch.float32
+    assert torch.equal(whole, layer_ops.linear(packed, x, float32_out=True))
+    for rows in (*range(1, 18), 64):
+        assert torch.equal(layer(x[:rows]), packed(x[:rows]))
+        assert torch.equal(layer_ops.linear(layer, x[:rows], float32_out=True), whole[:rows])
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (64, 100), (1536, 40)])
 def test_int8_matches_its_arithmetic_in_float64(isa, in_features, out_features):
     layer = _int8(in_features, out_features)
     packed = gemm.PackedLinear(layer, isa)

@@ -162,18 +162,23 @@ def test_int8_greedy_matches_float32_and_weights_shrink(smollm2):
     assert quantized == reference
 
 
-def test_int8_in_bf16_greedy_matches_float32(smollm2):
+@pytest.mark.parametrize("gemm_isa", ["auto", "torch"])
+def test_int8_in_bf16_greedy_matches_float32(smollm2, gemm_isa):
     """What users run: int8 with the default bf16 compute, where the CPU's native GEMM runs it (x
-    quantized to int16 per block of 32, integer block dot products: model_service/kernels/gemm.py). The
-    quality bar of the float32 int8 test above: float32's 16 greedy tokens on every prompt (bf16
-    weights themselves miss it on the first prompt; int8 x, at 8 bits, missed it on the second)."""
+    quantized to int16 per block of 32, integer block dot products: model_service/kernels/gemm.py),
+    and where it does not ("torch": CPUs without AVX512-BF16, forced here on every CPU), the same
+    arithmetic in torch (kernels/quant.py int8_block_linear). The quality bar of the float32 int8
+    test above: float32's 16 greedy tokens on every prompt (bf16 weights themselves miss it on the
+    first prompt; int8 x, at 8 bits, missed it on the second)."""
     from model_service.kernels import gemm
 
     loaded, config = smollm2
-    int8_config = dataclasses.replace(config, dtype="bfloat16", quantization="int8")
+    int8_config = dataclasses.replace(config, dtype="bfloat16", quantization="int8", gemm_isa=gemm_isa)
     int8 = load_model(int8_config)
     packed = [m for m in int8.model.modules() if isinstance(m, gemm.PackedLinear)]
-    assert len(packed) == (0 if gemm.resolve_isa() == gemm.TORCH_PATH else 4 * int8.arch.num_hidden_layers + 1)
+    path = gemm.resolve_isa(gemm_isa)
+    print(f"\nint8 in bf16: gemm_isa={gemm_isa} runs {path}")
+    assert len(packed) == (0 if path == gemm.TORCH_PATH else 4 * int8.arch.num_hidden_layers + 1)
     reference, quantized = _quality_tokens(loaded, ((loaded, config), (int8, int8_config)))
     assert quantized == reference
 
