@@ -18,6 +18,13 @@ from scheduler_service.server import SchedulerServer
 ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
 
 
+def pytest_report_header(config):
+    """Says which dtypes the suite serves models in on this CPU (tests/dtypes.py)."""
+    from dtypes import header
+
+    return header()
+
+
 class EngineProcess:
     def __init__(self, *args: str):
         self.process = subprocess.Popen(

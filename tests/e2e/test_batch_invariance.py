@@ -1,7 +1,7 @@
 """Same seed, same tokens: a seeded request's tokens and logprobs, bit for bit, do not depend on
-what runs beside it or on how its prompt was computed, in the default dtype (bf16) and in float32,
-through real servers, on the tiny model and SmolLM2 (tensor parallelism on the tiny model: SmolLM2
-splits only by 3, where no guarantee holds).
+what runs beside it or on how its prompt was computed, in the default dtype and in float32 (the
+dtypes by CPU class: tests/dtypes.py), through real servers, on the tiny model and SmolLM2
+(tensor parallelism on the tiny model: SmolLM2 splits only by 3, where no guarantee holds).
 
 Reference: the request alone on a roomy server. Each case proves its event happened (the prefix
 hit's cached_tokens, the preemption counters, the engine recovery) and compares token ids and
@@ -18,9 +18,10 @@ import pytest
 
 from api import assert_no_leaked_blocks, stub_for, wait_until_idle
 from conftest import EngineProcess, start_scheduler
+from dtypes import served_dtypes
 from planserve.v1 import generate_pb2
 
-DTYPES = ("bfloat16", "float32")
+DTYPES = served_dtypes("tiny")  # tensor parallelism runs the tiny model
 NEW_TOKENS = 48
 # Bytes of one KV block in float32 (K and V x layers x 16 positions x KV heads x head dim x 4).
 BLOCK_BYTES = {"tiny": 2 * 2 * 16 * 2 * 16 * 4, "smollm2": 2 * 30 * 16 * 3 * 64 * 4}
@@ -101,7 +102,8 @@ async def _alone(engine: _Engine):
         await server.stop(grace_s=1)
 
 
-@pytest.fixture(scope="module", params=[(m, d) for m in ("tiny", "smollm2") for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(m, d) for m in ("tiny", "smollm2") for d in served_dtypes(m)],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 async def model_engine(request):
     """A roomy model service of each model and dtype, with the request's reference run."""
     model, dtype = request.param
