@@ -142,12 +142,8 @@ def linear(module: torch.nn.Module, x: torch.Tensor, float32_out: bool = False) 
     returns its float32 sums unrounded), batch-invariant. A PackedLinear
     (model_service/kernels/gemm.py) is by construction and runs as it is. torch's CPU GEMMs pick
     other kernels, with another summation order, for few rows, so fewer than GEMM_MIN_ROWS rows are
-    padded with zero rows up to it. Measured (AMD EPYC Zen 5, torch 2.13): float32 (MKL) rows
-    differ in the last bits at 1-3, 5-7 and 9-11 rows from the same rows inside 16 or 2,048;
-    bfloat16 (oneDNN) at one row with 1,536 input columns (SmolLM2's down_proj: ~10% of rows, one
-    element off by an ulp), and at no other count. Padding one bf16 row to two costs nothing
-    measurable (60 vs 52 us); float32's 16 rows cost its one-row GEMV (85 vs 378 us at the MLP
-    shape)."""
+    padded with zero rows up to it: the row counts where bits changed, and what the padding costs,
+    are in docs/benchmarks.md ("Figures behind the code's comments")."""
     if isinstance(
         module, PackedLinear
     ):  # no hooks on these: forward skips nn.Module.__call__ (~1.5 us x 121 a step)
