@@ -142,6 +142,22 @@ def test_the_model_service_rooms_import_only_downward():
     assert _cycles(rooms) == []
 
 
+def test_every_package_is_installed():
+    """pyproject's package list names every package of the services, the tools and the benches
+    (a package missing there imports in a checkout but not from an installed wheel)."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    packages = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in (*CHECKED, "bench", "cython_ext")
+        for init in (ROOT / top).rglob("__init__.py")
+        if not any(part.startswith(".") for part in init.relative_to(ROOT).parts)
+    }
+    assert packages - listed == set()
+
+
 def test_no_module_above_400_lines():
     long = {
         name: n
