@@ -78,20 +78,22 @@ async def _plain(client, model: str, index: int) -> int:
     return result.usage.completion_tokens
 
 
-async def _tool_call(client, model: str) -> None:
+async def _tool_call(client, model: str, temperature: float) -> None:
     await client.chat.completions.create(
         model=model,
         max_tokens=40,
+        temperature=temperature,
         messages=[{"role": "user", "content": "Time?"}],
         tools=[TOOL],
         tool_choice={"type": "function", "function": {"name": "get_time"}},
     )
 
 
-async def _short_plain(client, model: str) -> None:
+async def _short_plain(client, model: str, temperature: float) -> None:
     await client.chat.completions.create(
         model=model,
         max_tokens=40,
+        temperature=temperature,
         messages=[{"role": "user", "content": "Time?"}],
         extra_body={"ignore_eos": True},
     )
@@ -113,8 +115,8 @@ async def _run(port: int, beside: str, temperature: float) -> dict:
     model = (await client.models.list()).data[0].id
     await _plain(client, model, -1)  # warm-up (and the tool's grammar, compiled once)
     sends = {
-        "tool": lambda: _tool_call(client, model),
-        "plain": lambda: _short_plain(client, model),
+        "tool": lambda: _tool_call(client, model, temperature),
+        "plain": lambda: _short_plain(client, model, temperature),
     }
     send = sends.get(beside)
     if send is not None:
