@@ -53,17 +53,31 @@ class SamplingBatch:
     position: np.ndarray  # int64, position of the token being drawn
     min_p: np.ndarray | None = None  # float32, 0 = off; None = off for every row
 
+    def rows(self, index: np.ndarray) -> "SamplingBatch":
+        """The parameters of rows `index` only."""
+        return SamplingBatch(
+            temperature=self.temperature[index],
+            top_k=self.top_k[index],
+            top_p=self.top_p[index],
+            seed=self.seed[index],
+            position=self.position[index],
+            min_p=None if self.min_p is None else self.min_p[index],
+        )
+
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """logits [R, V] float32 -> token ids [R] int64 (on the logits' device)."""
     device = logits.device
     greedy_ids = logits.argmax(dim=-1)
-    random_rows = params.temperature > 0
-    if not random_rows.any():
+    random_rows = np.flatnonzero(params.temperature > 0)
+    if not random_rows.size:
         return greedy_ids
-    filtered = filtered_probs(logits, params)
-    drawn = draw(filtered, uniform_for(params.seed, params.position))
-    return torch.where(torch.from_numpy(random_rows).to(device), drawn, greedy_ids)
+    # Only the rows that draw compute a distribution (each row's by itself: batch-invariant).
+    index = torch.from_numpy(random_rows).to(device)
+    drawing = params.rows(random_rows)
+    filtered = filtered_probs(logits.index_select(0, index), drawing)
+    drawn = draw(filtered, uniform_for(drawing.seed, drawing.position))
+    return greedy_ids.index_copy(0, index, drawn)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
@@ -78,6 +92,13 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     # the batch, and accurate enough that u * total never lands on a zero-probability step.
     probs = torch.softmax(logits.double() / temperature[:, None].double(), dim=-1)
     vocab = probs.shape[-1]
+    # Rows without top-k or top-p keep every token (threshold 0, whatever the other rows ask):
+    # when no row filters, the vocabulary sort, most of a sampled step's cost, is skipped.
+    k_off = (params.top_k <= 0) | (params.top_k >= vocab)
+    p_off = params.top_p >= 1.0
+    if (k_off & p_off).all():
+        threshold = torch.zeros((probs.shape[0], 1), dtype=probs.dtype, device=device)
+        return _min_p_filter(probs, threshold, params, probs.amax(dim=-1))
 
     sorted_probs, _ = probs.sort(dim=-1, descending=True)
     # top-k: keep probabilities >= the k-th largest (k = vocab when off).
@@ -85,16 +106,25 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
         np.where(params.top_k > 0, np.minimum(params.top_k, vocab), vocab).astype(np.int64)
     ).to(device)
     kth = sorted_probs.gather(1, (k - 1)[:, None])
+    kth = torch.where(torch.from_numpy(k_off).to(device)[:, None], 0.0, kth)
     # top-p: keep the smallest prefix of the sorted list whose mass reaches top_p, i.e. every token
     # whose preceding mass is still below top_p; its smallest member is the threshold.
     top_p = torch.from_numpy(params.top_p.astype(np.float64)).to(device)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
     num_kept = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)
     pth = sorted_probs.gather(1, (num_kept - 1)[:, None])
-    threshold = torch.maximum(kth, pth)
+    pth = torch.where(torch.from_numpy(p_off).to(device)[:, None], 0.0, pth)
+    return _min_p_filter(probs, torch.maximum(kth, pth), params, sorted_probs[:, 0])
+
+
+def _min_p_filter(
+    probs: torch.Tensor, threshold: torch.Tensor, params: SamplingBatch, top: torch.Tensor
+) -> torch.Tensor:
+    """probs with everything below the row's threshold (raised to min_p x its largest
+    probability `top`, where min_p is set) zeroed."""
     if params.min_p is not None and params.min_p.any():
-        min_p = torch.from_numpy(params.min_p.astype(np.float64)).to(device)
-        threshold = torch.maximum(threshold, (min_p * sorted_probs[:, 0])[:, None])
+        min_p = torch.from_numpy(params.min_p.astype(np.float64)).to(probs.device)
+        threshold = torch.maximum(threshold, (min_p * top)[:, None])
     return torch.where(probs >= threshold, probs, 0.0)
 
 
