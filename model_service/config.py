@@ -183,10 +183,11 @@ class ModelServiceConfig:
     is native (model_service/models/decoder_loop.py); "python": the Python loop over the layers
     (A/B checks). Alias PLANSERVE_DECODER_LOOP."""
 
-    cuda_graphs: str = setting("auto", choices=("auto", "off"))
-    """CUDA: "auto" replays decode steps from graphs captured at start where they apply
-    (model_service/step/cuda_graphs.py); "off" runs every step eagerly. Alias
-    PLANSERVE_CUDA_GRAPHS (0 = off)."""
+    cuda_graphs: str = setting("auto", choices=("auto", "off", "eager"))
+    """CUDA: "auto" replays every step that fits a token bucket from graphs captured at start,
+    where they apply (model_service/step/cuda_graphs.py); "off" runs every step eagerly; "eager"
+    runs the graphs' padded steps without capturing them, on any device (checks of the padding
+    on the CPU). Alias PLANSERVE_CUDA_GRAPHS (0 = off)."""
 
     tls_cert: str = ""
     """PEM certificate: serve gRPC over TLS (with tls_key) instead of plaintext."""

@@ -40,7 +40,7 @@ from model_service.attention.kv_cache import KVCache
 from model_service.config import ModelServiceConfig
 from model_service.loading.loaded import LoadedModel
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
-from model_service.step.cuda_graphs import DecodeGraphs
+from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import run_forward, to_device
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
@@ -97,7 +97,7 @@ class _LogitsRows:
 
 class ModelRunner:
     """Runs one plan at a time over what the start-up (model_service/start.py) built and hands
-    it: the model, its KV cache, the slot table, the drafter and the decode graphs."""
+    it: the model, its KV cache, the slot table, the drafter and the step graphs."""
 
     def __init__(
         self,
@@ -106,7 +106,7 @@ class ModelRunner:
         kv_cache: KVCache,
         slot_table: SlotTable,
         drafter: Drafter | None = None,
-        graphs: DecodeGraphs | None = None,
+        graphs: StepGraphs | None = None,
         compute: dict[str, str] | None = None,
     ) -> None:
         self.loaded = loaded

@@ -5,7 +5,7 @@
               the free memory, its cache counts in each block      speculative/draft_model.py
     profile   on CUDA, the largest step on a scratch cache: peak   step/profile_step.py
     size      the KV cache's block count, the cache, swap space    step/kv_budget.py
-    capture   the decode steps' CUDA graphs over the sized cache   step/cuda_graphs.py
+    capture   the steps' CUDA graphs over the sized cache       step/cuda_graphs.py
 
 Each part receives what it reads; the runner receives the parts.
 """
@@ -64,7 +64,7 @@ def build_runner(
         config.cuda_graphs,
         loaded,
         kv_cache,
-        config.block_size,
+        config.profile_step_tokens,
         config.max_num_slots,
         table.max_blocks_per_seq,
     )

@@ -5,9 +5,15 @@ packed mixed batch of decodes and prompt chunks, each query row attending its se
 0 .. p through the block table, with no gather, padding or copy of the context. Sliding windows
 are read by the same kernel (the first block it reads is the window's).
 
-One program per (sequence, KV head, tile of ROWS query rows). A tile carries its rows' G query
-heads together (G = heads / KV heads), so one load of a KV block serves every head that shares it,
-and walks the blocks in position order with an online softmax in float32.
+One program per (tile of ROWS query rows of one sequence, KV head). A tile carries its rows' G
+query heads together (G = heads / KV heads), so one load of a KV block serves every head that
+shares it, and walks the blocks in position order with an online softmax in float32.
+
+The tiles come as a map built on the host (`attention_tiles`: each tile's sequence and first row),
+so the grid is the step's tile count, not sequences x the longest chunk's tiles: a step of 255
+decodes and one 512-row chunk launches ~384 tiles per KV head, not 256 x 128. A CUDA graph pads
+the map to its bucket's capacity (`max_tiles`) with tiles whose first row lies past any sequence
+(PAD_ROW): they return at once, so one captured launch serves every step of its bucket.
 
 Why Triton rather than FlashInfer or FlashAttention's paged kernels (which the issue named): both
 ship binaries built for one torch and CUDA pair, and FlashInfer compiles its kernels on first use;
@@ -26,6 +32,7 @@ kernel's test batch put 4.5% of outputs beyond its bound (docs/design-notes.md).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 try:
@@ -36,6 +43,8 @@ except ImportError:  # CPU-only installs: torch's CPU wheel does not bring Trito
 
 # The fewest rows a tensor-core dot takes (M and N of tl.dot): a tile's rows x heads, and a block.
 MIN_DOT = 16
+# A padding tile's first row: beyond any sequence's rows, so its program returns at once.
+PAD_ROW = 1 << 30
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -61,6 +70,28 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def max_tiles(num_tokens: int, num_seqs: int, rows: int) -> int:
+    """The most tiles a step of num_tokens rows over num_seqs sequences can need: each sequence's
+    last tile may be partial."""
+    return -(-num_tokens // rows) + num_seqs
+
+
+def attention_tiles(num_scheduled: np.ndarray, rows: int, out: np.ndarray | None = None):
+    """The tile map [2, N] int64 of a step (row 0: each tile's sequence, row 1: its first query
+    row), tiles of `rows` rows in sequence order. With `out` ([2, capacity]), written into it and
+    the rest padded (sequence 0, PAD_ROW); returns the number of live tiles and the map."""
+    per_seq = -(-num_scheduled // rows)
+    count = int(per_seq.sum())
+    first = np.cumsum(per_seq) - per_seq
+    if out is None:
+        out = np.empty((2, count), dtype=np.int64)
+    out[0, :count] = np.repeat(np.arange(num_scheduled.size), per_seq)
+    out[1, :count] = (np.arange(count) - np.repeat(first, per_seq)) * rows
+    out[0, count:] = 0
+    out[1, count:] = PAD_ROW
+    return count, out
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -69,28 +100,28 @@ def paged_attention(
     num_scheduled: torch.Tensor,
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
-    max_query_len: int,
+    tiles: torch.Tensor,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """q [T, H, D] (rows may lie apart; within a row, dense); caches [NB, KVH, BS, D] contiguous,
-    already holding this step's K/V. Returns [T, H, D] in q's dtype; rows of no sequence are left
-    unwritten (the packed batch has none)."""
+    already holding this step's K/V; tiles [2, N] the step's tile map (attention_tiles, with the
+    rows_per_tile of this head grouping). Returns [T, H, D] in q's dtype; rows of no sequence (a
+    graph's padding) are left unwritten."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    rows = rows_per_tile(group)
-    grid = (block_tables.shape[0], num_kv_heads, triton.cdiv(max_query_len, rows))
+    grid = (tiles.shape[1], num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
-        query_start, num_scheduled, context_lens, block_tables,
+        query_start, num_scheduled, context_lens, block_tables, tiles[0], tiles[1],
         q.stride(0), block_tables.stride(0),
         head_dim**-0.5, sliding_window or 0,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_next_power_of_2(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, _next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, ROWS=rows, USE_WINDOW=sliding_window is not None,
+        BLOCK_SIZE=block_size, ROWS=rows_per_tile(group), USE_WINDOW=sliding_window is not None,
         QK_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
@@ -133,14 +164,15 @@ if triton is not None:
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         query_start_ptr, num_scheduled_ptr, context_lens_ptr, block_tables_ptr,
-        q_row_stride, table_stride, scale, window,
+        tile_seq_ptr, tile_row_ptr, q_row_stride, table_stride, scale, window,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         ROWS: tl.constexpr, USE_WINDOW: tl.constexpr, QK_PRECISION: tl.constexpr,
     ):  # fmt: skip
-        seq = tl.program_id(0)
+        tile = tl.program_id(0)
         kv_head = tl.program_id(1)
-        first_row = tl.program_id(2) * ROWS
+        seq = tl.load(tile_seq_ptr + tile)
+        first_row = tl.load(tile_row_ptr + tile)
         num_rows = tl.load(num_scheduled_ptr + seq)
         if first_row >= num_rows:
             return

@@ -96,6 +96,7 @@ class AttentionMetadata:
     max_context_len: int
     native_step: native.AttentionStep | None = None  # CPU: the kernel's view of the indices
     num_threads: int = 1
+    tiles: torch.Tensor | None = None  # CUDA: the Triton kernel's tile map [2, N] int64
 
 
 def build_attention_metadata(
@@ -107,12 +108,15 @@ def build_attention_metadata(
     block_size: int,
     max_query_len: int,
     max_context_len: int,
+    tiles: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """The step's indices on the device of the inputs.
 
     `query_start[b]` is the packed row of sequence b's first token, `context_lens[b]` its
     computed + scheduled tokens, `block_tables[b]` its block ids (padding beyond its context is
-    never read). The two maxima come from the host, so no device-to-host sync is needed.
+    never read). The two maxima come from the host, so no device-to-host sync is needed; so does
+    the CUDA kernel's tile map (`tiles`, cuda_attention.attention_tiles: without it the kernel's
+    call builds one from num_scheduled, which waits for the device).
     """
     meta = AttentionMetadata(
         slot_mapping,
@@ -123,6 +127,7 @@ def build_attention_metadata(
         block_size,
         max_query_len,
         max_context_len,
+        tiles=tiles,
     )
     if slot_mapping.device.type == "cpu":
         meta.native_step = native.AttentionStep(
@@ -221,6 +226,11 @@ def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_
     """The Triton kernel's call (model_service/attention/cuda_attention.py), after the cache
     write."""
     _write_kv(k, v, k_cache, v_cache, meta)
+    if meta.tiles is None:  # callers outside the runner's step (tests, benches): one sync
+        rows = cuda_attention.rows_per_tile(q.shape[1] // k_cache.shape[1])
+        _, host = cuda_attention.attention_tiles(meta.num_scheduled.cpu().numpy(), rows)
+        meta.tiles = torch.from_numpy(host).to(q.device)  # the step's other layers reuse it
+    tiles = meta.tiles
     out = cuda_attention.paged_attention(
         q,
         k_cache,
@@ -229,7 +239,7 @@ def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_
         meta.num_scheduled,
         meta.context_lens,
         meta.block_tables,
-        meta.max_query_len,
+        tiles,
         sliding_window,
     )
     return out.view(q.shape[0], -1)

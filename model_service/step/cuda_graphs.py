@@ -1,52 +1,60 @@
-"""Decode steps on CUDA replayed from captured CUDA graphs, one graph per padded batch size.
+"""Every step on CUDA replayed from captured CUDA graphs, one graph per token bucket.
 
 Why: a SmolLM2-135M step launches ~1,200 kernels (30 layers of ~40 ops). On an H100 the GPU was
 busy ~3.6 ms of a 27-48 ms bf16 decode step (torch.profiler; bench/results/cuda_forward.json):
-the step was the host launching kernels one by one. A graph launches them all in one call.
+the step was the host launching kernels one by one. A graph launches them all in one call. Decode
+steps alone were captured at first; steps carrying a prompt chunk then ran eagerly and took about
+half of a served run's wall time (docs/benchmarks.md), so now every step is.
 
-What is captured: the model's forward for a decode-only step (every sequence one new row whose
-logits are sampled: no prompt chunk, prompt logprobs or draft rows), once per size in BUCKETS up to
-max_num_slots, largest first, all in one memory pool. A step of B sequences replays the smallest
-size >= B; the rows after B are padding: num_scheduled 0, so the attention kernel skips them, and
-their K/V rows go to the reserved block 0, which no block table reads. Every other step runs
-eagerly, as before.
+What is captured: the model's whole forward, attention kernel included, for each token bucket of
+model_service/step/padded_step.py up to the largest step the scheduler sends (max_tokens: the
+token budget the start-up profiled), largest first, all in one memory pool. A step of T token rows
+replays the smallest bucket >= T, its inputs padded there (padded_step.py says why padding is
+inert). The attention kernel reads every index from the device, its grid from the padded tile map,
+so one capture serves any mix of decodes and chunks. A step that does not fit a bucket (prompt
+logprobs over more rows than the bucket's sequences, a table wider than max_model_len's) runs
+eagerly, as every step does where graphs are not used (`unsupported_reason`): off CUDA; with
+cuda_graphs "off"; where attention runs the torch path (it sizes its gather from the step's
+longest context on the host, which a graph would freeze); under tensor parallelism (the ranks
+would have to replay in lockstep; not built).
 
-Inputs and logits live in static device buffers (each size uses the first rows of them); a step
-writes its host arrays into a pinned staging buffer, copies it over in two transfers, and replays.
-Each graph copies its logits into the one static output, so nothing it allocated outlives its
-capture and the next (smaller) capture reuses the pool's memory: the graphs hold about one
-largest decode step's activations (logged at start as decode_graphs_captured), not one per size.
+cuda_graphs "eager" runs the same bookkeeping (bucket, padding, static buffers) without capturing,
+on any device: how CI checks it on the CPU, greedy tokens against the plain path.
 
-Where graphs are not used (`unsupported_reason`): off CUDA; with cuda_graphs "off"; where
-attention runs the torch path (it sizes its gather from the step's longest context on the host,
-which a graph would freeze); under tensor parallelism (the ranks would have to replay in
-lockstep; not built).
+Memory: the pool holds about one largest step's activations (logged at start as
+step_graphs_captured); the KV budget leaves one profiled step's peak free for it
+(model_service/step/kv_budget.py). Each graph copies its logits into one static output, so nothing
+it allocated outlives its capture and the next (smaller) capture reuses the pool.
 
 Numerics: a padded size runs the GEMMs at its own row count, and cuBLAS picks its kernels by shape,
-so a row's logits may differ in the last bits from an eager step of B rows. cuBLAS is no more
+so a row's logits may differ in the last bits from an eager step of T rows. cuBLAS is no more
 batch invariant eagerly: on CUDA, batch invariance holds for the attention kernel only.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import structlog
 import torch
 
+from model_service.attention import cuda_attention
 from model_service.attention.kv_cache import KVCache
-from model_service.attention.paged import build_attention_metadata, cuda_path
+from model_service.attention.paged import cuda_path
 from model_service.loading.loaded import LoadedModel
+from model_service.step.padded_step import PaddedStep, token_buckets
 
 log = structlog.get_logger(__name__)
-# The captured batch sizes (and max_num_slots), as vLLM's: every size up to 8, then steps of 16.
-BUCKETS = (1, 2, 4, 8, *range(16, 257, 16))
 
 
 def unsupported_reason(
     requested: str, device: torch.device, kv_cache: KVCache, tensor_parallel_size: int
 ) -> str | None:
-    """Why decode steps run eagerly, or None where they are captured (`requested`: the config's
-    cuda_graphs, "auto" or "off")."""
+    """Why steps run eagerly, or None where they are captured (`requested`: the config's
+    cuda_graphs, "auto", "eager" or "off"; "eager" is never refused: it captures nothing)."""
+    if requested == "eager":
+        return None
     if device.type != "cuda":
         return f"device {device.type}"
     if requested == "off":
@@ -63,90 +71,89 @@ def capture(
     requested: str,
     loaded: LoadedModel,
     kv_cache: KVCache,
-    block_size: int,
-    max_num_slots: int,
+    max_tokens: int,
+    max_seqs: int,
     max_blocks_per_seq: int,
-) -> tuple[DecodeGraphs | None, str]:
-    """The model's decode graphs over `kv_cache` (captured now) and the path Describe reports,
-    or None and why (`requested`: the config's cuda_graphs, "auto" or "off")."""
+) -> tuple[StepGraphs | None, str]:
+    """The model's step graphs over `kv_cache` (captured now; with "eager", the padded path
+    run without graphs) and the path Describe reports, or None and why."""
     device = kv_cache.k.device
     reason = unsupported_reason(requested, device, kv_cache, loaded.tensor_parallel_size)
     if reason is not None:
         return None, f"none ({reason})"
+    arch = loaded.arch
+    step = PaddedStep(
+        max_tokens,
+        max_seqs,
+        max_blocks_per_seq,
+        kv_cache.block_size,
+        cuda_attention.rows_per_tile(arch.num_attention_heads // arch.num_key_value_heads),
+        device,
+    )
+    if requested == "eager":
+        graphs = StepGraphs(loaded.model, kv_cache, step, captured=False)
+        return graphs, f"eager padded steps, {len(graphs.sizes)} buckets up to {max_tokens} tokens"
     before = torch.cuda.memory_reserved(device)
-    graphs = DecodeGraphs(loaded.model, kv_cache, block_size, max_num_slots, max_blocks_per_seq)
+    graphs = StepGraphs(loaded.model, kv_cache, step, captured=True)
     held = torch.cuda.memory_reserved(device) - before
-    log.info("decode_graphs_captured", sizes=len(graphs.sizes), bytes=held)
-    return graphs, f"decode, batch sizes {','.join(map(str, graphs.sizes))}"
+    log.info("step_graphs_captured", sizes=len(graphs.sizes), bytes=held)
+    return graphs, f"every step, {len(graphs.sizes)} buckets up to {max_tokens} tokens"
 
 
-class DecodeGraphs:
-    """The captured decode step of each size, and the static buffers they read."""
+class StepGraphs:
+    """The captured step of each token bucket over one PaddedStep's buffers (or, not captured,
+    the same padded step run eagerly)."""
 
-    def __init__(self, model, kv_cache, block_size: int, max_rows: int, max_blocks_per_seq: int):
-        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
-        self.sizes = [b for b in BUCKETS if b < max_rows] + [max_rows]
-        device = kv_cache.k.device
-        # Staging rows: input ids, positions, slot mapping, context lengths, num_scheduled.
-        self.staging = torch.zeros((5, max_rows), dtype=torch.int64).pin_memory()
-        self.staged_tables = torch.zeros((max_rows, max_blocks_per_seq), dtype=torch.int64)
-        self.staged_tables = self.staged_tables.pin_memory()
-        self.inputs = torch.zeros((5, max_rows), dtype=torch.int64, device=device)
-        self.tables = torch.zeros((max_rows, max_blocks_per_seq), dtype=torch.int64, device=device)
-        self.rows = torch.arange(max_rows, device=device)  # query starts and logits rows alike
-        self.replays = 0  # steps served by a replay (tests, and the note's figures)
+    def __init__(
+        self, model, kv_cache: KVCache, step: PaddedStep, captured: bool, sizes=None
+    ) -> None:
+        """`sizes`: the buckets (default: token_buckets up to the step's max_tokens; a bench
+        captures only the one it times)."""
+        self.model, self.kv_cache, self.step = model, kv_cache, step
+        self.sizes = sorted(sizes or token_buckets(step.max_tokens))
+        self.captured = captured
+        self.replays = 0  # steps served padded (tests, and the note's figures)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits = torch.empty(0)  # [max_rows, vocab] once the first (largest) warm-up ran
-        self.inputs[3:5] = 1  # warm-up and capture: every row a decode at position 0 of block 0
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: the smaller reuse its pool's memory
-            self._capture(size, pool)
+        self.logits = torch.empty(0)  # [max_seqs, vocab] once the first (largest) warm-up ran
+        if captured:
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):  # largest first: the smaller reuse its memory
+                self._capture(size, pool)
 
-    def _args(self, size: int):
-        ids, positions, slots, context_lens, num_scheduled = self.inputs[:, :size]
-        # max_context_len is the torch path's alone; the kernel reads context_lens on the device.
-        meta = build_attention_metadata(
-            slots, self.rows[:size], num_scheduled, context_lens, self.tables[:size],
-            self.block_size, 1, self.tables.shape[1] * self.block_size,
-        )  # fmt: skip
-        return ids, positions, meta, self.kv_cache, self.rows[:size]
+    def _forward(self, size: int, eager_step=None) -> torch.Tensor:
+        ids, positions, meta, logits_indices = self.step.args(size, eager_step)
+        return self.model(ids, positions, meta, self.kv_cache, logits_indices)
 
     def _capture(self, size: int, pool) -> None:
-        args = self._args(size)
+        self.step.clear()  # warm-up and capture run on all-padding inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(side):
-            warm = self.model(*args)  # warm-up: Triton compiles, cuBLAS chooses, nothing recorded
+            warm = self._forward(size)  # Triton compiles, cuBLAS chooses, nothing recorded
         torch.cuda.current_stream().wait_stream(side)
         if self.logits.numel() == 0:
-            self.logits = torch.empty((self.rows.numel(), warm.shape[1]), dtype=warm.dtype,
+            self.logits = torch.empty((self.step.max_seqs, warm.shape[1]), dtype=warm.dtype,
                                       device=warm.device)  # fmt: skip
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            self.logits[:size].copy_(self.model(*args))
+            self.logits[: self.step.seqs_of(size)].copy_(self._forward(size))
         self.graphs[size] = graph
 
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest bucket holding num_tokens rows, or None past the largest."""
+        index = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[index] if index < len(self.sizes) else None
+
     def run(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor | None:
-        """The step's logits [B, vocab] from a replay, or None where the step must run eagerly."""
-        count = num_scheduled.size
-        if (
-            x.max_query_len != 1
-            or count > self.sizes[-1]
-            or not np.array_equal(logits_indices, np.arange(count))  # every row sampled
-            or x.block_tables.shape[1] > self.tables.shape[1]
-        ):
+        """The step's logits [R, vocab] from its bucket, or None where it must run unpadded."""
+        size = self.bucket(int(x.num_tokens))
+        if size is None or not self.step.fits(x, num_scheduled, logits_indices, size):
             return None
-        size = next(b for b in self.sizes if b >= count)
-        host = self.staging.numpy()
-        host[:, count:size] = 0  # padding rows: token 0 at position 0, slot 0, nothing scheduled
-        for row, values in enumerate((x.input_ids, x.positions, x.slot_mapping, x.context_lens)):
-            host[row, :count] = values[:count]
-        host[4, :count] = 1
-        width = x.block_tables.shape[1]
-        self.staged_tables.numpy()[:count, :width] = x.block_tables[:count]
-        self.inputs[:, :size].copy_(self.staging[:, :size], non_blocking=True)
-        self.tables[:count, :width].copy_(self.staged_tables[:count, :width], non_blocking=True)
-        self.graphs[size].replay()
+        self.step.fill(x, num_scheduled, logits_indices, size)
         self.replays += 1
+        count = logits_indices.size
+        if not self.captured:
+            return self._forward(size, x)[:count]
+        self.graphs[size].replay()
         return self.logits[:count]

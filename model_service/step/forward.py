@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from cython_ext.mapping import StepInputs
+from model_service.attention import cuda_attention
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import build_attention_metadata
 
@@ -30,6 +31,11 @@ def run_forward(
     device: torch.device,
 ) -> torch.Tensor:
     """The logits of the packed rows `logits_indices` after one forward over `x`."""
+    tiles = None
+    arch = getattr(model, "arch", None)
+    if device.type == "cuda" and arch is not None:  # the Triton kernel's grid, built here
+        rows = cuda_attention.rows_per_tile(arch.num_attention_heads // arch.num_key_value_heads)
+        tiles = to_device(cuda_attention.attention_tiles(num_scheduled, rows)[1], device)
     meta = build_attention_metadata(
         to_device(x.slot_mapping, device),
         to_device(x.query_start, device),
@@ -39,6 +45,7 @@ def run_forward(
         block_size,
         x.max_query_len,
         x.max_context_len,
+        tiles,
     )
     return model(
         to_device(x.input_ids, device),

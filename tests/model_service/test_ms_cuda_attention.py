@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from test_ms_attention import MIXED, Batch, Sequence, assert_close_to_reference, run_together
@@ -37,15 +38,25 @@ def meta_on(meta, device: str):
     return meta
 
 
-def run_kernel(batch: Batch, device: str, sliding_window=None):
-    """(output [T, H, D] on the CPU, caches after the write) of the Triton kernel on `device`."""
+def run_kernel(batch: Batch, device: str, sliding_window=None, padded=False):
+    """(output [T, H, D] on the CPU, caches after the write) of the Triton kernel on `device`.
+    `padded`: as a CUDA graph's bucket runs it: two empty sequences after the step's and the tile
+    map padded to a capacity for 5 more rows (padded_step.py)."""
     meta = meta_on(batch.meta(), device)
     to = lambda t: t.to(device)  # noqa: E731
     k_cache, v_cache = to(batch.k_cache.clone()), to(batch.v_cache.clone())
     _write_kv(to(batch.k), to(batch.v), k_cache, v_cache, meta)
+    rows = cuda_attention.rows_per_tile(batch.q.shape[1] // k_cache.shape[1])
+    tables, seqs = meta.block_tables, (meta.query_start, meta.num_scheduled, meta.context_lens)
+    if padded:
+        seqs = [torch.cat((t, t.new_zeros(2))) for t in seqs]
+        tables = torch.cat((tables, tables.new_zeros((2, tables.shape[1]))))
+    num_scheduled = seqs[1].cpu().numpy()
+    capacity = cuda_attention.max_tiles(int(num_scheduled.sum()) + 5, num_scheduled.size, rows)
+    out = np.zeros((2, capacity), dtype=np.int64) if padded else None
+    _, tiles = cuda_attention.attention_tiles(num_scheduled, rows, out)
     out = cuda_attention.paged_attention(
-        to(batch.q), k_cache, v_cache, meta.query_start, meta.num_scheduled, meta.context_lens,
-        meta.block_tables, meta.max_query_len, sliding_window)  # fmt: skip
+        to(batch.q), k_cache, v_cache, *seqs, tables, to(torch.from_numpy(tiles)), sliding_window)
     return out.cpu(), k_cache.cpu(), v_cache.cpu()
 
 
@@ -71,6 +82,9 @@ def check_interpreted_kernel() -> None:
     whole, _, _ = run_kernel(batch, "cpu")
     assert (whole - out).abs().max().item() > 1e-2  # the window changed the deep rows
     print("sliding window 8: matches the torch path")
+    padded, _, _ = run_kernel(batch, "cpu", padded=True)
+    assert torch.equal(padded, whole)
+    print("padded sequences and tiles: matches the unpadded call bit for bit")
 
 
 def test_the_kernel_under_tritons_interpreter():
@@ -84,7 +98,7 @@ def test_the_kernel_under_tritons_interpreter():
     done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("matches") == len(INTERPRETED_SHAPES) + 1, done.stdout
+    assert done.stdout.count("matches") == len(INTERPRETED_SHAPES) + 2, done.stdout
 
 
 def test_the_cpu_is_not_the_kernels_device():

@@ -1,20 +1,30 @@
-"""CUDA graphs of the decode step (model_service/step/cuda_graphs.py).
+"""CUDA graphs of every step (model_service/step/cuda_graphs.py, padded_step.py).
 
 The `gpu` tests run the tiny model on CUDA with graphs and without (PLANSERVE_CUDA_GRAPHS=0) through
-the same plans: sequences of several lengths prefilled in chunks, joined and finished mid-run, so
-that the decode steps replay graphs of several padded sizes. Greedy tokens must be equal and
-logprobs close in float32 and in the default dtype (bf16): a padded size may run cuBLAS at another
-row count, so bits may differ (cuda_graphs.py), tokens must not. On the CPU nothing is captured.
+the same plans: sequences of several lengths prefilled in chunks beside decodes, joined and
+finished mid-run, so that mixed and decode-only steps replay graphs of several padded sizes.
+Greedy tokens must be equal and logprobs close in float32 and in the default dtype (bf16): a padded
+size may run cuBLAS at another row count, so bits may differ (cuda_graphs.py), tokens must not.
+
+On the CPU nothing is captured; cuda_graphs "eager" runs the graphs' bookkeeping (bucket choice,
+padding, static buffers, the tile map) eagerly, and its greedy tokens and logprobs must equal the
+plain path's in every dtype this CPU serves: the CPU's kernels are batch invariant, so padding may
+not move a bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from dtypes import served_dtypes
 from ms_driver import Driver
+
+from model_service.attention import cuda_attention
+from model_service.step.padded_step import token_buckets
 
 from model_service.step import cuda_graphs
 from model_service.loading.loader import load_model
@@ -28,6 +38,33 @@ def test_the_cpu_runner_captures_nothing(tiny_runner):
     assert tiny_runner.compute["cuda_graphs"] == "none (device cpu)"
 
 
+def test_token_buckets_pad_at_most_an_eighth_past_the_decode_sizes():
+    sizes = token_buckets(8192)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 8192 and sizes == sorted(set(sizes))
+    assert 256 in sizes and all(b % 16 == 0 for b in sizes if b >= 16)
+    for small, big in zip(sizes, sizes[1:]):
+        assert big - small <= max(16, small // 8)
+    assert token_buckets(300)[-2:] == [288, 300] and token_buckets(16) == [1, 2, 4, 8, 16]
+
+
+def test_the_tile_map_covers_each_sequences_rows_once_and_pads_with_empty_tiles():
+    n = np.array([1, 9, 0, 4, 1], dtype=np.int64)
+    count, tiles = cuda_attention.attention_tiles(n, 4)
+    assert count == 1 + 3 + 0 + 1 + 1
+    assert tiles[0].tolist() == [0, 1, 1, 1, 3, 4] and tiles[1].tolist() == [0, 0, 4, 8, 0, 0]
+    capacity = cuda_attention.max_tiles(int(n.sum()), n.size, 4)
+    out = np.full((2, capacity), -1, dtype=np.int64)
+    assert cuda_attention.attention_tiles(n, 4, out)[0] == count
+    assert (out[:, :count] == tiles).all()
+    assert (out[1, count:] == cuda_attention.PAD_ROW).all() and (out[0, count:] == 0).all()
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # the capacity bound holds for any split of the rows
+        rows = int(rng.integers(1, 9))
+        n = rng.integers(0, 40, size=int(rng.integers(1, 30)))
+        count, _ = cuda_attention.attention_tiles(n, rows)
+        assert count <= cuda_attention.max_tiles(int(n.sum()), n.size, rows)
+
+
 def _run(runner) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
     driver = Driver(runner)
     prompts = {0: list(range(3, 40)), 1: list(range(50, 61)), 2: list(range(100, 103))}
@@ -39,18 +76,33 @@ def _run(runner) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
     return done, driver.logprobs
 
 
+@pytest.mark.parametrize("dtype", served_dtypes("tiny"))
+def test_padded_steps_on_the_cpu_give_the_plain_paths_tokens_and_bits(dtype):
+    config = tiny_config(dtype=dtype, cuda_graphs="eager", profile_step_tokens=48)
+    loaded = load_model(config)
+    padded = build_runner(loaded, config)
+    assert padded.graphs is not None and not padded.graphs.captured
+    assert padded.graphs.sizes == [1, 2, 4, 8, 16, 32, 48]
+    assert padded.compute["cuda_graphs"] == "eager padded steps, 7 buckets up to 48 tokens"
+    tokens, logprobs = _run(padded)
+    assert padded.graphs.replays >= 14  # mixed and decode-only steps; a step past 48 runs plain
+    plain = build_runner(loaded, dataclasses.replace(config, cuda_graphs="auto"))
+    assert plain.graphs is None
+    assert (tokens, logprobs) == _run(plain)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
-def test_replayed_decode_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
-    config = tiny_config(device="cuda", dtype=dtype)
+def test_replayed_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
+    config = tiny_config(device="cuda", dtype=dtype, profile_step_tokens=64)
     loaded = load_model(config)
     graphed = build_runner(loaded, config)
-    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8, 16]
-    assert graphed.compute["cuda_graphs"] == "decode, batch sizes 1,2,4,8,16"
+    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graphed.compute["cuda_graphs"] == "every step, 8 buckets up to 64 tokens"
     assert graphed.compute["attention"] == "triton"
     tokens, logprobs = _run(graphed)
-    assert graphed.graphs.replays >= 10  # the decode steps (prefill steps run eagerly)
+    assert graphed.graphs.replays >= 14  # decode-only and mixed steps (chunks of 16)
     assert graphed.graphs.logits.shape == (16, loaded.arch.vocab_size)  # one output for all sizes
 
     eager = build_runner(loaded, dataclasses.replace(config, cuda_graphs="off"))

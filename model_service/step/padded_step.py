@@ -1,0 +1,149 @@
+"""A step's inputs padded to a token bucket, in buffers that never move: what a captured CUDA
+graph reads (model_service/step/cuda_graphs.py), and what the CPU runs eagerly through the same
+bookkeeping, so that CI checks it without a GPU.
+
+A step of T token rows over B sequences, R of its rows sampled, runs as the smallest bucket
+Tb >= T. The bucket's views hold Tb token rows, Sb = min(Tb, max_seqs) sequences and Sb logits
+rows (R <= T and B <= T, so a step whose rows fit the bucket fits its views, unless it wants more
+logits rows than Sb: prompt logprobs over a long chunk; that step runs unpadded).
+
+Padding is inert by construction:
+    token rows T .. Tb     token 0 at position 0, K/V written to slot 0 (block 0 is reserved:
+                           no block table holds it), in no sequence: attention leaves them be
+    sequences B .. Sb      0 rows scheduled, context 0: no tile reads them
+    logits rows R .. Sb    row 0 again (their logits are computed and never read)
+    tiles past the step's  first row PAD_ROW: the kernel's program returns at once
+Every op of the forward is row-wise or a GEMM, so a padding row never touches a live row.
+
+On CUDA the host writes a pinned staging copy of the buffer and one copy moves it (plus the
+block tables' used rows and columns) to the device before the replay.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from model_service.attention import cuda_attention
+from model_service.attention.paged import AttentionMetadata, build_attention_metadata
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The padded token counts, ascending, the last max_tokens itself: every size up to 8, steps
+    of 16 to 256 (decode batches: vLLM's sizes), then steps of an eighth of a power of two, so
+    that padding wastes at most ~1/8 of a bucket's rows."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 16)]
+    while sizes[-1] < max_tokens:
+        step = sizes[-1] // 8
+        sizes += list(range(sizes[-1] + step, sizes[-1] * 2 + 1, step))
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+_TOKEN_SECTIONS = ("input_ids", "positions", "slot_mapping")
+_SEQ_SECTIONS = ("query_start", "num_scheduled", "context_lens", "logits_indices")
+
+
+class PaddedStep:
+    """The buffers of the largest bucket (every bucket uses their first rows), on the host and
+    on `device`, and how a step fills them."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        tile_rows: int,
+        device: torch.device,
+    ) -> None:
+        self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
+        self.tile_rows, self.device = tile_rows, device
+        self.max_tiles = cuda_attention.max_tiles(max_tokens, max_seqs, tile_rows)
+        sizes = [max_tokens] * len(_TOKEN_SECTIONS) + [max_seqs] * len(_SEQ_SECTIONS)
+        sizes.append(2 * self.max_tiles)
+        self._offsets = np.concatenate(([0], np.cumsum(sizes)))
+        pinned = device.type == "cuda"
+        host = torch.zeros(int(self._offsets[-1]), dtype=torch.int64)
+        tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int64)
+        self.host = host.pin_memory() if pinned else host
+        self.host_tables = tables.pin_memory() if pinned else tables
+        # On the CPU the host buffers are the device's: nothing to copy.
+        self.buffer = self.host.to(device) if pinned else self.host
+        self.tables = self.host_tables.to(device) if pinned else self.host_tables
+        names = (*_TOKEN_SECTIONS, *_SEQ_SECTIONS, "tiles")
+        self._host_np = {n: self._section(self.host, i).numpy() for i, n in enumerate(names)}
+        self._host_np["tiles"] = self._host_np["tiles"].reshape(2, self.max_tiles)
+        self._device = {n: self._section(self.buffer, i) for i, n in enumerate(names)}
+        self._device["tiles"] = self._device["tiles"].view(2, self.max_tiles)
+
+    def clear(self) -> None:
+        """Every row padding (a graph's warm-up and capture run on this), copied to the device."""
+        self.host.zero_()
+        cuda_attention.attention_tiles(np.zeros(0, dtype=np.int64), 1, self._host_np["tiles"])
+        if self.buffer is not self.host:
+            self.buffer.copy_(self.host)
+
+    def _section(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        return buffer[int(self._offsets[index]) : int(self._offsets[index + 1])]
+
+    def seqs_of(self, tokens: int) -> int:
+        """Sb: the sequences (and logits rows) a bucket of `tokens` rows holds."""
+        return min(tokens, self.max_seqs)
+
+    def fits(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray, bucket: int) -> bool:
+        """Whether a step fits `bucket`'s views (False: it runs unpadded): its rows, sequences
+        and logits rows, and its block tables' width."""
+        return (
+            x.num_tokens <= bucket <= self.max_tokens
+            and num_scheduled.size <= self.seqs_of(bucket)
+            and logits_indices.size <= self.seqs_of(bucket)
+            and x.block_tables.shape[1] <= self.tables.shape[1]
+        )
+
+    def fill(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray, bucket: int) -> None:
+        """The step's rows into the host buffers, the bucket's padding after them, then (CUDA)
+        the copy to the device, on the current stream."""
+        h, tokens, count = self._host_np, int(x.num_tokens), num_scheduled.size
+        seqs = self.seqs_of(bucket)
+        for name in _TOKEN_SECTIONS:
+            h[name][:tokens] = getattr(x, name)[:tokens]
+            h[name][tokens:bucket] = 0
+        h["query_start"][:count] = x.query_start[:count]
+        h["num_scheduled"][:count] = num_scheduled
+        h["context_lens"][:count] = x.context_lens[:count]
+        for name in ("query_start", "num_scheduled", "context_lens"):
+            h[name][count:seqs] = 0
+        h["logits_indices"][: logits_indices.size] = logits_indices
+        h["logits_indices"][logits_indices.size : seqs] = 0
+        num_tiles = cuda_attention.max_tiles(bucket, seqs, self.tile_rows)
+        cuda_attention.attention_tiles(num_scheduled, self.tile_rows, h["tiles"][:, :num_tiles])
+        width = x.block_tables.shape[1]
+        self.host_tables.numpy()[:count, :width] = x.block_tables[:count]
+        if self.buffer is not self.host:
+            self.buffer.copy_(self.host, non_blocking=True)
+            self.tables[:count, :width].copy_(self.host_tables[:count, :width], non_blocking=True)
+
+    def args(self, bucket: int, eager_step=None):
+        """The model's arguments over a bucket's views: (input_ids, positions, metadata,
+        logits_indices). A graph reads every bucket-sized view; an eager run (`eager_step`: the
+        step's inputs) passes its own sequence count and maxima instead: the CPU's kernel takes
+        no empty sequence, and the torch attention path sizes its gather from the maxima."""
+        d, seqs = self._device, self.seqs_of(bucket)
+        live = seqs if eager_step is None else eager_step.query_start.size
+        meta: AttentionMetadata = build_attention_metadata(
+            d["slot_mapping"][:bucket],
+            d["query_start"][:live],
+            d["num_scheduled"][:live],
+            d["context_lens"][:live],
+            self.tables[:live],
+            self.block_size,
+            bucket if eager_step is None else eager_step.max_query_len,
+            self.tables.shape[1] * self.block_size
+            if eager_step is None
+            else eager_step.max_context_len,
+            tiles=self._tiles(bucket, seqs) if self.device.type == "cuda" else None,
+        )
+        return d["input_ids"][:bucket], d["positions"][:bucket], meta, d["logits_indices"][:seqs]
+
+    def _tiles(self, bucket: int, seqs: int) -> torch.Tensor:
+        return self._device["tiles"][:, : cuda_attention.max_tiles(bucket, seqs, self.tile_rows)]
