@@ -9,7 +9,9 @@ prefill) and decode at batch 256, in bf16, each on private shuffled KV blocks (b
 Each figure is the median of 30 timed steps after 3 warm-up steps, the GPU synchronized around
 each step. The floors come from probes in the same run: a 1 GiB device-to-device copy (bytes read
 plus written) and an 8192^3 bf16 matrix product. "attention ms" is one layer's attention call
-alone at the step's shape (the model's other ops are the same on both paths). "graph ms" is the
+alone at the step's shape (the model's other ops are the same on both paths); for the Triton
+kernel once more as it was before KV_TILE_KEYS and PV_SPLIT (one block a walk step, P.V one IEEE
+float32 dot). "graph ms" is the
 step replayed from its CUDA graph (model_service/step/cuda_graphs.py: the runner's path for every
 step), the inputs' host-to-device copies included. A last case puts a 512-token prompt chunk beside
 255 decodes: the mixed step a served run makes while prompts arrive.
@@ -83,6 +85,19 @@ def attention_ms(step, arch) -> float:
     return median_ms(lambda: attention.paged_attention(q, k, v, step.kv.k[0], step.kv.v[0], meta))
 
 
+def one_block_ieee_pv_ms(step, arch) -> float:
+    """attention_ms with the kernel's walk as it was before KV_TILE_KEYS and PV_SPLIT: one block
+    a step, P.V one IEEE float32 dot."""
+    from model_service.attention import cuda_attention
+
+    saved = cuda_attention.KV_TILE_KEYS, cuda_attention.PV_SPLIT
+    cuda_attention.KV_TILE_KEYS, cuda_attention.PV_SPLIT = measure.BLOCK, False
+    try:
+        return attention_ms(step, arch)
+    finally:
+        cuda_attention.KV_TILE_KEYS, cuda_attention.PV_SPLIT = saved
+
+
 def graph_ms(model, step, arch) -> float | None:
     """The step through the runner's CUDA graphs (model_service/step/cuda_graphs.py), its one
     bucket captured, the inputs' host-to-device copies included (None off CUDA)."""
@@ -138,6 +153,7 @@ def main() -> None:
                 result[f"{path}_ms"] = median_ms(lambda s=step: model(*s.args()))
                 result[f"{path}_attention_ms"] = attention_ms(step, arch)
         attention.PATH.select("auto")
+        result["triton_one_block_ieee_pv_attention_ms"] = one_block_ieee_pv_ms(step, arch)
         result["graph_ms"] = graph_ms(model, step, arch)
         print(f"{name:14s} triton {result['triton_ms']:7.2f} ms (attention {result['triton_attention_ms']:.3f}) "
               f"torch {result['torch_ms']:7.2f} ms (attention {result['torch_attention_ms']:.3f})  "

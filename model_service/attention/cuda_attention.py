@@ -25,9 +25,12 @@ model's head grouping, never on the batch), and a row's arithmetic (its dot prod
 the blocks) depends only on its own query, context and position, not on the tile's other rows.
 
 Precision: q.k runs on the tensor cores in bf16 (exact products, float32 sums) or in IEEE float32
-for float32 models (never TF32: the parity tests compare float32 with transformers). P.V keeps P in
-float32 (IEEE), as the CPU kernel does: FlashAttention rounds P to bf16 there, which on the CPU
-kernel's test batch put 4.5% of outputs beyond its bound (docs/design-notes.md).
+for float32 models (never TF32: the parity tests compare float32 with transformers). P.V keeps P
+near float32, as the CPU kernel does: FlashAttention rounds P to bf16 there, which on the CPU
+kernel's test batch put 4.5% of outputs beyond its bound (docs/design-notes.md). In a 16-bit model
+P is split into a high and a low half of V's type, two tensor-core dots whose sum keeps P to about
+2^-17 (PV_SPLIT); a float32 model's P.V is one IEEE float32 dot, off the tensor cores. A walk step
+reads KV_TILE_KEYS keys (several blocks) at once.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ except ImportError:  # CPU-only installs: torch's CPU wheel does not bring Trito
 
 # The fewest rows a tensor-core dot takes (M and N of tl.dot): a tile's rows x heads, and a block.
 MIN_DOT = 16
+# Keys one step of a tile's walk reads (whole blocks: block_size 16 reads 4): fewer, larger dots
+# than one block a step. Fixed, never from the batch, so a row's arithmetic stays its own.
+KV_TILE_KEYS = 64
+# bf16/fp16 models: P.V as two 16-bit tensor-core dots (P split in high and low halves) instead
+# of one IEEE float32 dot off the tensor cores. Module-level so a bench can time both.
+PV_SPLIT = True
 # A padding tile's first row: beyond any sequence's rows, so its program returns at once.
 PAD_ROW = 1 << 30
 
@@ -121,8 +130,10 @@ def paged_attention(
         head_dim**-0.5, sliding_window or 0,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_next_power_of_2(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, _next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, ROWS=rows_per_tile(group), USE_WINDOW=sliding_window is not None,
+        BLOCK_SIZE=block_size, ROWS=rows_per_tile(group),
+        KV_BLOCKS=max(1, KV_TILE_KEYS // block_size), USE_WINDOW=sliding_window is not None,
         QK_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PV_SPLIT=PV_SPLIT and q.dtype != torch.float32,
     )  # fmt: skip
     return out
 
@@ -131,22 +142,27 @@ def paged_attention(
 if triton is not None:
 
     @triton.jit
-    def _attend_block(
-        q, position, k_cache_ptr, v_cache_ptr, block, c, kv_head, scale, window,
-        max_score, denominator, acc,
+    def _attend_blocks(
+        q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head, scale,
+        window, max_score, denominator, acc,
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, QK_PRECISION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, KV_BLOCKS: tl.constexpr, USE_WINDOW: tl.constexpr,
+        QK_PRECISION: tl.constexpr, PV_SPLIT: tl.constexpr,
     ):  # fmt: skip
-        """One KV block (context column c) folded into the tile's online softmax."""
+        """KV_BLOCKS blocks (table columns g * KV_BLOCKS ..) folded into the tile's online
+        softmax; columns past end_block read block 0 and are masked off by position."""
+        column = g * KV_BLOCKS + tl.arange(0, KV_BLOCKS)
+        block = tl.load(table_row_ptr + column, mask=column < end_block, other=0).to(tl.int64)
         i = tl.arange(0, BLOCK_SIZE)
+        kv_rows = (block[:, None] * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + i[None, :]
+        kv_rows = tl.reshape(kv_rows, (KV_BLOCKS * BLOCK_SIZE,))
         d = tl.arange(0, HEAD_DIM_PAD)
         d_live = d < HEAD_DIM
-        kv_rows = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + i
         kv_offsets = kv_rows[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=d_live[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=d_live[None, :], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale
-        key_position = c * BLOCK_SIZE + i
+        key_position = g * KV_BLOCKS * BLOCK_SIZE + tl.arange(0, KV_BLOCKS * BLOCK_SIZE)
         allowed = key_position[None, :] <= position[:, None]
         if USE_WINDOW:
             allowed = allowed & (key_position[None, :] > position[:, None] - window)
@@ -157,7 +173,15 @@ if triton is not None:
         rescale = tl.exp(max_score - shift)
         p = tl.exp(scores - shift[:, None])
         denominator = denominator * rescale + tl.sum(p, 1)
-        acc = acc * rescale[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if PV_SPLIT:
+            # P in two halves of V's 16-bit type, each exact on the tensor cores: P's float32
+            # value to ~2^-17, not the one rounding to bf16 FlashAttention makes (module doc).
+            p_high = p.to(v.dtype)
+            p_low = (p - p_high.to(tl.float32)).to(v.dtype)
+            pv = tl.dot(p_high, v) + tl.dot(p_low, v)
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * rescale[:, None] + pv
         return new_max, denominator, acc
 
     @triton.jit
@@ -167,7 +191,8 @@ if triton is not None:
         tile_seq_ptr, tile_row_ptr, q_row_stride, table_stride, scale, window,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        ROWS: tl.constexpr, USE_WINDOW: tl.constexpr, QK_PRECISION: tl.constexpr,
+        ROWS: tl.constexpr, KV_BLOCKS: tl.constexpr, USE_WINDOW: tl.constexpr,
+        QK_PRECISION: tl.constexpr, PV_SPLIT: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -200,14 +225,15 @@ if triton is not None:
         end_block = (
             context - num_rows + tl.minimum(first_row + ROWS, num_rows) - 1
         ) // BLOCK_SIZE + 1
-        while c < end_block:  # not range(): Triton's interpreter cannot index by a loaded value
-            block = tl.load(block_tables_ptr + seq * table_stride + c).to(tl.int64)
-            max_score, denominator, acc = _attend_block(
-                q, position, k_cache_ptr, v_cache_ptr, block, c, kv_head, scale, window,
-                max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE,
-                USE_WINDOW, QK_PRECISION,
+        table_row_ptr = block_tables_ptr + seq * table_stride
+        g = c // KV_BLOCKS
+        while g * KV_BLOCKS < end_block:  # not range(): the interpreter cannot loop to a load
+            max_score, denominator, acc = _attend_blocks(
+                q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head,
+                scale, window, max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD,
+                BLOCK_SIZE, KV_BLOCKS, USE_WINDOW, QK_PRECISION, PV_SPLIT,
             )  # fmt: skip
-            c += 1
+            g += 1
 
         result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
         out_offsets = q_rows[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM)

@@ -1,7 +1,7 @@
 """The CUDA paged attention kernel (model_service/attention/cuda_attention.py, Triton).
 
 On a machine without a GPU, the kernel's own code runs under Triton's interpreter (numpy, on CPU
-tensors) against the float64 reference of the CPU kernel's tests, in float32 only: the
+tensors) against the float64 reference of the CPU kernel's tests, in float32 and float16 only: the
 interpreter's bf16 dot is wrong (a 16x16 bf16 tl.dot came back ~1e10 off under Triton 3.6's
 interpreter, while its bf16 loads and casts were exact), so bf16 is checked on a GPU. The `gpu`
 tests run the compiled kernel on CUDA: both dtypes against the reference, sliding windows against
@@ -85,6 +85,13 @@ def check_interpreted_kernel() -> None:
     padded, _, _ = run_kernel(batch, "cpu", padded=True)
     assert torch.equal(padded, whole)
     print("padded sequences and tiles: matches the unpadded call bit for bit")
+    # A 16-bit model's P.V as two tensor-core dots (PV_SPLIT): float16 here, the interpreter's
+    # bf16 dot being wrong; the bf16 path is checked on a GPU.
+    batch = Batch(**SMALL, heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=torch.float16,
+                  shared_prefix_blocks=1)
+    out, k_cache, v_cache = run_kernel(batch, "cpu")
+    assert_close_to_reference(out, batch.reference(k_cache, v_cache), torch.float16)
+    print("float16, P.V split in two halves: matches the reference")
 
 
 def test_the_kernel_under_tritons_interpreter():
@@ -98,7 +105,7 @@ def test_the_kernel_under_tritons_interpreter():
     done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("matches") == len(INTERPRETED_SHAPES) + 2, done.stdout
+    assert done.stdout.count("matches") == len(INTERPRETED_SHAPES) + 3, done.stdout
 
 
 def test_the_cpu_is_not_the_kernels_device():
