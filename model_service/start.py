@@ -87,6 +87,7 @@ def build_runner(
         device=str(device),
         dtype=config.resolved_dtype(),
         num_kv_blocks=num_blocks,
+        step=step_shape.for_device(config, device),  # Describe's step_token_budget, step_max_seqs
         **compute,
     )
     return runner_class(loaded, config, kv_cache, table, drafter, graphs, compute)

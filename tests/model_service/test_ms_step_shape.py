@@ -118,3 +118,28 @@ def test_sizing_for_cuda_by_each_rule(tiny_loaded):
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes: .* the largest step's and the graphs' "
                        rf"{2 * peak} bytes"):
         _sized(tiny_loaded, too_big, free, peak, peak)
+
+
+@pytest.mark.gpu
+def test_cuda_start_up_takes_the_devices_step_and_most_of_its_memory():
+    """No flag: the step for the device, profiled, and 0.9 of the free memory less the step,
+    the graphs' pool (one more step peak when graphs are captured) and the reserve."""
+    import re
+
+    from model_service.start import start_runner
+
+    runner = start_runner(ModelServiceConfig(model="tiny", device="cuda"))
+    facts = runner.describe_facts()
+    total = torch.cuda.get_device_properties(runner.device).total_memory
+    assert (facts.step_token_budget, facts.step_max_seqs) == (
+        step_shape.choose("cuda", total, 256).token_budget, 256)
+    basis = facts.compute["kv_budget"]
+    figures = re.fullmatch(r"fraction 0.9 of (\d+) free after weights, step peak (\d+), graphs (\d+), "
+                           r"reserve (\d+): (\d+) \(kv_cache_memory_fraction \(default\)\)", basis)
+    assert figures is not None, basis
+    free, peak, graphs, reserve, budget = map(int, figures.groups())
+    assert peak > 0 and reserve == CUDA_RESERVE_BYTES
+    assert graphs == (0 if facts.compute["cuda_graphs"].startswith("none") else peak)
+    assert budget == int(free * 0.9) - peak - graphs - reserve
+    cache_bytes = facts.num_kv_blocks * runner.kv_cache.block_bytes
+    assert budget - runner.kv_cache.block_bytes < cache_bytes <= budget
