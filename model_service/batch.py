@@ -298,6 +298,8 @@ def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
         ),
         num_swap_blocks=getattr(facts, "num_swap_blocks", 0),
         num_speculative_tokens=getattr(facts, "num_speculative_tokens", 0),
+        step_token_budget=getattr(facts, "step_token_budget", 0),
+        step_max_seqs=getattr(facts, "step_max_seqs", 0),
         compute=getattr(facts, "compute", {}),
     )
     if facts.bos_token_id is not None:

@@ -104,35 +104,43 @@ class ModelServiceConfig:
     """Tokens per KV block."""
 
     num_kv_blocks: Optional[int] = setting(None, low=2, note="(block 0 is reserved)")
-    """KV blocks to allocate, block 0 included (reserved). None derives it from
-    `kv_cache_memory_bytes` and the model's per-block byte size."""
+    """KV blocks to allocate, block 0 included (reserved). None derives it from the KV budget
+    (kv_cache_memory_bytes or kv_cache_memory_fraction, else the device's default) and the
+    model's per-block byte size."""
 
-    kv_cache_memory_bytes: int = setting(
-        1 << 30,
+    kv_cache_memory_bytes: Optional[int] = setting(
+        None,
         low=1,
         flag="kv-cache-memory",
         aliases=("kv-cache-memory-bytes",),
         parse=parse_bytes,
     )
-    """Memory budget of the KV cache when `num_kv_blocks` is None (default 1 GiB)."""
+    """Memory budget of the KV cache when `num_kv_blocks` is None. None: the device's default,
+    1 GiB on the CPU (CPU_KV_CACHE_BYTES), and on CUDA a fraction
+    (CUDA_KV_CACHE_MEMORY_FRACTION, 0.9) of the free memory after the weights, less the
+    profiled largest step, the CUDA graphs' pool and a reserve (model_service/step/kv_budget.py)."""
 
     kv_cache_memory_fraction: Optional[float] = setting(None, above=0, high=1)
     """When set, the KV budget is this fraction of the device's free memory after the weights are
-    loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable), instead of kv_cache_memory_bytes.
-    num_kv_blocks, when set, wins over both."""
+    loaded (CUDA: torch.cuda.mem_get_info, less the largest step, the graphs and a reserve; CPU:
+    MemAvailable), instead of kv_cache_memory_bytes. num_kv_blocks, when set, wins over both."""
 
-    profile_step_tokens: int = setting(2048, low=1)
-    """CUDA: tokens of the largest step the scheduler will send (its max_num_batched_tokens;
-    `planserve serve` passes the scheduler's). Before the KV cache is allocated, steps of this
-    many tokens run on a scratch cache and the KV budget leaves their peak memory free
-    (model_service/step/profile_step.py). Not used on the CPU."""
+    profile_step_tokens: Optional[int] = setting(None, low=1)
+    """Tokens of the largest step, the step's token budget: None takes the device's (8192 on
+    CUDA, 512 on the CPU; model_service/step/step_shape.py). Describe reports it
+    (step_token_budget) and the scheduler plans by it unless --max-num-batched-tokens is given
+    (`planserve serve` then passes that here). On CUDA steps of this many tokens run on a scratch
+    cache before the KV cache is allocated, and the KV budget leaves their peak memory free
+    (model_service/step/profile_step.py); the CPU does not profile."""
 
     swap_space_bytes: int = setting(0, low=0, flag="swap-space", parse=parse_bytes)
     """Host memory for swapped-out KV blocks (pinned on CUDA); Describe reports the blocks it
     holds as num_swap_blocks, and features.swap when there is at least one. 0: no swap space."""
 
     max_num_slots: int = setting(256, low=1)
-    """Largest number of concurrently registered sequences (slot indices are below it)."""
+    """Largest number of concurrently registered sequences (slot indices are below it). On CUDA
+    it is also a step's sequence limit (Describe's step_max_seqs; 64 on the CPU), which the
+    scheduler plans by unless --max-num-seqs is given."""
 
     max_model_len: Optional[int] = setting(None, low=1)
     """Override of the longest sequence in tokens; None takes the model's (8192 for SmolLM2, 512 for

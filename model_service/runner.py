@@ -40,6 +40,7 @@ from model_service.attention.kv_cache import KVCache
 from model_service.config import ModelServiceConfig
 from model_service.loading.loaded import LoadedModel
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
+from model_service.step import step_shape
 from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import run_forward, to_device
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
@@ -74,6 +75,9 @@ class DescribedFacts:
     block_copy: bool = True
     num_swap_blocks: int = 0
     num_speculative_tokens: int = 0  # > 0: speculation on, this many drafts per decode at most
+    # The step shape chosen for the device (step/step_shape.py); 0: not reported.
+    step_token_budget: int = 0
+    step_max_seqs: int = 0
     # threads and kernel paths (threads.py)
     compute: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -141,6 +145,7 @@ class ModelRunner:
 
     def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
+        shape = step_shape.for_device(self.config, self.device)
         return DescribedFacts(
             model_name=lm.name,
             architecture=lm.arch.architecture,
@@ -160,6 +165,8 @@ class ModelRunner:
             special_tokens=dict(lm.special_tokens),
             num_swap_blocks=self.limits.num_swap_blocks,
             num_speculative_tokens=self.num_speculative_tokens,
+            step_token_budget=shape.token_budget,
+            step_max_seqs=shape.max_seqs,
             compute=self.compute,
         )
 

@@ -4,8 +4,10 @@
     draft     the draft model, before sizing: its weights leave
               the free memory, its cache counts in each block      speculative/draft_model.py
     profile   on CUDA, the largest step on a scratch cache: peak   step/profile_step.py
+              (the step shape chosen for the device: step_shape.py)
     size      the KV cache's block count, the cache, swap space    step/kv_budget.py
-    capture   the steps' CUDA graphs over the sized cache       step/cuda_graphs.py
+              (beside the step's peak and the graphs' pool)
+    capture   the steps' CUDA graphs over the sized cache          step/cuda_graphs.py
 
 Each part receives what it reads; the runner receives the parts.
 """
@@ -31,8 +33,7 @@ from model_service.runner import ModelRunner
 from model_service.speculative import draft_model
 from model_service.speculative.stage import Drafter
 from model_service.speculative.verify import NgramDrafter
-from model_service.step import cuda_graphs, profile_step
-from model_service.step.kv_budget import count_kv_blocks
+from model_service.step import cuda_graphs, kv_budget, profile_step, step_shape
 from model_service.step.slot_table import SlotTable
 
 log = structlog.get_logger(__name__)
@@ -55,26 +56,39 @@ def build_runner(
     draft = draft_model.load_draft(config, loaded)
     step_peak_bytes = profile_largest_step(loaded, config) if profiles(device, loaded) else None
     draft_bytes = draft_model.draft_block_bytes(draft, config.block_size)
-    num_blocks = count_kv_blocks(config, loaded, dtype, device, step_peak_bytes, draft_bytes)
+    graphs_bytes = kv_budget.graphs_reserve_bytes(
+        step_peak_bytes, step_peak_bytes is not None and graphs_captured(loaded, config)
+    )
+    sizing = kv_budget.size_kv_cache(
+        config, loaded, dtype, device, step_peak_bytes, draft_bytes, graphs_bytes
+    )
+    num_blocks = sizing.num_blocks
+    log.info("kv_cache_sized", num_kv_blocks=num_blocks, basis=sizing.basis())
     kv_cache = new_kv_cache(loaded, config, num_blocks)
     kv_cache.allocate_swap(config.swap_space_bytes // kv_cache.block_bytes)
     table = SlotTable(config.max_num_slots, loaded.max_model_len, config.block_size)
     drafter = _drafter(config, draft, table, kv_cache, device)
+    step = step_shape.for_device(config, device)  # Describe's step_token_budget, step_max_seqs
     graphs, graphs_path = cuda_graphs.capture(
         config.cuda_graphs,
         loaded,
         kv_cache,
-        config.profile_step_tokens,
+        step.token_budget,
         config.max_num_slots,
         table.max_blocks_per_seq,
     )
-    compute = {**compute_paths(loaded, kv_cache), "cuda_graphs": graphs_path}
+    compute = {
+        **compute_paths(loaded, kv_cache),
+        "cuda_graphs": graphs_path,
+        "kv_budget": sizing.basis(),
+    }
     log.info(
         "runner_ready",
         model=loaded.name,
         device=str(device),
         dtype=config.resolved_dtype(),
         num_kv_blocks=num_blocks,
+        step=step,
         **compute,
     )
     return runner_class(loaded, config, kv_cache, table, drafter, graphs, compute)
@@ -116,8 +130,9 @@ def profiles(device: torch.device, loaded: LoadedModel) -> bool:
 def profile_largest_step(loaded: LoadedModel, config: ModelServiceConfig) -> int:
     """Runs the largest steps (profile_step.py) on a scratch runner and cache; returns their
     peak bytes. Both are released before the real cache is sized."""
+    shape = step_shape.for_device(config, _device(loaded))
     lengths = profile_step.sequence_lengths(
-        config.profile_step_tokens, config.max_num_slots, loaded.max_model_len
+        shape.token_budget, shape.max_seqs, loaded.max_model_len
     )
     cache = new_kv_cache(loaded, config, profile_step.blocks_needed(lengths, config.block_size))
     table = SlotTable(config.max_num_slots, loaded.max_model_len, config.block_size)
@@ -129,8 +144,20 @@ def profile_largest_step(loaded: LoadedModel, config: ModelServiceConfig) -> int
     del scratch, cache
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the scratch cache's and the steps' blocks, for the real cache
-    log.info("largest_step_profiled", tokens=config.profile_step_tokens, peak_bytes=peak)
+    log.info(
+        "largest_step_profiled", tokens=shape.token_budget, seqs=shape.max_seqs, peak_bytes=peak
+    )
     return peak
+
+
+def graphs_captured(loaded: LoadedModel, config: ModelServiceConfig) -> bool:
+    """Whether the capture after sizing will record graphs (cuda_graphs.unsupported_reason, asked
+    of a two-block cache of the real one's layout), so the budget leaves their pool free."""
+    probe = new_kv_cache(loaded, config, 2)
+    reason = cuda_graphs.unsupported_reason(
+        config.cuda_graphs, probe.k.device, probe, loaded.tensor_parallel_size
+    )
+    return reason is None and config.cuda_graphs != "eager"  # "eager" pads, captures nothing
 
 
 def _drafter(

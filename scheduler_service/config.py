@@ -10,6 +10,7 @@ its help in the docstring under it; the CLI's flags (cli.py) are made from them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from config_fields import check_bounds, setting
 from scheduler_service.core import policies
@@ -56,11 +57,16 @@ class SchedulerConfig:
     flight; scheduler_service/engine/loop.py). Steps go one at a time while a request with a grammar
     is running or the engine speculates (a plan then depends on the previous step's tokens)."""
 
-    max_num_seqs: int = setting(64, low=1)
-    """Most sequences scheduled in one step (running decodes plus prefill chunks)."""
+    max_num_seqs: Optional[int] = setting(None, low=1)
+    """Most sequences scheduled in one step (running decodes plus prefill chunks). None: the
+    model service's choice for its device (Describe's step_max_seqs: 64 on the CPU, its
+    max_num_slots on CUDA); never above the slots it holds."""
 
-    max_num_batched_tokens: int = setting(512, low=1)
-    """Token budget of one step, shared by decodes (1 token each) and prefill chunks."""
+    max_num_batched_tokens: Optional[int] = setting(None, low=1)
+    """Token budget of one step, shared by decodes (1 token each) and prefill chunks. None: the
+    model service's choice for its device (Describe's step_token_budget: 512 on the CPU, 8192 on
+    CUDA), the step it profiled before sizing its KV cache. `planserve serve` passes a value
+    given here to the model service as its profile_step_tokens."""
 
     policy: str = "fcfs"
     """Waiting order and preemption rule: a registered policy name (fcfs, priority, sjf, edf,

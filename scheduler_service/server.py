@@ -22,7 +22,7 @@ from scheduler_service.api.admission import Admission, Serving
 from scheduler_service.api.grpc_servicer import GenerationServicer
 from scheduler_service.api.http_server import HttpServer
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.scheduler import Scheduler, log_step_budget
 from scheduler_service.engine import client as engine_client
 from scheduler_service.engine import kv_events
 from scheduler_service.engine.addresses import is_replicated
@@ -187,6 +187,7 @@ class SchedulerServer:
         tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
         output_processor = OutputProcessor(tokenizer, facts.eos_token_ids, facts.max_model_len)
         scheduler = Scheduler(self.config, facts, output_processor)
+        log_step_budget(scheduler)
         events = self._kv_event_stream(scheduler)
         # Readiness is a real one-token step on the model, not only an answer to Describe:
         # when it fails, the loop starts by reconnecting, NOT_SERVING until a step works.

@@ -145,9 +145,11 @@ class _ModelServiceSupervisor:
 def profiling_the_token_budget(
     args: argparse.Namespace, config: SchedulerConfig
 ) -> argparse.Namespace:
-    """`serve`'s model flags with the largest step the model service profiles on CUDA set to the
-    scheduler's token budget, unless --profile-step-tokens was given."""
-    if args.profile_step_tokens is not None:
+    """`serve`'s model flags with the largest step the model service profiles set to the
+    scheduler's token budget when --max-num-batched-tokens was given (and --profile-step-tokens
+    was not). Otherwise the model service chooses the step for its device and the scheduler
+    adopts it from Describe."""
+    if args.profile_step_tokens is not None or config.max_num_batched_tokens is None:
         return args
     return argparse.Namespace(
         **{**vars(args), "profile_step_tokens": config.max_num_batched_tokens}

@@ -1,12 +1,23 @@
 """How many KV blocks to allocate: as configured, or as many as a memory budget holds (a byte
-count, or a fraction of the device's free memory after the weights are loaded).
+count, or a fraction of the device's free memory after the weights are loaded). The one owner of
+the budget's rules:
+
+    given                        budget
+    num_kv_blocks                that many blocks (checked to fit beside the step, on CUDA)
+    kv_cache_memory_fraction     fraction x free, less the step's peak, the graphs and a reserve
+    kv_cache_memory_bytes        that many bytes (checked to fit beside the step, on CUDA)
+    none, CUDA                   as a fraction of CUDA_KV_CACHE_MEMORY_FRACTION (vLLM's
+                                 gpu_memory_utilization default)
+    none, CPU                    CPU_KV_CACHE_BYTES
 
 On CUDA the runner first measures the activation memory of the largest step
-(model_service/step/profile_step.py). With a fraction, the KV cache gets that fraction of the free
-memory less the step's peak and CUDA_RESERVE_BYTES; with a byte count or a block count, a cache
-that leaves less than the peak and the reserve free refuses to start (naming the field), instead
-of running out of memory at the first long prefill. On the CPU there is no profile: the host's
-MemAvailable is the budget's base, and a step's activations are small beside it.
+(model_service/step/profile_step.py). CUDA graphs captured after the cache is allocated hold
+their own memory pool, about one largest step's activations: when they will be captured, the
+budget leaves one more step peak free for them (graphs_reserve_bytes). A cache sized by a byte
+count or a block count that leaves less than the peak, the graphs and the reserve free refuses to
+start (naming the field), instead of running out of memory at the first long prefill. On the CPU
+there is no profile: the host's MemAvailable is the base of a fraction, and a step's activations
+are small beside it.
 
 Tensor-parallel ranks each cache their own KV heads and measure their own free memory; with a
 fraction they agree on the smallest count, so every block id the scheduler hands out exists on
@@ -15,7 +26,9 @@ every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Callable, Optional
 
 import torch
 
@@ -27,6 +40,10 @@ from model_service.loading.loaded import LoadedModel
 # allocator does not count (the CUDA context's growth as kernels load, NCCL's buffers under tensor
 # parallelism) and its fragmentation.
 CUDA_RESERVE_BYTES = 256 << 20
+# The KV budget when no flag sizes it. On CUDA the cache is what the service is for: it takes
+# most of the device, the rest is headroom for what the profile cannot see.
+CUDA_KV_CACHE_MEMORY_FRACTION = 0.9
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -45,17 +62,67 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_cache_budget_bytes(
-    memory_bytes: int, memory_fraction: float | None, device: torch.device, num_ranks: int = 1
-) -> int:
-    """The KV budget: memory_fraction of the device's free memory when set, else memory_bytes.
-    Tensor-parallel ranks on the CPU share the host's memory: each takes 1/num_ranks of it."""
-    if memory_fraction is None:
-        return memory_bytes
-    free = available_memory_bytes(device)
-    if device.type != "cuda":
-        free //= num_ranks
-    return int(free * memory_fraction)
+def graphs_reserve_bytes(step_peak_bytes: Optional[int], graphs_captured: bool) -> int:
+    """Memory the CUDA graphs' shared pool takes after the cache is allocated: the graphs capture
+    steps up to the token budget, and their pool holds about one largest step's activations
+    (0 when no graphs are captured or no step was profiled)."""
+    return step_peak_bytes if graphs_captured and step_peak_bytes is not None else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    """The KV cache's budget and what it was made of."""
+
+    bytes: int
+    field: str
+    """The config field that sized it (named when it is too small), "(default)" marked."""
+    fraction: Optional[float] = None
+    """A fraction of free_bytes; None for a byte count."""
+    free_bytes: int = 0
+    step_peak_bytes: int = 0
+    graphs_bytes: int = 0
+    reserve_bytes: int = 0
+
+    def basis(self) -> str:
+        """One line for the log and Describe's compute map."""
+        if self.fraction is None:
+            return f"{self.bytes} bytes ({self.field})"
+        return (
+            f"fraction {self.fraction:g} of {self.free_bytes} free after weights, step peak "
+            f"{self.step_peak_bytes}, graphs {self.graphs_bytes}, reserve {self.reserve_bytes}: "
+            f"{self.bytes} ({self.field})"
+        )
+
+
+def kv_budget(
+    config: ModelServiceConfig,
+    device_type: str,
+    free_bytes: Callable[[], int],
+    num_ranks: int = 1,
+    step_peak_bytes: Optional[int] = None,
+    graphs_bytes: int = 0,
+) -> KVBudget:
+    """The KV budget by the table in the module docstring. free_bytes: the device's free memory
+    now (read only for a fraction; tests pin it). step_peak_bytes (CUDA: the profiled step's
+    peak; None where none ran) and graphs_bytes are left free beside CUDA_RESERVE_BYTES when the
+    budget is a fraction; with a byte count the caller checks that they fit (check_fits)."""
+    fraction = config.kv_cache_memory_fraction
+    field = "kv_cache_memory_fraction"
+    if fraction is None and config.kv_cache_memory_bytes is not None:
+        return KVBudget(config.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+    if fraction is None and device_type != "cuda":
+        return KVBudget(CPU_KV_CACHE_BYTES, "kv_cache_memory_bytes (default)")
+    if fraction is None:
+        fraction, field = CUDA_KV_CACHE_MEMORY_FRACTION, "kv_cache_memory_fraction (default)"
+    free = free_bytes()
+    if device_type != "cuda":
+        free //= num_ranks  # tensor-parallel ranks on the CPU share the host's memory
+    budget = int(free * fraction)
+    reserve = 0
+    if step_peak_bytes is not None:
+        reserve = CUDA_RESERVE_BYTES
+        budget = max(0, budget - step_peak_bytes - graphs_bytes - reserve)
+    return KVBudget(budget, field, fraction, free, step_peak_bytes or 0, graphs_bytes, reserve)
 
 
 def agree_on_num_blocks(num_blocks: int, device: torch.device) -> int:
@@ -73,6 +140,17 @@ def agree_on_num_blocks(num_blocks: int, device: torch.device) -> int:
     return int(count.item())
 
 
+@dataclasses.dataclass(frozen=True)
+class KVSizing:
+    """The block count to allocate and the budget it came from (None: a fixed block count)."""
+
+    num_blocks: int
+    budget: Optional[KVBudget] = None
+
+    def basis(self) -> str:
+        return f"{self.num_blocks} blocks (fixed)" if self.budget is None else self.budget.basis()
+
+
 def count_kv_blocks(
     config: ModelServiceConfig,
     loaded: LoadedModel,
@@ -80,12 +158,30 @@ def count_kv_blocks(
     device: torch.device,
     step_peak_bytes: int | None = None,
     draft_block_bytes: int = 0,
+    graphs_bytes: int = 0,
 ) -> int:
+    """The blocks to allocate (size_kv_cache's count)."""
+    return size_kv_cache(
+        config, loaded, dtype, device, step_peak_bytes, draft_block_bytes, graphs_bytes
+    ).num_blocks
+
+
+def size_kv_cache(
+    config: ModelServiceConfig,
+    loaded: LoadedModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    step_peak_bytes: int | None = None,
+    draft_block_bytes: int = 0,
+    graphs_bytes: int = 0,
+    free_bytes: Optional[Callable[[torch.device], int]] = None,
+) -> KVSizing:
     """The blocks to allocate: num_kv_blocks as configured (or as the model fixes it), else as
     many as the memory budget holds (ValueError naming the budget's field below 2).
-    step_peak_bytes (CUDA: the profiled step's peak) is left free beside CUDA_RESERVE_BYTES.
-    draft_block_bytes: a draft model's KV per block (draft_model.py), which keeps its own cache
-    of the same block count: the budget holds both caches."""
+    step_peak_bytes (CUDA: the profiled step's peak) and graphs_bytes (graphs_reserve_bytes) are
+    left free beside CUDA_RESERVE_BYTES. draft_block_bytes: a draft model's KV per block
+    (draft_model.py), which keeps its own cache of the same block count: the budget holds both
+    caches. free_bytes: the device's free memory (available_memory_bytes unless a test pins it)."""
     arch = loaded.arch
     # Under tensor parallelism each rank caches only its own KV heads.
     per_block = draft_block_bytes + kv_block_bytes(
@@ -95,52 +191,49 @@ def count_kv_blocks(
         arch.head_dim,
         dtype,
     )
+    free = free_bytes or available_memory_bytes  # looked up now: tests pin the module's
     fixed = config.num_kv_blocks if config.num_kv_blocks is not None else loaded.num_kv_blocks
     if fixed is not None:
         if step_peak_bytes is not None:
-            check_fits("num_kv_blocks", fixed * per_block, step_peak_bytes, device)
-        return fixed
-    budget = kv_cache_budget_bytes(
-        config.kv_cache_memory_bytes,
-        config.kv_cache_memory_fraction,
-        device,
+            check_fits(
+                "num_kv_blocks", fixed * per_block, step_peak_bytes + graphs_bytes, free(device)
+            )
+        return KVSizing(fixed)
+    budget = kv_budget(
+        config,
+        device.type,
+        lambda: free(device),
         loaded.tensor_parallel_size,
+        step_peak_bytes,
+        graphs_bytes,
     )
-    field = (
-        "kv_cache_memory_bytes"
-        if config.kv_cache_memory_fraction is None
-        else "kv_cache_memory_fraction"
-    )
-    if step_peak_bytes is not None:
-        if config.kv_cache_memory_fraction is None:
-            check_fits(field, budget, step_peak_bytes, device)
-        else:
-            budget = max(0, budget - step_peak_bytes - CUDA_RESERVE_BYTES)
-    num_blocks = budget // per_block
-    if config.kv_cache_memory_fraction is not None and loaded.tensor_parallel_size > 1:
+    if budget.fraction is None and step_peak_bytes is not None:
+        check_fits(budget.field, budget.bytes, step_peak_bytes + graphs_bytes, free(device))
+    num_blocks = budget.bytes // per_block
+    if budget.fraction is not None and loaded.tensor_parallel_size > 1:
         num_blocks = agree_on_num_blocks(num_blocks, device)  # free memory differs per rank
     if num_blocks < 2:
         left = (
             ""
             if step_peak_bytes is None
-            else f" (after the largest step's {step_peak_bytes} bytes and a reserve of "
-            f"{CUDA_RESERVE_BYTES}: lower profile_step_tokens or max_num_slots)"
+            else f" (after the largest step's {step_peak_bytes} bytes, the graphs' "
+            f"{graphs_bytes} and a reserve of {CUDA_RESERVE_BYTES}: lower profile_step_tokens "
+            "or max_num_slots)"
         )
         raise ValueError(
-            f"{field}: a budget of {budget} bytes{left} holds {num_blocks} blocks of {per_block} "
-            "bytes; need >= 2"
+            f"{budget.field}: a budget of {budget.bytes} bytes{left} holds {num_blocks} blocks of "
+            f"{per_block} bytes; need >= 2"
         )
-    return num_blocks
+    return KVSizing(num_blocks, budget)
 
 
-def check_fits(field: str, cache_bytes: int, step_peak_bytes: int, device: torch.device) -> None:
-    """A KV cache of cache_bytes must leave the largest step's peak and the reserve free on
-    `device` (ValueError naming the field that sized the cache)."""
-    free = available_memory_bytes(device)
-    needed = cache_bytes + step_peak_bytes + CUDA_RESERVE_BYTES
+def check_fits(field: str, cache_bytes: int, step_bytes: int, free: int) -> None:
+    """A KV cache of cache_bytes must leave step_bytes (the largest step's peak and the graphs')
+    and the reserve free, of `free` bytes (ValueError naming the field that sized the cache)."""
+    needed = cache_bytes + step_bytes + CUDA_RESERVE_BYTES
     if needed > free:
         raise ValueError(
-            f"{field}: a KV cache of {cache_bytes} bytes, the largest step's {step_peak_bytes} "
-            f"bytes and a reserve of {CUDA_RESERVE_BYTES} need {needed} bytes; {device} has "
-            f"{free} free (lower {field} or profile_step_tokens)"
+            f"{field}: a KV cache of {cache_bytes} bytes, the largest step's and the graphs' "
+            f"{step_bytes} bytes and a reserve of {CUDA_RESERVE_BYTES} need {needed} bytes; "
+            f"{free} are free (lower {field} or profile_step_tokens)"
         )

@@ -6,11 +6,12 @@ service would die of out-of-memory under load instead of refusing to start.
 
 The steps are real plans run through the runner's own `execute` (checks, input building,
 forward, logits processing, sampling, logprobs), so the profile sees every allocation a served
-step makes. Two shapes share the token count `profile_step_tokens`:
+step makes. Two shapes share the token count of the step shape chosen for the device
+(step_shape.py: `profile_step_tokens`, else the device's budget):
 
     long    as few sequences as max_model_len allows, one prompt each: the attention
             workspace at its largest (the torch attention path pads to the longest query)
-    many    min(max_num_slots, tokens) sequences splitting the tokens: the most sampled rows,
+    many    min(the step's sequences, tokens) sequences splitting the tokens: the most sampled rows,
             so the largest logits, sampling and logprob tensors
 
 Both sample with top-k, top-p, a repetition penalty and logprobs, the costliest sampling path.

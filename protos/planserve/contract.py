@@ -9,6 +9,9 @@ REQUEST_BOUNDS are the sampling bounds: the model service checks every plan agai
 reports them in Describe (max_top_logprobs, request_bounds); the scheduler's doors check each
 request against what the engine reported, so a request out of bounds is refused, naming the field,
 before it is queued.
+
+CPU_STEP is the step shape of the CPU: the model service's choice on a CPU and the scheduler's
+for an engine that reports none (DescribeResponse.step_token_budget / step_max_seqs 0).
 """
 
 from __future__ import annotations
@@ -36,3 +39,21 @@ class RequestBounds:
 
 
 REQUEST_BOUNDS = RequestBounds()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The largest step: what the model service profiles before sizing its KV cache, reports in
+    Describe (step_token_budget, step_max_seqs), and the scheduler plans by unless its own flags
+    say otherwise."""
+
+    token_budget: int
+    """Most tokens of one step (decodes take 1 each, prompt chunks the rest): the scheduler's
+    max_num_batched_tokens."""
+    max_seqs: int
+    """Most sequences of one step: the scheduler's max_num_seqs."""
+
+
+# Sized for a 2-core CPU, where a step's forward grows with its tokens and latency matters more
+# than a larger batch's throughput.
+CPU_STEP = StepShape(token_budget=512, max_seqs=64)

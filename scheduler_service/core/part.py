@@ -34,6 +34,7 @@ class SchedulerPart:
         policy: SchedulingPolicy
         core: StepCore
         max_num_seqs: int
+        token_budget: int
         running: list[Request]
         requests: dict[str, Request]
         num_preemptions_total: int

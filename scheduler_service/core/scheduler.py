@@ -22,6 +22,8 @@ import heapq
 import time
 from typing import Optional
 
+import structlog
+
 from cython_ext.step_core import PHASE_ALL, PHASE_DECODES, PHASE_PREFILLS, StepCore
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core import policies
@@ -39,6 +41,32 @@ from scheduler_service.core.waiting import WaitingAdmission
 from scheduler_service.engine.client import EngineFacts
 from scheduler_service.text import structured
 from scheduler_service.text.outputs import OutputProcessor
+
+log = structlog.get_logger(__name__)
+
+
+def step_budget(config: SchedulerConfig, facts: EngineFacts) -> tuple[int, int]:
+    """(max_num_seqs, token budget) of every step: the config's where set, else the engine's
+    step shape (EngineFacts.step_max_seqs, step_token_budget); sequences never above the slots
+    the engine holds."""
+    max_seqs = config.max_num_seqs if config.max_num_seqs is not None else facts.step_max_seqs
+    tokens = config.max_num_batched_tokens
+    return min(
+        max_seqs, facts.max_num_slots
+    ), tokens if tokens is not None else facts.step_token_budget
+
+
+def log_step_budget(scheduler: "Scheduler") -> None:
+    """The step budget in force, and whether the config or the engine chose it, at start."""
+    config = scheduler.config
+    log.info(
+        "step_budget",
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.token_budget,
+        seqs_from="config" if config.max_num_seqs is not None else "engine",
+        tokens_from="config" if config.max_num_batched_tokens is not None else "engine",
+        device=scheduler.facts.device,
+    )
 
 
 class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overlap):
@@ -61,7 +89,9 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         self.slots = SlotAllocator(facts.max_num_slots)
         # Host blocks for preemption by swap (none when preempting by recompute).
         self.swap = SwapSpace(self._usable_swap_blocks(facts))
-        self.max_num_seqs = min(config.max_num_seqs, facts.max_num_slots)
+        # The step's budget: the config's where a flag set it, else the engine's choice for its
+        # device (Describe); reset_engine takes a restarted engine's.
+        self.max_num_seqs, self.token_budget = step_budget(config, facts)
         self.policy = policy or policies.create(
             config.policy, prefix_match_len=self.kv.num_cached_prefix_tokens
         )
@@ -136,7 +166,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         self.facts = facts
         self.kv.replace_pool(facts.num_kv_blocks)
         self.slots = SlotAllocator(facts.max_num_slots)
-        self.max_num_seqs = min(self.config.max_num_seqs, facts.max_num_slots)
+        self.max_num_seqs, self.token_budget = step_budget(self.config, facts)
         self.swap = SwapSpace(self._usable_swap_blocks(facts))
         self.core = self._new_core()
         return num_running
@@ -223,8 +253,9 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         """Builds one step's plan.
 
         The step rule: a sequence has no prefill or decode phase, only num_computed_tokens
-        catching up with its num_tokens. One budget of max_num_batched_tokens and max_num_seqs
-        is shared by everyone:
+        catching up with its num_tokens. One budget of token_budget and max_num_seqs (the
+        config's max_num_batched_tokens and max_num_seqs, else the engine's) is shared by
+        everyone:
           1. running sequences first: a decode takes 1 token, an unfinished prompt its next
              chunk (at most max_prefill_chunk tokens);
           2. then waiting sequences in the policy's order, chunked to what is left; a prefix
@@ -255,7 +286,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
                 self._preempt_for_waiting(plan, head)
 
         core = self.core
-        core.begin_step(plan.step_id, self.config.max_num_batched_tokens, self.max_num_seqs)
+        core.begin_step(plan.step_id, self.token_budget, self.max_num_seqs)
         self._schedule_in_mode_order(plan, now)
         (
             plan.requests,

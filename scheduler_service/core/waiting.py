@@ -63,7 +63,7 @@ class WaitingAdmission(SchedulerPart):
             num_cached = len(hits) * self.kv.block_size
         first_chunk = min(
             request.num_tokens - num_cached,
-            self.config.max_num_batched_tokens,
+            self.token_budget,
             self.config.max_prefill_chunk or sys.maxsize,
         )
         num_blocks = cdiv(num_cached + first_chunk, self.kv.block_size) - len(hits)

@@ -13,7 +13,7 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from planserve.contract import CONTRACT_VERSION, REQUEST_BOUNDS, RequestBounds
+from planserve.contract import CONTRACT_VERSION, CPU_STEP, REQUEST_BOUNDS, RequestBounds
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_service.core import plan as plan_codec
 from scheduler_service.core.request import Sampling
@@ -45,6 +45,12 @@ class EngineFacts:
     """Draft tokens the engine may propose per decoding sequence and step (0: no speculation)."""
     bounds: RequestBounds = REQUEST_BOUNDS
     """The sampling bounds the engine checks plans against; the doors check requests by them."""
+    step_token_budget: int = CPU_STEP.token_budget
+    """The most tokens of one step the engine chose for its device (and profiled): the
+    scheduler's token budget unless --max-num-batched-tokens is given."""
+    step_max_seqs: int = CPU_STEP.max_seqs
+    """The most sequences of one step the engine chose: the scheduler's max_num_seqs unless
+    --max-num-seqs is given (never above max_num_slots)."""
 
     @classmethod
     def from_pb(cls, reply: engine_pb2.DescribeResponse) -> "EngineFacts":
@@ -73,6 +79,9 @@ class EngineFacts:
                 reply.num_speculative_tokens if reply.features.speculation else 0
             ),
             bounds=_bounds(reply),
+            # 0: an engine before these fields; the contract's CPU shape, as it always planned.
+            step_token_budget=reply.step_token_budget or CPU_STEP.token_budget,
+            step_max_seqs=reply.step_max_seqs or CPU_STEP.max_seqs,
         )
 
 

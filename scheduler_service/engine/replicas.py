@@ -228,6 +228,9 @@ class ReplicaSet:
             replica=address,
             num_kv_blocks=facts.num_kv_blocks,
             num_replicas=len(self.replicas),
+            # Each replica plans by its own engine's step shape, as by its own KV capacity.
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.token_budget,
         )
         self._update_serving()
 

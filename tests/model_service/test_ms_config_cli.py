@@ -171,17 +171,19 @@ def test_every_model_flag_is_one_declaration_on_every_command():
         assert config.kv_cache_memory_bytes == 1 << 20
 
 
-def test_serve_profiles_the_schedulers_token_budget_unless_told_otherwise():
+def test_serve_profiles_the_schedulers_token_budget_only_when_given():
     """On CUDA the model service sizes its KV cache after running the largest step: in `serve`
-    that is the scheduler's max_num_batched_tokens, passed on as --profile-step-tokens."""
+    that is the scheduler's --max-num-batched-tokens when given, passed on as
+    --profile-step-tokens; without it nothing is passed and the model service chooses the step
+    for its device (the scheduler adopts it from Describe)."""
     from model_service.__main__ import parse_args
     from scheduler_service.cli import scheduler_config
-    from scheduler_service.config import SchedulerConfig
     from tools import cli
 
     for argv, expected in ((["--max-num-batched-tokens", "1024"], 1024),
                            (["--max-num-batched-tokens", "1024", "--profile-step-tokens", "4096"], 4096),
-                           ([], SchedulerConfig().max_num_batched_tokens)):
+                           (["--profile-step-tokens", "300"], 300),
+                           ([], None)):
         args = cli.build_parser().parse_args(["serve", "--model", "null", *argv])
         config = scheduler_config(args, "127.0.0.1:1")
         passed = cli._model_service_argv(cli.profiling_the_token_budget(args, config), "127.0.0.1", 0)

@@ -127,8 +127,8 @@ def test_a_fixed_cache_that_leaves_too_little_refuses_to_start(loaded, monkeypat
     config = _config(**overrides)
     # 4,000 blocks of the tiny model in float32 (32 MiB), or 64 MiB, a 900 MiB step and the reserve:
     # over 1 GiB.
-    with pytest.raises(ValueError, match=rf"{field}: a KV cache of \d+ bytes, the largest step's "
-                       rf"943718400 bytes .* has 1073741824 free \(lower {field} or profile_step_tokens\)"):
+    with pytest.raises(ValueError, match=rf"{field}: a KV cache of \d+ bytes, the largest step's and the "
+                       rf"graphs' 943718400 bytes .* 1073741824 are free \(lower {field} or profile_step_tokens\)"):
         kv_budget.count_kv_blocks(config, loaded, torch.float32, torch.device("cpu"),
                                   step_peak_bytes=900 << 20)
     # The same cache beside a small step starts.

@@ -28,16 +28,23 @@ def make_tokenizer() -> Tokenizer:
     return Tokenizer(tokenizer.to_str(), chat_template="", special_tokens={})
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32,
-                   max_num_seqs: int = 8, max_num_slots: int = 16,
-                   max_model_len: int = 128, **config) -> Scheduler:
-    """A scheduler over a fake model; `config` sets any other SchedulerConfig field."""
-    config.setdefault("decode_reserve_tokens", 0)
-    facts = EngineFacts(
+def make_facts(num_blocks: int = 64, block_size: int = 4, max_num_slots: int = 16,
+               max_model_len: int = 128, **facts) -> EngineFacts:
+    """A fake model's Describe; `facts` sets any other EngineFacts field (step_token_budget...)."""
+    return EngineFacts(
         model_name="fake", architecture="llama", dtype="float32", device="cpu",
         vocab_size=len(WORDS), max_model_len=max_model_len, block_size=block_size,
         num_kv_blocks=num_blocks, max_num_slots=max_num_slots, eos_token_ids=frozenset({EOS}),
-        bos_token_id=None, tokenizer_json="", chat_template="", special_tokens={})
+        bos_token_id=None, tokenizer_json="", chat_template="", special_tokens={}, **facts)
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int | None = 32,
+                   max_num_seqs: int | None = 8, max_num_slots: int = 16,
+                   max_model_len: int = 128, facts: EngineFacts | None = None, **config) -> Scheduler:
+    """A scheduler over a fake model; `config` sets any other SchedulerConfig field; `facts`
+    replaces the fake model's Describe (make_facts)."""
+    config.setdefault("decode_reserve_tokens", 0)
+    facts = facts or make_facts(num_blocks, block_size, max_num_slots, max_model_len)
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, **config).validate()
     outputs = OutputProcessor(make_tokenizer(), facts.eos_token_ids, max_model_len)

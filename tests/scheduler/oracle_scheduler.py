@@ -187,7 +187,11 @@ class OracleScheduler:
         self.kv = OracleKVBlockManager(facts.num_kv_blocks, facts.block_size,
                                  config.enable_prefix_caching)
         self.slots = SlotAllocator(facts.max_num_slots)
-        self.max_num_seqs = min(config.max_num_seqs, facts.max_num_slots)
+        # The config's step budget where set, else the engine's step shape (Describe).
+        seqs = config.max_num_seqs if config.max_num_seqs is not None else facts.step_max_seqs
+        self.max_num_seqs = min(seqs, facts.max_num_slots)
+        self.token_budget = (config.max_num_batched_tokens if config.max_num_batched_tokens is not None
+                             else facts.step_token_budget)
         self.policy = policy or policies.create(
             config.policy, prefix_match_len=self.kv.num_cached_prefix_tokens)
         self.running: list[Request] = []
@@ -270,7 +274,7 @@ class OracleScheduler:
         self._next_step_id += 1
         self._preempt_for_waiting(plan, now)
 
-        budget = _Budget(tokens=self.config.max_num_batched_tokens, seqs=self.max_num_seqs,
+        budget = _Budget(tokens=self.token_budget, seqs=self.max_num_seqs,
                          prefill_chunks=sys.maxsize)
         mode = self.config.chunking_mode
         if mode == "interleaved":
@@ -373,7 +377,7 @@ class OracleScheduler:
             return False
         hits, num_free_hits = self.kv.find_cached_prefix(request)
         num_cached = len(hits) * self.kv.block_size
-        first_chunk = min(request.num_tokens - num_cached, self.config.max_num_batched_tokens,
+        first_chunk = min(request.num_tokens - num_cached, self.token_budget,
                           self.config.max_prefill_chunk or sys.maxsize)
         num_blocks = cdiv(num_cached + first_chunk, self.kv.block_size) - len(hits)
         return num_blocks + num_free_hits <= self.kv.num_free_blocks

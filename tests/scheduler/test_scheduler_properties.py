@@ -25,8 +25,7 @@ events = st.lists(st.one_of(
 
 
 def _check_invariants(scheduler, plan):
-    config = scheduler.config
-    assert sum(plan.num_scheduled_tokens) <= config.max_num_batched_tokens
+    assert sum(plan.num_scheduled_tokens) <= scheduler.token_budget
     assert len(plan.slots) <= scheduler.max_num_seqs
     assert len(set(plan.slots)) == len(plan.slots)
     holders = collections.Counter(b for r in scheduler.running for b in r.block_ids)

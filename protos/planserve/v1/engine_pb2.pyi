@@ -24,7 +24,7 @@ class EngineFeatures(_message.Message):
     def __init__(self, chunked_prefill: _Optional[bool] = ..., block_copy: _Optional[bool] = ..., swap: _Optional[bool] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features", "num_swap_blocks", "num_speculative_tokens", "max_top_logprobs", "compute", "request_bounds")
+    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features", "num_swap_blocks", "num_speculative_tokens", "max_top_logprobs", "compute", "request_bounds", "step_token_budget", "step_max_seqs")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class DescribeResponse(_message.Message):
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    STEP_MAX_SEQS_FIELD_NUMBER: _ClassVar[int]
     contract_version: int
     model_name: str
     architecture: str
@@ -81,7 +83,9 @@ class DescribeResponse(_message.Message):
     max_top_logprobs: int
     compute: _containers.ScalarMap[str, str]
     request_bounds: RequestBounds
-    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ..., num_swap_blocks: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., compute: _Optional[_Mapping[str, str]] = ..., request_bounds: _Optional[_Union[RequestBounds, _Mapping]] = ...) -> None: ...
+    step_token_budget: int
+    step_max_seqs: int
+    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ..., num_swap_blocks: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., compute: _Optional[_Mapping[str, str]] = ..., request_bounds: _Optional[_Union[RequestBounds, _Mapping]] = ..., step_token_budget: _Optional[int] = ..., step_max_seqs: _Optional[int] = ...) -> None: ...
 
 class RequestBounds(_message.Message):
     __slots__ = ("max_logit_bias_entries", "max_logit_bias", "max_repetition_penalty", "max_penalty")
