@@ -145,6 +145,36 @@ def rope_(
     )
 
 
+def rope_and_cache_kv_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    isa: str | None = None,
+) -> bool:
+    """rope_ on the q and k heads of qkv [T, (H + 2 KVH) * D]. Where the Triton kernel runs (and
+    the caches [NB, KVH, BS, D] are contiguous, of qkv's dtype), the same kernel also writes the
+    rotated K rows and the V rows into the caches at slot_mapping, and True says so: the
+    attention call then skips its own write. Elsewhere only the rotation, and False."""
+    fused = (
+        _path(qkv, isa) == TRITON
+        and k_cache.dtype == v_cache.dtype == qkv.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+    if not fused:
+        rope_(qkv, positions, table, num_heads + num_kv_heads, head_dim, isa)
+        return False
+    kv = triton_ops.KVWrite(k_cache, v_cache, slot_mapping, num_kv_heads)
+    triton_ops.rope_(qkv, positions, table, num_heads + num_kv_heads, head_dim, kv)
+    return True
+
+
 def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """[T, 2 * I] (gate columns, then up columns) -> silu(gate) * up, [T, I]."""
     index = _path(gate_up, isa)
