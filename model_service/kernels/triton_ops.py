@@ -52,6 +52,8 @@ except ImportError:  # CPU-only installs: torch's CPU wheel does not bring Trito
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ELEMENTWISE_BLOCK = 1024  # SiLU x up columns per program
 ROPE_ELEMENTS = 2048  # RoPE: about this many of a row's values per program (heads x head dim)
+# Every launch's: products rounded before sums, as torch's eager ops (see the docstring).
+COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 
 
 def unsupported_reason(x: torch.Tensor) -> str | None:
@@ -100,7 +102,7 @@ def add_rms_norm_(
         residual, residual if delta is None else delta, weight, out,
         residual.stride(0), 0 if delta is None else delta.stride(0), hidden, 1.0 / hidden, eps,
         HAS_DELTA=delta is not None, BLOCK=block,
-        num_warps=_num_warps(block), enable_fp_fusion=False,
+        num_warps=_num_warps(block), **COMPILE_OPTIONS,
     )  # fmt: skip
     return out
 
@@ -115,7 +117,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(ELEMENTWISE_BLOCK, _next_power_of_2(width))
     _silu_mul_kernel[(rows, triton.cdiv(width, block))](
         gate_up, out, gate_up.stride(0), width,
-        BLOCK=block, num_warps=_num_warps(block), enable_fp_fusion=False,
+        BLOCK=block, num_warps=_num_warps(block), **COMPILE_OPTIONS,
     )  # fmt: skip
     return out
 
@@ -167,7 +169,7 @@ def rope_(
         x, positions, table, *caches[:3], x.stride(0), table.stride(0), num_heads,
         num_kv_heads, caches[3],
         HALF=head_dim // 2, HALF_PAD=half_pad, HEADS=heads_per_program, WRITE_KV=kv is not None,
-        num_warps=_num_warps(heads_per_program * half_pad), enable_fp_fusion=False,
+        num_warps=_num_warps(heads_per_program * half_pad), **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
