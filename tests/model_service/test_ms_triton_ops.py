@@ -91,7 +91,7 @@ def norm_reference(residual, delta, weight):
 
 def rope_inputs(rows, heads, kv_heads, head_dim, dtype, device="cpu", seed=3):
     table = rope_table(4096, head_dim, 10000.0, device=torch.device(device))
-    positions = torch.tensor([0, 1, 5, 300, 301, 2047, 4095] * 6, device=device)[:rows]
+    positions = torch.tensor([0, 1, 5, 300, 301, 2047, 4095] * (rows // 7 + 1), device=device)[:rows]
     qkv = _randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed, device=device)
     return qkv, positions, table
 
