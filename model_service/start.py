@@ -185,7 +185,7 @@ def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:
     return {
         **threads.settings(),
         "attention": paged.PATH.current if on_cpu else paged.cuda_path(kv_cache.k),
-        "layer_ops": layer_ops.PATH.current if on_cpu else "torch",
+        "layer_ops": layer_ops.PATH.current if on_cpu else layer_ops.device_path(kv_cache.k),
         "gemm": next((m.isa for m in model.modules() if isinstance(m, PackedLinear)), "torch"),
         "decoder_loop": decoder_loop.describe(model),
     }

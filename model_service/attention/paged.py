@@ -150,23 +150,25 @@ def paged_attention(
     meta: AttentionMetadata,
     isa: str | None = None,
     sliding_window: int | None = None,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D]; caches [NB, KVH, BS, D]. Writes k/v into the caches at
-    meta.slot_mapping and returns the attention output [T, H * D] in q's dtype. `isa` forces a
-    CPU path (tests); None runs the selected one (PATH). With a sliding_window W, the row at
-    position p attends positions p - W + 1 .. p only, on the torch path (the native kernel attends
-    whole prefixes; a window inside it is not written yet). float16 runs the torch path too (the
-    native kernel is float32 and bfloat16)."""
+    meta.slot_mapping (unless kv_written: the caller's kernel did, layer_ops.rope_and_cache_kv_
+    on CUDA; the CPU's native kernel writes them anyway) and returns the attention output
+    [T, H * D] in q's dtype. `isa` forces a CPU path (tests); None runs the selected one (PATH).
+    With a sliding_window W, the row at position p attends positions p - W + 1 .. p only, on the
+    torch path (the native kernel attends whole prefixes; a window inside it is not written yet).
+    float16 runs the torch path too (the native kernel is float32 and bfloat16)."""
     isa = isa or PATH.current
     if q.is_cuda and _triton_unsupported(q, k_cache, isa) is None:
-        return _cuda_attention(q, k, v, k_cache, v_cache, meta, sliding_window)
+        return _cuda_attention(q, k, v, k_cache, v_cache, meta, sliding_window, not kv_written)
     if (
         meta.native_step is None
         or isa == TORCH_PATH
         or sliding_window is not None
         or q.dtype == torch.float16
     ):
-        return _torch_attention(q, k, v, k_cache, v_cache, meta, sliding_window)
+        return _torch_attention(q, k, v, k_cache, v_cache, meta, sliding_window, not kv_written)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     dtype = _native_dtype(q, k_cache, v_cache)
@@ -222,10 +224,13 @@ def _dense_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _cuda_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window):
+def _cuda_attention(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window, write_kv: bool = True
+):
     """The Triton kernel's call (model_service/attention/cuda_attention.py), after the cache
-    write."""
-    _write_kv(k, v, k_cache, v_cache, meta)
+    write (unless write_kv is False: written already)."""
+    if write_kv:
+        _write_kv(k, v, k_cache, v_cache, meta)
     if meta.tiles is None:  # callers outside the runner's step (tests, benches): one sync
         rows = cuda_attention.rows_per_tile(q.shape[1] // k_cache.shape[1])
         _, host = cuda_attention.attention_tiles(meta.num_scheduled.cpu().numpy(), rows)
@@ -254,12 +259,21 @@ def _write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
 
 
 def _torch_attention(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, sliding_window: int | None = None
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    sliding_window: int | None = None,
+    write_kv: bool = True,
 ) -> torch.Tensor:
     """Gather + SDPA in plain torch, where neither the CPU kernel nor the Triton one runs (and for
-    A/B checks). Same layouts and semantics as the CPU kernel."""
+    A/B checks). Same layouts and semantics as the CPU kernel; write_kv False: the caches hold
+    this step's K/V already."""
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    _write_kv(k, v, k_cache, v_cache, meta)
+    if write_kv:
+        _write_kv(k, v, k_cache, v_cache, meta)
     width = -(-meta.max_context_len // block_size)
     tables = meta.block_tables[:, :width]
     b = tables.shape[0]

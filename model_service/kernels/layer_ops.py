@@ -1,8 +1,10 @@
 """The decoder's row-wise operations: residual add + RMSNorm, RoPE in place, SiLU x up.
 
 Each runs as one native call on the CPU (cython_ext/layer_ops.pyx over cython_ext/csrc/layer_ops*),
-in place of the 6-14 eager torch ops it replaces per layer; other devices, and the CPU with
-layer_ops_isa "torch" (for A/B checks), run the same arithmetic in torch (`torch_*`).
+in place of the 6-14 eager torch ops it replaces per layer, and as one Triton kernel on CUDA
+(model_service/kernels/triton_ops.py); other devices, CUDA without Triton, and layer_ops_isa
+"torch" (for A/B checks) run the same arithmetic in torch (`torch_*`). `_path` decides, for the
+calls and for Describe (`device_path`).
 
 Every operation computes each token row by itself, in a fixed order: a row's bits never depend on
 the other rows of the step, so a row computes the same alone or in a batch of 64, and a prompt
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cython_ext import layer_ops as native
-from model_service.kernels import kernel_isa
+from model_service.kernels import kernel_isa, triton_ops
 from model_service.kernels.gemm import PackedLinear
 from model_service.kernels.quant import Int8Linear, exact_blocks
 
@@ -40,12 +42,34 @@ PATH = kernel_isa.PathChoice(native, "layer_ops_isa")
 resolve_isa = PATH.resolve
 
 
-def _native_isa(x: torch.Tensor, isa: str | None) -> int | None:
-    """The native path's index for tensor x, or None where torch runs it."""
+TRITON = "triton"
+TRITON_DEVICE = "cuda"  # where the Triton kernels run (the interpreter's tests point it at "cpu")
+
+
+def _path(x: torch.Tensor, isa: str | None) -> int | str:
+    """The path the ops run on tensor x: the native path's index, TRITON, or TORCH_PATH."""
     isa = isa or PATH.current
+    if _triton_unsupported(x, isa) is None:
+        return TRITON
     if x.device.type != "cpu" or isa == TORCH_PATH or x.dtype not in _DTYPES:
-        return None
+        return TORCH_PATH
     return native.ISAS.index(isa)
+
+
+def _triton_unsupported(x: torch.Tensor, isa: str) -> str | None:
+    """Why the ops on x do not run the Triton kernels, or None where they do."""
+    if x.device.type != TRITON_DEVICE:
+        return f"device {x.device.type}"
+    if isa == TORCH_PATH:
+        return "layer_ops_isa=torch"
+    return triton_ops.unsupported_reason(x)
+
+
+def device_path(x: torch.Tensor) -> str:
+    """The path a model whose activations are like x runs off the CPU, for Describe's `compute`:
+    "triton", or "torch (why)"."""
+    reason = _triton_unsupported(x, PATH.current)
+    return TRITON if reason is None else f"{TORCH_PATH} ({reason})"
 
 
 def add_rms_norm_(
@@ -57,8 +81,10 @@ def add_rms_norm_(
 ) -> torch.Tensor:
     """residual [T, hidden] += delta (in place; none when delta is None), then return
     RMSNorm(residual) * weight as a new [T, hidden] tensor."""
-    index = _native_isa(residual, isa)
-    if index is None:
+    index = _path(residual, isa)
+    if index == TRITON:
+        return triton_ops.add_rms_norm_(residual, delta, weight, eps)
+    if isinstance(index, str):  # TORCH_PATH
         return torch_add_rms_norm_(residual, delta, weight, eps)
     rows, hidden = residual.shape
     _check_dense("residual", residual, (rows, hidden))
@@ -91,8 +117,10 @@ def rope_(
 ) -> None:
     """Rotate-half RoPE in place on the first num_heads heads (head_dim each) of x's rows [T, >=
     num_heads * head_dim], rows may lie apart; positions [T] int64 index the table's rows."""
-    index = _native_isa(x, isa)
-    if index is None:
+    index = _path(x, isa)
+    if index == TRITON:
+        return triton_ops.rope_(x, positions, table, num_heads, head_dim)
+    if isinstance(index, str):  # TORCH_PATH
         return torch_rope_(x, positions, table, num_heads, head_dim)
     rows = x.shape[0]
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
@@ -117,10 +145,42 @@ def rope_(
     )
 
 
+def rope_and_cache_kv_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    isa: str | None = None,
+) -> bool:
+    """rope_ on the q and k heads of qkv [T, (H + 2 KVH) * D]. Where the Triton kernel runs (and
+    the caches [NB, KVH, BS, D] are contiguous, of qkv's dtype), the same kernel also writes the
+    rotated K rows and the V rows into the caches at slot_mapping, and True says so: the
+    attention call then skips its own write. Elsewhere only the rotation, and False."""
+    fused = (
+        _path(qkv, isa) == TRITON
+        and k_cache.dtype == v_cache.dtype == qkv.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+    if not fused:
+        rope_(qkv, positions, table, num_heads + num_kv_heads, head_dim, isa)
+        return False
+    kv = triton_ops.KVWrite(k_cache, v_cache, slot_mapping, num_kv_heads)
+    triton_ops.rope_(qkv, positions, table, num_heads + num_kv_heads, head_dim, kv)
+    return True
+
+
 def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """[T, 2 * I] (gate columns, then up columns) -> silu(gate) * up, [T, I]."""
-    index = _native_isa(gate_up, isa)
-    if index is None:
+    index = _path(gate_up, isa)
+    if index == TRITON:
+        return triton_ops.silu_mul(gate_up)
+    if isinstance(index, str):  # TORCH_PATH
         return torch_silu_mul(gate_up)
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     _check_dense("gate_up", gate_up, (rows, 2 * width))
@@ -176,7 +236,8 @@ def _check_dense(
         )
 
 
-# The same operations in torch: other devices, and PLANSERVE_LAYER_OPS_ISA=torch on the CPU.
+# The same operations in torch: other devices, CUDA without Triton, and
+# PLANSERVE_LAYER_OPS_ISA=torch.
 
 
 def torch_add_rms_norm_(residual, delta, weight, eps):

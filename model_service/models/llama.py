@@ -10,7 +10,8 @@ One decoder layer per step, every token row of the step packed together:
 
     x = add_rms_norm_(residual, delta)        residual += previous sublayer's output; normed
     qkv = qkv_proj(x)                          [T, (H + 2 KVH) * D]
-    rope_(qkv, positions)                      q and k heads rotated in place (float32 table)
+    rope_(qkv, positions)                      q and k heads rotated in place (float32 table); on
+                                               CUDA the same kernel writes K/V into the cache
     delta = o_proj(paged_attention(q, k, v))   q, k, v: views of qkv, no copies
     x = add_rms_norm_(residual, delta)
     delta = down_proj(silu_mul(gate_up_proj(x)))
@@ -74,7 +75,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             _norm_heads_(qkv, 0, heads, d, self.q_norm)
             _norm_heads_(qkv, heads * d, kv_heads, d, self.k_norm)
-        layer_ops.rope_(qkv, positions, rope, heads + kv_heads, d)
+        kv_written = layer_ops.rope_and_cache_kv_(
+            qkv, positions, rope, heads, kv_heads, d, k_cache, v_cache, meta.slot_mapping
+        )
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         out = paged_attention(
             q.unflatten(1, (heads, d)),
@@ -84,6 +87,7 @@ class LlamaAttention(nn.Module):
             v_cache,
             meta,
             sliding_window=self.sliding_window,
+            kv_written=kv_written,
         )
         return layer_ops.linear(self.o_proj, out)
 
