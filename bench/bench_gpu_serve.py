@@ -1,14 +1,17 @@
 """planserve served on a GPU beside its ceiling and transformers, for each model shape, in one
 command on a CUDA machine with torch and no network (dummy weights: no checkpoint, no download).
 
-    PYTHONPATH=DEPS:.:protos python3 bench/bench_gpu_serve.py
-        [--shapes smollm2-135m,llama-1b,llama-8b] [--max-seconds 90] [--no-transformers]
-        [--serve-flags "--max-num-seqs 256"] [--out bench/results/gpu_serve.json] [--log-dir DIR]
+    GPU_KIT=.gpu-kit OUT=/tmp/out bench/gpu/run.sh       # install, build, CUDA tests, this
+    PYTHONPATH=/tmp/planserve-deps:.:protos python3 bench/bench_gpu_serve.py
+        [--shapes smollm2-135m,llama-1b,llama-8b] [--max-seconds 90] [--budget-seconds 340]
+        [--no-transformers] [--no-ceiling] [--serve-flags "--max-num-seqs 256"]
+        [--out bench/results/gpu_serve.json] [--log-dir DIR]
     PYTHONPATH=.:protos python bench/bench_gpu_serve.py --dry-run    # the CPU check CI runs
 
-DEPS: planserve's dependencies the CUDA torch image lacks, installed with `pip install --target`
-(bench/gpu/prepare.sh fetches them, bench/gpu/run.sh installs them and runs this). Nothing is
-installed: the services run as `python -m tools serve` from this checkout.
+/tmp/planserve-deps: planserve's dependencies the CUDA torch image lacks, installed there with
+`pip install --no-index --no-deps --target` from the kit bench/gpu/prepare.sh makes (run.sh does
+it, and builds the Cython extensions in place). Nothing of planserve is installed: the services
+run as `python -m tools serve` from this checkout.
 
 For each shape in turn (tiny and the others: model_service/loading/shapes.py):
   serve        `planserve serve --device cuda --load-format dummy --model SHAPE` with no token
@@ -23,7 +26,8 @@ For each shape in turn (tiny and the others: model_service/loading/shapes.py):
   transformers static batches of 256 of the same workload on the same GPU (bench/gpu/hf_static.py,
                a child process)
 Every phase stops at --max-seconds (its requests then count as failed, or its batches as not
-run); the JSON is rewritten after every phase, so a run cut off still leaves what it measured.
+run), and at what --budget-seconds leaves of the whole run (under 20 s left: skipped); the JSON is
+rewritten after every phase, so a run cut off still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import Iterator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "protos")]
 
+from bench.gpu.machine import machine  # noqa: E402
 from bench.gpu.monitor import CpuMeter, GpuMonitor, percentiles  # noqa: E402
 from bench.gpu.workload import workload_requests  # noqa: E402
 
@@ -60,6 +65,11 @@ def progress(message: str) -> None:
     print(f"[{now} +{time.perf_counter() - _STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def phase_limit(args) -> float:
+    """Seconds the next phase may take: --max-seconds, less when --budget-seconds runs out."""
+    return min(args.max_seconds, args.budget_seconds - (time.perf_counter() - _STARTED))
+
+
 def child_env() -> dict[str, str]:
     """This process's environment with the checkout (and protos) first on PYTHONPATH."""
     path = [ROOT, os.path.join(ROOT, "protos"), os.environ.get("PYTHONPATH", "")]
@@ -70,41 +80,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-_MACHINE_PROBE = """
-import json, platform, torch
-try:
-    import triton; triton_version = triton.__version__
-except ImportError:
-    triton_version = None
-try:
-    import transformers; hf = transformers.__version__
-except ImportError:
-    hf = None
-cuda = torch.cuda.is_available()
-print(json.dumps({"gpu": torch.cuda.get_device_name(0) if cuda else None,
-    "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-    "transformers": hf, "python": platform.python_version()}))
-"""
-
-
-def machine(device: str) -> dict:
-    """GPU, driver and versions, read in a child process (no CUDA context stays in this one)."""
-    from bench import measure
-
-    probe = subprocess.run([sys.executable, "-c", _MACHINE_PROBE], capture_output=True,
-                           text=True, env=child_env(), timeout=120)  # fmt: skip
-    facts = json.loads(probe.stdout) if probe.returncode == 0 else {"probe_error": probe.stderr}
-    facts["driver"] = None
-    if device.startswith("cuda"):
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=30,
-            )  # fmt: skip
-            facts["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
-    return {**facts, "device": device, "cpu": measure.cpu_model(), "cpus": os.cpu_count()}
 
 
 class Serve:
@@ -195,7 +170,7 @@ async def measure_serving(address: str, serve_pid: int, requests, args) -> dict:
         cpu.start()
         sampler = asyncio.create_task(sample_running(address, running, stop))
         results, elapsed = await run_workload(
-            backend, requests, progress=False, request_timeout_s=args.max_seconds
+            backend, requests, progress=False, request_timeout_s=max(1.0, phase_limit(args))
         )
         cpu_percent = cpu.stop()
         stop.set()
@@ -205,9 +180,12 @@ async def measure_serving(address: str, serve_pid: int, requests, args) -> dict:
     busy = [n for n in running if n > 0]
     # The client's view of the batch: streams between their first and last token, over the run.
     decoding = sum(r.end_s - r.chunk_times_s[0] for r in results if r.chunk_times_s)
+    streamed = sum(r.output_tokens for r in results)
     return {
         **summary,
         "decoding_streams_mean": round(decoding / elapsed, 1) if elapsed > 0 else None,
+        # Every token streamed, cut-off requests' too: the rate of a run stopped at its limit.
+        "streamed_tokens_per_s": round(streamed / elapsed, 1) if elapsed > 0 else None,
         "expected_output_tokens": sum(r.max_new_tokens for r in requests),
         "gpu": gpu_stats,
         "cpu_percent": cpu_percent,
@@ -219,7 +197,7 @@ async def serve_phase(shape: str, requests, args, log_path: str) -> dict:
     server = Serve(shape, args, log_path)
     start = time.perf_counter()
     try:
-        address = await server.start(args.max_seconds)
+        address = await server.start(max(1.0, phase_limit(args)))
         started_s = round(time.perf_counter() - start, 2)
         progress(f"{shape}: serving on {address} after {started_s} s; sending the workload")
         facts = await describe(f"127.0.0.1:{server.engine_port}")
@@ -232,15 +210,15 @@ async def serve_phase(shape: str, requests, args, log_path: str) -> dict:
 def child_phase(module: str, argv: list[str], out: str, args, log_path: str) -> dict:
     """`python -m module ARGV --out OUT` within --max-seconds; its JSON (what it wrote so far,
     when stopped) with the reason it stopped early, if it did."""
-    error = None
+    error, limit = None, max(1.0, phase_limit(args))
     with open(log_path, "ab") as log:
         try:
             done = subprocess.run([sys.executable, "-m", module, *argv, "--out", out],
                                   stdout=log, stderr=log, env=child_env(), cwd=ROOT,
-                                  timeout=args.max_seconds + 60)  # fmt: skip
+                                  timeout=limit)  # fmt: skip
             error = None if done.returncode == 0 else f"exit status {done.returncode}"
         except subprocess.TimeoutExpired:
-            error = f"stopped after {args.max_seconds + 60:.0f} s"
+            error = f"stopped after {limit:.0f} s"
     result = {}
     if os.path.exists(out):
         with open(out) as f:
@@ -254,10 +232,22 @@ def mean_context(requests) -> int:
     return round(total / len(requests))
 
 
+def over_budget(entry: dict, phase: str, shape: str, args) -> bool:
+    """True (and the phase recorded as skipped) when --budget-seconds leaves under 20 s."""
+    if phase_limit(args) >= 20:
+        return False
+    entry[phase] = {"skipped": f"--budget-seconds {args.budget_seconds:.0f} spent"}
+    progress(f"{shape}: {phase} skipped, the budget is spent")
+    return True
+
+
 def run_shape(shape: str, requests, args, work: str) -> Iterator[dict]:
     """serve, then ceiling, then transformers for one shape; each phase's result as it ends."""
     entry: dict = {}
     log = os.path.join(args.log_dir, f"{shape}.log")
+    if over_budget(entry, "serve", shape, args):
+        yield entry
+        return
     progress(f"{shape}: starting planserve serve (log {log})")
     try:
         entry["serve"] = asyncio.run(serve_phase(shape, requests, args, log))
@@ -267,7 +257,9 @@ def run_shape(shape: str, requests, args, work: str) -> Iterator[dict]:
     progress(f"{shape}: served {serve.get('output_tokens_per_s')} output tok/s, "
              f"ITL p50 {serve.get('itl_ms', {}).get('p50')} ms")  # fmt: skip
     yield entry
-    if not args.no_ceiling:
+    if not args.no_ceiling and over_budget(entry, "ceiling", shape, args):
+        yield entry
+    elif not args.no_ceiling:
         batch = round(
             (serve.get("running") or {}).get("mean") or serve.get("decoding_streams_mean") or 1
         )
@@ -280,10 +272,12 @@ def run_shape(shape: str, requests, args, work: str) -> Iterator[dict]:
                  f"graph {entry['ceiling'].get('graph_ms')} ms, "
                  f"floor {entry['ceiling'].get('floor_ms')} ms")  # fmt: skip
         yield entry
-    if not args.no_transformers:
+    if not args.no_transformers and over_budget(entry, "transformers", shape, args):
+        yield entry
+    elif not args.no_transformers:
         argv = ["--shape", shape, "--device", args.device, "--dtype", args.ceiling_dtype,
                 "--workload", args.workload, "--batch-size", str(args.hf_batch_size),
-                "--max-seconds", str(args.max_seconds)]  # fmt: skip
+                "--max-seconds", str(0.7 * phase_limit(args))]  # fmt: skip
         progress(f"{shape}: transformers, static batches of {args.hf_batch_size}")
         out = os.path.join(work, f"{shape}.transformers.json")
         entry["transformers"] = child_phase("bench.gpu.hf_static", argv, out, args, log)
@@ -306,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", help="the served dtype (auto: bf16 on a GPU)")
     parser.add_argument("--workload", default="big")
     parser.add_argument("--max-seconds", type=float, default=90.0, help="per phase")
+    parser.add_argument("--budget-seconds", type=float, default=340.0,
+                        help="the whole run: later phases are cut short, then skipped")  # fmt: skip
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--hf-batch-size", type=int, default=256)
@@ -331,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": [os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])],
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "finished": None,
-        "machine": machine(args.device),
+        "machine": machine(args.device, child_env()),
         "workload": {
             "name": args.workload,
             "requests": len(requests),
@@ -339,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
             "output_tokens": sum(r.max_new_tokens for r in requests),
         },  # fmt: skip
         "max_seconds_per_phase": args.max_seconds,
+        "budget_seconds": args.budget_seconds,
         "serve_flags": args.serve_flags,
         "log_dir": args.log_dir,
         "shapes": {},
