@@ -76,7 +76,7 @@ def ceiling(shape: str, device: str, dtype_name: str, batch: int, context: int) 
         eager = median_ms(lambda: model(*step.args()), device)
     graph, error = None, None
     try:
-        graph = graph_ms(model, step, seqs) if device.startswith("cuda") else None
+        graph = graph_ms(model, step, arch) if device.startswith("cuda") else None
     except Exception as failure:  # recorded: the eager figure still stands
         error = repr(failure)[:300]
     weights = weight_bytes(model)
