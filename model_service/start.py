@@ -188,4 +188,5 @@ def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:
         "layer_ops": layer_ops.PATH.current if on_cpu else layer_ops.device_path(kv_cache.k),
         "gemm": next((m.isa for m in model.modules() if isinstance(m, PackedLinear)), "torch"),
         "decoder_loop": decoder_loop.describe(model),
+        "weights": loaded.weights,
     }

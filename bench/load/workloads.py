@@ -24,6 +24,9 @@ Workloads:
   shared_prefix  64 requests: one of 4 system prompts of 384 tokens + a 32..96-token question,
                  Poisson arrivals
   long_prompt    48 requests: 3 in 4 short (64..256 tokens), 1 in 4 long (1024..3072), 64..128 new
+  big            the GPU benchmark's (bench/bench_gpu_serve.py): 512 requests at t=0, prompts of
+                 32..512 uniformly random token ids of SmolLM2's vocabulary (no text: every shape
+                 sees the same ids), 256 new tokens each, EOS ignored
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import os
 import random
 from typing import Iterable
 
-WORKLOADS = ("peer", "offline", "online", "shared_prefix", "long_prompt")
+WORKLOADS = ("peer", "offline", "online", "shared_prefix", "long_prompt", "big")
+SMOLLM2_VOCAB = 49152
 DEFAULT_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "workloads")
 
 _WORDS = (
@@ -112,8 +116,29 @@ def _poisson_arrivals(rng: random.Random, count: int) -> list[float]:
     return out
 
 
+def random_ids(
+    name: str,
+    count: int,
+    prompt_lengths: tuple[int, int],
+    max_new_tokens: int,
+    seed: int = 0,
+    vocab_size: int = SMOLLM2_VOCAB,
+) -> list[BenchRequest]:
+    """`count` requests at t=0 whose prompts are seeded uniformly random ids, of lengths uniform
+    in prompt_lengths (inclusive)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        length = rng.randint(*prompt_lengths)
+        ids = [rng.randrange(vocab_size) for _ in range(length)]
+        out.append(BenchRequest(f"{name}-{i:03d}", 0.0, ids, max_new_tokens))
+    return out
+
+
 def generate(name: str, encode, seed: int = 0) -> list[BenchRequest]:
     """The workload `name`, a pure function of the seed and the tokenizer."""
+    if name == "big":
+        return random_ids("big", 512, (32, 512), 256, seed)
     source = _TokenSource(encode, seed)
     rng = random.Random(seed + 2)
     if name == "peer":

@@ -95,25 +95,10 @@ def _chat_template(folder: str, tokenizer_config: dict[str, Any]) -> str:
 
 
 def load_hf_folder(folder: str) -> HFFolderContents:
-    from tokenizers import Tokenizer
-
     config = _read_json(folder, "config.json")
     arch = arch_from_config(config)
-    tokenizer_path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(tokenizer_path):
-        raise ValueError(f"model: {folder!r} has no tokenizer.json")
-    with open(tokenizer_path, encoding="utf-8") as f:
-        tokenizer_json = f.read()
-    tokenizer = Tokenizer.from_str(tokenizer_json)
-    tokenizer_config = _read_json(folder, "tokenizer_config.json")
+    tokenizer = load_hf_tokenizer(folder, config)
     generation = _read_json(folder, "generation_config.json")
-
-    special = {}
-    for key in _TOKENIZER_SPECIAL_KEYS:
-        token = _token_string(tokenizer_config.get(key))
-        if token is not None:
-            special[key] = token
-    eos, bos = _eos_and_bos(tokenizer, config, generation, special)
     sampling_defaults: dict[str, float] = {
         k: float(generation[k]) for k in ("temperature", "top_p", "top_k") if k in generation
     }
@@ -125,15 +110,39 @@ def load_hf_folder(folder: str) -> HFFolderContents:
         arch=arch,
         weights=weights,
         name=os.path.basename(os.path.normpath(folder)),
-        tokenizer=GGUFTokenizer(
-            tokenizer_json=tokenizer_json,
-            chat_template=_chat_template(folder, tokenizer_config),
-            eos_token_ids=tuple(eos),
-            bos_token_id=bos,
-            special_tokens=special,
-            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        ),
+        tokenizer=tokenizer,
         sampling_defaults=sampling_defaults,
+    )
+
+
+def load_hf_tokenizer(folder: str, config: Optional[dict[str, Any]] = None) -> GGUFTokenizer:
+    """The folder's tokenizer.json with its chat template, special tokens and EOS/BOS ids
+    (config.json's as a fallback: `config`, else the folder's when it has one)."""
+    from tokenizers import Tokenizer
+
+    if config is None:
+        config = _read_json(folder, "config.json")
+    tokenizer_path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(tokenizer_path):
+        raise ValueError(f"model: {folder!r} has no tokenizer.json")
+    with open(tokenizer_path, encoding="utf-8") as f:
+        tokenizer_json = f.read()
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer_config = _read_json(folder, "tokenizer_config.json")
+    generation = _read_json(folder, "generation_config.json")
+    special = {}
+    for key in _TOKENIZER_SPECIAL_KEYS:
+        token = _token_string(tokenizer_config.get(key))
+        if token is not None:
+            special[key] = token
+    eos, bos = _eos_and_bos(tokenizer, config, generation, special)
+    return GGUFTokenizer(
+        tokenizer_json=tokenizer_json,
+        chat_template=_chat_template(folder, tokenizer_config),
+        eos_token_ids=tuple(eos),
+        bos_token_id=bos,
+        special_tokens=special,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
     )
 
 

@@ -25,6 +25,8 @@ class LoadedModel:
     tensor_parallel_size: int = 1
     """Ranks the layers are split across (model_service/models/parallel.py); this process holds one
     share."""
+    weights: str = "checkpoint"
+    """Where the weights came from, for Describe's compute map: "checkpoint", or dummy's seed."""
     num_kv_blocks: Optional[int] = None
     """KV blocks this model wants when the config sets none (the null model: a small fixed
     count)."""

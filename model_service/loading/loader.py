@@ -5,7 +5,9 @@ Sources:
 - a path ending in ".gguf";
 - a Hugging Face folder of a family models/registry.py serves (model_service/loading/hf_folder.py);
 - "tiny": a small random Llama made on the fly for tests, identical in every process
-  (torch.Generator seeded 0), using SmolLM2's tokenizer so text prompts work.
+  (torch.Generator seeded 0), using SmolLM2's tokenizer so text prompts work;
+- with --load-format dummy, a named shape or a config.json given seeded random weights on the
+  device, no checkpoint read (model_service/loading/dummy.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from model_service.config import ModelServiceConfig
 from model_service.kernels.quant import weight_bytes
+from model_service.loading import dummy
 from model_service.loading.build import build_model
 from model_service.loading.gguf_file import load_gguf, load_gguf_tokenizer
 from model_service.loading.hf_folder import is_hf_folder, load_hf_folder
@@ -96,7 +99,11 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
         return load_null_model(config)
     share = share or RankShare()
     dtype, device = DTYPES[config.resolved_dtype()], config.resolved_device()
-    arch, weights, name, tokenizer = _read_source(config)
+    weights = None
+    if config.load_format == "dummy":
+        arch, name, tokenizer = dummy.dummy_source(config, smollm2_path)
+    else:
+        arch, weights, name, tokenizer = _read_source(config)
     name = config.served_model_name or name
     if tokenizer.vocab_size > arch.vocab_size:
         raise ValueError(
@@ -104,7 +111,12 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
             f"{arch.vocab_size}"
         )
     arch, max_model_len = _served_length(config, arch)
-    model = build_model(arch, weights, dtype, device, config.quantization, share, config.gemm_isa)
+    if weights is None:
+        model = dummy.build_dummy_model(arch, dtype, device, config.dummy_seed, config.gemm_isa)
+    else:
+        model = build_model(
+            arch, weights, dtype, device, config.quantization, share, config.gemm_isa
+        )
     log.info(
         "model_loaded",
         model=name,
@@ -127,6 +139,7 @@ def load_model(config: ModelServiceConfig, share: Optional[RankShare] = None) ->
         special_tokens=dict(tokenizer.special_tokens),
         max_model_len=max_model_len,
         tensor_parallel_size=share.world_size,
+        weights="checkpoint" if weights is not None else dummy.describe_weights(config.dummy_seed),
     )
 
 
