@@ -1,7 +1,8 @@
 """The forward per step on CUDA: the Triton paged attention kernel against the torch path (gather +
 SDPA) it replaced, beside the GPU's floors. A plain script, not a test; about a minute on a GPU.
 
-    PYTHONPATH=protos:. python bench/bench_cuda_forward.py [--model smollm2|FOLDER|GGUF]
+    PYTHONPATH=protos:. python bench/bench_cuda_forward.py [--model smollm2|FOLDER|GGUF|SHAPE]
+        [--load-format dummy]
         [--label TEXT] [--out PATH] [--device cuda:N]
 
 Cases as bench_forward.py's (decode at batch 1, 16 and 64 with contexts 280..320, a 2,048-token
@@ -127,6 +128,7 @@ def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--load-format", default="auto", help="dummy: --model names a shape (llama-1b, ...)")
     parser.add_argument("--label", default="after")
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--device", default=DEVICE, help="cuda[:N]; cpu only checks the script runs")
@@ -136,7 +138,8 @@ def main() -> None:
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.startswith("cuda") else measure.cpu_model()
     print(f"{gpu}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
-    loaded = load_model(ModelServiceConfig(model=args.model, dtype="bfloat16", device=DEVICE))
+    loaded = load_model(ModelServiceConfig(model=args.model, load_format=args.load_format, dtype="bfloat16",
+                                             device=DEVICE))
     model, arch = loaded.model, loaded.arch
     weights = weight_bytes(model)
     steps = {}
