@@ -98,7 +98,7 @@ cdef class StepCore:
     cdef int64_t _reserve_blocks_of(self, SlotState* s, int64_t num_scheduled) noexcept nogil
     cdef int _schedule_slot(self, int32_t slot, int64_t num_new_tokens,
                             int64_t num_blocks) except -1
-    cdef int _cache_full_blocks(self, SlotState* s) except -1
+    cdef int _cache_full_blocks(self, SlotState* s, int64_t num_real_tokens) except -1
     cdef void _remove_running(self, int32_t slot) noexcept nogil
     cdef int _grow_out_block_ids(self, Py_ssize_t need) except -1
     cdef Py_ssize_t _encode_wire(self) except -1

@@ -113,6 +113,10 @@ class StepCore:
     def cache_blocks(self, packed: PackedPlan) -> None:
         """The prefix-cache registration advance(cache_blocks=False) skipped."""
 
+    def cache_finished_blocks(self, slot: int, num_real_tokens: int) -> None:
+        """Registers the slot's full computed blocks among its first num_real_tokens tokens
+        (a sequence finishing while overlap reconciles its plan, before its release)."""
+
     # Inspection.
     def running_slots(self) -> list[int]: ...
     def block_ids(self, slot: int) -> list[int]: ...

@@ -319,11 +319,13 @@ cdef class StepCore:
         self._nb_cap = cap
         return 0
 
-    cdef int _cache_full_blocks(self, SlotState* s) except -1:
+    cdef int _cache_full_blocks(self, SlotState* s, int64_t num_real_tokens) except -1:
         # Registers every block full of computed tokens, hashed on its parent (BlockPool's
         # cache_block rule: the first block to register a hash keeps it).
-        # Tokens computed but not yet appended (accepted drafts, until append_tokens) wait.
-        cdef int64_t num_full = _min(s.num_computed_tokens, s.num_tokens) // self.block_size
+        # Tokens computed but not yet appended (accepted drafts, until append_tokens) wait, and
+        # so do those from `num_real_tokens` on (overlap's placeholders, ids not known yet).
+        cdef int64_t num_full = _min(_min(s.num_computed_tokens, s.num_tokens),
+                                     num_real_tokens) // self.block_size
         cdef int64_t index
         if num_full <= s.num_hashed:
             return 0
@@ -654,7 +656,7 @@ cdef class StepCore:
                 else:
                     s.num_computed_tokens += packed.num_scheduled_tokens[i]
                 if self.enable_prefix_caching and cache_blocks:
-                    self._cache_full_blocks(s)
+                    self._cache_full_blocks(s, s.num_tokens)
                 if num_sampled:
                     indices.append(i)
                     offsets.append(offset)
@@ -692,11 +694,22 @@ cdef class StepCore:
         """The prefix-cache registration advance() skipped, for the entries still live; call once
         every token of their computed blocks is real."""
         cdef Py_ssize_t i
+        cdef SlotState* s
         if not self.enable_prefix_caching:
             return
         for i in range(packed.num_entries):
             if self._is_live(packed, i):
-                self._cache_full_blocks(&self._slots[packed.slots[i]])
+                s = &self._slots[packed.slots[i]]
+                self._cache_full_blocks(s, s.num_tokens)
+
+    def cache_finished_blocks(self, int32_t slot, int64_t num_real_tokens):
+        """Registers the slot's full computed blocks among its first `num_real_tokens` tokens,
+        for a sequence about to be released as finished while its plan is reconciled: overlap
+        registers a plan's blocks after its stops (cache_blocks), when a finished sequence has
+        left its slot, so one that finishes in the step that computed its prompt would leave no
+        block cached. Tokens from `num_real_tokens` on are placeholders of a plan in flight."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(self._state(slot), num_real_tokens)
 
     # ---- inspection -----------------------------------------------------------------------------
 

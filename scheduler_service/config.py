@@ -153,8 +153,10 @@ class SchedulerConfig:
     """Read the Gateway API Inference Extension's request headers on the HTTP API:
     `x-gateway-inference-fairness-id` becomes the tenant (the fair policy's key and, with
     prefix_cache_scope tenant, the prefix cache's), `x-gateway-inference-objective` a priority
-    (gateway_objective_priorities). Off by default: any client could claim another tenant, so
-    turn it on only where the gateway is the only way in (docs/gateway.md)."""
+    (gateway_objective_priorities), `x-slo-ttft-ms` a first-token target that orders waiting
+    requests within a priority (earliest due first; it never ends a request). Off by default:
+    any client could claim another tenant, so turn it on only where the gateway is the only way
+    in (docs/gateway.md)."""
 
     gateway_objective_priorities: str = ""
     """With trust_gateway_headers: InferenceObjective names and the priority each gets

@@ -1,9 +1,12 @@
 """Prometheus metrics of the scheduler, served over HTTP at /metrics.
 
 Gauges are refreshed after every step; counters and histograms are fed as requests produce
-tokens and finish. The same figures are also exported under vLLM's names (metrics_vllm.py), so
-that routers that read them (the Gateway API Inference Extension, llm-d) and vLLM's dashboards
-work with planserve on an unchanged configuration.
+tokens and finish. A figure vLLM also exports (the queue, the running batch, the KV fraction,
+token and prefix-cache counters, preemptions, the request latency histograms) is exported once,
+under vLLM's name (metrics_vllm.py), so that routers that read them (the Gateway API Inference
+Extension, llm-d), vLLM's dashboards and planserve's own read the same series. What vLLM has no
+name for (steps, finish reasons in planserve's finer terms, speculation, the model service's
+forward time, faults and overload) keeps a planserve_* name here.
 
 Each server owns its registry, so several servers in one process (tests) do not collide.
 """
@@ -86,52 +89,22 @@ _FORWARD_BUCKETS = (
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._add_load_gauges(self.registry)
         self._add_counters(self.registry)
-        self._add_latency_histograms(self.registry)
+        self._add_forward_histogram(self.registry)
         self._add_fault_metrics(self.registry)
         self.vllm = VllmMetrics(self.registry, _LATENCY_BUCKETS)
         self._last_token_time: dict[int, float] = {}  # by id(request)
         self._http: Optional[Any] = None  # the /metrics server, once serving
 
-    def _add_load_gauges(self, registry: CollectorRegistry) -> None:
-        self.waiting = Gauge(
-            "planserve_num_requests_waiting", "Requests waiting for admission.", registry=registry
-        )
-        self.running = Gauge(
-            "planserve_num_requests_running",
-            "Sequences running (parallel samples count one each).",
-            registry=registry,
-        )
-        self.kv_usage = Gauge(
-            "planserve_kv_cache_usage_ratio",
-            "Fraction of the usable KV blocks held by sequences.",
-            registry=registry,
-        )
-
     def _add_counters(self, registry: CollectorRegistry) -> None:
         self.steps = Counter(
             "planserve_steps", "Steps executed by the model service.", registry=registry
-        )
-        self.preemptions = Counter(
-            "planserve_preemptions", "Sequences preempted.", registry=registry
         )
         self.finished = Counter(
             "planserve_requests_finished",
             "Samples finished, by reason.",
             ["reason"],
             registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "planserve_prompt_tokens", "Prompt tokens of finished samples.", registry=registry
-        )
-        self.cached_tokens = Counter(
-            "planserve_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache.",
-            registry=registry,
-        )
-        self.generated_tokens = Counter(
-            "planserve_generation_tokens", "Tokens generated.", registry=registry
         )
         # Speculative decoding: acceptance rate = accepted / draft (rate() of both).
         self.draft_tokens = Counter(
@@ -145,31 +118,7 @@ class Metrics:
             registry=registry,
         )
 
-    def _add_latency_histograms(self, registry: CollectorRegistry) -> None:
-        self.queue_time = Histogram(
-            "planserve_queue_time_seconds",
-            "Arrival to first step.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.ttft = Histogram(
-            "planserve_time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.inter_token = Histogram(
-            "planserve_inter_token_latency_seconds",
-            "Time between a request's consecutive token chunks.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.e2e = Histogram(
-            "planserve_e2e_request_latency_seconds",
-            "Arrival to last chunk.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
+    def _add_forward_histogram(self, registry: CollectorRegistry) -> None:
         # The model service's own time per step, to set beside the inter-token latency clients see.
         self.forward = Histogram(
             "planserve_model_forward_seconds",
@@ -235,11 +184,6 @@ class Metrics:
         self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int
     ) -> None:
         self.steps.inc()
-        if num_preemptions:
-            self.preemptions.inc(num_preemptions)
-        self.waiting.set(num_waiting)
-        self.running.set(num_running)
-        self.kv_usage.set(kv_usage)
         self.vllm.on_step(num_waiting, num_running, kv_usage, num_preemptions)
 
     def on_forward(self, forward_ns: int) -> None:
@@ -253,10 +197,7 @@ class Metrics:
         now = time.monotonic()
         key = id(request)
         if output.token_ids:
-            self.generated_tokens.inc(len(output.token_ids))
             last = self._last_token_time.get(key)
-            if last is not None:
-                self.inter_token.observe(now - last)
             self.vllm.on_tokens(len(output.token_ids), None if last is None else now - last)
             self._last_token_time[key] = now
         if output.finish_reason is None:
@@ -264,12 +205,3 @@ class Metrics:
         self._last_token_time.pop(key, None)
         self.vllm.on_finished(request, output, now)
         self.finished.labels(FinishReason(output.finish_reason).name.lower()).inc()
-        self.e2e.observe(now - request.arrival_time)
-        usage = output.usage
-        if usage is not None:
-            self.prompt_tokens.inc(usage.prompt_tokens)
-            self.cached_tokens.inc(usage.cached_tokens)
-            if usage.queue_time_us:
-                self.queue_time.observe(usage.queue_time_us / 1e6)
-            if usage.time_to_first_token_us:
-                self.ttft.observe(usage.time_to_first_token_us / 1e6)

@@ -247,6 +247,8 @@ def to_request(
         raise InvalidRequest("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
     if pb.HasField("deadline_ms") and pb.deadline_ms < 1:
         raise InvalidRequest("deadline_ms", f"must be >= 1 when set, got {pb.deadline_ms}")
+    if pb.HasField("ttft_target_ms") and pb.ttft_target_ms < 1:
+        raise InvalidRequest("ttft_target_ms", f"must be >= 1 when set, got {pb.ttft_target_ms}")
     n = pb.n if pb.HasField("n") else 1
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidRequest("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
@@ -260,6 +262,9 @@ def to_request(
         arrival_time=arrival,
         priority=pb.priority,
         deadline=arrival + pb.deadline_ms / 1000 if pb.HasField("deadline_ms") else None,
+        first_token_due=(
+            arrival + pb.ttft_target_ms / 1000 if pb.HasField("ttft_target_ms") else None
+        ),
         tenant=pb.tenant,
         cache_salt=pb.cache_salt,
         n=n,

@@ -128,6 +128,10 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0  # higher is more urgent
     deadline: Optional[float] = None  # absolute, on the time.monotonic() clock
+    # When the first token is wanted (arrival + ttft_target_ms; time.monotonic() clock): orders
+    # the waiting queue among requests the policy ranks equal (policies/_heap.waiting_order),
+    # never ends the request.
+    first_token_due: Optional[float] = None
     tenant: str = ""
     cache_salt: str = ""
     # Times this request was preempted; a preempted request goes ahead of fresh ones.
@@ -215,6 +219,7 @@ class Request:
             arrival_time=self.arrival_time,
             priority=self.priority,
             deadline=self.deadline,
+            first_token_due=self.first_token_due,
             tenant=self.tenant,
             cache_salt=self.cache_salt,
             index=index,

@@ -382,6 +382,12 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         if not request.forked and request.n > 1:
             self._fork_samples(request)
         if request.finish_reason is not None:
+            if placeholder is not None:
+                # Overlap registers a plan's blocks once its stops are checked, after this
+                # release: a sequence finishing here registers its own first (its prompt's, when
+                # it ends in its first step), up to its last real token.
+                num_real = placeholder + (1 if output.token_ids else 0)
+                self.core.cache_finished_blocks(request.running_slot, num_real)
             self.running.remove(request)
             self._release(request, self._finished_slots)
         return shown

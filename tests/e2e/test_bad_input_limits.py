@@ -42,6 +42,8 @@ BAD_REQUESTS = {
     "n above the bound": (_request(n=intake.MAX_SAMPLES + 1),
                           f"n: must be in [1, {intake.MAX_SAMPLES}]"),
     "deadline_ms 0": (_request(deadline_ms=0), "deadline_ms: must be >= 1 when set, got 0"),
+    "ttft_target_ms 0": (_request(ttft_target_ms=0),
+                         "ttft_target_ms: must be >= 1 when set, got 0"),
     "tenant too long": (_request(tenant="t" * (intake.MAX_TENANT_CHARS + 1)),
                         f"tenant: at most {intake.MAX_TENANT_CHARS} characters"),
     "cache_salt too long": (_request(cache_salt="s" * (intake.MAX_CACHE_SALT_CHARS + 1)),

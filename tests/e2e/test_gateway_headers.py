@@ -1,8 +1,8 @@
 """The gateway's headers and vLLM's request extras on the HTTP API: the fairness id becomes the
-tenant (seen by the prefix cache scoped per tenant), the objective a priority (seen in the order
-a one-sequence server serves waiting requests), body `priority` and `cache_salt`, X-Request-Id
-echoed; none of the headers is read without --trust-gateway-headers; bad values are 400 naming
-the header or field."""
+tenant (seen by the prefix cache scoped per tenant), the objective a priority and x-slo-ttft-ms
+a first-token target (both seen in the order a one-sequence server serves waiting requests),
+body `priority` and `cache_salt`, X-Request-Id echoed; none of the headers is read without
+--trust-gateway-headers; bad values are 400 naming the header or field."""
 
 from __future__ import annotations
 
@@ -135,6 +135,34 @@ async def test_body_priority_is_vllms_lower_first(trusting):
     assert order == ["second", "third"]
 
 
+TTFT = "x-slo-ttft-ms"
+
+
+async def test_ttft_target_header_admits_the_earliest_due_first(trusting):
+    # The second arrived first but may wait a minute; the third is due in 50 ms.
+    order = await _finishing_order(
+        trusting,
+        {"prompt": "a", "headers": {TTFT: "60000"}},
+        {"prompt": "b", "headers": {TTFT: "50"}},
+    )
+    assert order == ["third", "second"]
+    # A request without a target waits behind one with a target (a decimal, as llm-d sends it).
+    order = await _finishing_order(
+        trusting, {"prompt": "a"}, {"prompt": "b", "headers": {TTFT: "2500.5"}}
+    )
+    assert order == ["third", "second"]
+
+
+async def test_ttft_target_orders_within_a_priority_not_across(trusting):
+    objective = "x-gateway-inference-objective"
+    order = await _finishing_order(
+        trusting,
+        {"prompt": "a", "headers": {objective: "critical", TTFT: "60000"}},
+        {"prompt": "b", "headers": {objective: "sheddable", TTFT: "1"}},
+    )
+    assert order == ["second", "third"]
+
+
 async def test_request_id_is_echoed_and_used(trusting):
     status, reply, headers = await post(trusting, {"X-Request-Id": "trace-42"}, prompt="hi")
     assert status == 200 and headers["x-request-id"] == "trace-42"
@@ -151,6 +179,12 @@ async def test_request_id_is_echoed_and_used(trusting):
         ({}, {"priority": "high"}, "priority"),
         ({}, {"cache_salt": "s" * 257}, "cache_salt"),
         ({"X-Request-Id": "r" * 257}, {}, "request_id"),
+        ({TTFT: "0"}, {}, TTFT),
+        ({TTFT: "-20"}, {}, TTFT),
+        ({TTFT: "soon"}, {}, TTFT),
+        ({TTFT: "nan"}, {}, TTFT),
+        ({TTFT: "inf"}, {}, TTFT),
+        ({TTFT: "4294967296"}, {}, TTFT),
     ],
 )
 async def test_bad_values_are_400_naming_the_field(trusting, headers, body, param):
@@ -158,6 +192,8 @@ async def test_bad_values_are_400_naming_the_field(trusting, headers, body, para
     assert status == 400, reply
     assert reply["error"]["param"] == param
     assert reply["error"]["message"].startswith(param) or param in reply["error"]["message"]
+    if param == TTFT:  # the bound is named
+        assert "(0, 4294967295]" in reply["error"]["message"]
 
 
 async def test_no_header_is_read_without_trust(engine, trusting):
@@ -177,5 +213,13 @@ async def test_no_header_is_read_without_trust(engine, trusting):
             {"prompt": "b", "headers": {objective: "critical"}},
         )
         assert order == ["second", "third"]  # arrival order: the header changed nothing
+        status, _, _ = await post(server, {TTFT: "soon"}, prompt="x")
+        assert status == 200  # not read, so not refused
+        order = await _finishing_order(
+            server,
+            {"prompt": "a", "headers": {TTFT: "60000"}},
+            {"prompt": "b", "headers": {TTFT: "1"}},
+        )
+        assert order == ["second", "third"]  # the target is not read either
     finally:
         await server.stop(grace_s=1)

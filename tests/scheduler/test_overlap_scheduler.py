@@ -155,3 +155,30 @@ def test_a_request_that_stops_while_its_next_step_is_in_flight_gets_no_extra_tok
     # slot's tokens there ran one past what the client got, and were dropped with the slot.
     assert model.max_tokens_seen == 5 + 4
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_ends_in_its_first_step_leaves_its_prompt_blocks_cached(overlap):
+    """max_tokens 1 (prefill-only traffic): the prompt's full blocks enter the prefix cache, as in
+    vLLM, and the event log reports them stored. Overlap once released the slot before it
+    registered the plan's blocks, so such a request cached nothing."""
+    scheduler = make_scheduler(block_size=4)
+    scheduler.kv.enable_events()
+    scheduler.kv.pool.take_events()  # nothing yet
+    prompt = list(range(2, 12))  # 10 tokens: 2 full blocks and 2 tokens left over
+    scheduler.add_request(make_request(prompt_token_ids=prompt, max_new_tokens=1))
+    model = ModelSim(eos_every=0)
+    plan = scheduler.schedule()
+    if overlap:
+        scheduler.commit(plan)
+        outputs = scheduler.reconcile(plan, model.execute(plan))
+    else:
+        outputs = scheduler.update(plan, model.execute(plan))
+    assert [o.finish_reason for _, o in outputs] == [2]  # LENGTH, after the first step
+    again = make_request(prompt_token_ids=prompt, max_new_tokens=1)
+    assert scheduler.kv.num_cached_prefix_tokens(again) == 8
+    events, lost = scheduler.kv.pool.take_events()
+    hashes = scheduler.kv.pool.block_hashes(prompt, 4)
+    assert not lost and [e[:2] for e in events] == [(1, hashes[0]), (1, hashes[1])]
+    assert [e[3] for e in events] == [prompt[:4], prompt[4:8]]
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks

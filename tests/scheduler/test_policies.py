@@ -25,13 +25,15 @@ _ids = itertools.count()
 
 def make_request(arrival: float = 0.0, *, prompt: int = 8, max_new: int = 4, priority: int = 0,
                  deadline: float | None = None, tenant: str = "", generated: int = 0,
-                 computed: int = 0, request_id: str | None = None) -> Request:
+                 computed: int = 0, request_id: str | None = None,
+                 first_token_due: float | None = None) -> Request:
     request = Request(
         request_id=request_id or f"r{next(_ids)}",
         prompt_token_ids=[2 + i % 100 for i in range(prompt)],
         sampling=Sampling(0.0, 0, 1.0, 0),
         stopping=Stopping(max_new, (), frozenset(), False),
-        arrival_time=arrival, priority=priority, deadline=deadline, tenant=tenant)
+        arrival_time=arrival, priority=priority, deadline=deadline, tenant=tenant,
+        first_token_due=first_token_due)
     request.output_token_ids = [50] * generated
     request.num_computed_tokens = computed
     return request
@@ -278,6 +280,54 @@ def test_fcfs_victim_is_the_latest_arrival_and_it_never_preempts_for_waiting():
     running = [make_request(1.0), make_request(3.0), make_request(2.0)]
     assert policy.select_victim(running) is running[1]
     assert not policy.may_preempt_for(make_request(0.0, priority=9), running[1])
+
+
+# ---- first-token targets (ttft_target_ms / x-slo-ttft-ms), under every policy ----------------
+
+
+def _due(arrival: float, target_s: float | None, **fields) -> Request:
+    return make_request(arrival, first_token_due=None if target_s is None else arrival + target_s,
+                        **fields)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_the_earliest_first_token_target_goes_first_then_untargeted_by_arrival(name):
+    # Every request ranks equal by the policy's own rule (sjf: equal sizes, no aging).
+    policy = make_policy(name, **({"aging_tokens_per_s": 0.0} if name == "sjf" else {}))
+    loose = _due(0.0, 5.0)  # due at 5.0
+    untargeted_early, untargeted_late = _due(0.5, None), _due(0.7, None)
+    tight = _due(1.0, 0.5)  # arrived last, due first (1.5)
+    for request in (untargeted_late, loose, untargeted_early, tight):
+        policy.add(request)
+    assert drain(policy) == [tight, loose, untargeted_early, untargeted_late]
+
+
+def test_a_preempted_request_still_goes_ahead_of_a_fresh_one_with_a_target():
+    policy = make_policy("fcfs")
+    fresh, resumed = _due(0.0, 0.001), _due(5.0, None)
+    policy.add(fresh)
+    policy.add_preempted(resumed)
+    assert drain(policy) == [resumed, fresh]
+
+
+def test_priority_ranks_before_the_first_token_target():
+    policy = make_policy("priority")
+    urgent_low = _due(0.0, 0.01, priority=0)
+    relaxed_high = _due(1.0, 60.0, priority=5)
+    tight_high = _due(2.0, 0.5, priority=5)
+    for request in (urgent_low, relaxed_high, tight_high):
+        policy.add(request)
+    assert drain(policy) == [tight_high, relaxed_high, urgent_low]
+
+
+def test_fair_orders_by_target_within_a_tenant_never_across_shares():
+    policy = make_policy("fair")
+    a_loose, a_tight = _due(0.0, 9.0, tenant="a"), _due(1.0, 0.1, tenant="a")
+    b_tight = _due(0.5, 0.01, tenant="b")
+    for request in (a_loose, a_tight, b_tight):
+        policy.add(request)
+    policy.on_scheduled(make_request(tenant="b"), 100)  # b has had far more service
+    assert drain(policy) == [a_tight, a_loose, b_tight]
 
 
 # ---- priority -----------------------------------------------------------------------------
@@ -551,7 +601,8 @@ def test_lpm_preempted_goes_ahead_of_an_equal_match():
 
 
 def _fcfs_rank(request, preempted):
-    return (0 if preempted else 1, request.arrival_time)
+    due = math.inf if request.first_token_due is None else request.first_token_due
+    return (0 if preempted else 1, due, request.arrival_time)
 
 
 def _check_choice(policy, name, chosen, waiting, now, matches):
@@ -587,7 +638,8 @@ _operations = st.one_of(
               st.one_of(st.none(), st.integers(0, 5)),  # deadline
               st.sampled_from(["a", "b", "c"]),  # tenant
               st.integers(1, 40),  # prompt length
-              st.integers(0, 64)),  # cached prefix
+              st.integers(0, 64),  # cached prefix
+              st.one_of(st.none(), st.integers(0, 8))),  # first-token target, quarter seconds
     st.tuples(st.just("pop")),
     st.tuples(st.just("remove"), st.integers(0, 10**6)),
     st.tuples(st.just("serve"), st.integers(0, 10**6), st.integers(1, 50)),
@@ -610,9 +662,10 @@ def test_random_sequences_keep_the_queue_contract(name, operations):
         now += 0.25
         kind = operation[0]
         if kind in ("add", "add_preempted"):
-            _, priority, deadline, tenant, prompt, cached = operation
+            _, priority, deadline, tenant, prompt, cached, target = operation
             request = make_request(now, prompt=prompt, priority=priority, tenant=tenant,
-                                   deadline=None if deadline is None else float(deadline))
+                                   deadline=None if deadline is None else float(deadline),
+                                   first_token_due=None if target is None else now + target / 4)
             matches[request] = cached
             getattr(policy, kind)(request)
             waiting[request] = kind == "add_preempted"

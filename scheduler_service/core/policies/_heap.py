@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import heapq
 import itertools
+import math
 from typing import Any, Iterator, Optional
 
 from scheduler_service.core.policies.base import SchedulingPolicy
@@ -93,10 +94,20 @@ class LazyHeap:
         return iter(list(self._entries))
 
 
-def fcfs_key(request: Request, preempted: bool) -> tuple:
+def waiting_order(request: Request) -> tuple[float, float]:
+    """The order among waiting requests a policy ranks equal: the earliest first-token target
+    (`Request.first_token_due`: arrival + ttft_target_ms, the gateway's x-slo-ttft-ms) first,
+    requests without a target after every one with a target, arrival order within each. With no
+    targets this is arrival order. Every built-in ends its key with it, so a target orders
+    requests within a priority (and within a tenant under `fair`), never across them."""
+    due = request.first_token_due
+    return (math.inf if due is None else due, request.arrival_time)
+
+
+def waiting_key(request: Request, preempted: bool) -> tuple:
     """Preempted requests first (they hold generated tokens and were admitted once), then
-    arrival order."""
-    return (0 if preempted else 1, request.arrival_time)
+    `waiting_order`."""
+    return (0 if preempted else 1, *waiting_order(request))
 
 
 class HeapPolicy(SchedulingPolicy):

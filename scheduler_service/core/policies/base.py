@@ -8,6 +8,12 @@ a heap, per-tenant queues) and answers three questions for the scheduler:
     whether a waiting request is worth preempting a running one for (`may_preempt_for`);
   * optionally, whether to hold back a request that would fit (`admission_veto`).
 
+A request may carry a first-token target (`Request.first_token_due`, from ttft_target_ms or a
+trusted x-slo-ttft-ms). Every built-in ranks first by its own rule (priority, deadline, tenant
+share, size, cached prefix) and then by `_heap.waiting_order`: earliest target first, requests
+without one after, arrival within each. So the target composes below priority and fairness,
+and it only orders: nothing is ended or refused for missing it.
+
 The scheduler tells the policy what happened (`on_scheduled`, `on_finished`) so that stateful
 orders (per-tenant fairness) can keep their counters. Every method runs on the event loop
 thread, once per request per step at most; none may block.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from scheduler_service.core.policies._heap import HeapPolicy
+from scheduler_service.core.policies._heap import HeapPolicy, waiting_order
 from scheduler_service.core.policies.base import register
 from scheduler_service.core.request import Request
 
@@ -18,7 +18,7 @@ def _deadline(request: Request) -> float:
 class EDFPolicy(HeapPolicy):
     """Earliest deadline first; requests without one after all that have one, then arrival.
 
-    Order key: (deadline or +inf, 0 if preempted else 1, arrival_time). Victim: the latest
+    Order key: (deadline or +inf, 0 if preempted else 1, waiting_order). Victim: the latest
     deadline (none counts as latest), then the latest arrival. The policy only orders: the
     scheduler finishes a request whose deadline passed (finish reason DEADLINE).
     """
@@ -29,7 +29,7 @@ class EDFPolicy(HeapPolicy):
         super().__init__()
 
     def key(self, request: Request, preempted: bool) -> tuple:
-        return (_deadline(request), 0 if preempted else 1, request.arrival_time)
+        return (_deadline(request), 0 if preempted else 1, *waiting_order(request))
 
     def select_victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (_deadline(r), r.arrival_time, r.request_id))

@@ -10,11 +10,13 @@ rest as output; generated tokens recomputed after a preemption count as output).
 weights, input 1.0 and output 2.0, follow the paper's observation that a decoded token costs
 more than a prefilled one (it takes a step of its own).
 
-The next request is the oldest waiting request (preempted ones first) of the waiting tenant
-with the smallest counter. A tenant that had nothing waiting and gets a new request is lifted
-to at least the smallest counter of the tenants that do have requests waiting (or, with none
-waiting, to the counter of the tenant whose request last left the queue), so that time spent
-idle is not banked as credit to starve the others later.
+The next request is the first waiting request (preempted ones first, then by first-token
+target and arrival: _heap.waiting_order) of the waiting tenant with the smallest counter, so a
+target orders a tenant's own requests and never wins a tenant more than its share. A tenant
+that had nothing waiting and gets a new request is lifted to at least the smallest counter of
+the tenants that do have requests waiting (or, with none waiting, to the counter of the tenant
+whose request last left the queue), so that time spent idle is not banked as credit to starve
+the others later.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import collections
 from typing import Iterator, Optional, Sequence
 
-from scheduler_service.core.policies._heap import LazyHeap, fcfs_key
+from scheduler_service.core.policies._heap import LazyHeap, waiting_key
 from scheduler_service.core.policies.base import SchedulingPolicy, register
 from scheduler_service.core.request import Request
 
@@ -123,7 +125,7 @@ class FairPolicy(SchedulingPolicy):
         queue = self._queues.get(request.tenant)
         if queue is None:
             queue = self._queues[request.tenant] = LazyHeap()
-        queue.push(request, fcfs_key(request, preempted))
+        queue.push(request, waiting_key(request, preempted))
         self._num_waiting += 1
         self._version += 1
 

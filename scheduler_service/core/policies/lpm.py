@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
-from scheduler_service.core.policies._heap import LazyHeap, fcfs_key
+from scheduler_service.core.policies._heap import LazyHeap, waiting_key
 from scheduler_service.core.policies.base import SchedulingPolicy, register
 from scheduler_service.core.request import Request
 
 
 @register
 class LPMPolicy(SchedulingPolicy):
-    """Longest cached prefix first (ties by arrival); FCFS when more than `max_scan` wait.
+    """Longest cached prefix first (ties by waiting order); FCFS when more than `max_scan` wait.
 
     `prefix_match_len(request)` (passed by the scheduler) says how many prompt tokens the block
     pool has cached for a request. Cached blocks come and go, so the match is asked afresh at
@@ -36,11 +36,11 @@ class LPMPolicy(SchedulingPolicy):
         self._peeked: Optional[tuple[float, int, Request]] = None
 
     def add(self, request: Request) -> None:
-        self._queue.push(request, fcfs_key(request, preempted=False))
+        self._queue.push(request, waiting_key(request, preempted=False))
         self._version += 1
 
     def add_preempted(self, request: Request) -> None:
-        self._queue.push(request, fcfs_key(request, preempted=True))
+        self._queue.push(request, waiting_key(request, preempted=True))
         self._version += 1
 
     def peek(self, now: float) -> Optional[Request]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from scheduler_service.core.policies._heap import HeapPolicy
+from scheduler_service.core.policies._heap import HeapPolicy, waiting_order
 from scheduler_service.core.policies.base import register
 from scheduler_service.core.request import Request
 
@@ -13,9 +13,10 @@ from scheduler_service.core.request import Request
 class PriorityPolicy(HeapPolicy):
     """Higher priority first, then arrival; preempts running work of lower priority.
 
-    Order key: (-priority, 0 if preempted else 1, arrival_time), so a preempted request goes
-    ahead of fresh requests of its own priority but never ahead of a higher one. Victim: the
-    lowest priority, latest arrival among them.
+    Order key: (-priority, 0 if preempted else 1, waiting_order), so a preempted request goes
+    ahead of fresh requests of its own priority but never ahead of a higher one, and a
+    first-token target orders requests within a priority. Victim: the lowest priority, latest
+    arrival among them.
     """
 
     name = "priority"
@@ -24,7 +25,7 @@ class PriorityPolicy(HeapPolicy):
         super().__init__()
 
     def key(self, request: Request, preempted: bool) -> tuple:
-        return (-request.priority, 0 if preempted else 1, request.arrival_time)
+        return (-request.priority, 0 if preempted else 1, *waiting_order(request))
 
     def select_victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (-r.priority, r.arrival_time, r.request_id))

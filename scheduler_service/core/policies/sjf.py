@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_service.core.policies._heap import HeapPolicy
+from scheduler_service.core.policies._heap import HeapPolicy, waiting_order
 from scheduler_service.core.policies.base import register
 from scheduler_service.core.request import Request
 
@@ -30,7 +30,7 @@ class SJFPolicy(HeapPolicy):
     which a heap keeps in O(log n) per operation, with no scan at `peek`. (remaining_tokens
     does not change while a request waits.) A request that has waited `s` seconds overtakes
     fresh ones up to `aging_tokens_per_s * s` tokens shorter, so nothing starves; rate 0 is
-    pure SJF. Exact ties: preempted first, then arrival.
+    pure SJF. Exact ties: preempted first, then waiting_order (first-token target, arrival).
     """
 
     name = "sjf"
@@ -43,7 +43,7 @@ class SJFPolicy(HeapPolicy):
 
     def key(self, request: Request, preempted: bool) -> tuple:
         size = remaining_tokens(request) + self.aging_tokens_per_s * request.arrival_time
-        return (size, 0 if preempted else 1, request.arrival_time)
+        return (size, 0 if preempted else 1, *waiting_order(request))
 
     def effective_size(self, request: Request, now: float) -> float:
         """The aged size at `now` (for logs and tests; the order does not need it)."""
