@@ -62,11 +62,19 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# The graphs' pool in profiled step peaks. Beyond the largest step's activations it holds the
+# static logits and inputs, the side stream's cuBLAS workspace and what each of the buckets'
+# captures keeps; measured on an H200 at 1.1-2.2 peaks (docs/benchmarks.md, "Every step
+# captured"), so one peak undercounted it.
+GRAPH_POOL_PEAKS = 2
+
+
 def graphs_reserve_bytes(step_peak_bytes: Optional[int], graphs_captured: bool) -> int:
     """Memory the CUDA graphs' shared pool takes after the cache is allocated: the graphs capture
-    steps up to the token budget, and their pool holds about one largest step's activations
-    (0 when no graphs are captured or no step was profiled)."""
-    return step_peak_bytes if graphs_captured and step_peak_bytes is not None else 0
+    steps up to the token budget (0 when no graphs are captured or no step was profiled)."""
+    if not graphs_captured or step_peak_bytes is None:
+        return 0
+    return GRAPH_POOL_PEAKS * step_peak_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,19 +57,19 @@ def _free(figure: int):
 def test_cuda_takes_the_default_fraction_less_the_step_the_graphs_and_the_reserve():
     free, peak = 70 * GiB, 3 * GiB
     graphs = kv_budget.graphs_reserve_bytes(peak, graphs_captured=True)
-    assert graphs == peak  # one more step peak: the graphs' shared pool
+    assert graphs == kv_budget.GRAPH_POOL_PEAKS * peak  # the graphs' shared pool, in step peaks
     budget = kv_budget.kv_budget(_config(), "cuda", _free(free), 1, peak, graphs)
     expected = int(free * CUDA_KV_CACHE_MEMORY_FRACTION) - peak - graphs - CUDA_RESERVE_BYTES
     assert budget.bytes == expected
     assert (budget.fraction, budget.field) == (0.9, "kv_cache_memory_fraction (default)")
     assert budget.basis() == (
-        f"fraction 0.9 of {free} free after weights, step peak {peak}, graphs {peak}, "
+        f"fraction 0.9 of {free} free after weights, step peak {peak}, graphs {graphs}, "
         f"reserve {CUDA_RESERVE_BYTES}: {expected} (kv_cache_memory_fraction (default))"
     )
     # Without graphs (cuda_graphs off, or unsupported) the pool's share stays in the cache.
     assert kv_budget.graphs_reserve_bytes(peak, graphs_captured=False) == 0
     eager = kv_budget.kv_budget(_config(), "cuda", _free(free), 1, peak, 0)
-    assert eager.bytes == expected + peak
+    assert eager.bytes == expected + graphs
 
 
 def test_the_cpu_keeps_one_gib_and_reads_no_free_memory():
@@ -123,7 +123,7 @@ def test_sizing_for_cuda_by_each_rule(tiny_loaded):
 @pytest.mark.gpu
 def test_cuda_start_up_takes_the_devices_step_and_most_of_its_memory():
     """No flag: the step for the device, profiled, and 0.9 of the free memory less the step,
-    the graphs' pool (one more step peak when graphs are captured) and the reserve."""
+    the graphs' pool (GRAPH_POOL_PEAKS step peaks when graphs are captured) and the reserve."""
     import re
 
     from model_service.start import start_runner
@@ -139,7 +139,8 @@ def test_cuda_start_up_takes_the_devices_step_and_most_of_its_memory():
     assert figures is not None, basis
     free, peak, graphs, reserve, budget = map(int, figures.groups())
     assert peak > 0 and reserve == CUDA_RESERVE_BYTES
-    assert graphs == (0 if facts.compute["cuda_graphs"].startswith("none") else peak)
+    captured = not facts.compute["cuda_graphs"].startswith("none")
+    assert graphs == (kv_budget.GRAPH_POOL_PEAKS * peak if captured else 0)
     assert budget == int(free * 0.9) - peak - graphs - reserve
     cache_bytes = facts.num_kv_blocks * runner.kv_cache.block_bytes
     assert budget - runner.kv_cache.block_bytes < cache_bytes <= budget
