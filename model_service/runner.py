@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from typing import Callable
 
 import numpy as np
@@ -42,7 +41,7 @@ from model_service.loading.loaded import LoadedModel
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
 from model_service.step import step_shape
 from model_service.step.cuda_graphs import StepGraphs
-from model_service.step.forward import run_forward, to_device
+from model_service.step.forward import StepClock, run_forward, to_device
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
@@ -246,19 +245,14 @@ class ModelRunner:
         )  # views, valid this step
         rows = self._logits_rows(x, slots, n, draft_rows(x.query_start))
 
-        start = time.perf_counter_ns()
+        clock = StepClock(self.device)
         logits = self._forward(x, n, rows.indices)
+        clock.forward_launched()
         output = ComputedStep(
-            plan.step_id,
-            x.needs_sample.copy(),
-            np.zeros(0, dtype=np.int64),
-            time.perf_counter_ns() - start,
-            0,
+            plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), 0, 0
         )
-
-        start = time.perf_counter_ns()
         self._sample(logits, x, plan, rows, output)
-        output.sample_ns = time.perf_counter_ns() - start
+        output.forward_ns, output.sample_ns = clock.finish()
 
         c.num_computed[slots] = x.context_lens
         c.tokens[x.sample_slots, c.num_tokens[x.sample_slots]] = output.sampled_token_ids
@@ -286,13 +280,10 @@ class ModelRunner:
 
     def _forward(self, x: StepInputs, n: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor:
         if self.graphs and (logits := self.graphs.run(x, n, logits_indices)) is not None:
-            self._sync()
             return logits
-        logits = run_forward(
+        return run_forward(
             self.model, self.kv_cache, x, n, logits_indices, self.block_size, self.device
         )
-        self._sync()
-        return logits
 
     def _sample(
         self,
@@ -312,7 +303,3 @@ class ModelRunner:
             output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(
                 logits[num_sample + num_draft :], rows.prompt_targets, rows.prompt_counts
             )
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

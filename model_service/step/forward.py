@@ -1,8 +1,11 @@
 """One eager forward of a step's packed inputs (cython_ext.mapping.StepInputs): the host arrays
 to the model's device, the attention metadata built from them, the model called. The runner's
-step and the draft model's both run through it."""
+step and the draft model's both run through it. `StepClock` times a step's forward and sampling.
+"""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -54,3 +57,37 @@ def run_forward(
         kv_cache,
         to_device(logits_indices, device),
     )
+
+
+class StepClock:
+    """A step's forward and sampling times (ComputedStep.forward_ns, sample_ns) with one wait for
+    the device per step. On CUDA the forward is timed by events on the stream, and the wait is the
+    sampler's own copy of the token ids to the host (a step that samples nothing waits on the end
+    event instead, so its pinned inputs are free again before the next step writes them); sample_ns
+    is the rest of the step's wall time. On the CPU both are wall times."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.start_ns = time.perf_counter_ns()
+        self.forward_ns = 0
+        self.events = None
+        if device.type == "cuda":
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record()
+            self.events = (begin, end)
+
+    def forward_launched(self) -> None:
+        """After the forward's call: on the CPU it has run; on CUDA it is queued."""
+        if self.events is None:
+            self.forward_ns = time.perf_counter_ns() - self.start_ns
+        else:
+            self.events[1].record()
+
+    def finish(self) -> tuple[int, int]:
+        """(forward_ns, sample_ns), once the step's sampling returned."""
+        if self.events is None:
+            return self.forward_ns, time.perf_counter_ns() - self.start_ns - self.forward_ns
+        begin, end = self.events
+        end.synchronize()  # at once where the sampler's copy already waited
+        total = time.perf_counter_ns() - self.start_ns
+        forward = int(begin.elapsed_time(end) * 1e6)
+        return forward, max(0, total - forward)
