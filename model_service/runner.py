@@ -123,9 +123,9 @@ class ModelRunner:
         self._lock = threading.Lock()
         self.kv_cache = kv_cache
         self.slot_table = slot_table
-        # Row capacity is a first guess (no token budget is configured here); the builder grows it.
+        # Row capacity: the step the device's shape allows (a larger plan grows the builder).
         self.inputs = StepInputBuilder(
-            max(loaded.max_model_len, config.max_num_slots),
+            step_shape.for_device(config, self.device).token_budget,
             config.max_num_slots,
             slot_table.max_blocks_per_seq,
             self.block_size,
