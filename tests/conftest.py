@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import dtypes  # first: a forced CPU class (tests/cpu_class.py) caps torch before its first matmul
 import pytest
 import pytest_asyncio
 
@@ -19,10 +20,8 @@ ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
 
 
 def pytest_report_header(config):
-    """Says which dtypes the suite serves models in on this CPU (tests/dtypes.py)."""
-    from dtypes import header
-
-    return header()
+    """Says which CPU class the suite runs as and what it serves models in (tests/dtypes.py)."""
+    return dtypes.header()
 
 
 class EngineProcess:
