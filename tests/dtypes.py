@@ -13,21 +13,15 @@ import cpu_class
 
 CLASS = cpu_class.emulate()  # before any test module loads a model
 NATIVE_BF16 = CLASS == "native-bf16"
-DEFAULT = "bfloat16" if NATIVE_BF16 else "float32"  # what `--dtype auto` gives on this class
 CHEAP = ("tiny",)  # small enough for emulated bf16 on any CPU (so are the random family models)
 
 
 def served_dtypes(model: str) -> tuple[str, ...]:
-    """The dtypes to serve `model` in on this CPU: its default first, then float32."""
+    """The dtypes to serve `model` in on this CPU: bfloat16 where it is native or cheap, and
+    float32 (the default without native bf16, and parity's dtype)."""
     if NATIVE_BF16 or model in CHEAP:
         return ("bfloat16", "float32")
     return ("float32",)
-
-
-def bf16_where_cheap(model: str) -> tuple[str, ...]:
-    """("bfloat16",) where bf16 runs natively or `model` is cheap, else (): a bf16-only check of a
-    path whose every dtype is tested elsewhere (the reason is in the report header)."""
-    return ("bfloat16",) if NATIVE_BF16 or model in CHEAP else ()
 
 
 def header() -> list[str]:
