@@ -84,9 +84,15 @@ async def smollm2_server(smollm2_engine):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need a CUDA device: skipped, saying so, without one."""
+    """A `slow` test (over ~30 s; any over a minute on a 2-core CPU is one) says why it needs the
+    time: `@pytest.mark.slow(reason=...)`. Tests marked `gpu` need a CUDA device: skipped, saying
+    so, without one."""
     import torch
 
+    unexplained = [item.nodeid for item in items
+                   if any("reason" not in mark.kwargs for mark in item.iter_markers("slow"))]
+    if unexplained:
+        raise pytest.UsageError(f"marked slow without a reason: {', '.join(unexplained)}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
