@@ -175,6 +175,8 @@ def test_int8_greedy_matches_float32_and_weights_shrink(smollm2, float32_quality
 GEMM_PATHS = sorted({gemm.resolve_isa(), gemm.TORCH_PATH})
 
 
+@pytest.mark.slow(reason="SmolLM2 loaded and run in bf16 per path; torch's path widens each int8 "
+                  "weight to float32 for two matmuls a call (a minute and more on 2 cores)")
 @pytest.mark.parametrize("gemm_isa", GEMM_PATHS)
 def test_int8_in_bf16_greedy_matches_float32(smollm2, float32_quality_tokens, gemm_isa):
     """What users run: int8 with bf16 compute (the default dtype where bf16 is native), where the
