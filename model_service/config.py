@@ -334,9 +334,25 @@ def check_dummy_model(model: str) -> None:
     )
 
 
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under AVX512_CORE_BF16: oneDNN then emulates bf16 matmul
+# whatever the CPU has, so bf16 is no longer the faster dtype (and tests emulate an AVX2 CPU so).
+_ONEDNN_CAPS_WITHOUT_BF16 = frozenset(
+    ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+)
+
+
+def onednn_capped_below_bf16(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when the environment caps oneDNN (which runs torch's bf16 matmul on the CPU) under
+    AVX512_CORE_BF16; DNNL_MAX_CPU_ISA is its older name."""
+    cap = environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or ""
+    return cap.strip().upper() in _ONEDNN_CAPS_WITHOUT_BF16
+
+
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX tiles or AVX512-BF16), so bf16 matmul beats
-    float32; without it oneDNN emulates bf16 and float32 is the faster choice."""
+    """True when the CPU multiplies bf16 natively (AMX tiles or AVX512-BF16) and oneDNN may use
+    it, so bf16 matmul beats float32; without it oneDNN emulates bf16 and float32 is faster."""
+    if onednn_capped_below_bf16():
+        return False
     import torch
 
     cpu = getattr(torch, "cpu", None)

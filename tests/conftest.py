@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import dtypes  # first: a forced CPU class (tests/cpu_class.py) caps torch before its first matmul
 import pytest
 import pytest_asyncio
 
@@ -19,10 +20,8 @@ ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
 
 
 def pytest_report_header(config):
-    """Says which dtypes the suite serves models in on this CPU (tests/dtypes.py)."""
-    from dtypes import header
-
-    return header()
+    """Says which CPU class the suite runs as and what it serves models in (tests/dtypes.py)."""
+    return dtypes.header()
 
 
 class EngineProcess:
@@ -85,9 +84,15 @@ async def smollm2_server(smollm2_engine):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need a CUDA device: skipped, saying so, without one."""
+    """A `slow` test (over ~30 s; any over a minute on a 2-core CPU is one) says why it needs the
+    time: `@pytest.mark.slow(reason=...)`. Tests marked `gpu` need a CUDA device: skipped, saying
+    so, without one."""
     import torch
 
+    unexplained = [item.nodeid for item in items
+                   if any("reason" not in mark.kwargs for mark in item.iter_markers("slow"))]
+    if unexplained:
+        raise pytest.UsageError(f"marked slow without a reason: {', '.join(unexplained)}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")

@@ -1,28 +1,48 @@
-"""Which dtypes a test serves a model in, by CPU class (issue 29): what users get there by default
-(`--dtype auto`: bfloat16 where the CPU multiplies bf16 natively, float32 elsewhere) and float32,
-where parity with transformers is checked. On a CPU without native bf16 (AVX2 only, AVX-512
-without BF16) torch's bf16 GEMM runs at a few hundredths of float32's rate, so SmolLM2 is not
-served in bfloat16 there: bfloat16 stays on the tiny model, where it is cheap."""
+"""Which dtypes a test serves a model in, by CPU class (issue 29; the classes: tests/cpu_class.py).
+
+Every test checks the dtype users get by default (`--dtype auto`: bfloat16 where the CPU multiplies
+bf16 natively, float32 elsewhere) and float32 where parity with transformers is checked. On a CPU
+without native bf16 torch's bf16 GEMM runs at a few hundredths of float32's rate, so there a test
+serves SmolLM2 in bfloat16 only when bf16 is its point (the bf16 kernels, int8 in bf16); the tiny
+model, where bf16 is cheap, keeps both dtypes everywhere.
+"""
 
 from __future__ import annotations
 
-from model_service.config import cpu_has_native_bf16
+import cpu_class
 
-NATIVE_BF16 = cpu_has_native_bf16()
+CLASS = cpu_class.emulate()  # before any test module loads a model
+NATIVE_BF16 = CLASS == "native-bf16"
+CHEAP = ("tiny",)  # small enough for emulated bf16 on any CPU (so are the random family models)
 
 
 def served_dtypes(model: str) -> tuple[str, ...]:
-    """The dtypes to serve `model` in on this CPU."""
-    if NATIVE_BF16 or model == "tiny":
+    """The dtypes to serve `model` in on this CPU: bfloat16 where it is native or cheap, and
+    float32 (the default without native bf16, and parity's dtype)."""
+    if NATIVE_BF16 or model in CHEAP:
         return ("bfloat16", "float32")
     return ("float32",)
 
 
-def header() -> str:
-    """One line for the test report: which dtypes run on this CPU, and why."""
+def header() -> list[str]:
+    """The report header's lines: the CPU class, the dtypes served, and why."""
+    forced = cpu_class.forced()
+    source = f"forced by {cpu_class.ENV}" if forced else "detected"
     if NATIVE_BF16:
-        return "dtypes: this CPU multiplies bf16 natively: every model in bfloat16 (the default) and float32"
-    return (
-        "dtypes: no native bf16 on this CPU: SmolLM2 in float32 (the default here) only, "
-        "the tiny model in bfloat16 and float32"
-    )
+        served = "bf16 runs natively: every model in bfloat16 (the default) and float32"
+    else:
+        served = (
+            "no native bf16: SmolLM2 in float32 (the default here), in bfloat16 only where bf16 "
+            "is the point of the test; the tiny model in bfloat16 and float32"
+        )
+    return [f"CPU class: {CLASS} ({source}); dtypes: {served}", f"kernel paths (auto): {_paths()}"]
+
+
+def _paths() -> str:
+    """What each native kernel's "auto" runs in this process; tests that name a path run every
+    path this class has (the paths it lacks are refused, as on such a CPU)."""
+    from model_service.attention import paged
+    from model_service.kernels import gemm, layer_ops
+
+    paths = {"gemm (bf16 linears)": gemm, "layer ops": layer_ops, "attention": paged}
+    return ", ".join(f"{name} {module.resolve_isa()}" for name, module in paths.items())

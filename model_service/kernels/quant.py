@@ -103,7 +103,7 @@ class Int8Linear(nn.Module):
             # same arithmetic in torch: bf16 through a dequantized weight rounds the weight and
             # loses the int8 model's quality (x's int16 is finer than bf16's 8 bits).
             out = int8_block_linear(x.reshape(-1, x.shape[-1]), self.w)
-            out = out.view(*x.shape[:-1], -1)
+            out = out.view(*x.shape[:-1], out.shape[-1])  # -1 is ambiguous at zero rows
             out = out if bias is None else out + bias.float()
         else:
             out = F.linear(x, self.w.dequantize(x.dtype), bias)

@@ -102,7 +102,13 @@ async def _alone(engine: _Engine):
         await server.stop(grace_s=1)
 
 
-@pytest.fixture(scope="module", params=[(m, d) for m in ("tiny", "smollm2") for d in served_dtypes(m)],
+# SmolLM2's cases start their own model services (a reference run, then the case's), each over
+# 40 s on 2 cores and some over a minute.
+SMOLLM2_SLOW = pytest.mark.slow(reason="SmolLM2 model services started per case, and its reference run")
+
+
+@pytest.fixture(scope="module", params=[pytest.param((m, d), marks=[SMOLLM2_SLOW] if m == "smollm2" else [])
+                                        for m in ("tiny", "smollm2") for d in served_dtypes(m)],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 async def model_engine(request):
     """A roomy model service of each model and dtype, with the request's reference run."""

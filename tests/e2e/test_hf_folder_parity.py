@@ -81,7 +81,8 @@ def test_serve_passes_the_model_flags_to_the_model_service(tiny_folder):
     assert (config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, config.swap_space_bytes) == (2 << 30, 0.5, 4 << 30)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="writes SmolLM2's Hugging Face folder from the GGUF (once per machine), "
+                  "then transformers' float32 greedy reference of three prompts")
 async def test_smollm2_folder_greedy_parity_with_transformers():
     import torch
     import transformers

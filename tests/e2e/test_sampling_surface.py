@@ -115,7 +115,7 @@ async def _smollm2_greedy(server, **sampling):
     return await complete(stub_for(server), request)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two SmolLM2 greedy decodes of 64 tokens a case")
 @pytest.mark.parametrize("name, value", [
     ("repetition_penalty", 1.5), ("presence_penalty", 2.0), ("frequency_penalty", 2.0)])
 async def test_penalties_discourage_repeats(smollm2_server, name, value):
@@ -128,7 +128,7 @@ async def test_penalties_discourage_repeats(smollm2_server, name, value):
         _distinct(plain.token_ids) / len(plain.token_ids)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two SmolLM2 greedy decodes of 64 tokens")
 async def test_negative_presence_penalty_encourages_repeats(smollm2_server):
     plain = await _smollm2_greedy(smollm2_server)
     encouraged = await _smollm2_greedy(smollm2_server, presence_penalty=-2.0)

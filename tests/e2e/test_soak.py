@@ -28,7 +28,10 @@ from conftest import EngineProcess
 from model_service.models.null import null_continuation
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(
+    reason="thousands of requests through a scheduler process and a model service, one killed and "
+    "restarted mid-run"
+)
 
 PORT_LINE = "PLANSERVE_PORT="
 # Statuses a request may end with here, and why: the client cancelled it, or its gRPC deadline.

@@ -353,7 +353,7 @@ async def smollm2_client(smollm2_server):
     await http.stop(grace_s=1)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="three SmolLM2 chat turns, two of them under a tool's JSON schema")
 async def test_smollm2_required_and_named_calls_validate_and_the_conversation_goes_on(
     smollm2_server, smollm2_client
 ):

@@ -19,7 +19,9 @@ from model_service.models.null import null_continuation
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 from proto_strategies import messages
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(
+    reason="150 random examples a property, each a round trip to a live server (PLANSERVE_FUZZ_EXAMPLES sets fewer)"
+)
 
 CALL_TIMEOUT_S = 30  # a call still open after this is a hang
 FUZZ = settings(max_examples=int(os.environ.get("PLANSERVE_FUZZ_EXAMPLES", "150")),

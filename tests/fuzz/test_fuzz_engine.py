@@ -16,7 +16,9 @@ from conftest import EngineProcess
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 from proto_strategies import messages
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(
+    reason="150 random examples a property, each a round trip to a live server (PLANSERVE_FUZZ_EXAMPLES sets fewer)"
+)
 
 CALL_TIMEOUT_S = 60
 NUM_KV_BLOCKS = 32

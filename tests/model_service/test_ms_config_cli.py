@@ -90,6 +90,20 @@ def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
     assert runner.describe_facts().dtype == "bfloat16" and runner.dtype == torch.bfloat16
 
 
+def test_a_onednn_cap_under_bf16_makes_auto_float32(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes torch's bf16 matmul oneDNN's emulation on any CPU, so "auto"
+    picks float32 there as on an AVX2-only CPU (how the suite emulates one: docs/benchmarks.md)."""
+    from model_service import config as config_module
+
+    assert config_module.onednn_capped_below_bf16({"ONEDNN_MAX_CPU_ISA": "avx2"})
+    assert config_module.onednn_capped_below_bf16({"DNNL_MAX_CPU_ISA": "AVX512_CORE"})
+    for uncapped in ({}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, {"ONEDNN_MAX_CPU_ISA": "ALL"}):
+        assert not config_module.onednn_capped_below_bf16(uncapped)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not config_module.cpu_has_native_bf16()
+    assert ModelServiceConfig(dtype="auto", device="cpu").resolved_dtype() == "float32"
+
+
 def test_compute_fields_are_what_describe_reports_and_their_aliases_default_the_flags(monkeypatch):
     """The compute group: each field selects its path at start (the paths this CPU has), Describe's
     compute echoes what each resolved to, and the PLANSERVE_* aliases are the flags' defaults (a

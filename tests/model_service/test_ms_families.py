@@ -5,8 +5,8 @@ two others decode, a fourth joining mid-decode). The reference is transformers l
 folder by itself.
 
 float32, because this is parity with transformers: bf16 rounds differently in every kernel, so token
-parity is only defined in float32 (test_bf16_serves_each_family checks that the default dtype runs
-each family and agrees with float32 for the first tokens). Tokens are compared by the near-tie rule;
+parity is only defined in float32 (test_bf16_serves_each_family checks that bf16, the default
+where the CPU has it natively, runs each family and agrees with float32 for the first tokens). Tokens are compared by the near-tie rule;
 each sampled token's logprob within 1e-4 of transformers' over the compared tokens.
 """
 from __future__ import annotations
@@ -147,8 +147,9 @@ def test_sliding_window_changes_tokens(family_folders):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_serves_each_family(family_folders, family):
-    """The default dtype on these CPUs. These random tiny models have large weights, so bf16 moves
-    their logits by tenths (transformers' own bf16 forward as much) and greedy tokens part from
+    """bf16, the default dtype where the CPU multiplies it natively; these models are tiny, so it
+    runs on every CPU class (tests/dtypes.py). They have large random weights, so bf16 moves their
+    logits by tenths (transformers' own bf16 forward as much) and greedy tokens part from
     float32's within a few steps. What must hold: each family's bf16 path is as close to the float32
     reference as transformers' own bf16 forward is. Over the tokens ours samples in the mixed
     batch, the mean logprob distance from float32 is at most 1.5x transformers' bf16 distance over

@@ -106,6 +106,15 @@ def test_int8_torch_path_is_the_native_arithmetic_bit_for_bit(isa, in_features, 
         assert torch.equal(layer_ops.linear(layer, x[:rows], float32_out=True), whole[:rows])
 
 
+def test_int8_torch_path_takes_a_step_without_rows():
+    """A step can ask a layer for no rows (lm_head when no sequence samples): the torch path, what
+    CPUs without AVX512-BF16 run, returns an empty [0, N] as the packed path does."""
+    layer = _int8(64, 100)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = layer(torch.zeros(0, 64, dtype=torch.bfloat16), out_dtype)
+        assert out.shape == (0, 100) and out.dtype == out_dtype
+
+
 @pytest.mark.parametrize("isa", SUPPORTED)
 @pytest.mark.parametrize("in_features, out_features", [(576, 960), (64, 100), (1536, 40)])
 def test_int8_matches_its_arithmetic_in_float64(isa, in_features, out_features):
