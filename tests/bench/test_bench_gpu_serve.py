@@ -37,7 +37,10 @@ def test_percentiles_and_the_process_trees():
         child.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="runs the whole benchmark script on the CPU: a scheduler and a model service started "
+    "per phase, 16 requests, transformers' static batches (~60 s on 2 loaded cores)"
+)
 def test_the_dry_run_writes_every_field_and_the_counts_add_up(tmp_path):
     out = tmp_path / "gpu_serve.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "protos")]))
