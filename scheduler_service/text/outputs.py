@@ -100,7 +100,7 @@ class OutputProcessor:
         ready, then returns them merged into one; the last output is never held."""
         held = self._held.pop(request.request_id, None)
         if held is not None:
-            output = _merge(held, output)
+            output = merge(held, output)
         if output.finish_reason is None and len(output.token_ids) < request.stream_interval:
             self._held[request.request_id] = output
             return None
@@ -119,16 +119,16 @@ class OutputProcessor:
             index=request.index,
         )
         held = self._held.pop(request.request_id, None)
-        return output if held is None else _merge(held, output)
+        return output if held is None else merge(held, output)
 
     def release(self, request: Request) -> None:
         self._detokenizers.pop(request.request_id, None)
         self._held.pop(request.request_id, None)
 
 
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one: lists and text concatenated, the rest
-    (finish reason, stop match, usage) from the later one."""
+def merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request (one sample) as one: lists and text concatenated,
+    the rest (finish reason, stop match, usage) from the later one."""
     merged = dataclasses.replace(then)
     for field in dataclasses.fields(RequestOutput):
         a, b = getattr(first, field.name), getattr(then, field.name)
