@@ -103,7 +103,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         produce, in the order produced, until the client is done and every request ended."""
         frontend = (await self._serving(context)).frontend
         outstanding = Outstanding(frontend)  # in-flight requests of this stream
-        sink = overload.StreamBuffer(self._max_buffered, outstanding.abort_all)  # one bound
+        sink = overload.StreamBuffer(
+            self._max_buffered, outstanding.abort_all, _sample_of, _merge_tagged
+        )
         done_reading = object()
         reader = asyncio.ensure_future(
             self._read_session(request_iterator, frontend, outstanding, sink, done_reading)
