@@ -1,9 +1,10 @@
 """A reader that fell behind takes what waits at once, each sample's outputs merged into one."""
 import asyncio
+import dataclasses
 
 from scheduler_service.api.overload import Overflowed
 from scheduler_service.api.streams import take_waiting
-from scheduler_service.core.request import FinishReason, RequestOutput
+from scheduler_service.core.request import FinishReason, RequestOutput, TokenLogprob, Usage
 from scheduler_service.text.outputs import merge
 
 
@@ -45,3 +46,21 @@ async def test_a_marker_is_never_merged_and_stays_after_the_outputs_before_it():
     queue.put_nowait(marker)
     taken = take_waiting(_out([97]), queue, _key, merge)
     assert [t.token_ids if isinstance(t, RequestOutput) else t for t in taken] == [[97, 98], marker]
+
+
+def test_merge_carries_every_field_of_an_output():
+    """A field added to RequestOutput and forgotten by merge() fails here."""
+    usage = Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=0, queue_time_us=1,
+                  time_to_first_token_us=2)
+    first = RequestOutput(token_ids=[1], text="a", index=2, logprobs=[TokenLogprob(1, -0.5)],
+                          prompt_logprobs=[TokenLogprob(9, -1.0)])
+    then = RequestOutput(token_ids=[2], text="b", finish_reason=FinishReason.STOP, stop_match="b",
+                         usage=usage, index=2, logprobs=[TokenLogprob(2, -0.25)])
+    merged = merge(first, then)
+    expected = {
+        "token_ids": [1, 2], "text": "ab", "finish_reason": FinishReason.STOP, "stop_match": "b",
+        "usage": usage, "index": 2, "logprobs": [TokenLogprob(1, -0.5), TokenLogprob(2, -0.25)],
+        "prompt_logprobs": [TokenLogprob(9, -1.0)],
+    }
+    assert {f.name for f in dataclasses.fields(RequestOutput)} == set(expected)
+    assert {name: getattr(merged, name) for name in expected} == expected
