@@ -17,7 +17,8 @@ step is what a loaded machine disturbs least.
         [--streams 256] [--tokens 128] [--delay-ms 4] [--apis generate,session,http] \\
         [--intervals 1,8] [--profile bench/results/host_path.prof]
 
---profile runs the scheduler process under cProfile (the figures of that run are inflated by
+--grpc-floor measures only a bare grpc.aio server streaming the same number of tiny chunks (no
+planserve code): the least a chunk costs. --profile runs the scheduler process under cProfile (the figures of that run are inflated by
 the profiler; use it to see where the time goes, not for the figures). Writes
 bench/results/host_path.json (--out) unless --no-write.
 """
@@ -182,6 +183,47 @@ async def run_http(port: int, n: int, tokens: int, interval: int, tag: str) -> l
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+class _BareServicer(generate_pb2_grpc.GenerationServiceServicer):
+    """The floor: a Generate that streams `max_new_tokens` tiny chunks and nothing else."""
+
+    async def Generate(self, request, context):
+        for i in range(request.stopping.max_new_tokens):
+            yield generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[97], text="a")
+            await asyncio.sleep(0)
+
+
+def _serve_bare(port_out) -> None:
+    async def serve():
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerationServiceServicer_to_server(_BareServicer(), server)
+        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def grpc_floor(args) -> dict:
+    """Server CPU per streamed message of a bare grpc.aio server (no planserve code): what one
+    chunk costs at the least, for the same streams and tokens."""
+    import multiprocessing
+
+    port_out = multiprocessing.Queue()
+    child = multiprocessing.Process(target=_serve_bare, args=(port_out,), daemon=True)
+    child.start()
+    port = port_out.get(timeout=60)
+    try:
+        asyncio.run(run_generate(port, args.streams, 4, 1, "warm"))
+        cpu0 = _cpu_s(child.pid)
+        asyncio.run(run_generate(port, args.streams, args.tokens, 1, "floor"))
+        per_message_us = (_cpu_s(child.pid) - cpu0) * 1e6 / (args.streams * args.tokens)
+    finally:
+        child.kill()
+    return {"server_cpu_us_per_message": round(per_message_us, 2),
+            "server_cpu_ms_per_step": round(per_message_us * args.streams / 1000, 3),
+            "streams": args.streams, "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
 RUNNERS = {"generate": run_generate, "session": run_session, "http": run_http}
 
 
@@ -238,8 +280,13 @@ def main() -> None:
     parser.add_argument("--label", default="", help="what this run measures (before/after ...)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_path.json"))
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--grpc-floor", action="store_true",
+                        help="only the floor: a bare grpc.aio server's CPU per streamed message")
     args = parser.parse_args()
     load_before = os.getloadavg()
+    if args.grpc_floor:
+        print(json.dumps(grpc_floor(args)))
+        return
     rows = asyncio.run(main_async(args))
     if args.no_write or args.profile:
         return
