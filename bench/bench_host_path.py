@@ -18,9 +18,9 @@ step is what a loaded machine disturbs least.
         [--intervals 1,8] [--profile bench/results/host_path.prof]
 
 --grpc-floor measures only a bare grpc.aio server streaming the same number of tiny chunks (no
-planserve code): the least a chunk costs. --profile runs the scheduler process under cProfile (the figures of that run are inflated by
-the profiler; use it to see where the time goes, not for the figures). Writes
-bench/results/host_path.json (--out) unless --no-write.
+planserve code): the least a chunk costs. --profile runs the scheduler process under cProfile
+(the figures of that run are inflated by the profiler; use it to see where the time goes, not
+for the figures). Writes bench/results/host_path.json (--out) unless --no-write.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ class Server:
         command = prefix + [
             "-m", "tools", "serve", "--model", "null", "--null-step-delay-ms", str(args.delay_ms),
             "--port", "0", "--engine-port", "0", "--http-port", "0", "--metrics-port", "-1",
-            "--max-num-seqs", n, "--max-num-slots", n, "--max-stream-buffer-chunks", str(args.stream_buffer), "--max-queue-len", str(4 * args.streams),
+            "--max-num-seqs", n, "--max-num-slots", n,
+            "--max-stream-buffer-chunks", str(args.stream_buffer),
+            "--max-queue-len", str(4 * args.streams),
             "--max-num-batched-tokens", str(max(8192, PROMPT_LEN * args.streams)),
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -169,7 +171,8 @@ async def run_http(port: int, n: int, tokens: int, interval: int, tag: str) -> l
                            "temperature": 0.0, "ignore_eos": True, "stream": True,
                            **({"stream_interval": interval} if interval != 1 else {})}).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         await writer.drain()
         times, counts = [], []
@@ -187,8 +190,9 @@ class _BareServicer(generate_pb2_grpc.GenerationServiceServicer):
     """The floor: a Generate that streams `max_new_tokens` tiny chunks and nothing else."""
 
     async def Generate(self, request, context):
-        for i in range(request.stopping.max_new_tokens):
-            yield generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[97], text="a")
+        for _ in range(request.stopping.max_new_tokens):
+            yield generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[97],
+                                                text="a")
             await asyncio.sleep(0)
 
 
@@ -275,7 +279,8 @@ def main() -> None:
     parser.add_argument("--apis", default="generate,session,http")
     parser.add_argument("--intervals", default="1,8")
     parser.add_argument("--stream-buffer", type=int, default=1 << 20,
-                        help="--max-stream-buffer-chunks: a Session of N streams holds N chunks a step")
+                        help="--max-stream-buffer-chunks (main cba8162 counted a Session's "
+                        "chunks of all its requests together)")
     parser.add_argument("--profile", default=None, help="cProfile the scheduler process here")
     parser.add_argument("--label", default="", help="what this run measures (before/after ...)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_path.json"))
