@@ -116,8 +116,9 @@ class SchedulerConfig:
     RESOURCE_EXHAUSTED with a retry hint. A request arriving at an empty queue is always taken."""
 
     max_stream_buffer_chunks: int = setting(1024, low=1)
-    """Most chunks one stream holds that its client has not read yet (beyond gRPC's flow-control
-    window); past it the stream's requests are aborted with RESOURCE_EXHAUSTED."""
+    """Most outputs of one request (one sample) a stream holds that its client has not read yet,
+    beyond gRPC's flow-control window; they wait merged into one chunk. Past it the stream's
+    requests are aborted with RESOURCE_EXHAUSTED."""
 
     drain_grace_s: float = setting(30.0, low=0, flag="drain-grace-seconds")
     """On SIGTERM: how long running requests may take to finish (health NOT_SERVING and new

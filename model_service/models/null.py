@@ -4,11 +4,14 @@ Everything around the forward stays real (plan checks, slot state, the input bui
 gRPC), so a scheduler over the null model pays every host-side cost of a real step and none of the
 model's. The "forward" writes one-hot logits over a 259-token byte-level vocabulary:
 
-    next token after position p  =  NULL_ALPHABET[(p + 1) % 26]     ("a".."z", never EOS)
+    next token after token t at position p  =  NULL_ALPHABET[(p + 1 + t) % 26]   ("a".."z")
 
-so a prompt of L tokens continues with the letters from index L % 26 on, whatever slot, batch or
-sampling parameters it gets (one-hot logits make every sampler pick the same id). EOS comes only
-when asked: with `eos_at` set, the token at position >= eos_at is EOS.
+so a sequence's tokens depend on its own prompt (through its last token and its length) as well
+as on the position, and a test can tell one stream's tokens from another's (26 x 26 distinct
+continuations, by length and last token modulo 26); whatever slot, batch or sampling parameters
+it gets, it continues the same way (one-hot logits make every sampler pick the same id), so
+recompute, restarts and batching reproduce it. EOS comes only when asked: with `eos_at` set, the
+token at position >= eos_at is EOS.
 `step_delay_ms` sleeps in the forward (the GIL is released), standing in for a model of that speed.
 
 The tokenizer is byte-level with no merges: id b < 256 is byte b, then the specials below, so the
@@ -53,14 +56,17 @@ NULL_CHAT_TEMPLATE = (
 )
 
 
-def null_next_token(position: int) -> int:
-    """The token the null model puts after `position` (EOS aside)."""
-    return NULL_ALPHABET[(position + 1) % len(NULL_ALPHABET)]
+def null_next_token(position: int, token_id: int) -> int:
+    """The token the null model puts after `token_id` at `position` (EOS aside)."""
+    return NULL_ALPHABET[(position + 1 + token_id) % len(NULL_ALPHABET)]
 
 
-def null_continuation(prompt_len: int, num_tokens: int) -> list[int]:
-    """The ids a prompt of `prompt_len` tokens continues with (what tests compare against)."""
-    return [null_next_token(prompt_len - 1 + i) for i in range(num_tokens)]
+def null_continuation(prompt_token_ids: list[int], num_tokens: int) -> list[int]:
+    """The ids a prompt continues with (what tests compare against)."""
+    ids = list(prompt_token_ids)
+    for _ in range(num_tokens):
+        ids.append(null_next_token(len(ids) - 1, ids[-1]))
+    return ids[len(prompt_token_ids) :]
 
 
 def null_tokenizer_json() -> str:
@@ -124,7 +130,8 @@ class NullLM(nn.Module):
         if self.step_delay_s > 0:
             time.sleep(self.step_delay_s)
         last = positions[logits_indices]
-        next_ids = self.alphabet[(last + 1) % self.alphabet.numel()]
+        tokens = input_ids[logits_indices].to(torch.int64)
+        next_ids = self.alphabet[(last + 1 + tokens) % self.alphabet.numel()]
         if self.eos_at is not None:
             next_ids = torch.where(last + 1 >= self.eos_at, EOS_ID, next_ids)
         logits = torch.full(

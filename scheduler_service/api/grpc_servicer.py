@@ -15,7 +15,7 @@ import grpc
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, Rejected, Serving
-from scheduler_service.api.streams import Outstanding, StreamCut, outputs_of
+from scheduler_service.api.streams import Outstanding, StreamCut, outputs_of, take_waiting
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.text import outputs
@@ -39,6 +39,17 @@ class _Tagged:
 
     def put_nowait(self, output: RequestOutput) -> None:
         self._sink.put_nowait((self._request, output))
+
+
+def _sample_of(item: object) -> Optional[tuple[int, int]]:
+    """A Session's merge key: the (request, sample) of a tagged output; None for the rest."""
+    if isinstance(item, tuple):
+        return id(item[0]), item[1].index
+    return None
+
+
+def _merge_tagged(first: tuple, then: tuple) -> tuple:
+    return first[0], outputs.merge(first[1], then[1])
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
@@ -92,7 +103,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         produce, in the order produced, until the client is done and every request ended."""
         frontend = (await self._serving(context)).frontend
         outstanding = Outstanding(frontend)  # in-flight requests of this stream
-        sink = overload.StreamBuffer(self._max_buffered, outstanding.abort_all)  # one bound
+        sink = overload.StreamBuffer(
+            self._max_buffered, outstanding.abort_all, _sample_of, _merge_tagged
+        )
         done_reading = object()
         reader = asyncio.ensure_future(
             self._read_session(request_iterator, frontend, outstanding, sink, done_reading)
@@ -100,17 +113,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         reading = True
         try:
             while reading or outstanding:
-                item = await sink.get()
-                if item is done_reading:
-                    reading = False
-                elif isinstance(item, overload.Overflowed):
-                    await self._overflowed(context, item.message)
-                elif isinstance(item, generate_pb2.SessionResponse):
-                    yield item
-                else:
-                    req, output = item
-                    yield generate_pb2.SessionResponse(chunk=outputs.to_pb(req, output))
-                    outstanding.count(req, output)
+                for item in take_waiting(await sink.get(), sink, _sample_of, _merge_tagged):
+                    if item is done_reading:
+                        reading = False
+                    elif isinstance(item, overload.Overflowed):
+                        await self._overflowed(context, item.message)
+                    elif isinstance(item, generate_pb2.SessionResponse):
+                        yield item
+                    else:
+                        req, output = item
+                        yield generate_pb2.SessionResponse(chunk=outputs.to_pb(req, output))
+                        outstanding.count(req, output)
         finally:
             reader.cancel()
             outstanding.abort_all()  # the client went away: free their blocks

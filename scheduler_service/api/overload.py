@@ -2,21 +2,24 @@
 with RESOURCE_EXHAUSTED, and the bounded per-stream output buffer of a client that stops reading.
 
 A stream's outputs wait in its buffer until the servicer hands them to gRPC, which blocks once the
-client's HTTP/2 flow-control window is full. A client that stops reading would otherwise make the
-buffer grow by one chunk per step for as long as its request runs (and keep its KV blocks): past
-`max_chunks` unread chunks the request is aborted (its blocks are freed in the next step) and the
-stream ends with RESOURCE_EXHAUSTED naming the bound, once gRPC takes the chunks already queued.
+client's HTTP/2 flow-control window is full. Outputs a client has not read yet merge into one
+chunk per sample, so a slow reader costs one message per read, not one per step. A client that
+stops reading would still keep its request running (and its KV blocks): past `max_chunks` unread
+outputs of one sample the stream's requests are aborted (their blocks are freed in the next
+step) and the stream ends with RESOURCE_EXHAUSTED naming the bound, once gRPC takes the chunks
+already queued.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Any, Callable, Hashable, Optional
 
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from scheduler_service.core.request import RequestStatus
+from scheduler_service.core.request import RequestOutput, RequestStatus
+from scheduler_service.text.outputs import merge
 
 # Trailing metadata key of the retry hint on RESOURCE_EXHAUSTED (milliseconds, decimal).
 RETRY_AFTER_KEY = "retry-after-ms"
@@ -66,21 +69,60 @@ class Overflowed:
         self.message = message
 
 
-class StreamBuffer(asyncio.Queue):
-    """An output queue holding at most `max_chunks` unread chunks. The put that would exceed it
-    calls `on_overflow` (abort the stream's requests) once, queues an Overflowed marker and drops
-    everything after it."""
+class _Unread:
+    """A sample's outputs the client has not read yet, merged into one, and how many."""
 
-    def __init__(self, max_chunks: int, on_overflow: Callable[[], object]):
+    __slots__ = ("key", "item", "count")
+
+    def __init__(self, key: Hashable, item: object):
+        self.key, self.item, self.count = key, item, 1
+
+
+def _sample_of(item: object) -> Optional[Hashable]:
+    return item.index if isinstance(item, RequestOutput) else None
+
+
+def _merge_outputs(first: Any, then: Any) -> Any:
+    return merge(first, then)
+
+
+class StreamBuffer(asyncio.Queue):
+    """A stream's output queue in which a sample's unread outputs merge into one chunk (a
+    client that reads slower than steps come gets fewer, larger chunks, and a Session carrying
+    hundreds of requests holds one entry per request, not one per request and step). Past
+    `max_chunks` unread outputs of one sample, the put calls `on_overflow` (abort the stream's
+    requests) once, queues an Overflowed marker and drops everything after it.
+
+    `key` says which items merge (equal keys: one sample of one request; None: never, e.g. a
+    marker or an error) and `combine` merges two of them, the earlier first."""
+
+    def __init__(
+        self,
+        max_chunks: int,
+        on_overflow: Callable[[], object],
+        key: Callable[[Any], Optional[Hashable]] = _sample_of,
+        combine: Callable[[Any, Any], Any] = _merge_outputs,
+    ):
         super().__init__()
         self.max_chunks = max_chunks
         self._on_overflow = on_overflow
+        self._key = key
+        self._combine = combine
+        self._unread: dict[Hashable, _Unread] = {}
         self.overflowed = False
 
     def put_nowait(self, item) -> None:
         if self.overflowed:
             return
-        if self.qsize() >= self.max_chunks:
+        key = self._key(item)
+        if key is None:
+            super().put_nowait(item)
+            return
+        unread = self._unread.get(key)
+        if unread is None:
+            unread = self._unread[key] = _Unread(key, item)
+            super().put_nowait(unread)
+        elif unread.count >= self.max_chunks:
             self.overflowed = True
             super().put_nowait(
                 Overflowed(
@@ -89,5 +131,13 @@ class StreamBuffer(asyncio.Queue):
                 )
             )
             self._on_overflow()
-            return
-        super().put_nowait(item)
+        else:
+            unread.item = self._combine(unread.item, item)
+            unread.count += 1
+
+    def _get(self):
+        entry = super()._get()  # asyncio.Queue's own hook
+        if isinstance(entry, _Unread):
+            del self._unread[entry.key]
+            return entry.item
+        return entry

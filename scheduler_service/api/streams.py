@@ -7,17 +7,25 @@ keeps that rule for a stream of many requests (Session); `outputs_of` is the sam
 request (Generate, the HTTP API's streamed and whole responses); `Collected` gathers a request's
 outputs per sample for the doors that answer once (the HTTP API's whole responses, the offline
 LLM).
+
+A reader that fell behind (its last chunk was still being written when the next steps' outputs
+came) takes everything waiting at once, each sample's outputs merged into one chunk
+(`take_waiting`): a client that keeps up gets one chunk per output (stream_interval exact), one
+that does not gets fewer, larger chunks instead of a backlog, and the server writes one message
+instead of several. Only a reader that stops reading entirely fills a bounded buffer
+(overload.StreamBuffer) and is cut.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncGenerator, Optional, cast
+from typing import Any, AsyncGenerator, Callable, Hashable, Optional, cast
 
 from scheduler_service.api.overload import Overflowed
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
 from scheduler_service.engine.frontend import EngineFrontend
+from scheduler_service.text.outputs import merge
 
 # How finish reasons read in OpenAI's responses (and vLLM's offline API); the others are their
 # lowercased names.
@@ -72,6 +80,39 @@ class StreamCut(Exception):
         self.message = message
 
 
+def take_waiting(
+    first: object,
+    queue: asyncio.Queue,
+    key: Callable[[Any], Optional[Hashable]],
+    combine: Callable[[Any, Any], Any],
+) -> list:
+    """`first` and every item already waiting in `queue`, in order, with items of equal `key`
+    (one sample of one request; None: never merged, e.g. a marker) combined into the first of
+    them. Per sample the order is kept; items of other samples may move ahead of a later one,
+    which no client can tell (samples are independent streams)."""
+    if queue.empty():
+        return [first]
+    items = [first]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    taken: list = []
+    at: dict[Hashable, int] = {}
+    for item in items:
+        k = key(item)
+        where = at.get(k) if k is not None else None
+        if where is None:
+            if k is not None:
+                at[k] = len(taken)
+            taken.append(item)
+        else:
+            taken[where] = combine(taken[where], item)
+    return taken
+
+
+def _sample_of(item: object) -> Optional[int]:
+    return item.index if isinstance(item, RequestOutput) else None
+
+
 async def outputs_of(
     frontend: EngineFrontend, request: Request
 ) -> AsyncGenerator[RequestOutput, None]:
@@ -83,11 +124,11 @@ async def outputs_of(
     outstanding.add(request)
     try:
         while outstanding:
-            output = await outputs.get()
-            if isinstance(output, Overflowed):
-                raise StreamCut(output.message)
-            outstanding.count(request, output)
-            yield output
+            for output in take_waiting(await outputs.get(), outputs, _sample_of, merge):
+                if isinstance(output, Overflowed):
+                    raise StreamCut(output.message)
+                outstanding.count(request, output)
+                yield output
     finally:
         outstanding.abort_all()
 

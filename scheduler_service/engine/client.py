@@ -17,6 +17,7 @@ from planserve.contract import CONTRACT_VERSION, CPU_STEP, REQUEST_BOUNDS, Reque
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_service.core import plan as plan_codec
 from scheduler_service.core.request import Sampling
+from scheduler_service.engine.execute_stream import ExecuteStream, StreamEnded
 
 _GREEDY = Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 
@@ -132,7 +133,16 @@ class EngineClient:
             self._channel = grpc.aio.secure_channel(address, credentials, options=channel_options)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._stream: Optional[grpc.aio.StreamStreamCall] = None
+        # The Execute stream runs on a synchronous channel of its own: its I/O stays off the
+        # event loop (engine/execute_stream.py says why).
+        if credentials is None:
+            self._execute_channel = grpc.insecure_channel(address, options=channel_options)
+        else:
+            self._execute_channel = grpc.secure_channel(
+                address, credentials, options=channel_options
+            )
+        self._execute_stub = engine_pb2_grpc.EngineServiceStub(self._execute_channel)
+        self._stream: Optional[ExecuteStream] = None
 
     async def describe(self, timeout_s: float) -> EngineFacts:
         """Waits (up to timeout_s) for the model service to come up, then describes it."""
@@ -151,39 +161,28 @@ class EngineClient:
 
     async def send(self, step: "plan_codec.StepPlan") -> None:
         """Sends a plan without waiting for its result (overlap keeps up to two in flight;
-        results come back in order, receive() takes them)."""
+        results come back in order, receive() takes them). Never suspends: the plan goes to
+        the stream's own thread (engine/execute_stream.py); a broken stream shows on receive."""
         if self._stream is None:
-            self._stream = self._stub.Execute()
-        try:
-            await self._stream.write(plan_codec.to_pb(step))
-        except grpc.aio.AioRpcError as error:
-            self.drop_stream()
-            raise EngineUnavailable(
-                f"Execute stream ended: {error.code().name} {error.details()}"
-            ) from error
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:
-            self.drop_stream()
-            raise EngineUnavailable(f"Execute stream unusable: {error!r}") from error
+            self._stream = ExecuteStream(self._execute_stub)
+        self._stream.send(plan_codec.to_pb(step))
 
     async def receive(self, step: "plan_codec.StepPlan") -> "plan_codec.StepResult":
         """The result of the oldest plan sent, which must be `step`."""
         if self._stream is None:
             raise EngineUnavailable("no Execute stream: the plan was never sent")
         try:
-            response = await self._stream.read()
-        except grpc.aio.AioRpcError as error:
+            response = await self._stream.receive()
+        except StreamEnded as ended:
             self.drop_stream()
+            error = ended.error
+            if error is None:
+                raise EngineUnavailable("model service closed the Execute stream") from None
             if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise  # a plan the model service refused: a bug, not an outage
+                raise error from None  # a plan the model service refused: a bug, not an outage
             raise EngineUnavailable(
                 f"Execute stream ended: {error.code().name} {error.details()}"
             ) from error
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as error:
-            self.drop_stream()
-            raise EngineUnavailable(f"Execute stream unusable: {error!r}") from error
-        if response is grpc.aio.EOF:
-            self.drop_stream()
-            raise EngineUnavailable("model service closed the Execute stream")
         result = plan_codec.result_from_pb(response)
         if result.step_id != step.step_id:
             raise RuntimeError(f"result for step {result.step_id}, expected {step.step_id}")
@@ -235,6 +234,7 @@ class EngineClient:
 
     async def close(self) -> None:
         self.drop_stream()
+        self._execute_channel.close()
         await self._channel.close()
 
 

@@ -7,7 +7,6 @@ model's length. `to_pb` is the only place a public-API response chunk is built.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from planserve.v1 import common_pb2, generate_pb2
@@ -100,7 +99,7 @@ class OutputProcessor:
         ready, then returns them merged into one; the last output is never held."""
         held = self._held.pop(request.request_id, None)
         if held is not None:
-            output = _merge(held, output)
+            output = merge(held, output)
         if output.finish_reason is None and len(output.token_ids) < request.stream_interval:
             self._held[request.request_id] = output
             return None
@@ -119,26 +118,38 @@ class OutputProcessor:
             index=request.index,
         )
         held = self._held.pop(request.request_id, None)
-        return output if held is None else _merge(held, output)
+        return output if held is None else merge(held, output)
 
     def release(self, request: Request) -> None:
         self._detokenizers.pop(request.request_id, None)
         self._held.pop(request.request_id, None)
 
 
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one: lists and text concatenated, the rest
-    (finish reason, stop match, usage) from the later one."""
-    merged = dataclasses.replace(then)
-    for field in dataclasses.fields(RequestOutput):
-        a, b = getattr(first, field.name), getattr(then, field.name)
-        if isinstance(a, list) and isinstance(b, list):
-            setattr(merged, field.name, a + b)
-        elif isinstance(a, str) and isinstance(b, str):
-            setattr(merged, field.name, a + b)
-        elif a is not None and b is None:
-            setattr(merged, field.name, a)
-    return merged
+def merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request (one sample) as one: lists and text concatenated,
+    the rest (finish reason, stop match, usage) from the later one where it has them. Field by
+    field, written out: a reader that fell behind merges every output it missed, so this runs
+    per token at worst (tests/scheduler/test_stream_merge.py checks that it covers every field)."""
+    return RequestOutput(
+        token_ids=first.token_ids + then.token_ids,
+        text=first.text + then.text,
+        finish_reason=_later(first.finish_reason, then.finish_reason),
+        stop_match=_later(first.stop_match, then.stop_match),
+        usage=_later(first.usage, then.usage),
+        index=then.index,
+        logprobs=_joined(first.logprobs, then.logprobs),
+        prompt_logprobs=_joined(first.prompt_logprobs, then.prompt_logprobs),
+    )
+
+
+def _later(first, then):
+    return first if then is None else then
+
+
+def _joined(first: Optional[list], then: Optional[list]) -> Optional[list]:
+    if first is None or then is None:
+        return then if first is None else first
+    return first + then
 
 
 def to_pb(request: Request, output: RequestOutput) -> generate_pb2.GenerateResponse:

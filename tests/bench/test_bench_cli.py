@@ -108,7 +108,7 @@ async def test_both_backends_count_the_same_tokens_at_the_same_times(null_server
         over_grpc, _ = await run_workload(grpc_backend, requests, progress=False)
     for request, a, b in zip(requests, over_http, over_grpc):
         assert not a.error and not b.error, (a.error, b.error)
-        assert a.output_tokens == b.output_tokens == len(null_continuation(len(request.prompt_ids), 9))
+        assert a.output_tokens == b.output_tokens == len(null_continuation(request.prompt_ids, 9))
         assert a.chunk_tokens == [1] * 9
         assert b.chunk_tokens == [4, 4, 1]  # stream_interval 4
         assert a.sent_s <= a.chunk_times_s[0] <= a.chunk_times_s[-1] <= a.end_s

@@ -6,7 +6,7 @@ import pytest_asyncio
 from api import complete, greedy_ids_request, stub_for
 from conftest import EngineProcess, start_scheduler
 
-from model_service.models.null import EOS_ID, NULL_ALPHABET, null_continuation
+from model_service.models.null import EOS_ID, null_continuation
 from planserve.v1 import generate_pb2
 
 
@@ -36,8 +36,8 @@ async def test_streams_the_deterministic_letters_token_by_token(null_server):
     prompt = [1, 2, 3, 4, 5]
     chunks = [c async for c in stub.Generate(greedy_ids_request(prompt, 30))]
     ids = [t for c in chunks for t in c.token_ids]
-    assert ids == null_continuation(len(prompt), 30)
-    assert ids[:3] == list(b"fgh")  # positions 5, 6, 7 of the alphabet
+    assert ids == null_continuation(prompt, 30)
+    assert ids[:3] == list(b"kjj")  # after 5 at position 4: letter (4 + 1 + 5) % 26 = 10, "k"
     assert len(chunks) == 30  # one token per chunk at the default stream_interval
     assert "".join(c.text for c in chunks) == bytes(ids).decode()
     assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
@@ -48,7 +48,7 @@ async def test_concurrent_requests_each_get_their_own_continuation(null_server):
     lengths = [1 + 7 * i for i in range(40)]
     done = await asyncio.gather(*(complete(stub, greedy_ids_request([(10 + i) % 256 for i in range(n)], 20 + n % 5)) for n in lengths))
     for n, completion in zip(lengths, done):
-        assert completion.token_ids == null_continuation(n, 20 + n % 5)
+        assert completion.token_ids == null_continuation([(10 + i) % 256 for i in range(n)], 20 + n % 5)
 
 
 async def test_text_prompts_use_the_byte_tokenizer_and_sampling_does_not_change_tokens(null_server):
@@ -59,7 +59,7 @@ async def test_text_prompts_use_the_byte_tokenizer_and_sampling_does_not_change_
     request.stopping.max_new_tokens = 26
     completion = await complete(stub, request)
     assert completion.usage.prompt_tokens == 5
-    assert completion.text == (NULL_ALPHABET[5:] + NULL_ALPHABET[:5]).decode()
+    assert completion.token_ids == null_continuation(list(b"hello"), 26)
 
 
 async def test_eos_only_when_asked(null_eos_engine):
@@ -71,7 +71,7 @@ async def test_eos_only_when_asked(null_eos_engine):
         stopped = await complete(stub, stopped_request)
         assert stopped.finish_reason == generate_pb2.FINISH_REASON_EOS
         # Generated positions 4..11 are letters, position 12 is EOS.
-        assert stopped.token_ids == null_continuation(4, 8) + [EOS_ID]
+        assert stopped.token_ids == null_continuation([9] * 4, 8) + [EOS_ID]
         ignored = await complete(stub, greedy_ids_request([9] * 4, 10))  # ignore_eos
         assert ignored.token_ids[8:] == [EOS_ID, EOS_ID]
     finally:

@@ -211,7 +211,7 @@ async def test_soak_null_model_thousands_of_requests_one_engine_kill():
     num_requests = int(os.environ.get("PLANSERVE_SOAK_REQUESTS", "2000"))
     counts = await soak(("--model", "null", "--num-kv-blocks", "256"), num_requests,
                         concurrency=48, max_prompt=200, max_new=64,
-                        exact=lambda plan: null_continuation(len(plan.prompt),
+                        exact=lambda plan: null_continuation(plan.prompt,
                                                              plan.max_new_tokens))
     print(dict(counts))
     assert counts["complete"] > num_requests // 2, counts

@@ -142,7 +142,7 @@ def test_after_the_fuzz_the_server_serves_exactly_and_holds_nothing(scheduler_ad
                                            stopping={"max_new_tokens": 20, "ignore_eos": True})
     request.token_ids.ids.extend([1, 2, 3, 4, 5])
     ids = [t for chunk in stub.Generate(request, timeout=CALL_TIMEOUT_S) for t in chunk.token_ids]
-    assert ids == null_continuation(5, 20)
+    assert ids == null_continuation([1, 2, 3, 4, 5], 20)
     deadline = time.monotonic() + 30
     while True:  # cancelled calls are aborted at the next step
         status = stub.GetServerStatus(generate_pb2.GetServerStatusRequest(), timeout=10)

@@ -1,0 +1,316 @@
+"""The host path of a step, whole: `planserve serve --model null --null-step-delay-ms D` (the
+null model standing in for a GPU whose step takes D ms), N concurrent streams of T tokens at t=0,
+read by clients in this process (or, with --client-procs, in child processes), and per step:
+
+  cpu_ms_per_step   CPU time (user + system, all threads) of every server process: the
+                    scheduler process (`planserve serve` itself: doors + scheduler loop) and the
+                    model service child, measured from /proc over the timed run
+  step_ms           wall time per step (the client's inter-chunk time per token, median)
+  tokens/s          output tokens of the timed run over its wall time
+
+for each API (gRPC Generate, gRPC Session, the OpenAI HTTP API with SSE) and stream_interval.
+A step is one decode step: a run of T tokens takes T decode steps (its prefill step gives the
+first token), so figures are divided by T. The load average is recorded beside them: CPU per
+step is what a loaded machine disturbs least.
+
+    PYTHONPATH=protos:. .venv/bin/python bench/bench_host_path.py \\
+        [--streams 256] [--tokens 128] [--delay-ms 4] [--apis generate,session,http] \\
+        [--intervals 1,8] [--profile bench/results/host_path.prof]
+
+--grpc-floor measures only a bare grpc.aio server streaming the same number of tiny chunks (no
+planserve code): the least a chunk costs. --profile runs the scheduler process under cProfile
+(the figures of that run are inflated by the profiler; use it to see where the time goes, not
+for the figures). Writes bench/results/host_path.json (--out) unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "protos")]
+
+import grpc  # noqa: E402
+
+from planserve.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
+
+PROMPT_LEN = 64
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read().replace("\0", " ")
+
+
+def _server_processes(root: int) -> dict[str, int]:
+    """Name -> pid of the server's process tree (the model service child named by its module)."""
+    processes = {"scheduler_process": root}
+    pending = [root]
+    while pending:
+        for child in _children(pending.pop()):
+            name = "model_service" if "model_service" in _cmdline(child) else f"child_{child}"
+            processes[name] = child
+            pending.append(child)
+    return processes
+
+
+def _prompt(i: int) -> list[int]:
+    return [32 + (i * 7 + j) % 90 for j in range(PROMPT_LEN)]
+
+
+class Server:
+    def __init__(self, args, profile: str | None):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "protos"), ROOT]))
+        prefix = [sys.executable] + (["-m", "cProfile", "-o", profile] if profile else [])
+        n = str(args.streams)
+        command = prefix + [
+            "-m", "tools", "serve", "--model", "null", "--null-step-delay-ms", str(args.delay_ms),
+            "--port", "0", "--engine-port", "0", "--http-port", "0", "--metrics-port", "-1",
+            "--max-num-seqs", n, "--max-num-slots", n,
+            "--max-stream-buffer-chunks", str(args.stream_buffer),
+            "--max-queue-len", str(4 * args.streams),
+            "--max-num-batched-tokens", str(max(8192, PROMPT_LEN * args.streams)),
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True, env=env)
+        ports = {}
+        for line in self.process.stdout:
+            if line.startswith("PLANSERVE_PORT="):
+                ports["grpc"] = int(line.split("=", 1)[1])
+            elif line.startswith("PLANSERVE_HTTP_PORT="):
+                ports["http"] = int(line.split("=", 1)[1])
+                break
+        else:
+            raise RuntimeError(f"planserve serve exited with {self.process.wait()}")
+        # Read stdout to the end in the background: a full pipe would block the server.
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()
+        self.grpc_port, self.http_port = ports["grpc"], ports["http"]
+        self.pids = _server_processes(self.process.pid)
+
+    def cpu(self) -> dict[str, float]:
+        return {name: _cpu_s(pid) for name, pid in self.pids.items()}
+
+    def stop(self) -> None:
+        self.process.terminate()  # a drain, then exit 0 (cProfile writes its file then)
+        self.process.wait(timeout=60)
+
+
+def _request(i: int, tokens: int, interval: int, tag: str) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}")
+    request.token_ids.ids.extend(_prompt(i))
+    request.sampling.temperature = 0.0
+    request.stopping.max_new_tokens = tokens
+    request.stopping.ignore_eos = True
+    if interval != 1:
+        request.stream_interval = interval
+    return request
+
+
+async def run_generate(port: int, n: int, tokens: int, interval: int, tag: str) -> list:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+
+        async def one(i: int):
+            times, counts = [], []
+            async for chunk in stub.Generate(_request(i, tokens, interval, tag)):
+                if chunk.token_ids:
+                    times.append(time.perf_counter())
+                    counts.append(len(chunk.token_ids))
+            return times, counts
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def run_session(port: int, n: int, tokens: int, interval: int, tag: str) -> list:
+    """All n requests on one Session stream (what a sidecar neighbour does)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+        messages = [generate_pb2.SessionRequest(generate=_request(i, tokens, interval, tag))
+                    for i in range(n)]
+        call = stub.Session(iter(messages))
+        runs = {f"{tag}-{i}": ([], []) for i in range(n)}
+        async for response in call:
+            chunk = response.chunk
+            if chunk.token_ids:
+                times, counts = runs[chunk.request_id]
+                times.append(time.perf_counter())
+                counts.append(len(chunk.token_ids))
+        return list(runs.values())
+
+
+async def run_http(port: int, n: int, tokens: int, interval: int, tag: str) -> list:
+    """OpenAI completions with stream=true over raw HTTP/1.1 (no client library in the way)."""
+
+    async def one(i: int):
+        body = json.dumps({"model": "null", "prompt": _prompt(i), "max_tokens": tokens,
+                           "temperature": 0.0, "ignore_eos": True, "stream": True,
+                           **({"stream_interval": interval} if interval != 1 else {})}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        times, counts = [], []
+        async for line in reader:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter())
+                counts.append(1)  # an SSE event per chunk; tokens are counted by the server
+        writer.close()
+        return times, counts
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+class _BareServicer(generate_pb2_grpc.GenerationServiceServicer):
+    """The floor: a Generate that streams `max_new_tokens` tiny chunks and nothing else."""
+
+    async def Generate(self, request, context):
+        for _ in range(request.stopping.max_new_tokens):
+            yield generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=[97],
+                                                text="a")
+            await asyncio.sleep(0)
+
+
+def _serve_bare(port_out) -> None:
+    async def serve():
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerationServiceServicer_to_server(_BareServicer(), server)
+        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def grpc_floor(args) -> dict:
+    """Server CPU per streamed message of a bare grpc.aio server (no planserve code): what one
+    chunk costs at the least, for the same streams and tokens."""
+    import multiprocessing
+
+    port_out = multiprocessing.Queue()
+    child = multiprocessing.Process(target=_serve_bare, args=(port_out,), daemon=True)
+    child.start()
+    port = port_out.get(timeout=60)
+    try:
+        asyncio.run(run_generate(port, args.streams, 4, 1, "warm"))
+        cpu0 = _cpu_s(child.pid)
+        asyncio.run(run_generate(port, args.streams, args.tokens, 1, "floor"))
+        per_message_us = (_cpu_s(child.pid) - cpu0) * 1e6 / (args.streams * args.tokens)
+    finally:
+        child.kill()
+    return {"server_cpu_us_per_message": round(per_message_us, 2),
+            "server_cpu_ms_per_step": round(per_message_us * args.streams / 1000, 3),
+            "streams": args.streams, "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+RUNNERS = {"generate": run_generate, "session": run_session, "http": run_http}
+
+
+async def measure(server: Server, api: str, args, interval: int) -> dict:
+    port = server.http_port if api == "http" else server.grpc_port
+    run = RUNNERS[api]
+    await run(port, args.streams, 4, interval, f"warm-{api}-{interval}")
+    before, client0, start = server.cpu(), time.process_time(), time.perf_counter()
+    runs = await run(port, args.streams, args.tokens, interval, f"{api}-{interval}")
+    wall = time.perf_counter() - start
+    after, client = server.cpu(), time.process_time() - client0
+    steps = args.tokens
+    gaps = [(t[-1] - t[0]) / max(len(t) - 1, 1) / interval for t, _ in runs if len(t) > 1]
+    cpu = {name: round((after[name] - before[name]) * 1000 / steps, 3) for name in before}
+    cpu["client_process"] = round(client * 1000 / steps, 3)
+    return {
+        "api": api,
+        "streams": args.streams,
+        "stream_interval": interval,
+        "tokens_each": args.tokens,
+        "delay_ms": args.delay_ms,
+        "output_tokens_per_s": round(args.streams * args.tokens / wall, 1),
+        "step_ms": round(statistics.median(gaps) * 1000, 3) if gaps else None,
+        "chunks_per_stream": statistics.median(len(t) for t, _ in runs),
+        "cpu_ms_per_step": cpu,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+async def main_async(args) -> list[dict]:
+    rows = []
+    server = Server(args, args.profile)
+    try:
+        for api in args.apis.split(","):
+            for interval in (int(x) for x in args.intervals.split(",")):
+                row = await measure(server, api, args, interval)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        server.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--delay-ms", type=float, default=4.0)
+    parser.add_argument("--apis", default="generate,session,http")
+    parser.add_argument("--intervals", default="1,8")
+    parser.add_argument("--stream-buffer", type=int, default=1 << 20,
+                        help="--max-stream-buffer-chunks (main cba8162 counted a Session's "
+                        "chunks of all its requests together)")
+    parser.add_argument("--profile", default=None, help="cProfile the scheduler process here")
+    parser.add_argument("--label", default="", help="what this run measures (before/after ...)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_path.json"))
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--grpc-floor", action="store_true",
+                        help="only the floor: a bare grpc.aio server's CPU per streamed message")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    if args.grpc_floor:
+        print(json.dumps(grpc_floor(args)))
+        return
+    rows = asyncio.run(main_async(args))
+    if args.no_write or args.profile:
+        return
+    results = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            results = json.load(f)
+    results.setdefault("runs", []).append({
+        "label": args.label,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "cpu": platform.processor() or platform.machine(),
+                    "loadavg_before": [round(x, 2) for x in load_before]},
+        "rows": rows,
+    })
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
