@@ -126,17 +126,23 @@ class ChatOutput:
             message["tool_calls"] = self.tool_calls()
         return message
 
-    def deltas(self, text: str, reason: Optional[FinishReason]) -> list[dict[str, Any]]:
-        """The chunk deltas one streamed output becomes: its reasoning and content that may go
-        now, and once the sample ended the held content and each call (id and name, then
-        arguments)."""
+    def step(self, text: str, reason: Optional[FinishReason]) -> tuple[str, str, list[dict]]:
+        """One streamed output of the sample: (reasoning, content) that may go now, and once the
+        sample ended the held content too and its calls (as `tool_calls`)."""
         reasoning, text = self._think(text, ended=reason is not None)
         content = self.feed(text)
-        if reason is not None:
-            content += self.finish(reason)
+        if reason is None:
+            return reasoning, content, []
+        content += self.finish(reason)
+        return reasoning, content, self.tool_calls()
+
+    def deltas(self, text: str, reason: Optional[FinishReason]) -> list[dict[str, Any]]:
+        """The chunk deltas one streamed output becomes (`step`): its reasoning and content, then
+        each call (id and name, then arguments)."""
+        reasoning, content, calls = self.step(text, reason)
         deltas: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
         deltas += [{"content": content}] if content else []
-        for index, call in enumerate(self.tool_calls() if reason is not None else ()):
+        for index, call in enumerate(calls):
             function = call["function"]
             head = dict(call, function={"name": function["name"], "arguments": ""})
             deltas.append({"tool_calls": [dict(head, index=index)]})
