@@ -154,12 +154,9 @@ class ChatOutput:
 def for_samples(
     req: Request, plan: Optional[ToolPlan], parser: Optional[ToolParser], reasoning_parser: str
 ) -> Optional[list[ChatOutput]]:
-    """Each sample's split of a chat request; None when there is nothing to split. Under
-    deepseek_r1 a request with a grammar gets no reasoning split: the grammar binds its first
-    token, so it writes no think block, yet all its output would read as reasoning."""
+    """Each sample's split of a chat request; None when there is nothing to split. A request
+    with a grammar is split too: its grammar applies after the think block (admission)."""
     reasoning = reasoning_parser
-    if reasoning == "deepseek_r1" and req.structured is not None:
-        reasoning = ""
     if plan is None and not reasoning:
         return None
     plan = plan or ToolPlan("none", ())

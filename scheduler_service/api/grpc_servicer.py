@@ -83,7 +83,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         assert serving is not None  # both doors answered UNAVAILABLE before it was set
         pb, plan, reasoning = self._chat.prepare(pb, serving.tokenizer)
         try:
-            req = await self.admission.admit(pb)
+            req = await self.admission.admit(pb, reasoning)
         except Rejected as rejected:
             raise self._chat.reworded(rejected, plan) from None
         return req, self._chat.chunks(req, plan, reasoning)

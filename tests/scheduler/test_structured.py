@@ -254,3 +254,71 @@ def test_stream_interval_coalesces_outputs_without_losing_tokens():
     assert "".join(o.text for o in batched) == "".join(o.text for o in every_step)
     assert batched[-1].finish_reason is FinishReason.LENGTH
     assert batched[-1].usage.completion_tokens == 7
+
+
+# ---- a grammar after the end of thinking ------------------------------------------------------
+
+def test_a_guide_waiting_for_a_marker_is_free_until_it_is_spelled_then_constrains(smollm2_vocab):
+    compiler = GrammarCompiler(*smollm2_vocab)
+    vocab = tokenizers.Tokenizer.from_str(smollm2_vocab[0])
+    grammar = compiler.compile(StructuredSpec("choice", json.dumps(["yes", "no"])))
+    guide = grammar.new_guide(b"</think>")
+    thinking = vocab.encode("Hmm <b> and </thinking? </think>", add_special_tokens=False).ids
+    assert len(thinking) > 4  # the marker spans tokens: "</", "think", ">"
+    for token_id in thinking:  # tokens no grammar state of ["yes", "no"] allows
+        assert not guide.active and not guide.is_final
+        assert guide.accept(token_id)
+    assert guide.active and not guide.failed
+    assert not guide.accept(vocab.token_to_id("maybe"))  # now the grammar applies
+    for token_id in vocab.encode("yes", add_special_tokens=False).ids:
+        assert guide.accept(token_id)
+    assert guide.is_final
+    fork = guide.fork()  # a parallel sample starts thinking again
+    assert not fork.active
+
+
+def test_a_waiting_guide_gets_no_mask_until_the_marker(grammars):
+    scheduler = make_scheduler(num_blocks=16)
+    request = make_request(structured=StructuredSpec("regex", "w3w4"), max_new_tokens=8)
+    request.guide = grammars.compile(request.structured).new_guide(b"w7")
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    fill_plan_masks(plan)
+    assert not plan.masked_slots  # thinking: free
+    request.guide.accept(7)  # the marker ("w7" is token 7's spelling)
+    fill_plan_masks(plan)
+    assert _plan_masks(plan) == {request.slot: {3}}
+
+
+def test_a_qwen3_guide_either_opens_a_think_block_or_takes_the_grammar_at_once(smollm2_vocab):
+    tokenizer_json, eos, vocab_size = smollm2_vocab
+    compiler = GrammarCompiler(tokenizer_json, eos, vocab_size)
+    vocab = tokenizers.Tokenizer.from_str(tokenizer_json)
+    by_id, _ = token_bytes(tokenizer_json)
+    grammar = compiler.compile(StructuredSpec("choice", json.dumps(["yes", "no"])))
+    plain = grammar.new_guide()
+    row = np.zeros(compiler.num_words, dtype="<u4")
+    plain.write_mask(row)
+    first = _allowed(row)
+    opening = {i for i, b in by_id.items() if b and (b"<think>".startswith(b)
+                                                     or b.startswith(b"<think>"))}
+    guide = grammar.new_guide(b"</think>", b"<think>")
+    assert guide.masked and not guide.active
+    row[:] = 0
+    guide.write_mask(row)
+    assert _allowed(row) == first | opening and vocab.token_to_id("<") in opening
+    opened = vocab.encode("<think>", add_special_tokens=False).ids
+    assert guide.accept(opened[0])
+    row[:] = 0
+    guide.write_mask(row)  # inside the marker: only what goes on spelling it
+    assert opened[1] in _allowed(row) and not _allowed(row) & first
+    for token_id in opened[1:] + vocab.encode("hm </think>", add_special_tokens=False).ids:
+        assert guide.accept(token_id)
+    assert guide.active
+    for token_id in vocab.encode("no", add_special_tokens=False).ids:
+        assert guide.accept(token_id)
+    assert guide.is_final
+    direct = grammar.new_guide(b"</think>", b"<think>")  # no think block: the grammar at once
+    for token_id in vocab.encode("yes", add_special_tokens=False).ids:
+        assert direct.accept(token_id)
+    assert direct.active and direct.is_final
