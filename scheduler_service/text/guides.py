@@ -13,14 +13,56 @@ states (`opens` and `after` are the parser's markers, b"" when it has none):
 
 A guide without markers starts in `grammar`; with only `after` (deepseek_r1, whose template
 opened the block) in `thinking`.
+
+The grammar itself is walked by the engine's matcher (a `Walk`): outlines-core's Guide over its
+Index (`OutlinesWalk`), or llguidance's LLMatcher (text/grammar_llg.py); the states above and the
+end-of-sequence rule are the same for both.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
+
+
+class Walk(Protocol):
+    """One sequence's matcher in a grammar engine."""
+
+    def advance(self, token_id: int) -> bool:
+        """Consumes a token; False (state unchanged) when the grammar does not allow it."""
+
+    def write(self, row: np.ndarray) -> None:
+        """Writes the allowed tokens into `row` (num_words uint32, zeroed)."""
+
+    def is_final(self) -> bool:
+        """The output so far matches the whole grammar."""
+
+
+class OutlinesWalk:
+    """outlines-core's Guide over a compiled Index."""
+
+    __slots__ = ("index", "guide")
+
+    def __init__(self, index):
+        from outlines_core import Guide
+
+        self.index = index
+        self.guide = Guide(index)
+
+    def advance(self, token_id: int) -> bool:
+        try:
+            self.guide.advance(token_id, return_tokens=False)
+        except ValueError:
+            return False
+        return True
+
+    def write(self, row: np.ndarray) -> None:
+        self.guide.write_mask_into(row.ctypes.data, row.shape[0], 4)
+
+    def is_final(self) -> bool:
+        return self.index.is_final_state(self.guide.get_state())
 
 
 class OpeningMasks:
@@ -51,17 +93,18 @@ class OpeningMasks:
 
 
 class Grammar:
-    """A compiled grammar (an outlines-core Index), shared by every request that uses it."""
+    """A compiled grammar, shared by every request that uses it; `walk` makes one sequence's
+    matcher (an OutlinesWalk over an Index, or llguidance's)."""
 
     def __init__(
         self,
-        index,
+        walk: Callable[[], Walk],
         eos_token_ids: Sequence[int],
         num_words: int,
         token_bytes: Optional[dict[int, bytes]] = None,
         openings: Optional[OpeningMasks] = None,
     ):
-        self.index = index
+        self.walk = walk
         self.num_words = num_words  # 32-bit words of one bitmask (ceil(vocab_size / 32))
         # The end-of-sequence bits, per word they fall in (OR'ed, so that each word is set once).
         words: dict[int, int] = {}
@@ -83,7 +126,7 @@ class GuideState:
 
     __slots__ = (
         "grammar",
-        "guide",
+        "walk",
         "failed",
         "_after",
         "_opens",
@@ -93,10 +136,8 @@ class GuideState:
     )
 
     def __init__(self, grammar: Grammar, after: bytes = b"", opens: bytes = b""):
-        from outlines_core import Guide
-
         self.grammar = grammar
-        self.guide = Guide(grammar.index)
+        self.walk = grammar.walk()
         self.failed = False  # a token outside the grammar came back (the mask was not applied)
         self._after, self._opens = after, opens
         # opening: the bytes of `opens` spelled so far (None once decided)
@@ -121,7 +162,7 @@ class GuideState:
     @property
     def is_final(self) -> bool:
         """The output so far matches the whole grammar (end of sequence allowed)."""
-        return self.active and self.grammar.index.is_final_state(self.guide.get_state())
+        return self.active and self.walk.is_final()
 
     def _think(self, spelled: bytes) -> None:
         marker = self._waiting_for
@@ -145,9 +186,7 @@ class GuideState:
         return self._advance(token_id)
 
     def _advance(self, token_id: int) -> bool:
-        try:
-            self.guide.advance(token_id, return_tokens=False)
-        except ValueError:
+        if not self.walk.advance(token_id):
             self.failed = True
             return False
         return True
@@ -168,8 +207,8 @@ class GuideState:
         if self._prefix:  # inside the opening marker: only its next tokens
             row[:] = self.grammar.openings.rows(self._opens)[len(self._prefix)]
             return
-        self.guide.write_mask_into(row.ctypes.data, row.shape[0], 4)
-        # Every end-of-sequence id (outlines-core knows only one), in final states only.
+        self.walk.write(row)
+        # Every end-of-sequence id (an engine may know only one), in final states only.
         grammar = self.grammar
         if self.is_final:
             row[grammar.eos_words] |= grammar.eos_bits

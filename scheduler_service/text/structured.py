@@ -1,16 +1,20 @@
 """Structured output: a JSON schema, a regex or a list of choices constrains decoding.
 
-The grammar library is outlines-core: a grammar becomes a regex (a JSON schema through its
-schema-to-regex builder), the regex an `Index` over the model's vocabulary (a DFA whose every
-state knows its allowed tokens), and each request walks it with a `Guide`.
+Two grammar engines (`--grammar-engine`): outlines-core (the default: a grammar becomes a regex,
+a JSON schema through its schema-to-regex builder, the regex an `Index` over the model's
+vocabulary: a DFA whose every state knows its allowed tokens, 0.05 s to seconds to build) and
+llguidance (text/grammar_llg.py: an Earley parser that computes each step's mask from the
+grammar, compiled in about a millisecond; it needs a vocabulary that spells every byte, which
+the word-level vocabularies of the scheduler's unit tests do not). Each request walks the
+grammar (text/guides.py).
 
 Where each part runs:
 - intake (event loop, cheap): `spec_from_pb` checks the request's StructuredOutput and parses a
   schema as JSON; errors name `structured_output.<field>`.
-- compilation (`GrammarCompiler.compile`, slow: 10 ms to seconds): off the event loop, in an
-  executor, before the request is admitted; cached by (kind, text) in an LRU, so a repeated
-  schema costs nothing. The vocabulary (the tokenizer's tokens as the bytes they stand for) is
-  built once, on the first compile.
+- compilation (`GrammarCompiler.compile`, about 1 ms with llguidance, 10 ms to seconds with
+  outlines-core): off the event loop, in an executor, before the request is admitted; cached by
+  (kind, text) in an LRU, so a repeated schema costs nothing. The vocabulary (the tokenizer's
+  tokens as the bytes they stand for) is built once, on the first compile.
 - every step (`fill_plan_masks`, event loop): each constrained sequence that samples in the
   step gets its allowed-token bitmask written straight from its guide into one numpy block,
   sent as BatchPlan.masked_slots + allowed_token_bitmask; the model side masks its logits.
@@ -30,14 +34,16 @@ import dataclasses
 import json
 import re
 import threading
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from scheduler_service.text.guides import Grammar, OpeningMasks
+from scheduler_service.text.grammar_llg import LlgEngine
+from scheduler_service.text.guides import Grammar, OpeningMasks, OutlinesWalk, Walk
 from scheduler_service.text.token_bytes import token_bytes
 
 KINDS = ("json_schema", "regex", "choice", "json_object")
+ENGINES = ("outlines", "llguidance")  # --grammar-engine
 MAX_GRAMMAR_CHARS = 65536
 MAX_CHOICES = 1024
 DEFAULT_CACHE_SIZE = 128
@@ -151,7 +157,12 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         vocab_size: int,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        engine: str = "outlines",
     ):
+        if engine not in ENGINES:
+            raise ValueError(f"grammar engine {engine!r}: must be one of {', '.join(ENGINES)}")
+        self.engine = engine
+        self._llg: Optional[LlgEngine] = None  # built on the first llguidance compile
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = tuple(sorted(eos_token_ids))
         self.vocab_size = vocab_size
@@ -163,22 +174,33 @@ class GrammarCompiler:
         self._compiling: dict[StructuredSpec, concurrent.futures.Future[Grammar]] = {}
         self._vocabulary = None
         self._token_bytes: dict[int, bytes] = {}  # every token's bytes, with the vocabulary
+        self._special: set[int] = set()
         self._openings: Optional[OpeningMasks] = None
         self._vocabulary_lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and logs
 
+    def _check_eos(self) -> None:
+        if not self._eos_token_ids:
+            raise StructuredOutputError(
+                "structured_output", "the served model has no end-of-sequence token"
+            )
+
+    def _spelled(self) -> tuple[dict[int, bytes], set[int]]:
+        """(every token's bytes, the special ids), read once; the opening masks with them."""
+        with self._vocabulary_lock:
+            if self._openings is None:
+                by_id, special = token_bytes(self._tokenizer_json)
+                self._token_bytes, self._special = by_id, special
+                self._openings = OpeningMasks(by_id, self.num_words)
+            return self._token_bytes, self._special
+
     def _get_vocabulary(self):
+        self._check_eos()
+        by_id, special = self._spelled()
         with self._vocabulary_lock:
             if self._vocabulary is None:
                 from outlines_core import Vocabulary
 
-                if not self._eos_token_ids:
-                    raise StructuredOutputError(
-                        "structured_output", "the served model has no end-of-sequence token"
-                    )
-                by_id, special = token_bytes(self._tokenizer_json)
-                self._token_bytes = by_id
-                self._openings = OpeningMasks(by_id, self.num_words)
                 eos = set(self._eos_token_ids)
                 by_bytes: dict[bytes, list[int]] = {}
                 for token_id, spelled in by_id.items():
@@ -194,6 +216,16 @@ class GrammarCompiler:
                     by_bytes.setdefault(spelled, []).append(token_id)
                 self._vocabulary = Vocabulary(self._eos_token_ids[0], by_bytes)
             return self._vocabulary
+
+    def _get_llg(self) -> LlgEngine:
+        self._check_eos()
+        by_id, special = self._spelled()
+        with self._vocabulary_lock:
+            if self._llg is None:
+                self._llg = LlgEngine(
+                    self._tokenizer_json, by_id, special, self._eos_token_ids, self.vocab_size
+                )
+            return self._llg
 
     def compile(self, spec: StructuredSpec) -> Grammar:
         """The grammar of `spec`, from the cache or compiled now (slow: call off the event
@@ -227,23 +259,25 @@ class GrammarCompiler:
         return grammar
 
     def _compile(self, spec: StructuredSpec) -> Grammar:
-        from outlines_core import Index
-
         field = f"structured_output.{spec.kind}"
         if spec.kind == "choice":
             field += ".choices"
         try:
-            regex = to_regex(spec)
+            walk = self._walk_factory(spec)
         except (ValueError, TypeError) as error:
             raise StructuredOutputError(field, f"cannot be compiled ({error})") from None
-        vocabulary = self._get_vocabulary()
-        try:
-            index = Index(regex, vocabulary)
-        except (ValueError, TypeError) as error:
-            raise StructuredOutputError(field, f"cannot be compiled ({error})") from None
-        return Grammar(
-            index, self._eos_token_ids, self.num_words, self._token_bytes, self._openings
-        )
+        return Grammar(walk, self._eos_token_ids, self.num_words, self._token_bytes, self._openings)
+
+    def _walk_factory(self, spec: StructuredSpec) -> Callable[[], Walk]:
+        """The engine's compiled grammar, as the maker of one sequence's walk."""
+        if self.engine == "llguidance":
+            llg = self._get_llg()
+            return llg.compile(llg.grammar(spec.kind, spec.text, lambda: to_regex(spec)))
+        from outlines_core import Index
+
+        regex = to_regex(spec)
+        index = Index(regex, self._get_vocabulary())
+        return lambda: OutlinesWalk(index)
 
 
 def fill_plan_masks(plan) -> None:

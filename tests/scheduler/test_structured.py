@@ -101,12 +101,16 @@ def test_sentencepiece_tokens_become_their_bytes():
     assert (by_id[1], by_id[2], by_id[3]) == (b" a", b"A", b"bc")
 
 
-def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2_vocab):
+ENGINES = pytest.mark.parametrize("engine", ["outlines", "llguidance"])
+
+
+@ENGINES
+def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2_vocab, engine):
     tokenizer_json, eos, vocab_size = smollm2_vocab
     # A second end-of-sequence id (outlines-core knows one) and a model vocab larger than the
     # tokenizer's: both handled by the scheduler.
     eos_ids = (*eos, 0)
-    compiler = GrammarCompiler(tokenizer_json, eos_ids, vocab_size + 64)
+    compiler = GrammarCompiler(tokenizer_json, eos_ids, vocab_size + 64, engine=engine)
     choices = ["yes", "no", " maybe so"]
     guide = compiler.compile(StructuredSpec("choice", json.dumps(choices))).new_guide()
     by_id, special = token_bytes(tokenizer_json)
@@ -126,9 +130,10 @@ def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2
     assert not guide.accept(vocab.token_to_id("no"))  # nothing may follow a whole choice
 
 
-def test_json_schema_and_object_compile_and_bad_ones_name_the_field(smollm2_vocab):
+@ENGINES
+def test_json_schema_and_object_compile_and_bad_ones_name_the_field(smollm2_vocab, engine):
     from scheduler_service.text.structured import StructuredOutputError
-    compiler = GrammarCompiler(*smollm2_vocab)
+    compiler = GrammarCompiler(*smollm2_vocab, engine=engine)
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                          "required": ["a"]})
     for spec in (StructuredSpec("json_schema", schema), StructuredSpec("json_object", "")):
@@ -258,8 +263,10 @@ def test_stream_interval_coalesces_outputs_without_losing_tokens():
 
 # ---- a grammar after the end of thinking ------------------------------------------------------
 
-def test_a_guide_waiting_for_a_marker_is_free_until_it_is_spelled_then_constrains(smollm2_vocab):
-    compiler = GrammarCompiler(*smollm2_vocab)
+@ENGINES
+def test_a_guide_waiting_for_a_marker_is_free_until_it_is_spelled_then_constrains(smollm2_vocab,
+                                                                                  engine):
+    compiler = GrammarCompiler(*smollm2_vocab, engine=engine)
     vocab = tokenizers.Tokenizer.from_str(smollm2_vocab[0])
     grammar = compiler.compile(StructuredSpec("choice", json.dumps(["yes", "no"])))
     guide = grammar.new_guide(b"</think>")
@@ -290,9 +297,11 @@ def test_a_waiting_guide_gets_no_mask_until_the_marker(grammars):
     assert _plan_masks(plan) == {request.slot: {3}}
 
 
-def test_a_qwen3_guide_either_opens_a_think_block_or_takes_the_grammar_at_once(smollm2_vocab):
+@ENGINES
+def test_a_qwen3_guide_either_opens_a_think_block_or_takes_the_grammar_at_once(smollm2_vocab,
+                                                                               engine):
     tokenizer_json, eos, vocab_size = smollm2_vocab
-    compiler = GrammarCompiler(tokenizer_json, eos, vocab_size)
+    compiler = GrammarCompiler(tokenizer_json, eos, vocab_size, engine=engine)
     vocab = tokenizers.Tokenizer.from_str(tokenizer_json)
     by_id, _ = token_bytes(tokenizer_json)
     grammar = compiler.compile(StructuredSpec("choice", json.dumps(["yes", "no"])))
