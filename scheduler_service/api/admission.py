@@ -24,10 +24,22 @@ from scheduler_service.core.request import Request
 from scheduler_service.engine.client import EngineFacts
 from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.text import reasoning, structured
+from scheduler_service.text.guides import Grammar
 from scheduler_service.text.tokenizer import Tokenizer
 
 # Enough of a prompt's end to hold a think block its template closed (Qwen3's empty one).
 _PROMPT_TAIL_TOKENS = 32
+
+
+def _compiled(
+    grammars: structured.GrammarCompiler, spec: structured.StructuredSpec, opens: bytes
+) -> Grammar:
+    """The grammar, with its opening marker's masks built (once per marker, over the whole
+    vocabulary): both off the event loop."""
+    grammar = grammars.compile(spec)
+    if opens:
+        grammar.openings.rows(opens)
+    return grammar
 
 
 class Rejected(Exception):
@@ -178,7 +190,10 @@ class Admission:
             return
         grammars = self._ready().grammars
         assert grammars is not None  # set with the serving state
-        compiling = asyncio.get_running_loop().run_in_executor(None, grammars.compile, spec)
+        after, opens = self._think_markers(request, reasoning_parser)
+        compiling = asyncio.get_running_loop().run_in_executor(
+            None, _compiled, grammars, spec, opens
+        )
         # Whoever waited, the outcome is read, so that a late failure is not reported unread.
         compiling.add_done_callback(lambda done: done.cancelled() or done.exception())
         bound = self.config.max_grammar_compile_s
@@ -193,12 +208,16 @@ class Admission:
                 f"took over {bound:g} s to compile (max_grammar_compile_s); it is still "
                 "compiling and is kept when done, so the same grammar may be sent again",
             ) from None
-        after = opens = b""
-        if reasoning_parser:  # the prompt's tail says whether the output may think first
-            ids = request.prompt_token_ids[-_PROMPT_TAIL_TOKENS:]
-            tail = self._ready().tokenizer.decode(ids, skip_special_tokens=False)
-            after, opens = reasoning.grammar_after(reasoning_parser, tail)
         request.guide = grammar.new_guide(after, opens)
+
+    def _think_markers(self, request: Request, reasoning_parser: str) -> tuple[bytes, bytes]:
+        """(after, opens) for the request's guide: the prompt's tail says whether the output may
+        think first (reasoning.grammar_after)."""
+        if not reasoning_parser:
+            return b"", b""
+        ids = request.prompt_token_ids[-_PROMPT_TAIL_TOKENS:]
+        tail = self._ready().tokenizer.decode(ids, skip_special_tokens=False)
+        return reasoning.grammar_after(reasoning_parser, tail)
 
     def tokenize(self, pb: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
         """Text or chat turns to ids, exactly as Generate would turn them into its prompt

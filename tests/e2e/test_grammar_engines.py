@@ -1,10 +1,11 @@
-"""--grammar-engine llguidance end to end: a second scheduler over the tiny model's engine,
-with llguidance as its grammar engine, serves structured output and forced tool calls through
+"""--grammar-engine llguidance end to end: the tiny server, with llguidance as its grammar
+engine, serves structured output and forced tool calls through
 the official `openai` client as the default engine does (valid under the schema, the regex
 matched, a cut call left as text), and leaves nothing behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -13,8 +14,7 @@ import openai
 import pytest_asyncio
 from api import assert_no_leaked_blocks, wait_until_idle
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.server import SchedulerServer
+from scheduler_service.text.structured import GrammarCompiler
 
 SCHEMA = {
     "type": "object",
@@ -38,20 +38,19 @@ ASK = [{"role": "user", "content": "What time is it in Berlin?"}]
 
 
 @pytest_asyncio.fixture
-async def llg_server(tiny_engine):
-    config = SchedulerConfig(
-        port=0,
-        engine_address=tiny_engine,
-        http_port=0,
-        grammar_engine="llguidance",
-        max_num_batched_tokens=64,
-        max_num_seqs=16,
+async def llg_server(tiny_server):
+    """The tiny server with llguidance as its grammar engine (what --grammar-engine llguidance
+    builds at start), for one test: the engine allows one scheduler at a time."""
+    serving = tiny_server.admission.serving
+    facts = serving.facts
+    grammars = GrammarCompiler(
+        facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size, engine="llguidance"
     )
-    server = SchedulerServer(config)
-    await server.start()
-    await server.connect_engine()
-    yield server
-    await server.stop(grace_s=1)
+    tiny_server.admission.serving = dataclasses.replace(serving, grammars=grammars)
+    try:
+        yield tiny_server
+    finally:
+        tiny_server.admission.serving = serving
 
 
 async def test_llguidance_serves_schemas_regexes_and_forced_calls(llg_server):
@@ -105,3 +104,4 @@ async def test_llguidance_serves_schemas_regexes_and_forced_calls(llg_server):
     assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
     await wait_until_idle(llg_server)
     assert_no_leaked_blocks(llg_server)
+    assert llg_server.admission.serving.grammars.num_compiled >= 3  # compiled by llguidance
