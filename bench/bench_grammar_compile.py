@@ -1,15 +1,17 @@
-"""How long a tool request's grammar takes to compile, per grammar engine, over SmolLM2's 49k
-vocabulary: outlines-core (planserve's engine, text/structured.py: the Index over the whole
-vocabulary), llguidance (vLLM's default; compiles lazily, so the time includes the first mask)
-and xgrammar (SGLang's; precomputes its token masks). Agents send their tools with every
-request, so this is latency a client sees on a cache miss.
+"""How long a tool request's grammar takes to compile, and what each step's mask then costs, per
+grammar engine, over SmolLM2's 49k vocabulary: planserve's two engines through its own
+GrammarCompiler (`--grammar-engine outlines`: outlines-core's Index over the whole vocabulary;
+`--grammar-engine llguidance`: compiled lazily, so its time includes the first mask), and
+xgrammar (SGLang's; precomputes its token masks) when it and transformers are installed.
+Agents send their tools with every request, so the compile is latency a client sees on a cache
+miss; the mask is written for every constrained sequence every step, on the event loop.
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_grammar_compile.py \
         --out bench/results/grammar_compile_cpu.json
 
-llguidance and xgrammar are not planserve dependencies: an engine that does not import is
-skipped (install them beside, e.g. `pip install --no-deps --target DIR llguidance xgrammar
-apache-tvm-ffi` and add DIR to PYTHONPATH).
+The per-step cost walks each grammar for up to 64 tokens, taking the lowest allowed token each
+step (as the scheduler's unit tests' fake engine does), and reports the mean time of one
+`write_mask` plus `accept`.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import os
 import platform
 import time
 
+import numpy as np
 import tokenizers
 
-from model_service.gguf_file import load_gguf_tokenizer
-from model_service.loader import smollm2_path
+from model_service.loading.gguf_file import load_gguf_tokenizer
+from model_service.loading.loader import smollm2_path
 from scheduler_service.text import structured
 
 WEATHER = {
@@ -71,37 +74,51 @@ SCHEMAS = {  # what tool_requests.ToolPlan.grammar_schema builds
 }
 
 
-def _outlines(tokenizer, _hf) -> dict:
-    compiler = structured.GrammarCompiler(tokenizer.tokenizer_json, tokenizer.eos_token_ids, 49152)
-    compiler.compile(structured.StructuredSpec("regex", "a"))  # the vocabulary, built once
-    times = {}
-    for name, schema in SCHEMAS.items():
+def _mean_step_s(guide, num_words: int, steps: int = 64) -> float:
+    """Mean seconds of one step's mask and accept, walking the lowest allowed token."""
+    row = np.zeros(num_words, dtype="<u4")
+    spent, taken = 0.0, 0
+    for _ in range(steps):
         start = time.perf_counter()
-        compiler.compile(structured.StructuredSpec("json_schema", json.dumps(schema)))
-        times[name] = time.perf_counter() - start
-    return times
+        row[:] = 0
+        guide.write_mask(row)
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        if guide.is_final or not len(allowed):
+            break
+        guide.accept(int(allowed[0]))
+        spent += time.perf_counter() - start
+        taken += 1
+    return spent / max(taken, 1)
 
 
-def _llguidance(_tokenizer, hf) -> dict:
-    import llguidance
-    import llguidance.hf
-    import llguidance.numpy
+def _planserve(engine: str):
+    def run(tokenizer) -> tuple[dict, dict]:
+        compiler = structured.GrammarCompiler(
+            tokenizer.tokenizer_json, tokenizer.eos_token_ids, 49152, engine=engine
+        )
+        compiler.compile(structured.StructuredSpec("regex", "a"))  # the vocabulary, built once
+        times, steps = {}, {}
+        for name, schema in SCHEMAS.items():
+            start = time.perf_counter()
+            spec = structured.StructuredSpec("json_schema", json.dumps(schema))
+            grammar = compiler.compile(spec)
+            guide = grammar.new_guide()
+            guide.write_mask(np.zeros(compiler.num_words, dtype="<u4"))  # the first mask
+            times[name] = time.perf_counter() - start
+            steps[name] = _mean_step_s(grammar.new_guide(), compiler.num_words)
+        return times, steps
 
-    lltok = llguidance.hf.from_tokenizer(hf)
-    times = {}
-    for name, schema in SCHEMAS.items():
-        start = time.perf_counter()
-        matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(schema))
-        mask = llguidance.numpy.allocate_token_bitmask(1, lltok.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
-        assert not matcher.is_error(), matcher.get_error()
-        times[name] = time.perf_counter() - start
-    return times
+    return run
 
 
-def _xgrammar(_tokenizer, hf) -> dict:
+def _xgrammar(tokenizer) -> tuple[dict, dict]:
     import xgrammar
+    from transformers import PreTrainedTokenizerFast
 
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer.from_str(tokenizer.tokenizer_json),
+        eos_token="<|im_end|>",
+    )
     compiler = xgrammar.GrammarCompiler(
         xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=49152), cache_enabled=False
     )
@@ -110,7 +127,7 @@ def _xgrammar(_tokenizer, hf) -> dict:
         start = time.perf_counter()
         compiler.compile_json_schema(json.dumps(schema))
         times[name] = time.perf_counter() - start
-    return times
+    return times, {}
 
 
 def main() -> None:
@@ -119,26 +136,25 @@ def main() -> None:
     )
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = load_gguf_tokenizer(smollm2_path())
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer.from_str(tokenizer.tokenizer_json),
-        eos_token="<|im_end|>",
-    )
-    results: dict = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "seconds": {}}
+    results: dict = {
+        "machine": f"{platform.node()} {os.cpu_count()} CPUs",
+        "seconds": {},
+        "step_seconds": {},
+    }
     for engine, run in (
-        ("outlines-core", _outlines),
-        ("llguidance", _llguidance),
+        ("outlines-core", _planserve("outlines")),
+        ("llguidance", _planserve("llguidance")),
         ("xgrammar", _xgrammar),
     ):
         try:
-            times = run(tokenizer, hf)
+            times, steps = run(tokenizer)
         except ImportError as error:
             print(f"{engine}: skipped ({error})")
             continue
         results["seconds"][engine] = {name: round(s, 4) for name, s in times.items()}
-        print(engine, results["seconds"][engine], flush=True)
+        results["step_seconds"][engine] = {name: round(s, 6) for name, s in steps.items()}
+        print(engine, results["seconds"][engine], results["step_seconds"][engine], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(json.dumps(results, indent=1) + "\n")

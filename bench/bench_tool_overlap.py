@@ -6,7 +6,7 @@ same arrivals without a grammar), each greedy and sampled (temperature 1), and a
 --no-overlap for reference. Reports the 15 requests' output tokens/s in each case.
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_tool_overlap.py --model tiny \
-        --out bench/results/tool_overlap_cpu.json
+        [--grammar-engine llguidance] --out bench/results/tool_overlap_cpu.json
 """
 
 from __future__ import annotations
@@ -140,9 +140,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--grammar-engine", default="outlines", choices=("outlines", "llguidance"))
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    results = {"machine": f"{platform.node()} {os.cpu_count()} CPUs", "model": args.model}
+    results = {
+        "machine": f"{platform.node()} {os.cpu_count()} CPUs",
+        "model": args.model,
+        "grammar_engine": args.grammar_engine,
+    }
     cases = (
         ("alone", [], "", 0.0),
         ("beside greedy tool requests", [], "tool", 0.0),
@@ -152,7 +157,7 @@ def main() -> None:
         ("alone, no-overlap", ["--no-overlap"], "", 0.0),
     )
     for label, extra, beside, temperature in cases:
-        server = _serve(args.model, extra)
+        server = _serve(args.model, [*extra, "--grammar-engine", args.grammar_engine])
         try:
             results[label] = asyncio.run(_run(server.http_port, beside, temperature))
         finally:

@@ -187,6 +187,12 @@ class SchedulerConfig:
     in the background and is cached, so the same grammar sent again may find it ready; other
     requests never wait for it (it runs off the event loop)."""
 
+    grammar_engine: str = setting("outlines", choices=("outlines", "llguidance"))
+    """The structured-output engine (text/structured.py): outlines-core (precomputes a DFA over
+    the vocabulary: 0.05 s to seconds a schema, then cheap masks) or llguidance (compiles a
+    tool's schema in about a millisecond, masks computed per step; needs a vocabulary that
+    spells every byte, as byte-level BPE and byte-fallback SentencePiece ones do)."""
+
     enable_auto_tool_choice: bool = False
     """Let chat requests with tools use tool_choice "auto" (OpenAI's default when tools are
     sent): the model's text is read for calls by tool_call_parser. Without it "auto" gets a 400

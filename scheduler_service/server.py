@@ -151,7 +151,10 @@ class SchedulerServer:
             tokenizer=tokenizer,
             frontend=frontend,
             grammars=structured.GrammarCompiler(
-                facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size
+                facts.tokenizer_json,
+                facts.eos_token_ids,
+                facts.vocab_size,
+                engine=self.config.grammar_engine,
             ),
         )
         self.metrics.on_engine_facts(facts.block_size, facts.num_kv_blocks)

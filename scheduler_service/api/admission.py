@@ -23,8 +23,23 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.engine.client import EngineFacts
 from scheduler_service.engine.frontend import EngineFrontend
-from scheduler_service.text import structured
+from scheduler_service.text import reasoning, structured
+from scheduler_service.text.guides import Grammar
 from scheduler_service.text.tokenizer import Tokenizer
+
+# Enough of a prompt's end to hold a think block its template closed (Qwen3's empty one).
+_PROMPT_TAIL_TOKENS = 32
+
+
+def _compiled(
+    grammars: structured.GrammarCompiler, spec: structured.StructuredSpec, opens: bytes
+) -> Grammar:
+    """The grammar, with its opening marker's masks built (once per marker, over the whole
+    vocabulary): both off the event loop."""
+    grammar = grammars.compile(spec)
+    if opens:
+        grammar.openings.rows(opens)
+    return grammar
 
 
 class Rejected(Exception):
@@ -92,10 +107,12 @@ class Admission:
         if metrics is not None:
             metrics.on_rejected(reason)
 
-    async def admit(self, pb: generate_pb2.GenerateRequest) -> Request:
-        """A checked request, its grammar compiled, ready to be added to the frontend."""
+    async def admit(self, pb: generate_pb2.GenerateRequest, reasoning_parser: str = "") -> Request:
+        """A checked request, its grammar compiled, ready to be added to the frontend.
+        `reasoning_parser`: the door's, when it splits this request's output (a chat): its
+        grammar then applies after the thinking."""
         request = self.check(pb)
-        await self._compile_grammar(request)
+        await self._compile_grammar(request, reasoning_parser)
         return request
 
     def check(self, pb: generate_pb2.GenerateRequest) -> Request:
@@ -163,7 +180,7 @@ class Admission:
             retry_after_ms,
         )
 
-    async def _compile_grammar(self, request: Request) -> None:
+    async def _compile_grammar(self, request: Request, reasoning_parser: str) -> None:
         """Structured output: compiles the request's grammar off the event loop (outlines-core
         releases the GIL; repeats hit the cache) and gives the request its guide, before it is
         queued. Rejected (INVALID_ARGUMENT naming the field) when it does not compile, or not
@@ -173,7 +190,10 @@ class Admission:
             return
         grammars = self._ready().grammars
         assert grammars is not None  # set with the serving state
-        compiling = asyncio.get_running_loop().run_in_executor(None, grammars.compile, spec)
+        after, opens = self._think_markers(request, reasoning_parser)
+        compiling = asyncio.get_running_loop().run_in_executor(
+            None, _compiled, grammars, spec, opens
+        )
         # Whoever waited, the outcome is read, so that a late failure is not reported unread.
         compiling.add_done_callback(lambda done: done.cancelled() or done.exception())
         bound = self.config.max_grammar_compile_s
@@ -188,7 +208,16 @@ class Admission:
                 f"took over {bound:g} s to compile (max_grammar_compile_s); it is still "
                 "compiling and is kept when done, so the same grammar may be sent again",
             ) from None
-        request.guide = grammar.new_guide()
+        request.guide = grammar.new_guide(after, opens)
+
+    def _think_markers(self, request: Request, reasoning_parser: str) -> tuple[bytes, bytes]:
+        """(after, opens) for the request's guide: the prompt's tail says whether the output may
+        think first (reasoning.grammar_after)."""
+        if not reasoning_parser:
+            return b"", b""
+        ids = request.prompt_token_ids[-_PROMPT_TAIL_TOKENS:]
+        tail = self._ready().tokenizer.decode(ids, skip_special_tokens=False)
+        return reasoning.grammar_after(reasoning_parser, tail)
 
     def tokenize(self, pb: generate_pb2.TokenizeRequest) -> generate_pb2.TokenizeResponse:
         """Text or chat turns to ids, exactly as Generate would turn them into its prompt

@@ -126,17 +126,23 @@ class ChatOutput:
             message["tool_calls"] = self.tool_calls()
         return message
 
-    def deltas(self, text: str, reason: Optional[FinishReason]) -> list[dict[str, Any]]:
-        """The chunk deltas one streamed output becomes: its reasoning and content that may go
-        now, and once the sample ended the held content and each call (id and name, then
-        arguments)."""
+    def step(self, text: str, reason: Optional[FinishReason]) -> tuple[str, str, list[dict]]:
+        """One streamed output of the sample: (reasoning, content) that may go now, and once the
+        sample ended the held content too and its calls (as `tool_calls`)."""
         reasoning, text = self._think(text, ended=reason is not None)
         content = self.feed(text)
-        if reason is not None:
-            content += self.finish(reason)
+        if reason is None:
+            return reasoning, content, []
+        content += self.finish(reason)
+        return reasoning, content, self.tool_calls()
+
+    def deltas(self, text: str, reason: Optional[FinishReason]) -> list[dict[str, Any]]:
+        """The chunk deltas one streamed output becomes (`step`): its reasoning and content, then
+        each call (id and name, then arguments)."""
+        reasoning, content, calls = self.step(text, reason)
         deltas: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
         deltas += [{"content": content}] if content else []
-        for index, call in enumerate(self.tool_calls() if reason is not None else ()):
+        for index, call in enumerate(calls):
             function = call["function"]
             head = dict(call, function={"name": function["name"], "arguments": ""})
             deltas.append({"tool_calls": [dict(head, index=index)]})
@@ -148,12 +154,9 @@ class ChatOutput:
 def for_samples(
     req: Request, plan: Optional[ToolPlan], parser: Optional[ToolParser], reasoning_parser: str
 ) -> Optional[list[ChatOutput]]:
-    """Each sample's split of a chat request; None when there is nothing to split. Under
-    deepseek_r1 a request with a grammar gets no reasoning split: the grammar binds its first
-    token, so it writes no think block, yet all its output would read as reasoning."""
+    """Each sample's split of a chat request; None when there is nothing to split. A request
+    with a grammar is split too: its grammar applies after the think block (admission)."""
     reasoning = reasoning_parser
-    if reasoning == "deepseek_r1" and req.structured is not None:
-        reasoning = ""
     if plan is None and not reasoning:
         return None
     plan = plan or ToolPlan("none", ())

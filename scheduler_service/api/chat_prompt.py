@@ -1,11 +1,9 @@
-"""A chat request with tools, or with tool calls and results in its history, to its prompt.
+"""A chat body with tools, or with tool calls and results in its history, to its public request.
 
-Such a conversation does not fit the public request's `messages` (role and text only), so the
-HTTP door renders it here and sends the prompt's token ids, which admission checks as any
-other prompt. The chat template renders the tools when it reads `tools` (transformers'
-convention: tools as OpenAI's tool objects, an assistant turn's `tool_calls` with their
-arguments as objects, `tool` turns with `tool_call_id`); otherwise the conversation is first
-rewritten in planserve's default tool format (text/tool_prompt.py).
+Such a conversation does not fit the public request's plain `messages`, so the HTTP door renders
+it (api/tool_turns.py, shared with the gRPC door) and sends the prompt's token ids, which
+admission checks as any other prompt. The tools are checked and planned by the doors' one
+owner, api/tool_requests.py; its refusals become OpenAI's 400 naming the parameter here.
 """
 
 from __future__ import annotations
@@ -14,17 +12,16 @@ import json
 import uuid
 from typing import Any, Optional
 
-import jinja2
-
 from planserve.v1 import generate_pb2
+from scheduler_service.api import tool_requests, tool_turns
 from scheduler_service.api.openai_errors import ApiError
 from scheduler_service.api.openai_requests import (
     ChatCompletionRequest,
     ChatMessage,
+    structured_param,
     to_pb,
 )
-from scheduler_service.api.tool_requests import ToolPlan, plan_tools
-from scheduler_service.text import tool_prompt
+from scheduler_service.api.tool_requests import ToolError, ToolPlan
 from scheduler_service.text.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -50,20 +47,10 @@ def _text(index: int, message: ChatMessage) -> str:
 
 def _call(where: str, call: Any) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ApiError(400, f"{where}.function.name: must be a string", param="messages")
+    if not isinstance(function, dict):
+        raise ToolError("messages", f"{where}.function.name", "must be a string")
     arguments = function.get("arguments", "{}")
-    try:
-        decoded = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError as error:
-        raise ApiError(
-            400, f"{where}.function.arguments: not valid JSON ({error})", param="messages"
-        ) from None
-    if not isinstance(decoded, dict):
-        raise ApiError(400, f"{where}.function.arguments: must be a JSON object", param="messages")
-    # Templates write the arguments with `tojson`: an object, not its JSON text.
-    function = {"name": function["name"], "arguments": decoded}
-    return {"id": call.get("id") or "", "type": "function", "function": function}
+    return tool_turns.call_turn(where, call.get("id") or "", function.get("name"), arguments)
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -96,27 +83,27 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return turns
 
 
+def _api_error(error: ToolError) -> ApiError:
+    return ApiError(400, str(error), param=error.param)
+
+
 def render(messages: list[ChatMessage], plan: Optional[ToolPlan], tokenizer: Tokenizer) -> str:
     """The prompt's text: the conversation and the plan's tools, rendered."""
-    turns = conversation(messages)
-    tools = plan.tools if plan is not None else None
-    if not tokenizer.has_chat_template:
-        raise ApiError(400, "messages: the served model has no chat template", param="messages")
     try:
-        if tokenizer.supports_tools:
-            return tokenizer.render_chat(turns, tools)
-        return tokenizer.render_chat(tool_prompt.default_format(turns, tools))
-    except jinja2.TemplateError as error:
-        raise ApiError(
-            400, f"messages: the chat template refused them ({error})", param="messages"
-        ) from None
+        return tool_turns.render(conversation(messages), plan, tokenizer)
+    except ToolError as error:
+        raise _api_error(error) from None
 
 
-def prompt_ids(
-    messages: list[ChatMessage], plan: Optional[ToolPlan], tokenizer: Tokenizer
-) -> list[int]:
-    """The prompt's token ids (the template wrote every special token it wants)."""
-    return tokenizer.encode(render(messages, plan, tokenizer), add_special_tokens=False)
+def plan_tools(body: ChatCompletionRequest, auto_parser: Optional[str]) -> Optional[ToolPlan]:
+    """The body's ToolPlan (None without tools); see tool_requests.plan_tools."""
+    grammar_param = structured_param(body)
+    try:
+        return tool_requests.plan_tools(
+            body.tools, body.tool_choice, body.parallel_tool_calls, grammar_param, auto_parser
+        )
+    except ToolError as error:
+        raise _api_error(error) from None
 
 
 def chat_request_pb(
@@ -127,7 +114,10 @@ def chat_request_pb(
     plan = plan_tools(body, auto_parser)
     ids = None
     if plan is not None or has_tool_turns(body.messages):
-        ids = prompt_ids(body.messages, plan, tokenizer)
+        try:
+            ids = tool_turns.prompt_ids(conversation(body.messages), plan, tokenizer)
+        except ToolError as error:
+            raise _api_error(error) from None
     pb = to_pb(body, uuid.uuid4().hex, ids)
     schema = plan.grammar_schema() if plan is not None else None
     if schema is not None:

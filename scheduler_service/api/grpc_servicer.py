@@ -15,7 +15,9 @@ import grpc
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, Rejected, Serving
+from scheduler_service.api.grpc_chat import ChatChunks, ChatDoor
 from scheduler_service.api.streams import Outstanding, StreamCut, outputs_of, take_waiting
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.text import outputs
@@ -29,16 +31,24 @@ async def _abort(
     raise AssertionError("grpc's context.abort returned")
 
 
+def _chunk(
+    req: Request, output: RequestOutput, chat: Optional[ChatChunks]
+) -> generate_pb2.GenerateResponse:
+    """An output as the chunk the client gets (split by the request's chat state, if any)."""
+    return chat.to_pb(req, output) if chat is not None else outputs.to_pb(req, output)
+
+
 class _Tagged:
     """A request's output sink on a Session: everything the request (and its parallel samples)
-    produces goes to the stream's one queue, tagged with the request."""
+    produces goes to the stream's one queue, tagged with the request (and its chat state)."""
 
-    def __init__(self, request: Request, sink: asyncio.Queue):
+    def __init__(self, request: Request, sink: asyncio.Queue, chat: Optional[ChatChunks]):
         self._request = request
         self._sink = sink
+        self._chat = chat
 
     def put_nowait(self, output: RequestOutput) -> None:
-        self._sink.put_nowait((self._request, output))
+        self._sink.put_nowait((self._request, output, self._chat))
 
 
 def _sample_of(item: object) -> Optional[tuple[int, int]]:
@@ -49,13 +59,17 @@ def _sample_of(item: object) -> Optional[tuple[int, int]]:
 
 
 def _merge_tagged(first: tuple, then: tuple) -> tuple:
-    return first[0], outputs.merge(first[1], then[1])
+    return first[0], outputs.merge(first[1], then[1]), first[2]
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, config: Optional[SchedulerConfig] = None):
+        """config: the tool settings' source, when not the admission's (tests serve one
+        engine through doors with different parsers, as OpenAIApp's)."""
         self.admission = admission
         self._max_buffered = admission.config.max_stream_buffer_chunks
+        # Tools and reasoning output (grpc_chat.py).
+        self._chat = ChatDoor(config or admission.config)
 
     @property
     def serving(self) -> Optional[Serving]:
@@ -72,6 +86,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             )
         return serving
 
+    async def _admit(
+        self, pb: generate_pb2.GenerateRequest
+    ) -> tuple[Request, Optional[ChatChunks]]:
+        """Admits a request of either door, its tools rendered first; Rejected says why not."""
+        serving = self.admission.serving
+        assert serving is not None  # both doors answered UNAVAILABLE before it was set
+        pb, plan, reasoning = self._chat.prepare(pb, serving.tokenizer)
+        try:
+            req = await self.admission.admit(pb, reasoning)
+        except Rejected as rejected:
+            raise self._chat.reworded(rejected, plan) from None
+        return req, self._chat.chunks(req, plan, reasoning)
+
     async def _overflowed(self, context: grpc.aio.ServicerContext, message: str) -> NoReturn:
         self.admission.count_rejection("stream_buffer_full")
         await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
@@ -81,7 +108,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         frontend = (await self._serving(context)).frontend
         try:
-            req = await self.admission.admit(request)
+            req, chat = await self._admit(request)
         except Rejected as rejected:
             await _abort(context, rejected.code, rejected.message, rejected.trailing_metadata)
         req.outputs = overload.StreamBuffer(
@@ -91,7 +118,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         try:
             async with contextlib.aclosing(outputs_of(frontend, req)) as stream:
                 async for output in stream:
-                    yield outputs.to_pb(req, output)
+                    yield _chunk(req, output, chat)
         except StreamCut as cut:
             await self._overflowed(context, cut.message)
 
@@ -121,8 +148,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     elif isinstance(item, generate_pb2.SessionResponse):
                         yield item
                     else:
-                        req, output = item
-                        yield generate_pb2.SessionResponse(chunk=outputs.to_pb(req, output))
+                        req, output, chat = item
+                        yield generate_pb2.SessionResponse(chunk=_chunk(req, output, chat))
                         outstanding.count(req, output)
         finally:
             reader.cancel()
@@ -161,11 +188,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                         )
                         continue
                     try:
-                        req = await self.admission.admit(pb)
+                        req, chat = await self._admit(pb)
                     except Rejected as rejected:
                         error(pb.request_id, rejected.code, rejected.message)
                         continue
-                    req.outputs = _Tagged(req, sink)
+                    req.outputs = _Tagged(req, sink, chat)
                     outstanding.add(req)
                 elif kind == "abort":
                     request_id = message.abort.request_id

@@ -240,7 +240,9 @@ class OpenAIApp:
         """Admits one body of any door (`http`: its request, for X-Request-Id and the gateway's
         headers)."""
         serving = self.serving(body.model)
+        reasoning = ""  # a chat's output is split, and its grammar waits for the thinking
         if isinstance(body, ChatCompletionRequest):
+            reasoning = self.reasoning_parser
             parser = self.tool_parser.name if self.tool_parser is not None else None
             pb, plan = chat_prompt.chat_request_pb(body, parser, serving.tokenizer)
         else:
@@ -249,7 +251,7 @@ class OpenAIApp:
         pb.request_id = gateway.request_id(headers, pb.request_id)
         gateway.apply(pb, body.priority, body.cache_salt, headers, self._gateway_objectives)
         try:
-            return serving, await self.admission.admit(pb), plan
+            return serving, await self.admission.admit(pb, reasoning), plan
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
 

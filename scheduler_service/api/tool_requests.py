@@ -1,4 +1,6 @@
-"""Tools in a chat request: `tools`, `tool_choice`, `parallel_tool_calls` checked and planned.
+"""Tools in a chat request: `tools`, `tool_choice`, `parallel_tool_calls` checked and planned,
+for every door (the HTTP API's bodies, gRPC's GenerateRequest): each door hands them over in
+OpenAI's shape and words a `ToolError` its own way.
 
 A request's tools become a `ToolPlan`: which choice the request made, the functions it offers,
 and, for "required" or a named function, the JSON schema its output is generated under
@@ -10,9 +12,9 @@ and, for "required" or a named function, the JSON schema its output is generated
     "required"         [{"name": ..., "arguments": {...}}]   anyOf the tools, at least one call
     {"function": f}    f's arguments object                  f's parameters schema
 
-Bounds (each refusal a 400 naming the parameter): at most MAX_TOOLS tools, their JSON at most
-MAX_TOOLS_CHARS characters in all (every schema may end up in one grammar), names as OpenAI
-allows them and distinct.
+Bounds (each refusal a `ToolError` naming the parameter: a 400 or INVALID_ARGUMENT): at most
+MAX_TOOLS tools, their JSON at most MAX_TOOLS_CHARS characters in all (every schema may end up
+in one grammar), names as OpenAI allows them and distinct.
 """
 
 from __future__ import annotations
@@ -22,15 +24,22 @@ import json
 import re
 from typing import Any, Optional
 
-from scheduler_service.api.openai_errors import ApiError
-from scheduler_service.api.openai_requests import ChatCompletionRequest, structured_param
-
 MAX_TOOLS = 128  # OpenAI's own bound
 MAX_TOOLS_CHARS = 32768  # the tools' JSON in all; structured.MAX_GRAMMAR_CHARS leaves room
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule, with dots for dotted names
 CHOICES = ("none", "auto", "required")
 # A function without parameters takes an empty object.
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class ToolError(ValueError):
+    """A refused tool field: `param` the request parameter it belongs to (tools, tool_choice,
+    messages or the other grammar's), `path` where in it (OpenAI's spelling,
+    "tools[2].function.name"), `detail` what is wrong."""
+
+    def __init__(self, param: str, path: str, detail: str):
+        super().__init__(f"{path}: {detail}")
+        self.param, self.path, self.detail = param, path, detail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,47 +97,41 @@ class ToolPlan:
 def _function(index: int, tool: Any) -> dict[str, Any]:
     where = f"tools[{index}]"
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise ApiError(400, f'{where}.type: must be "function"', param="tools")
+        raise ToolError("tools", f"{where}.type", 'must be "function"')
     function = tool.get("function")
     if not isinstance(function, dict):
-        raise ApiError(400, f"{where}.function: must be an object", param="tools")
+        raise ToolError("tools", f"{where}.function", "must be an object")
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ApiError(
-            400,
-            f"{where}.function.name: must be 1 to 64 letters, digits, _, . or -, got {name!r}",
-            param="tools",
+        raise ToolError(
+            "tools",
+            f"{where}.function.name",
+            f"must be 1 to 64 letters, digits, _, . or -, got {name!r}",
         )
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise ApiError(
-            400, f"{where}.function.parameters: must be a JSON schema object", param="tools"
-        )
+        raise ToolError("tools", f"{where}.function.parameters", "must be a JSON schema object")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise ApiError(400, f"{where}.function.description: must be a string", param="tools")
+        raise ToolError("tools", f"{where}.function.description", "must be a string")
     kept = {"name": name, "description": description, "parameters": parameters}
     return {key: value for key, value in kept.items() if value is not None}
 
 
 def _functions(tools: list[Any]) -> tuple[dict[str, Any], ...]:
     if len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
+        raise ToolError("tools", "tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
     size = len(json.dumps(tools, ensure_ascii=False))
     if size > MAX_TOOLS_CHARS:
-        raise ApiError(
-            400,
-            f"tools: at most {MAX_TOOLS_CHARS} characters of JSON in all, got {size}",
-            param="tools",
+        raise ToolError(
+            "tools", "tools", f"at most {MAX_TOOLS_CHARS} characters of JSON in all, got {size}"
         )
     functions = tuple(_function(index, tool) for index, tool in enumerate(tools))
     seen: set[str] = set()
     for index, function in enumerate(functions):
         if function["name"] in seen:
-            raise ApiError(
-                400,
-                f"tools[{index}].function.name: {function['name']!r} is named twice",
-                param="tools",
+            raise ToolError(
+                "tools", f"tools[{index}].function.name", f"{function['name']!r} is named twice"
             )
         seen.add(function["name"])
     return functions
@@ -138,59 +141,64 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[str, Optional[str]]:
     """(choice, the named function) of a request's tool_choice."""
     if isinstance(tool_choice, str):
         if tool_choice not in CHOICES:
-            raise ApiError(
-                400,
-                f"tool_choice: must be none, auto, required or a function, got {tool_choice!r}",
-                param="tool_choice",
+            raise ToolError(
+                "tool_choice",
+                "tool_choice",
+                f"must be none, auto, required or a function, got {tool_choice!r}",
             )
         return tool_choice, None
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
-        raise ApiError(
-            400,
-            'tool_choice: must be none, auto, required or {"type": "function", "function": '
-            '{"name": ...}}',
-            param="tool_choice",
+        raise ToolError(
+            "tool_choice",
+            "tool_choice",
+            'must be none, auto, required or {"type": "function", "function": {"name": ...}}',
         )
     if name not in names:
         offered = ", ".join(names) or "none"
-        raise ApiError(
-            400,
-            f"tool_choice.function.name: no tool named {name!r} (tools: {offered})",
-            param="tool_choice",
+        raise ToolError(
+            "tool_choice",
+            "tool_choice.function.name",
+            f"no tool named {name!r} (tools: {offered})",
         )
     return "function", name
 
 
-def plan_tools(body: ChatCompletionRequest, auto_parser: Optional[str]) -> Optional[ToolPlan]:
-    """The request's ToolPlan (None without tools). `auto_parser`: the server's tool-call parser
-    when --enable-auto-tool-choice is on, else None ("auto" is refused then)."""
-    tools = body.tools or []
+def plan_tools(
+    tools: Optional[list[Any]],
+    tool_choice: Any,
+    parallel_tool_calls: Optional[bool],
+    grammar_param: Optional[str],
+    auto_parser: Optional[str],
+) -> Optional[ToolPlan]:
+    """A request's ToolPlan (None without tools), from its fields in OpenAI's shape.
+    `grammar_param`: the parameter of the request's own grammar, if any (response_format,
+    structured_output...); `auto_parser`: the server's tool-call parser when
+    --enable-auto-tool-choice is on, else None ("auto" is refused then)."""
     if not tools:
-        if body.tool_choice not in (None, "none"):
-            raise ApiError(400, "tool_choice: needs tools", param="tool_choice")
+        if tool_choice not in (None, "none"):
+            raise ToolError("tool_choice", "tool_choice", "needs tools")
         return None
     functions = _functions(tools)
     # OpenAI's default with tools is "auto": without a parser that is refused, never quietly
     # turned into "none".
     choice, named = _choice(
-        "auto" if body.tool_choice is None else body.tool_choice,
+        "auto" if tool_choice is None else tool_choice,
         [function["name"] for function in functions],
     )
     if choice == "auto" and auto_parser is None:
-        raise ApiError(
-            400,
-            'tool_choice: "auto" needs the server started with --enable-auto-tool-choice '
+        raise ToolError(
+            "tool_choice",
+            "tool_choice",
+            '"auto" needs the server started with --enable-auto-tool-choice '
             "--tool-call-parser NAME (none, required and a named function need neither)",
-            param="tool_choice",
         )
-    plan = ToolPlan(choice, functions, named, body.parallel_tool_calls is not False)
-    used = structured_param(body)
-    if plan.guided and used is not None:
-        raise ApiError(
-            400,
-            f"{used}: cannot be combined with tool_choice {choice!r} (its calls have a grammar)",
-            param=used,
+    plan = ToolPlan(choice, functions, named, parallel_tool_calls is not False)
+    if plan.guided and grammar_param is not None:
+        raise ToolError(
+            grammar_param,
+            grammar_param,
+            f"cannot be combined with tool_choice {choice!r} (its calls have a grammar)",
         )
     return plan

@@ -168,7 +168,7 @@ class Request:
     # Tokens per chunk the client gets (GenerateRequest.stream_interval); 1 = every step.
     stream_interval: int = 1
     # Structured output: the grammar (a structured.StructuredSpec, set by intake) and this
-    # sequence's walk through it (a structured.GuideState, set once compiled, before admission).
+    # sequence's walk through it (a guides.GuideState, set once compiled, before admission).
     structured: Optional[Any] = dataclasses.field(default=None, repr=False)
     guide: Optional[Any] = dataclasses.field(default=None, repr=False)
 

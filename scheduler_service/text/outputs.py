@@ -15,7 +15,7 @@ from scheduler_service.text.detokenizer import IncrementalDetokenizer
 from scheduler_service.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from scheduler_service.text.structured import GuideState
+    from scheduler_service.text.guides import GuideState
 
 
 class OutputProcessor:

@@ -9,7 +9,9 @@ The text between `<think>` and `</think>` is the reasoning (OpenAI-compatible se
                  reasoning from its first token until `</think>` (a `<think>` it writes again
                  is dropped)
 
-A think block cut before `</think>` (max_tokens) stays reasoning. Streaming holds back only a
+A think block cut before `</think>` (max_tokens) stays reasoning. A request with a grammar
+(structured output, "required" or a named tool) is constrained only after `</think>`
+(`grammar_after`): the thinking stays free. Streaming holds back only a
 tail that may still grow into a marker, so reasoning and content stream as they come and the
 split is the same whatever the chunks.
 """
@@ -20,6 +22,17 @@ from scheduler_service.text.tool_parsers.base import marker_hold
 
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
+
+
+def grammar_after(parser: str, prompt_tail: str) -> tuple[bytes, bytes]:
+    """(after, opens): the markers a grammar's guide waits for under `parser` (text/guides.py):
+    the end of thinking, and for qwen3 the start the output may open with (without it the
+    grammar applies from the first token). (b"", b"") without a parser, or when the prompt's
+    tail already closed its think block (Qwen3 with thinking off: the template writes an empty
+    block), as vLLM decides it from the prompt's tokens."""
+    if not parser or prompt_tail.rfind(END) > prompt_tail.rfind(START):
+        return b"", b""
+    return END.encode(), START.encode() if parser == "qwen3" else b""
 
 
 class ReasoningSplit:

@@ -1,21 +1,26 @@
 """Structured output: a JSON schema, a regex or a list of choices constrains decoding.
 
-The grammar library is outlines-core: a grammar becomes a regex (a JSON schema through its
-schema-to-regex builder), the regex an `Index` over the model's vocabulary (a DFA whose every
-state knows its allowed tokens), and each request walks it with a `Guide`.
+Two grammar engines (`--grammar-engine`): outlines-core (the default: a grammar becomes a regex,
+a JSON schema through its schema-to-regex builder, the regex an `Index` over the model's
+vocabulary: a DFA whose every state knows its allowed tokens, 0.05 s to seconds to build) and
+llguidance (text/grammar_llg.py: an Earley parser that computes each step's mask from the
+grammar, compiled in about a millisecond; it needs a vocabulary that spells every byte, which
+the word-level vocabularies of the scheduler's unit tests do not). Each request walks the
+grammar (text/guides.py).
 
 Where each part runs:
 - intake (event loop, cheap): `spec_from_pb` checks the request's StructuredOutput and parses a
   schema as JSON; errors name `structured_output.<field>`.
-- compilation (`GrammarCompiler.compile`, slow: 10 ms to seconds): off the event loop, in an
-  executor, before the request is admitted; cached by (kind, text) in an LRU, so a repeated
-  schema costs nothing. The vocabulary (the tokenizer's tokens as the bytes they stand for) is
-  built once, on the first compile.
+- compilation (`GrammarCompiler.compile`, about 1 ms with llguidance, 10 ms to seconds with
+  outlines-core): off the event loop, in an executor, before the request is admitted; cached by
+  (kind, text) in an LRU, so a repeated schema costs nothing. The vocabulary (the tokenizer's
+  tokens as the bytes they stand for) is built once, on the first compile.
 - every step (`fill_plan_masks`, event loop): each constrained sequence that samples in the
   step gets its allowed-token bitmask written straight from its guide into one numpy block,
   sent as BatchPlan.masked_slots + allowed_token_bitmask; the model side masks its logits.
 - every result (`GuideState.accept`, in OutputProcessor.add_tokens): the guide advances by the
-  sampled token.
+  sampled token. With a reasoning parser the grammar applies after the think block
+  (text/guides.py).
 End-of-sequence tokens are allowed only in the grammar's final states. Preemption needs no
 special care: a preempted sequence keeps its generated tokens and its guide, which has already
 consumed exactly those tokens.
@@ -29,11 +34,16 @@ import dataclasses
 import json
 import re
 import threading
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from scheduler_service.text.grammar_llg import LlgEngine
+from scheduler_service.text.guides import Grammar, OpeningMasks, OutlinesWalk, Walk
+from scheduler_service.text.token_bytes import token_bytes
+
 KINDS = ("json_schema", "regex", "choice", "json_object")
+ENGINES = ("outlines", "llguidance")  # --grammar-engine
 MAX_GRAMMAR_CHARS = 65536
 MAX_CHOICES = 1024
 DEFAULT_CACHE_SIZE = 128
@@ -134,133 +144,7 @@ def to_regex(spec: StructuredSpec) -> str:
     return build_regex_from_schema(spec.text)
 
 
-# ---- the vocabulary -------------------------------------------------------------------------
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE spelling: the printable character standing for each byte."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    spelled = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in spelled:
-            spelled[b] = chr(256 + extra)
-            extra += 1
-    return {char: b for b, char in spelled.items()}
-
-
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _decoder_types(decoder: Optional[dict]) -> set[str]:
-    if not decoder:
-        return set()
-    types = {decoder.get("type", "")}
-    for inner in decoder.get("decoders", []) or []:
-        types |= _decoder_types(inner)
-    return types
-
-
-def token_bytes(tokenizer_json: str) -> tuple[dict[int, bytes], set[int]]:
-    """(id -> the bytes a token stands for, ids of special tokens), from a Hugging Face
-    tokenizer.json. outlines-core matches token *bytes* against the regex, so a byte-level BPE
-    token's spelling ("Ġthe") must be turned back into its bytes (b" the"); a SentencePiece
-    token's "▁" is a space and "<0x0A>" a raw byte."""
-    document = json.loads(tokenizer_json)
-    model_vocab = document.get("model", {}).get("vocab") or {}
-    if isinstance(model_vocab, list):  # Unigram: [[piece, score], ...], ids by position
-        model_vocab = {piece: index for index, (piece, _score) in enumerate(model_vocab)}
-    vocab: dict[str, int] = dict(model_vocab)
-    special = set()
-    for added in document.get("added_tokens", []) or []:
-        vocab.setdefault(added["content"], added["id"])
-        if added.get("special", False):
-            special.add(added["id"])
-    decoders = _decoder_types(document.get("decoder"))
-    out: dict[int, bytes] = {}
-    if "ByteLevel" in decoders:
-        alphabet = _byte_level_alphabet()
-        for token, token_id in vocab.items():
-            try:
-                out[token_id] = bytes(alphabet[char] for char in token)
-            except KeyError:  # an added token spelled in plain text
-                out[token_id] = token.encode("utf-8")
-    else:
-        for token, token_id in vocab.items():
-            match = _BYTE_TOKEN.match(token)
-            out[token_id] = (
-                bytes([int(match.group(1), 16)])
-                if match
-                else token.replace("▁", " ").encode("utf-8")
-            )
-    return out, special
-
-
 # ---- compiled grammars and guides -----------------------------------------------------------
-
-
-class Grammar:
-    """A compiled grammar (an outlines-core Index), shared by every request that uses it."""
-
-    def __init__(self, index, eos_token_ids: Sequence[int], num_words: int):
-        self.index = index
-        self.num_words = num_words  # 32-bit words of one bitmask (ceil(vocab_size / 32))
-        # The end-of-sequence bits, per word they fall in (OR'ed, so that each word is set once).
-        words: dict[int, int] = {}
-        for token_id in eos_token_ids:
-            words[token_id >> 5] = words.get(token_id >> 5, 0) | (1 << (token_id & 31))
-        self.eos_words = np.fromiter(words.keys(), dtype=np.int64, count=len(words))
-        self.eos_bits = np.fromiter(words.values(), dtype=np.uint32, count=len(words))
-
-    def new_guide(self) -> "GuideState":
-        return GuideState(self)
-
-
-class GuideState:
-    """One sequence's walk through a grammar."""
-
-    __slots__ = ("grammar", "guide", "failed")
-
-    def __init__(self, grammar: Grammar):
-        from outlines_core import Guide
-
-        self.grammar = grammar
-        self.guide = Guide(grammar.index)
-        self.failed = False  # a token outside the grammar came back (the mask was not applied)
-
-    def fork(self) -> "GuideState":
-        """A fresh guide for a parallel sample: it draws its own first token."""
-        return GuideState(self.grammar)
-
-    @property
-    def is_final(self) -> bool:
-        """The output so far matches the whole grammar (end of sequence allowed)."""
-        return self.grammar.index.is_final_state(self.guide.get_state())
-
-    def accept(self, token_id: int) -> bool:
-        """Advances by a sampled token; False (and the guide stays) when the grammar does not
-        allow it."""
-        try:
-            self.guide.advance(token_id, return_tokens=False)
-        except ValueError:
-            self.failed = True
-            return False
-        return True
-
-    def write_mask(self, row: np.ndarray) -> None:
-        """Writes the allowed tokens of the current state into `row` (num_words uint32,
-        zeroed): bit t of word t // 32, little-endian."""
-        self.guide.write_mask_into(row.ctypes.data, row.shape[0], 4)
-        # Every end-of-sequence id (outlines-core knows only one), in final states only.
-        grammar = self.grammar
-        if self.is_final:
-            row[grammar.eos_words] |= grammar.eos_bits
-        else:
-            row[grammar.eos_words] &= ~grammar.eos_bits
 
 
 class GrammarCompiler:
@@ -273,7 +157,12 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         vocab_size: int,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        engine: str = "outlines",
     ):
+        if engine not in ENGINES:
+            raise ValueError(f"grammar engine {engine!r}: must be one of {', '.join(ENGINES)}")
+        self.engine = engine
+        self._llg: Optional[LlgEngine] = None  # built on the first llguidance compile
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = tuple(sorted(eos_token_ids))
         self.vocab_size = vocab_size
@@ -284,19 +173,34 @@ class GrammarCompiler:
         # Specs being compiled right now -> the grammar's future, for concurrent callers.
         self._compiling: dict[StructuredSpec, concurrent.futures.Future[Grammar]] = {}
         self._vocabulary = None
+        self._token_bytes: dict[int, bytes] = {}  # every token's bytes, with the vocabulary
+        self._special: set[int] = set()
+        self._openings: Optional[OpeningMasks] = None
         self._vocabulary_lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and logs
 
+    def _check_eos(self) -> None:
+        if not self._eos_token_ids:
+            raise StructuredOutputError(
+                "structured_output", "the served model has no end-of-sequence token"
+            )
+
+    def _spelled(self) -> tuple[dict[int, bytes], set[int]]:
+        """(every token's bytes, the special ids), read once; the opening masks with them."""
+        with self._vocabulary_lock:
+            if self._openings is None:
+                by_id, special = token_bytes(self._tokenizer_json)
+                self._token_bytes, self._special = by_id, special
+                self._openings = OpeningMasks(by_id, self.num_words)
+            return self._token_bytes, self._special
+
     def _get_vocabulary(self):
+        self._check_eos()
+        by_id, special = self._spelled()
         with self._vocabulary_lock:
             if self._vocabulary is None:
                 from outlines_core import Vocabulary
 
-                if not self._eos_token_ids:
-                    raise StructuredOutputError(
-                        "structured_output", "the served model has no end-of-sequence token"
-                    )
-                by_id, special = token_bytes(self._tokenizer_json)
                 eos = set(self._eos_token_ids)
                 by_bytes: dict[bytes, list[int]] = {}
                 for token_id, spelled in by_id.items():
@@ -312,6 +216,16 @@ class GrammarCompiler:
                     by_bytes.setdefault(spelled, []).append(token_id)
                 self._vocabulary = Vocabulary(self._eos_token_ids[0], by_bytes)
             return self._vocabulary
+
+    def _get_llg(self) -> LlgEngine:
+        self._check_eos()
+        by_id, special = self._spelled()
+        with self._vocabulary_lock:
+            if self._llg is None:
+                self._llg = LlgEngine(
+                    self._tokenizer_json, by_id, special, self._eos_token_ids, self.vocab_size
+                )
+            return self._llg
 
     def compile(self, spec: StructuredSpec) -> Grammar:
         """The grammar of `spec`, from the cache or compiled now (slow: call off the event
@@ -345,33 +259,38 @@ class GrammarCompiler:
         return grammar
 
     def _compile(self, spec: StructuredSpec) -> Grammar:
-        from outlines_core import Index
-
         field = f"structured_output.{spec.kind}"
         if spec.kind == "choice":
             field += ".choices"
         try:
-            regex = to_regex(spec)
+            walk = self._walk_factory(spec)
         except (ValueError, TypeError) as error:
             raise StructuredOutputError(field, f"cannot be compiled ({error})") from None
-        vocabulary = self._get_vocabulary()
-        try:
-            index = Index(regex, vocabulary)
-        except (ValueError, TypeError) as error:
-            raise StructuredOutputError(field, f"cannot be compiled ({error})") from None
-        return Grammar(index, self._eos_token_ids, self.num_words)
+        return Grammar(walk, self._eos_token_ids, self.num_words, self._token_bytes, self._openings)
+
+    def _walk_factory(self, spec: StructuredSpec) -> Callable[[], Walk]:
+        """The engine's compiled grammar, as the maker of one sequence's walk."""
+        if self.engine == "llguidance":
+            llg = self._get_llg()
+            return llg.compile(llg.grammar(spec.kind, spec.text, lambda: to_regex(spec)))
+        from outlines_core import Index
+
+        regex = to_regex(spec)
+        index = Index(regex, self._get_vocabulary())
+        return lambda: OutlinesWalk(index)
 
 
 def fill_plan_masks(plan) -> None:
-    """Puts every constrained sequence that samples in this step (a decode, or a prefill chunk
-    reaching the end of its known tokens) into plan.masked_slots, with its allowed tokens in
-    plan.allowed_token_bitmask."""
+    """Puts every constrained sequence whose grammar applies and that samples in this step (a
+    decode, or a prefill chunk reaching the end of its known tokens) into plan.masked_slots,
+    with its allowed tokens in plan.allowed_token_bitmask."""
     rows = [
         (slot, request.guide)
         for request, slot, num_scheduled in zip(
             plan.requests, plan.slots, plan.num_scheduled_tokens
         )
         if request.guide is not None
+        and request.guide.masked  # a guide waiting for the end of thinking leaves it free
         and request.num_computed_tokens + num_scheduled >= request.num_tokens
     ]
     if not rows:

@@ -227,7 +227,7 @@ class _FakeAdmission:
         self._rejection = rejection
         self.config = SchedulerConfig()  # the door reads its tool and gateway settings from it
 
-    async def admit(self, pb):
+    async def admit(self, pb, reasoning_parser=""):
         raise self._rejection
 
 

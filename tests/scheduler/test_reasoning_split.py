@@ -61,3 +61,18 @@ def test_tool_calls_are_read_from_the_content_after_the_think_block():
 def test_an_unknown_parser_names_the_valid_ones():
     with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
         ReasoningSplit("o1")
+
+
+def test_a_grammar_waits_for_the_end_of_thinking_unless_the_prompt_closed_it():
+    from scheduler_service.text.reasoning import grammar_after
+
+    none = (b"", b"")
+    assert grammar_after("", "<|im_start|>assistant\n") == none  # no reasoning parser
+    # qwen3: the output may open a block; deepseek_r1: the template opened it.
+    assert grammar_after("qwen3", "<|im_start|>assistant\n") == (b"</think>", b"<think>")
+    assert grammar_after("deepseek_r1", "<｜Assistant｜><think>\n") == (b"</think>", b"")
+    # Qwen3 with enable_thinking=False: the template wrote an empty, closed block.
+    assert grammar_after("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n") == none
+    # A closed block of an earlier turn, then a new one opened by the template.
+    tail = "<think>a</think>b<｜Assistant｜><think>\n"
+    assert grammar_after("deepseek_r1", tail) == (b"</think>", b"")

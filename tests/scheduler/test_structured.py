@@ -101,12 +101,16 @@ def test_sentencepiece_tokens_become_their_bytes():
     assert (by_id[1], by_id[2], by_id[3]) == (b" a", b"A", b"bc")
 
 
-def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2_vocab):
+ENGINES = pytest.mark.parametrize("engine", ["outlines", "llguidance"])
+
+
+@ENGINES
+def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2_vocab, engine):
     tokenizer_json, eos, vocab_size = smollm2_vocab
     # A second end-of-sequence id (outlines-core knows one) and a model vocab larger than the
     # tokenizer's: both handled by the scheduler.
     eos_ids = (*eos, 0)
-    compiler = GrammarCompiler(tokenizer_json, eos_ids, vocab_size + 64)
+    compiler = GrammarCompiler(tokenizer_json, eos_ids, vocab_size + 64, engine=engine)
     choices = ["yes", "no", " maybe so"]
     guide = compiler.compile(StructuredSpec("choice", json.dumps(choices))).new_guide()
     by_id, special = token_bytes(tokenizer_json)
@@ -126,9 +130,10 @@ def test_choice_mask_matches_brute_force_and_eos_waits_for_a_final_state(smollm2
     assert not guide.accept(vocab.token_to_id("no"))  # nothing may follow a whole choice
 
 
-def test_json_schema_and_object_compile_and_bad_ones_name_the_field(smollm2_vocab):
+@ENGINES
+def test_json_schema_and_object_compile_and_bad_ones_name_the_field(smollm2_vocab, engine):
     from scheduler_service.text.structured import StructuredOutputError
-    compiler = GrammarCompiler(*smollm2_vocab)
+    compiler = GrammarCompiler(*smollm2_vocab, engine=engine)
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                          "required": ["a"]})
     for spec in (StructuredSpec("json_schema", schema), StructuredSpec("json_object", "")):
@@ -254,3 +259,75 @@ def test_stream_interval_coalesces_outputs_without_losing_tokens():
     assert "".join(o.text for o in batched) == "".join(o.text for o in every_step)
     assert batched[-1].finish_reason is FinishReason.LENGTH
     assert batched[-1].usage.completion_tokens == 7
+
+
+# ---- a grammar after the end of thinking ------------------------------------------------------
+
+@ENGINES
+def test_a_guide_waiting_for_a_marker_is_free_until_it_is_spelled_then_constrains(smollm2_vocab,
+                                                                                  engine):
+    compiler = GrammarCompiler(*smollm2_vocab, engine=engine)
+    vocab = tokenizers.Tokenizer.from_str(smollm2_vocab[0])
+    grammar = compiler.compile(StructuredSpec("choice", json.dumps(["yes", "no"])))
+    guide = grammar.new_guide(b"</think>")
+    thinking = vocab.encode("Hmm <b> and </thinking? </think>", add_special_tokens=False).ids
+    assert len(thinking) > 4  # the marker spans tokens: "</", "think", ">"
+    for token_id in thinking:  # tokens no grammar state of ["yes", "no"] allows
+        assert not guide.active and not guide.is_final
+        assert guide.accept(token_id)
+    assert guide.active and not guide.failed
+    assert not guide.accept(vocab.token_to_id("maybe"))  # now the grammar applies
+    for token_id in vocab.encode("yes", add_special_tokens=False).ids:
+        assert guide.accept(token_id)
+    assert guide.is_final
+    fork = guide.fork()  # a parallel sample starts thinking again
+    assert not fork.active
+
+
+def test_a_waiting_guide_gets_no_mask_until_the_marker(grammars):
+    scheduler = make_scheduler(num_blocks=16)
+    request = make_request(structured=StructuredSpec("regex", "w3w4"), max_new_tokens=8)
+    request.guide = grammars.compile(request.structured).new_guide(b"w7")
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    fill_plan_masks(plan)
+    assert not plan.masked_slots  # thinking: free
+    request.guide.accept(7)  # the marker ("w7" is token 7's spelling)
+    fill_plan_masks(plan)
+    assert _plan_masks(plan) == {request.slot: {3}}
+
+
+@ENGINES
+def test_a_qwen3_guide_either_opens_a_think_block_or_takes_the_grammar_at_once(smollm2_vocab,
+                                                                               engine):
+    tokenizer_json, eos, vocab_size = smollm2_vocab
+    compiler = GrammarCompiler(tokenizer_json, eos, vocab_size, engine=engine)
+    vocab = tokenizers.Tokenizer.from_str(tokenizer_json)
+    by_id, _ = token_bytes(tokenizer_json)
+    grammar = compiler.compile(StructuredSpec("choice", json.dumps(["yes", "no"])))
+    plain = grammar.new_guide()
+    row = np.zeros(compiler.num_words, dtype="<u4")
+    plain.write_mask(row)
+    first = _allowed(row)
+    opening = {i for i, b in by_id.items() if b and (b"<think>".startswith(b)
+                                                     or b.startswith(b"<think>"))}
+    guide = grammar.new_guide(b"</think>", b"<think>")
+    assert guide.masked and not guide.active
+    row[:] = 0
+    guide.write_mask(row)
+    assert _allowed(row) == first | opening and vocab.token_to_id("<") in opening
+    opened = vocab.encode("<think>", add_special_tokens=False).ids
+    assert guide.accept(opened[0])
+    row[:] = 0
+    guide.write_mask(row)  # inside the marker: only what goes on spelling it
+    assert opened[1] in _allowed(row) and not _allowed(row) & first
+    for token_id in opened[1:] + vocab.encode("hm </think>", add_special_tokens=False).ids:
+        assert guide.accept(token_id)
+    assert guide.active
+    for token_id in vocab.encode("no", add_special_tokens=False).ids:
+        assert guide.accept(token_id)
+    assert guide.is_final
+    direct = grammar.new_guide(b"</think>", b"<think>")  # no think block: the grammar at once
+    for token_id in vocab.encode("yes", add_special_tokens=False).ids:
+        assert direct.accept(token_id)
+    assert direct.active and direct.is_final

@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 from planserve.v1 import common_pb2 as planserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bplanserve/v1/generate.proto\x12\x0cplanserve.v1\x1a\x19planserve/v1/common.proto\"x\n\x0eSessionRequest\x12\x31\n\x08generate\x18\x01 \x01(\x0b\x32\x1d.planserve.v1.GenerateRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.planserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"A\n\x0cSessionError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"w\n\x0fSessionResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.planserve.v1.GenerateResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.planserve.v1.SessionErrorH\x00\x42\x06\n\x04kind\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.planserve.v1.ChatMessage\"\xac\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x1b\n\x0emin_new_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokens\"\x82\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.planserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.planserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.planserve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x06 \x01(\x0b\x32\x1e.planserve.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x0e\n\x01n\x18\x0b \x01(\rH\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x39\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1e.planserve.v1.StructuredOutput\x12\x1c\n\x0ettft_target_ms\x18\x84\x02 \x01(\rH\x06\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_deadline_msB\x04\n\x02_nB\x0f\n\r_top_logprobsB\x12\n\x10_stream_intervalB\x12\n\x10_prompt_logprobsB\x11\n\x0f_ttft_target_ms\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rqueue_time_us\x18\x04 \x01(\x04\x12\x1e\n\x16time_to_first_token_us\x18\x05 \x01(\x04\"\xce\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.planserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.planserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\r\n\x05index\x18\x08 \x01(\r\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.planserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1a.planserve.v1.TokenLogprobB\x0c\n\nstop_match\"v\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.planserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x18\n\x16GetServerStatusRequest\"\xbd\x01\n\x17GetServerStatusResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12-\n\x08replicas\x18\x06 \x03(\x0b\x32\x1b.planserve.v1.ReplicaStatus\"\xa6\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x02\"d\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r*\xc8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x32\xc1\x04\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.planserve.v1.GenerateRequest\x1a\x1e.planserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.planserve.v1.AbortRequest\x1a\x1b.planserve.v1.AbortResponse\x12J\n\x07Session\x12\x1c.planserve.v1.SessionRequest\x1a\x1d.planserve.v1.SessionResponse(\x01\x30\x01\x12I\n\x08Tokenize\x12\x1d.planserve.v1.TokenizeRequest\x1a\x1e.planserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.planserve.v1.DetokenizeRequest\x1a .planserve.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.planserve.v1.GetModelInfoRequest\x1a\".planserve.v1.GetModelInfoResponse\x12^\n\x0fGetServerStatus\x12$.planserve.v1.GetServerStatusRequest\x1a%.planserve.v1.GetServerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bplanserve/v1/generate.proto\x12\x0cplanserve.v1\x1a\x19planserve/v1/common.proto\"x\n\x0eSessionRequest\x12\x31\n\x08generate\x18\x01 \x01(\x0b\x32\x1d.planserve.v1.GenerateRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.planserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"A\n\x0cSessionError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"w\n\x0fSessionResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.planserve.v1.GenerateResponseH\x00\x12+\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.planserve.v1.SessionErrorH\x00\x42\x06\n\x04kind\"p\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\xf0\x01 \x03(\x0b\x32\x16.planserve.v1.ToolCall\x12\x15\n\x0ctool_call_id\x18\xf1\x01 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"X\n\nToolChoice\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.planserve.v1.ToolChoiceModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.planserve.v1.ChatMessage\"\xac\x01\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x1b\n\x0emin_new_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokens\"\x91\x06\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.planserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.planserve.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.planserve.v1.SamplingParams\x12\x30\n\x08stopping\x18\x06 \x01(\x0b\x32\x1e.planserve.v1.StoppingCriteria\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x0e\n\x01n\x18\x0b \x01(\rH\x02\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\r \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x0e \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x39\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1e.planserve.v1.StructuredOutput\x12\x1c\n\x0ettft_target_ms\x18\x84\x02 \x01(\rH\x06\x88\x01\x01\x12\"\n\x05tools\x18\xf0\x01 \x03(\x0b\x32\x12.planserve.v1.Tool\x12.\n\x0btool_choice\x18\xf1\x01 \x01(\x0b\x32\x18.planserve.v1.ToolChoice\x12!\n\x13parallel_tool_calls\x18\xf2\x01 \x01(\x08H\x07\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_deadline_msB\x04\n\x02_nB\x0f\n\r_top_logprobsB\x12\n\x10_stream_intervalB\x12\n\x10_prompt_logprobsB\x11\n\x0f_ttft_target_msB\x16\n\x14_parallel_tool_calls\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rqueue_time_us\x18\x04 \x01(\x04\x12\x1e\n\x16time_to_first_token_us\x18\x05 \x01(\x04\"\x8f\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.planserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.planserve.v1.Usage\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\r\n\x05index\x18\x08 \x01(\r\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.planserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1a.planserve.v1.TokenLogprob\x12\x12\n\treasoning\x18\xf0\x01 \x01(\t\x12+\n\ntool_calls\x18\xf1\x01 \x03(\x0b\x32\x16.planserve.v1.ToolCallB\x0c\n\nstop_match\"v\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.planserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x18\n\x16GetServerStatusRequest\"\xbd\x01\n\x17GetServerStatusResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12-\n\x08replicas\x18\x06 \x03(\x0b\x32\x1b.planserve.v1.ReplicaStatus\"\xa6\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x02\"d\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\xc8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x06\x32\xc1\x04\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.planserve.v1.GenerateRequest\x1a\x1e.planserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.planserve.v1.AbortRequest\x1a\x1b.planserve.v1.AbortResponse\x12J\n\x07Session\x12\x1c.planserve.v1.SessionRequest\x1a\x1d.planserve.v1.SessionResponse(\x01\x30\x01\x12I\n\x08Tokenize\x12\x1d.planserve.v1.TokenizeRequest\x1a\x1e.planserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.planserve.v1.DetokenizeRequest\x1a .planserve.v1.DetokenizeResponse\x12U\n\x0cGetModelInfo\x12!.planserve.v1.GetModelInfoRequest\x1a\".planserve.v1.GetModelInfoResponse\x12^\n\x0fGetServerStatus\x12$.planserve.v1.GetServerStatusRequest\x1a%.planserve.v1.GetServerStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'planserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2637
-  _globals['_FINISHREASON']._serialized_end=2837
+  _globals['_TOOLCHOICEMODE']._serialized_start=3123
+  _globals['_TOOLCHOICEMODE']._serialized_end=3258
+  _globals['_FINISHREASON']._serialized_start=3261
+  _globals['_FINISHREASON']._serialized_end=3461
   _globals['_SESSIONREQUEST']._serialized_start=72
   _globals['_SESSIONREQUEST']._serialized_end=192
   _globals['_SESSIONERROR']._serialized_start=194
@@ -41,39 +43,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONRESPONSE']._serialized_start=261
   _globals['_SESSIONRESPONSE']._serialized_end=380
   _globals['_CHATMESSAGE']._serialized_start=382
-  _globals['_CHATMESSAGE']._serialized_end=426
-  _globals['_CHATMESSAGES']._serialized_start=428
-  _globals['_CHATMESSAGES']._serialized_end=487
-  _globals['_STOPPINGCRITERIA']._serialized_start=490
-  _globals['_STOPPINGCRITERIA']._serialized_end=662
-  _globals['_GENERATEREQUEST']._serialized_start=665
-  _globals['_GENERATEREQUEST']._serialized_end=1307
-  _globals['_ABORTREQUEST']._serialized_start=1309
-  _globals['_ABORTREQUEST']._serialized_end=1343
-  _globals['_ABORTRESPONSE']._serialized_start=1345
-  _globals['_ABORTRESPONSE']._serialized_end=1360
-  _globals['_USAGE']._serialized_start=1363
-  _globals['_USAGE']._serialized_end=1498
-  _globals['_GENERATERESPONSE']._serialized_start=1501
-  _globals['_GENERATERESPONSE']._serialized_end=1835
-  _globals['_TOKENIZEREQUEST']._serialized_start=1837
-  _globals['_TOKENIZEREQUEST']._serialized_end=1955
-  _globals['_TOKENIZERESPONSE']._serialized_start=1957
-  _globals['_TOKENIZERESPONSE']._serialized_end=2017
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2019
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2086
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2088
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2122
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2124
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2145
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2147
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2171
-  _globals['_GETSERVERSTATUSRESPONSE']._serialized_start=2174
-  _globals['_GETSERVERSTATUSRESPONSE']._serialized_end=2363
-  _globals['_REPLICASTATUS']._serialized_start=2366
-  _globals['_REPLICASTATUS']._serialized_end=2532
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2534
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2634
-  _globals['_GENERATIONSERVICE']._serialized_start=2840
-  _globals['_GENERATIONSERVICE']._serialized_end=3417
+  _globals['_CHATMESSAGE']._serialized_end=494
+  _globals['_TOOL']._serialized_start=496
+  _globals['_TOOL']._serialized_end=557
+  _globals['_TOOLCHOICE']._serialized_start=559
+  _globals['_TOOLCHOICE']._serialized_end=647
+  _globals['_TOOLCALL']._serialized_start=649
+  _globals['_TOOLCALL']._serialized_end=704
+  _globals['_CHATMESSAGES']._serialized_start=706
+  _globals['_CHATMESSAGES']._serialized_end=765
+  _globals['_STOPPINGCRITERIA']._serialized_start=768
+  _globals['_STOPPINGCRITERIA']._serialized_end=940
+  _globals['_GENERATEREQUEST']._serialized_start=943
+  _globals['_GENERATEREQUEST']._serialized_end=1728
+  _globals['_ABORTREQUEST']._serialized_start=1730
+  _globals['_ABORTREQUEST']._serialized_end=1764
+  _globals['_ABORTRESPONSE']._serialized_start=1766
+  _globals['_ABORTRESPONSE']._serialized_end=1781
+  _globals['_USAGE']._serialized_start=1784
+  _globals['_USAGE']._serialized_end=1919
+  _globals['_GENERATERESPONSE']._serialized_start=1922
+  _globals['_GENERATERESPONSE']._serialized_end=2321
+  _globals['_TOKENIZEREQUEST']._serialized_start=2323
+  _globals['_TOKENIZEREQUEST']._serialized_end=2441
+  _globals['_TOKENIZERESPONSE']._serialized_start=2443
+  _globals['_TOKENIZERESPONSE']._serialized_end=2503
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2505
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2572
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2574
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2608
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2610
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2631
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2633
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2657
+  _globals['_GETSERVERSTATUSRESPONSE']._serialized_start=2660
+  _globals['_GETSERVERSTATUSRESPONSE']._serialized_end=2849
+  _globals['_REPLICASTATUS']._serialized_start=2852
+  _globals['_REPLICASTATUS']._serialized_end=3018
+  _globals['_GETMODELINFORESPONSE']._serialized_start=3020
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3120
+  _globals['_GENERATIONSERVICE']._serialized_start=3464
+  _globals['_GENERATIONSERVICE']._serialized_end=4041
 # @@protoc_insertion_point(module_scope)
