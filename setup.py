@@ -45,9 +45,12 @@ LAYER_OPS_ISA_SOURCES = {
     f"{CSRC}/layer_ops_avx2.cpp": ["-mavx2", "-mfma"],
     f"{CSRC}/layer_ops_avx512.cpp": AVX512_FLAGS,
 } if X86_64 else {}
-# Vector paths of the small-batch GEMMs.
+# Vector paths of the small-batch GEMMs. The FMA paths (csrc/gemm_vec_impl.h) fuse only where
+# their source says fmadd: -ffp-contract=off keeps the compiler from fusing anything else.
 GEMM_ISA_SOURCES = {
     f"{CSRC}/gemm_avx512_bf16.cpp": AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni"],
+    f"{CSRC}/gemm_avx512.cpp": AVX512_FLAGS + ["-ffp-contract=off"],
+    f"{CSRC}/gemm_avx2.cpp": ["-mavx2", "-mfma", "-ffp-contract=off"],
 } if X86_64 else {}
 # SHA-NI path of the prefix cache's block hash (block_pool.pyx, csrc/sha256.h picks it by CPUID).
 BLOCK_POOL_ISA_SOURCES = {f"{CSRC}/sha256_shani.c": ["-msha", "-msse4.1"]} if X86_64 else {}

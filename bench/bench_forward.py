@@ -2,7 +2,13 @@
 compute). A plain script, not a test; ~4-6 minutes on 2 cores.
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_forward.py [--label TEXT] [--out PATH]
-        [--threads N] [--no-profile]
+        [--threads N] [--no-profile] [--variants bfloat16,float32,int8]
+
+The kernel paths are the model service's compute fields, set as it reads them at start, from their
+environment aliases: PLANSERVE_GEMM_ISA=avx2 (and PLANSERVE_ATTENTION_ISA, PLANSERVE_LAYER_OPS_ISA)
+forces a path on a CPU that has a faster one. With ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2
+and MKL_ENABLE_INSTRUCTIONS=AVX2 as well, torch's own kernels (the float32 variant's GEMMs, the
+floors' rates) keep to AVX2 too: an AVX2-only CPU run on a newer one.
 
 Cases: decode at batch 1, 16 and 64 (each sequence's context drawn from 280..320) and a 2,048-token
 prompt prefilled in one chunk. The forward is the model call alone (all layers, the norm and
@@ -13,7 +19,8 @@ Honest by construction (bench/measure.py): every sequence has its own KV blocks,
 cache twice the size the step reads; every figure is the median of at least 10 steps after two
 warm-up steps; the floors are measured in the same run:
     memory floor  = (weight bytes + KV bytes the step reads) / read bandwidth of 1 GiB
-    compute floor = FLOPs / the dtype's GEMM rate at the model's MLP shape (int8 computes in bf16)
+    compute floor = FLOPs / the dtype's GEMM rate at the model's MLP shape (int8 computes in bf16;
+                    the avx2 and avx512 GEMM paths multiply in float32: the float32 rate)
     FLOPs         = 2 * layer params * tokens + 2 * lm_head params * sampled rows
                     + 4 * hidden * layers * attended (query, key) pairs
 A per-op profile of one batch-16 bf16 decode step (torch.profiler, top ops by self CPU time) is
@@ -24,8 +31,8 @@ does not show them. Where the native decoder loop applies (model_service/models/
 case is timed on a second copy of the model on the Python loop too ("ms_python_loop"), and the
 split by part and the profile are of the Python loop (the native loop's calls are not Python's).
 
-The script only uses the model API (load_model, KVCache, build_attention_metadata), so it runs
-unchanged on older trees: that is how the "before" figures were taken.
+The script uses the model API (load_model, KVCache, build_attention_metadata) and, since issue 33,
+compute_env_defaults and kernels.gemm: older trees need those two lines taken out.
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench import measure  # noqa: E402
-from model_service.config import ModelServiceConfig  # noqa: E402
+from model_service.config import ModelServiceConfig, compute_env_defaults  # noqa: E402
+from model_service.kernels import gemm  # noqa: E402
 from model_service.loading.loader import load_model  # noqa: E402
 from model_service.kernels.quant import weight_bytes  # noqa: E402
 
@@ -150,29 +158,41 @@ def decoder_loop(model, config) -> tuple[str, object]:
     return "native", python_model
 
 
+def gemm_path(model) -> str:
+    """The GEMM path `model`'s linears run: a packed path's name, else torch's."""
+    paths = {m.isa for m in model.modules() if isinstance(m, gemm.PackedLinear)}
+    return ",".join(sorted(paths)) or gemm.TORCH_PATH
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", default="after", help="key of this run in the results file")
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="which of them, comma-separated")
     args = parser.parse_args()
+    compute = compute_env_defaults(os.environ)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load_before = os.getloadavg()[0]
     bandwidth = measure.read_bandwidth()
     rates = {"bfloat16": measure.gemm_rate(torch.bfloat16), "float32": measure.gemm_rate(torch.float32)}
-    print(f"{measure.cpu_model()}: read {bandwidth / 1e9:.1f} GB/s, GEMM bf16 {rates['bfloat16'] / 1e9:.0f} / "
+    print(f"{compute or 'kernel paths: auto'}; {measure.cpu_model()}: read {bandwidth / 1e9:.1f} GB/s, GEMM bf16 {rates['bfloat16'] / 1e9:.0f} / "
           f"float32 {rates['float32'] / 1e9:.0f} GFLOP/s", file=sys.stderr)
     run = {"variants": {}}
     for label, dtype_name, quant in VARIANTS:
-        config = ModelServiceConfig(model="smollm2", dtype=dtype_name, quantization=quant, device="cpu")
+        if label not in args.variants.split(","):
+            continue
+        config = ModelServiceConfig(model="smollm2", dtype=dtype_name, quantization=quant, device="cpu", **compute)
         loaded = load_model(config)
         model, arch, dtype = loaded.model, loaded.arch, getattr(torch, dtype_name)
         loop, python_model = decoder_loop(model, config)
         weights = weight_bytes(model)
-        out = run["variants"][label] = {"weight_bytes": weights, "decoder_loop": loop, "steps": {}}
+        path = gemm_path(model)
+        rate = rates["float32"] if path in ("avx2", "avx512") else rates[dtype_name]
+        out = run["variants"][label] = {"weight_bytes": weights, "decoder_loop": loop, "gemm": path, "steps": {}}
         parts = {}
         for name, seqs in cases():
             step = measure.Step(seqs, dtype, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, spare_factor=2)
@@ -183,7 +203,7 @@ def main() -> None:
                     lambda: python_model(*step.args()), min_reps=10, min_seconds=min_seconds)
             flops = step_flops(arch, seqs)
             memory_floor = (weights + step.kv_bytes) / bandwidth
-            compute_floor = flops / rates[dtype_name]
+            compute_floor = flops / rate
             floor = max(memory_floor, compute_floor)
             out["steps"][name] = {"ms": seconds * 1e3, "memory_floor_ms": memory_floor * 1e3, "compute_floor_ms": compute_floor * 1e3,
                                   "x_of_floor": seconds / floor, "tokens_per_s": sum(n for _, n in seqs) / seconds, "gflop": flops / 1e9}
@@ -203,6 +223,9 @@ def main() -> None:
             profile_decode(python_model or model, profile_step, f"{os.path.splitext(args.out)[0]}.profile.{_slug(args.label)}.txt", parts)
             del profile_step
         del model, loaded, python_model
+    run["compute"] = compute
+    run["torch_isa_env"] = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                            if k in os.environ}
     run["machine"] = {"cpu": measure.cpu_model(), **measure.thread_settings(), "read_bandwidth_gb_s": bandwidth / 1e9,
                       "gemm_gflops": {k: v / 1e9 for k, v in rates.items()}, "load_avg_before_after": [load_before, os.getloadavg()[0]],
                       "torch": torch.__version__}

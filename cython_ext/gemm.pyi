@@ -1,5 +1,6 @@
 ISAS: tuple[str, ...]
 TORCH_PATH: str
+FASTEST_FIRST: tuple[str, ...]
 
 def isa_supported(name: str) -> bool: ...
 def best_isa() -> str: ...

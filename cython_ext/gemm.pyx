@@ -6,7 +6,7 @@ Each call releases the GIL. Errors come back as ValueError with the C side's mes
 """
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uintptr_t
 
-ISAS = ("portable", "avx512_bf16")  # gm_isa order
+ISAS = ("portable", "avx512_bf16", "avx2", "avx512")  # gm_isa order
 TORCH_PATH = "torch"
 
 
@@ -15,10 +15,16 @@ def isa_supported(str name) -> bool:
     return gm_isa_supported(ISAS.index(name)) == 1
 
 
+FASTEST_FIRST = ("avx512_bf16", "avx512", "avx2")
+
+
 def best_isa() -> str:
-    """The fastest path here: AVX512-BF16 where the CPU has it, else torch's own GEMM (the
-    portable loop is for checks: slower than torch's)."""
-    return "avx512_bf16" if isa_supported("avx512_bf16") else TORCH_PATH
+    """The fastest path here (docs/benchmarks.md): AVX512-BF16, else AVX-512F, else AVX2+FMA, else
+    torch's own GEMM (the portable loop is for checks: slower than torch's)."""
+    for name in FASTEST_FIRST:
+        if isa_supported(name):
+            return name
+    return TORCH_PATH
 
 
 cdef _check(int code, str op):

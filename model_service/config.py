@@ -200,8 +200,8 @@ class ModelServiceConfig:
     "torch" (the same arithmetic as torch ops). Alias PLANSERVE_LAYER_OPS_ISA."""
 
     gemm_isa: str = "auto"
-    """bfloat16 and int8 linear layers on the CPU: "auto" (the native packed GEMM where the CPU
-    has AVX512-BF16, else torch's), "avx512_bf16", "portable", or "torch". Alias
+    """bfloat16 and int8 linear layers on the CPU: "auto" (the fastest native packed GEMM path the
+    CPU runs, else torch's), "avx512_bf16", "avx512", "avx2", "portable", or "torch". Alias
     PLANSERVE_GEMM_ISA."""
 
     decoder_loop: str = setting("native", choices=("native", "python"))

@@ -29,7 +29,10 @@ extern "C" {
 // One panel's block of int8: 16 float32 scales, then 32 x 16 int8 values.
 #define GM_INT8_PANEL_BLOCK_BYTES (GM_PANEL * 4 + GM_INT8_BLOCK * GM_PANEL)
 
-enum gm_isa { GM_ISA_PORTABLE = 0, GM_ISA_AVX512_BF16 = 1 };
+// The ISA paths (cython_ext/gemm.pyx's ISAS in this order). AVX2 and AVX512 widen bf16 weights to
+// float32 in registers and multiply with FMA (gemm_vec_impl.h); each path has its own summation
+// order, the same for every row count.
+enum gm_isa { GM_ISA_PORTABLE = 0, GM_ISA_AVX512_BF16 = 1, GM_ISA_AVX2 = 2, GM_ISA_AVX512 = 3 };
 enum gm_error { GM_OK = 0, GM_BAD_SHAPE = 1, GM_ISA_UNAVAILABLE = 2, GM_BAD_ROW = 3 };
 
 // Elements of the packed bfloat16 weight (uint16) for an [n, k] matrix.

@@ -11,6 +11,8 @@
 
 namespace GM_NS {
 
+using XT = uint16_t;  // the tiles read x as given: VDPBF16PS takes bfloat16 pairs
+
 static inline __m512bh broadcast_pair(const uint16_t* a) {
     int32_t pair;
     memcpy(&pair, a, sizeof pair);

@@ -14,6 +14,8 @@ extern "C" {
 GM_DECLARE(portable)
 #if defined(PLANSERVE_PA_X86)
 GM_DECLARE(avx512_bf16)
+GM_DECLARE(avx2)
+GM_DECLARE(avx512)
 #endif
 
 int gm_isa_supported(int isa) {
@@ -22,6 +24,8 @@ int gm_isa_supported(int isa) {
 #if defined(PLANSERVE_PA_X86)
         case GM_ISA_AVX512_BF16:  // int8 runs VPDPWSSD: every AVX512-BF16 CPU so far has AVX512-VNNI too
             return planserve_cpu_avx512_bf16() && __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+        case GM_ISA_AVX2: return planserve_cpu_avx2() ? 1 : 0;
+        case GM_ISA_AVX512: return planserve_cpu_avx512() ? 1 : 0;  // F, BW (vpmaddwd on zmm), VL, DQ
 #endif
     }
     return 0;
@@ -97,6 +101,33 @@ int gm_gather_rows_bf16(const uint16_t* packed, int64_t n, int64_t k, const int6
     return GM_OK;
 }
 
+typedef void (*linear_bf16_fn)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,
+                               void*, int64_t, int, int);
+typedef void (*linear_int8_fn)(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const uint16_t*,
+                               void*, int64_t, int, int);
+
+static linear_bf16_fn linear_bf16_path(int isa) {
+    switch (isa) {
+#if defined(PLANSERVE_PA_X86)
+        case GM_ISA_AVX512_BF16: return gm_linear_bf16_avx512_bf16;
+        case GM_ISA_AVX2: return gm_linear_bf16_avx2;
+        case GM_ISA_AVX512: return gm_linear_bf16_avx512;
+#endif
+    }
+    return gm_linear_bf16_portable;
+}
+
+static linear_int8_fn linear_int8_path(int isa) {
+    switch (isa) {
+#if defined(PLANSERVE_PA_X86)
+        case GM_ISA_AVX512_BF16: return gm_linear_int8_avx512_bf16;
+        case GM_ISA_AVX2: return gm_linear_int8_avx2;
+        case GM_ISA_AVX512: return gm_linear_int8_avx512;
+#endif
+    }
+    return gm_linear_int8_portable;
+}
+
 static bool bad_call(int64_t rows, int64_t ldx, int64_t n, int64_t k, int64_t ldo, int num_threads) {
     return rows < 0 || n <= 0 || k <= 0 || k % 2 || ldx < k || ldo < n || num_threads <= 0;
 }
@@ -105,13 +136,7 @@ int gm_linear_bf16(const uint16_t* x, int64_t rows, int64_t ldx, const uint16_t*
                    const uint16_t* bias, void* out, int64_t ldo, int out_f32, int isa, int num_threads) {
     if (!gm_isa_supported(isa)) return GM_ISA_UNAVAILABLE;
     if (bad_call(rows, ldx, n, k, ldo, num_threads)) return GM_BAD_SHAPE;
-#if defined(PLANSERVE_PA_X86)
-    if (isa == GM_ISA_AVX512_BF16) {
-        gm_linear_bf16_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
-        return GM_OK;
-    }
-#endif
-    gm_linear_bf16_portable(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
+    linear_bf16_path(isa)(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
     return GM_OK;
 }
 
@@ -119,13 +144,7 @@ int gm_linear_int8(const uint16_t* x, int64_t rows, int64_t ldx, const uint8_t* 
                    const uint16_t* bias, void* out, int64_t ldo, int out_f32, int isa, int num_threads) {
     if (!gm_isa_supported(isa)) return GM_ISA_UNAVAILABLE;
     if (bad_call(rows, ldx, n, k, ldo, num_threads) || k % GM_INT8_BLOCK) return GM_BAD_SHAPE;
-#if defined(PLANSERVE_PA_X86)
-    if (isa == GM_ISA_AVX512_BF16) {
-        gm_linear_int8_avx512_bf16(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
-        return GM_OK;
-    }
-#endif
-    gm_linear_int8_portable(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
+    linear_int8_path(isa)(x, rows, ldx, packed, n, k, bias, out, ldo, out_f32, num_threads);
     return GM_OK;
 }
 

@@ -1,5 +1,5 @@
-// The GEMMs' portable path: the same packed layout and loop nest in plain C++, for CPUs without
-// AVX512-BF16 (where torch's GEMM is the default: this path is for checks and other architectures).
+// The GEMMs' portable path: the same packed layout and loop nest in plain scalar C++, built without
+// ISA flags: the checking path on every CPU (the vector paths, gemm_vec_impl.h, are the fast ones).
 // Each pair adds its odd product, then its even one, as VDPBF16PS is specified to; int8 computes
 // what the AVX-512 path computes, in the same order.
 #include <string.h>
@@ -22,6 +22,8 @@
 #define GM_ENTRY(name) gm_##name##_portable
 
 namespace GM_NS {
+
+using XT = uint16_t;  // the tiles read x as given
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;

@@ -8,12 +8,16 @@ float32 sum from zero over the input pairs in order, rounded once (csrc/gemm.h).
 bits independent of the rows beside it by construction (the batch-invariance rule) and reads the
 weight once per step, whatever the batch. int8 (quant.py's blocks of 32) keeps its int8 values
 and scales; the kernel quantizes each row of x per block of 32 to int16 and takes exact integer
-block dot products (VPDPWSSD), so the weight is never widened to bf16 in memory (csrc/gemm.h).
+block dot products (VPDPWSSD, or vpmaddwd), so the weight is never widened to bf16 in memory
+(csrc/gemm.h).
 
-The path: the config's gemm_isa (auto, torch, or one of cython_ext.gemm.ISAS), applied when the
-loader packs the model; auto takes AVX512-BF16 where the CPU has it and torch's GEMM elsewhere (and
-for float32, other devices, and tensor-parallel layers, which stay on torch with layer_ops.linear's
-padding).
+The paths (cython_ext.gemm.ISAS): avx512_bf16 (VDPBF16PS); avx512 and avx2, which widen the bf16
+weight to float32 in registers and multiply with FMA (csrc/gemm_vec_impl.h: half the bytes of a
+float32 weight read); portable (scalar, for checks). The path is the config's gemm_isa (auto,
+torch, or one of ISAS), applied when the loader packs a bfloat16 model; auto takes the fastest the
+CPU runs (avx512_bf16, then avx512, then avx2: docs/benchmarks.md) and torch's GEMM on CPUs with
+none of them. float32 models, other devices and tensor-parallel layers stay on torch, with
+layer_ops.linear's padding.
 """
 
 from __future__ import annotations

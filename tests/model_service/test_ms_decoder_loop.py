@@ -87,6 +87,22 @@ def test_native_loop_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
     assert all(len(t) == 10 for t in native_tokens.values())
 
 
+@pytest.mark.parametrize("gemm_isa", ["avx2", "avx512", "portable"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_every_gemm_path_forced_gives_the_python_loops_bits(gemm_isa, quantization, monkeypatch):
+    """The native loop on each packed-GEMM path this CPU runs, forced (an AVX512-BF16 CPU checks
+    the AVX2 path too), against the Python loop on the same path."""
+    from cython_ext import gemm as native_gemm
+
+    if not native_gemm.isa_supported(gemm_isa):
+        pytest.skip(f"gemm_isa {gemm_isa} not run by this CPU")
+    config = tiny_config(dtype="bfloat16", quantization=quantization, gemm_isa=gemm_isa)
+    native_tokens, native_logprobs, native_reason = _run(config, "native", monkeypatch)
+    python_tokens, python_logprobs, _ = _run(config, "python", monkeypatch)
+    assert native_reason is None
+    assert (native_tokens, native_logprobs) == (python_tokens, python_logprobs)
+
+
 def test_models_it_does_not_take_run_the_python_loop_and_say_why(monkeypatch, qwen_folders):
     float32 = load_model(tiny_config(dtype="float32"))
     assert decoder_loop.unsupported_reason(float32.model).startswith("linears not packed")

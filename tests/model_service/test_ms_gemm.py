@@ -1,9 +1,11 @@
 """The native GEMMs on packed weights (model_service/kernels/gemm.py over cython_ext/gemm.pyx), on every
-ISA path this machine runs: bf16 against a float64 reference; int8 (x quantized to int16 per row
+ISA path this machine runs, each forced (portable, avx2, avx512, avx512_bf16: an AVX512-BF16 CPU
+runs the AVX2 path in CI too): bf16 against a float64 reference; int8 (x quantized to int16 per row
 and block of 32, integer dot products, csrc/gemm.h) against a float64 model of that arithmetic and,
 looser, against the eager dequantize-then-multiply path; packing exact (one-hot rows read a bf16
 weight back bit for bit); batch invariance bitwise at every row count; the loader packing what
-users run; errors that name the field.
+users run; errors that name the field; each path's vector registers only in its own code (the
+build runs on a CPU without AVX-512).
 
 Tolerance against float64: one bf16 rounding of the result (2^-8 relative) plus float32
 accumulation error (far below it at these widths).
@@ -21,6 +23,10 @@ from model_service.kernels import layer_ops
 from model_service.kernels.quant import Int8Linear, Int8Weight
 
 SUPPORTED = [name for name in native.ISAS if native.isa_supported(name)]
+# Invariance: each row count against the same rows inside TOTAL (the portable loop is slow: 300
+# rows span 3 row blocks).
+ROW_COUNTS = [*range(1, 18), 64, 100, 121, 250, 512]
+TOTAL = {"portable": 300}
 SHAPES = [(576, 960), (1536, 576), (64, 100), (50, 37), (576, 16), (576, 200)]  # (in, out): SmolLM2's qkv and down, the tiny model's, odd panels, 1-panel groups
 
 
@@ -50,7 +56,7 @@ def _assert_near_float64(out, x, weight, bias=None):
 
 def test_isa_paths_of_this_machine(capsys):
     assert "portable" in SUPPORTED
-    expected_auto = "avx512_bf16" if "avx512_bf16" in SUPPORTED else gemm.TORCH_PATH
+    expected_auto = next((name for name in native.FASTEST_FIRST if name in SUPPORTED), gemm.TORCH_PATH)
     assert gemm.resolve_isa("auto") == expected_auto
     with capsys.disabled():
         print(f"\nGEMM ISA paths run here: {', '.join(SUPPORTED)} (auto: {expected_auto})")
@@ -164,14 +170,14 @@ def test_batch_invariant_at_every_row_count(isa, kind, in_features, out_features
     one kernel for every row count (row blocks, tile shapes and the thread split change no sum)."""
     layer = _linear(in_features, out_features) if kind == "bf16" else _int8(in_features, out_features)
     packed = gemm.PackedLinear(layer, isa)
-    total = 2048 if isa != "portable" else 300  # the portable loop is slow; 300 rows span 3 row blocks
+    total = TOTAL.get(isa, 2048)
     x = _randn(total, in_features, seed=13)
     with torch.inference_mode():
         full = layer_ops.linear(packed, x)
         for first in range(0, 48, 5):
             for rows in (1, 2, 3, 5, 7, 11):
                 assert torch.equal(layer_ops.linear(packed, x[first : first + rows]), full[first : first + rows]), (first, rows)
-        for rows in list(range(1, 18)) + [121, 250]:
+        for rows in (rows for rows in ROW_COUNTS if rows < total):
             assert torch.equal(layer_ops.linear(packed, x[:rows]), full[:rows]), rows
 
 
@@ -270,3 +276,32 @@ def test_errors_name_the_field():
         native.linear_bf16(0, 1, 63, 0, 8, 63, 0, 0, 8, False, 0, 1)  # odd input columns, refused before any read
     with pytest.raises(ValueError, match="linear_int8: .*a multiple of 32 for int8"):
         native.linear_int8(0, 1, 48, 0, 8, 48, 0, 0, 8, False, 0, 1)
+
+
+def test_vector_registers_only_in_their_paths():
+    """zmm registers only in AVX-512 code, ymm only in AVX2 or AVX-512 code (setup.py builds each path
+    with its own flags; gemm_driver.h keeps std:: templates out, whose one kept copy could carry
+    another path's instructions): so the dispatcher and the portable path run on any x86-64 CPU."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("objdump") is None or "avx2" not in native.ISAS or not native.isa_supported("portable"):
+        pytest.skip("objdump or an x86-64 build needed")
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", native.__file__], capture_output=True,
+                             text=True, check=True).stdout
+    owners: dict[str, set[str]] = {"zmm": set(), "ymm": set()}
+    function = ""
+    for line in listing.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if head:
+            function = head.group(1)
+        for register in owners:
+            if "%" + register in line:
+                owners[register].add(function)
+    allowed = {"zmm": ("avx512",), "ymm": ("avx2", "avx512")}
+    for register, functions in owners.items():
+        stray = sorted(f for f in functions if not any(name in f for name in allowed[register]))
+        assert not stray, (register, stray[:5])
+    assert any("planserve_gm_avx2" in f for f in owners["ymm"]), "the AVX2 path's code not found"
+    assert not any("planserve_gm_avx2" in f for f in owners["zmm"])
