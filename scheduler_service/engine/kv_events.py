@@ -174,6 +174,7 @@ class KVEventPublisher:
             except queue.Empty:
                 continue
             if item is None:
+                self._queue.task_done()
                 return
             timestamp, events, rank = item
             payload = msgpack.packb([timestamp, events, rank])
@@ -182,6 +183,12 @@ class KVEventPublisher:
             if self._replay is not None:
                 self._kept.append((sequence, payload))
             self.num_published += 1
+            self._queue.task_done()
+
+    def idle(self) -> bool:
+        """No batch queued or being sent: num_published then counts every batch published so
+        far (the sending thread publishes after publish() returns)."""
+        return self._queue.unfinished_tasks == 0
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

@@ -203,6 +203,7 @@ async def test_subscriber_rebuilds_the_prefix_cache(publishing):
     await asyncio.gather(*(complete(stub, greedy_ids_request([7 + i] * 40, 50)) for i in range(20)))
     await wait_until_idle(server)
     publisher = server.kv_publisher
+    await _until(publisher.idle)
     await asyncio.to_thread(subscriber.wait_for, publisher.num_published)
     batches = decode(subscriber.messages, "kv@planserve")
     assert batches[0][0] == {"type": "AllBlocksCleared"}
@@ -395,6 +396,7 @@ async def test_each_replica_publishes_under_its_own_rank(engine, tmp_path):
             *(complete(stub, greedy_ids_request([11 + i] * 40, 8)) for i in range(12))
         )
         await wait_until_idle(server)
+        await _until(server.kv_publisher.idle)
         await asyncio.to_thread(subscriber.wait_for, server.kv_publisher.num_published)
         by_rank: dict[int, list[list[dict]]] = {0: [], 1: []}
         decode(subscriber.messages, "kv", ranks=(0, 1))
@@ -452,6 +454,7 @@ async def test_a_model_service_restart_clears_the_consumers_index(tmp_path):
         published_before = server.kv_publisher.num_published
         await complete(stub, greedy_ids_request(list(range(600, 640)), 4))
         await wait_until_idle(server)
+        await _until(server.kv_publisher.idle)
         await asyncio.to_thread(subscriber.wait_for, server.kv_publisher.num_published)
         batches = decode(subscriber.messages, "kv")
         assert batches[published_before][0] == {"type": "AllBlocksCleared"}
