@@ -151,13 +151,12 @@ def profile_largest_step(loaded: LoadedModel, config: ModelServiceConfig) -> int
 
 
 def graphs_captured(loaded: LoadedModel, config: ModelServiceConfig) -> bool:
-    """Whether the capture after sizing will record graphs (cuda_graphs.unsupported_reason, asked
-    of a two-block cache of the real one's layout), so the budget leaves their pool free."""
+    """Whether the capture after sizing will record graphs (cuda_graphs.records, asked of a
+    two-block cache of the real one's layout), so the budget leaves their pool free."""
     probe = new_kv_cache(loaded, config, 2)
-    reason = cuda_graphs.unsupported_reason(
+    return cuda_graphs.records(
         config.cuda_graphs, probe.k.device, probe, loaded.tensor_parallel_size
     )
-    return reason is None and config.cuda_graphs != "eager"  # "eager" pads, captures nothing
 
 
 def _drafter(

@@ -35,7 +35,7 @@ DRAFT_STREAM = np.uint64(0xA0761D6478BD642F)
 def load_draft(config, target: LoadedModel) -> LoadedModel | None:
     """The draft model of `config` (None unless speculative_method is "draft"): loaded before the
     target's KV cache is sized, so its weights are out of the free memory the budget measures and
-    its cache is counted in each block's bytes (kv_budget.count_kv_blocks)."""
+    its cache is counted in each block's bytes (kv_budget.size_kv_cache)."""
     if config.speculative_method != "draft":
         return None
     from model_service.loading.loader import load_model

@@ -22,7 +22,7 @@ cuda_graphs "eager" runs the same bookkeeping (bucket, padding, static buffers) 
 on any device: how CI checks it on the CPU, greedy tokens against the plain path.
 
 Memory: the pool holds about one largest step's activations (logged at start as
-step_graphs_captured); the KV budget leaves one profiled step's peak free for it
+step_graphs_captured); the KV budget leaves GRAPH_POOL_PEAKS profiled step peaks free for it
 (model_service/step/kv_budget.py). Each graph copies its logits into one static output, so nothing
 it allocated outlives its capture and the next (smaller) capture reuses the pool.
 
@@ -65,6 +65,15 @@ def unsupported_reason(
     if tensor_parallel_size > 1:
         return "tensor parallel"
     return None
+
+
+def records(
+    requested: str, device: torch.device, kv_cache: KVCache, tensor_parallel_size: int
+) -> bool:
+    """Whether `capture` will record graphs (and so hold a pool the KV budget must leave free):
+    supported, and not "eager", which pads without capturing."""
+    reason = unsupported_reason(requested, device, kv_cache, tensor_parallel_size)
+    return reason is None and requested != "eager"
 
 
 def capture(

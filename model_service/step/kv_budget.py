@@ -159,21 +159,6 @@ class KVSizing:
         return f"{self.num_blocks} blocks (fixed)" if self.budget is None else self.budget.basis()
 
 
-def count_kv_blocks(
-    config: ModelServiceConfig,
-    loaded: LoadedModel,
-    dtype: torch.dtype,
-    device: torch.device,
-    step_peak_bytes: int | None = None,
-    draft_block_bytes: int = 0,
-    graphs_bytes: int = 0,
-) -> int:
-    """The blocks to allocate (size_kv_cache's count)."""
-    return size_kv_cache(
-        config, loaded, dtype, device, step_peak_bytes, draft_block_bytes, graphs_bytes
-    ).num_blocks
-
-
 def size_kv_cache(
     config: ModelServiceConfig,
     loaded: LoadedModel,

@@ -100,8 +100,8 @@ def test_a_fraction_leaves_the_largest_step_and_the_reserve_free(loaded, monkeyp
     dtype = next(loaded.model.parameters()).dtype
     peak = 100 << 20
 
-    unprofiled = kv_budget.count_kv_blocks(config, loaded, dtype, device)
-    profiled = kv_budget.count_kv_blocks(config, loaded, dtype, device, step_peak_bytes=peak)
+    unprofiled = kv_budget.size_kv_cache(config, loaded, dtype, device).num_blocks
+    profiled = kv_budget.size_kv_cache(config, loaded, dtype, device, step_peak_bytes=peak).num_blocks
     assert unprofiled == (free // 2) // per_block
     assert profiled == (free // 2 - peak - kv_budget.CUDA_RESERVE_BYTES) // per_block
 
@@ -111,8 +111,8 @@ def test_a_step_larger_than_the_fraction_refuses_to_start_naming_the_fixes(loade
     config = _config(num_kv_blocks=None, kv_cache_memory_fraction=0.5)
     with pytest.raises(ValueError, match=r"kv_cache_memory_fraction: a budget of 0 bytes \(after the "
                        r"largest step's 1073741824 bytes.*lower profile_step_tokens or max_num_slots"):
-        kv_budget.count_kv_blocks(config, loaded, torch.float32, torch.device("cpu"),
-                                  step_peak_bytes=1 << 30)
+        kv_budget.size_kv_cache(config, loaded, torch.float32, torch.device("cpu"),
+                                step_peak_bytes=1 << 30)
 
 
 @pytest.mark.parametrize(
@@ -129,11 +129,11 @@ def test_a_fixed_cache_that_leaves_too_little_refuses_to_start(loaded, monkeypat
     # over 1 GiB.
     with pytest.raises(ValueError, match=rf"{field}: a KV cache of \d+ bytes, the largest step's and the "
                        rf"graphs' 943718400 bytes .* 1073741824 are free \(lower {field} or profile_step_tokens\)"):
-        kv_budget.count_kv_blocks(config, loaded, torch.float32, torch.device("cpu"),
-                                  step_peak_bytes=900 << 20)
+        kv_budget.size_kv_cache(config, loaded, torch.float32, torch.device("cpu"),
+                                step_peak_bytes=900 << 20)
     # The same cache beside a small step starts.
-    assert kv_budget.count_kv_blocks(config, loaded, torch.float32, torch.device("cpu"),
-                                     step_peak_bytes=1 << 20) >= 2
+    assert kv_budget.size_kv_cache(config, loaded, torch.float32, torch.device("cpu"),
+                                   step_peak_bytes=1 << 20).num_blocks >= 2
 
 
 def test_the_cpu_runner_does_not_profile(loaded, monkeypatch):
