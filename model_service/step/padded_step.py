@@ -90,6 +90,10 @@ class PaddedStep:
         """Sb: the sequences (and logits rows) a bucket of `tokens` rows holds."""
         return min(tokens, self.max_seqs)
 
+    def tiles_of(self, bucket: int) -> int:
+        """The tile map's length for a bucket: the most tiles its rows and sequences can need."""
+        return cuda_attention.max_tiles(bucket, self.seqs_of(bucket), self.tile_rows)
+
     def fits(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray, bucket: int) -> bool:
         """Whether a step fits `bucket`'s views (False: it runs unpadded): its rows, sequences
         and logits rows, and its block tables' width."""
@@ -115,8 +119,9 @@ class PaddedStep:
             h[name][count:seqs] = 0
         h["logits_indices"][: logits_indices.size] = logits_indices
         h["logits_indices"][logits_indices.size : seqs] = 0
-        num_tiles = cuda_attention.max_tiles(bucket, seqs, self.tile_rows)
-        cuda_attention.attention_tiles(num_scheduled, self.tile_rows, h["tiles"][:, :num_tiles])
+        cuda_attention.attention_tiles(
+            num_scheduled, self.tile_rows, h["tiles"][:, : self.tiles_of(bucket)]
+        )
         width = x.block_tables.shape[1]
         self.host_tables.numpy()[:count, :width] = x.block_tables[:count]
         if self.buffer is not self.host:
@@ -141,9 +146,6 @@ class PaddedStep:
             self.tables.shape[1] * self.block_size
             if eager_step is None
             else eager_step.max_context_len,
-            tiles=self._tiles(bucket, seqs) if self.device.type == "cuda" else None,
+            tiles=d["tiles"][:, : self.tiles_of(bucket)] if self.device.type == "cuda" else None,
         )
         return d["input_ids"][:bucket], d["positions"][:bucket], meta, d["logits_indices"][:seqs]
-
-    def _tiles(self, bucket: int, seqs: int) -> torch.Tensor:
-        return self._device["tiles"][:, : cuda_attention.max_tiles(bucket, seqs, self.tile_rows)]
