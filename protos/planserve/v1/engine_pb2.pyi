@@ -24,7 +24,7 @@ class EngineFeatures(_message.Message):
     def __init__(self, chunked_prefill: _Optional[bool] = ..., block_copy: _Optional[bool] = ..., swap: _Optional[bool] = ..., speculation: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features", "num_swap_blocks", "num_speculative_tokens", "max_top_logprobs", "compute", "request_bounds", "step_token_budget", "step_max_seqs")
+    __slots__ = ("contract_version", "model_name", "architecture", "dtype", "device", "vocab_size", "max_model_len", "block_size", "num_kv_blocks", "max_num_slots", "eos_token_ids", "bos_token_id", "tokenizer_json", "chat_template", "special_tokens", "features", "num_swap_blocks", "num_speculative_tokens", "max_top_logprobs", "compute", "request_bounds", "step_token_budget", "step_max_seqs", "lora")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class DescribeResponse(_message.Message):
     REQUEST_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     STEP_MAX_SEQS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     contract_version: int
     model_name: str
     architecture: str
@@ -85,7 +86,50 @@ class DescribeResponse(_message.Message):
     request_bounds: RequestBounds
     step_token_budget: int
     step_max_seqs: int
-    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ..., num_swap_blocks: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., compute: _Optional[_Mapping[str, str]] = ..., request_bounds: _Optional[_Union[RequestBounds, _Mapping]] = ..., step_token_budget: _Optional[int] = ..., step_max_seqs: _Optional[int] = ...) -> None: ...
+    lora: LoraCapacity
+    def __init__(self, contract_version: _Optional[int] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., features: _Optional[_Union[EngineFeatures, _Mapping]] = ..., num_swap_blocks: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., compute: _Optional[_Mapping[str, str]] = ..., request_bounds: _Optional[_Union[RequestBounds, _Mapping]] = ..., step_token_budget: _Optional[int] = ..., step_max_seqs: _Optional[int] = ..., lora: _Optional[_Union[LoraCapacity, _Mapping]] = ...) -> None: ...
+
+class LoraCapacity(_message.Message):
+    __slots__ = ("max_loras", "max_lora_rank", "max_cpu_loras", "target_modules")
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("lora_id", "lora_name", "lora_path")
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("rank", "target_modules", "num_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    num_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class EvictAdapterRequest(_message.Message):
+    __slots__ = ("lora_id",)
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    def __init__(self, lora_id: _Optional[int] = ...) -> None: ...
+
+class EvictAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class RequestBounds(_message.Message):
     __slots__ = ("max_logit_bias_entries", "max_logit_bias", "max_repetition_penalty", "max_penalty")
@@ -100,7 +144,7 @@ class RequestBounds(_message.Message):
     def __init__(self, max_logit_bias_entries: _Optional[int] = ..., max_logit_bias: _Optional[float] = ..., max_repetition_penalty: _Optional[float] = ..., max_penalty: _Optional[float] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("slot", "token_ids", "sampling", "num_computed_tokens", "num_prompt_tokens", "min_new_tokens", "min_tokens_suppressed_ids", "num_logprobs", "num_prompt_logprobs", "speculate")
+    __slots__ = ("slot", "token_ids", "sampling", "num_computed_tokens", "num_prompt_tokens", "min_new_tokens", "min_tokens_suppressed_ids", "num_logprobs", "num_prompt_logprobs", "speculate", "lora_id")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +155,7 @@ class NewSequence(_message.Message):
     NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     slot: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -121,7 +166,8 @@ class NewSequence(_message.Message):
     num_logprobs: int
     num_prompt_logprobs: int
     speculate: bool
-    def __init__(self, slot: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_suppressed_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ..., num_prompt_logprobs: _Optional[int] = ..., speculate: _Optional[bool] = ...) -> None: ...
+    lora_id: int
+    def __init__(self, slot: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., min_tokens_suppressed_ids: _Optional[_Iterable[int]] = ..., num_logprobs: _Optional[int] = ..., num_prompt_logprobs: _Optional[int] = ..., speculate: _Optional[bool] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class BatchPlan(_message.Message):
     __slots__ = ("step_id", "new_sequences", "slots", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "finished_slots", "preempted_slots", "aborted_slots", "copy_src", "copy_dst", "swap_out_src", "swap_out_dst", "swap_in_src", "extension", "swap_in_dst", "masked_slots", "allowed_token_bitmask")

@@ -47,6 +47,16 @@ class EngineServiceStub:
                 request_serializer=planserve_dot_v1_dot_engine__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=planserve_dot_v1_dot_engine__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/planserve.v1.EngineService/LoadAdapter',
+                request_serializer=planserve_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.EvictAdapter = channel.unary_unary(
+                '/planserve.v1.EngineService/EvictAdapter',
+                request_serializer=planserve_dot_v1_dot_engine__pb2.EvictAdapterRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_engine__pb2.EvictAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -70,6 +80,25 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters (issue 35). The scheduler decides which adapters are resident: it loads one
+        before registering a sequence that names it and evicts it (least recently used, beyond
+        DescribeResponse.lora.max_cpu_loras) when none of its sequences runs. Loading reads the
+        PEFT folder tensor by tensor on a thread of its own, never on the Execute stream, and either
+        keeps the whole adapter or nothing: INVALID_ARGUMENT names the config key or tensor refused,
+        NOT_FOUND the missing path, FAILED_PRECONDITION an engine without LoRA.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EvictAdapter(self, request, context):
+        """Drops a loaded adapter. The scheduler never evicts an adapter a registered slot uses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +111,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=planserve_dot_v1_dot_engine__pb2.ExecuteRequest.FromString,
                     response_serializer=planserve_dot_v1_dot_engine__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=planserve_dot_v1_dot_engine__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_engine__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'EvictAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvictAdapter,
+                    request_deserializer=planserve_dot_v1_dot_engine__pb2.EvictAdapterRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_engine__pb2.EvictAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -141,6 +180,60 @@ class EngineService:
             '/planserve.v1.EngineService/Execute',
             planserve_dot_v1_dot_engine__pb2.ExecuteRequest.SerializeToString,
             planserve_dot_v1_dot_engine__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.EngineService/LoadAdapter',
+            planserve_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+            planserve_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvictAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.EngineService/EvictAdapter',
+            planserve_dot_v1_dot_engine__pb2.EvictAdapterRequest.SerializeToString,
+            planserve_dot_v1_dot_engine__pb2.EvictAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

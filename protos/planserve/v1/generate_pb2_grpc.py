@@ -70,6 +70,16 @@ class GenerationServiceStub:
                 request_serializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusRequest.SerializeToString,
                 response_deserializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/planserve.v1.GenerationService/LoadLoraAdapter',
+                request_serializer=planserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/planserve.v1.GenerationService/UnloadLoraAdapter',
+                request_serializer=planserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=planserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -129,6 +139,21 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter at run time (off unless the server enables runtime adapter loading;
+        the path must lie under its adapter root). ALREADY_EXISTS for a name in use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads a LoRA adapter; FAILED_PRECONDITION while requests use it, NOT_FOUND if unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +191,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetServerStatus,
                     request_deserializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusRequest.FromString,
                     response_serializer=planserve_dot_v1_dot_generate__pb2.GetServerStatusResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=planserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=planserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=planserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +393,60 @@ class GenerationService:
             '/planserve.v1.GenerationService/GetServerStatus',
             planserve_dot_v1_dot_generate__pb2.GetServerStatusRequest.SerializeToString,
             planserve_dot_v1_dot_generate__pb2.GetServerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.GenerationService/LoadLoraAdapter',
+            planserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            planserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/planserve.v1.GenerationService/UnloadLoraAdapter',
+            planserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            planserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
