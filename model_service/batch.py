@@ -23,15 +23,24 @@ from model_service.step.plan import (
 from planserve.contract import CONTRACT_VERSION, REQUEST_BOUNDS
 from planserve.v1 import engine_pb2
 
+# Most of a decode plan's repeated fields are empty; they share one empty array (a size-0 array
+# cannot be written through) instead of converting each.
+_NONE = np.zeros(0, dtype=np.int64)
+
 
 def _arr(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64)
+    return np.asarray(values, dtype=np.int64) if len(values) else _NONE
 
 
 def _check_range(field: str, values: np.ndarray, low: int, high: int) -> None:
     if values.size and (values.min() < low or values.max() >= high):
         bad = values[(values < low) | (values >= high)][0]
         raise PlanError(field, f"{bad} is outside [{low}, {high})")
+
+
+def _has_repeat(values: np.ndarray, high: int) -> bool:
+    """Whether an id occurs twice in `values` (all in [0, high), checked before)."""
+    return values.size > 1 and int(np.bincount(values, minlength=high).max()) > 1
 
 
 def _new_sequence(index: int, msg, limits: PlanLimits) -> SlotRegistration:
@@ -187,8 +196,14 @@ def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> PlanArray
         _check_range(name, getattr(plan, name), 1, limits.num_kv_blocks)  # block 0 is reserved
     if n and plan.num_scheduled_tokens.min() < 1:
         raise PlanError("num_scheduled_tokens", "every scheduled slot needs >= 1 token")
-    if np.unique(plan.slots).size != n:
+    if _has_repeat(plan.slots, limits.max_num_slots):
         raise PlanError("slots", "a slot is scheduled twice")
+    if plan.masked_slots.size:
+        _check_masked(plan)
+    return plan
+
+
+def _check_masked(plan: PlanArrays) -> None:
     if np.unique(plan.masked_slots).size != plan.masked_slots.size:
         raise PlanError("masked_slots", "a slot is masked twice")
     if not np.isin(plan.masked_slots, plan.slots).all():
@@ -197,7 +212,6 @@ def from_pb(request: engine_pb2.ExecuteRequest, limits: PlanLimits) -> PlanArray
             f"slot {plan.masked_slots[~np.isin(plan.masked_slots, plan.slots)][0]} is not "
             "scheduled in this plan",
         )
-    return plan
 
 
 def _bitmasks(p, limits: PlanLimits) -> np.ndarray:
@@ -210,6 +224,8 @@ def _bitmasks(p, limits: PlanLimits) -> np.ndarray:
             f"{len(p.allowed_token_bitmask)} bytes; {len(p.masked_slots)} masked slots need "
             f"{expected}",
         )
+    if not expected:
+        return np.zeros((0, words), dtype=np.uint32)
     masks = np.frombuffer(p.allowed_token_bitmask, dtype="<u4").reshape(len(p.masked_slots), words)
     # Every mask must allow some token inside the vocabulary, or nothing could be sampled.
     tail = limits.vocab_size % 32
@@ -248,6 +264,9 @@ def result_to_pb(output: ComputedStep, total_ns: int) -> engine_pb2.ExecuteRespo
 def _check_swaps(plan: PlanArrays, limits: PlanLimits) -> None:
     """Swap ids: device blocks in [1, num_kv_blocks), host blocks in [0, num_swap_blocks), pairs of
     equal length, and no destination written twice in one plan."""
+    if not (plan.swap_out_src.size or plan.swap_out_dst.size):
+        if not (plan.swap_in_src.size or plan.swap_in_dst.size):
+            return
     for src, dst in (("swap_out_src", "swap_out_dst"), ("swap_in_src", "swap_in_dst")):
         if getattr(plan, src).size != getattr(plan, dst).size:
             raise PlanError(
