@@ -1,9 +1,11 @@
 """The model service's thin gRPC servicer (grpc.aio).
 
-Describe returns the runner's facts; Execute runs one plan per request, in order, each step in a
-worker thread so the event loop keeps serving health checks and Describe. The stream's lifetime
-is the lifetime of the slots: when it ends, every slot is dropped. One stream at a time: a second
-concurrent Execute gets FAILED_PRECONDITION. Errors map to status codes here and only here.
+Describe returns the runner's facts; Execute runs one plan per request, in order, each step
+(plan decode, run, result encode) on the stream's own thread (step_thread.py) so the event loop
+keeps serving health checks and Describe and does only the stream's reads and writes. The
+stream's lifetime is the lifetime of the slots: when it ends, every slot is dropped. One stream
+at a time: a second concurrent Execute gets FAILED_PRECONDITION. Errors map to status codes
+here and only here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from model_service.loading.loader import load_model
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
 from model_service.step.plan import PlanError
+from model_service.step_thread import StepThread
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -59,6 +62,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._generation += 1
         generation = self._generation
         log.info("execute_stream_open", peer=context.peer(), generation=generation)
+        steps = StepThread()
         try:
             async with self._cleanup:
                 # reset() waits for a step still running in a worker thread (runner lock).
@@ -73,8 +77,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                             f"{request.plan.step_id} is not after the previous step {last_step_id}",
                         )
                     last_step_id = request.plan.step_id
-                    plan = from_pb(request, self.runner.limits)
-                    output = await asyncio.to_thread(self.runner.execute, plan)
+                    response = await steps.run(self._step, request, received)
                 except PlanError as error:
                     log.warning(
                         "bad_plan",
@@ -94,14 +97,22 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     await context.abort(
                         grpc.StatusCode.INTERNAL, f"step {request.plan.step_id} failed: {error!r}"
                     )
-                yield result_to_pb(output, total_ns=time.perf_counter_ns() - received)
+                yield response
         finally:
+            steps.close()
             if self._generation == generation:
                 self._stream_open = False
             async with self._cleanup:
                 if self._generation == generation:
                     await asyncio.to_thread(self.runner.reset)
             log.info("execute_stream_closed", generation=generation)
+
+    def _step(
+        self, request: engine_pb2.ExecuteRequest, received_ns: int
+    ) -> engine_pb2.ExecuteResponse:
+        """One step, on the stream's thread: decode and check the plan, run it, encode."""
+        output = self.runner.execute(from_pb(request, self.runner.limits))
+        return result_to_pb(output, total_ns=time.perf_counter_ns() - received_ns)
 
 
 def warm_up(runner: Runner) -> None:
