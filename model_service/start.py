@@ -28,6 +28,7 @@ from model_service.kernels.gemm import PackedLinear
 from model_service.loading.loaded import LoadedModel
 from model_service.loading.loader import load_model
 from model_service.models import decoder_loop
+from model_service.models.null import NullLM
 from model_service.models.parallel import RankShare
 from model_service.runner import ModelRunner
 from model_service.speculative import draft_model
@@ -102,6 +103,11 @@ def select_compute(loaded: LoadedModel, config: ModelServiceConfig) -> None:
     layer_ops.PATH.select(config.layer_ops_isa)
     if hasattr(loaded.model, "decoder_loop_reason"):  # the null model has no decoder layers
         decoder_loop.decide(loaded.model, config.decoder_loop)
+    if isinstance(loaded.model, NullLM):
+        # The null model stands in for a device whose work costs the host nothing, but its
+        # one-hot logits and their argmax are big enough tensors for torch to start a parallel
+        # region, whose wake-up of the OpenMP pool cost more host CPU than the rest of a step.
+        torch.set_num_threads(1)
 
 
 def _device(loaded: LoadedModel) -> torch.device:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.step.sampler import SamplingBatch, sample, uniform_for
+from model_service.step.sampler import SamplingBatch, argmax_rows, sample, uniform_for
 
 V = 1000
 
@@ -26,6 +26,24 @@ def _logits(rows, seed=0) -> torch.Tensor:
 def test_temperature_zero_is_argmax():
     logits = _logits(8)
     assert torch.equal(sample(logits, _batch(8, temperature=0.0)), logits.argmax(-1))
+
+
+def test_cpu_argmax_matches_torch_on_ties_and_nan():
+    """The CPU path (numpy's argmax) picks what torch's argmax picks: the first of equal maxima,
+    and the first NaN of a row that has one; the default dtype's logits go through torch's."""
+    logits = _logits(6)
+    logits[1, 3] = logits[1, 900] = logits[1].max() + 1  # a tie: the first wins
+    logits[2] = 0.0  # a flat row: index 0
+    logits[3, 10] = logits[3, 20] = float("nan")
+    logits[4, 999] = float("inf")
+    logits[5, :] = float("-inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert argmax_rows(logits).dtype == torch.int64
+    assert argmax_rows(logits).tolist()[1:4] == [3, 0, 10]
+    as_bf16 = logits.to(torch.bfloat16)
+    assert torch.equal(argmax_rows(as_bf16), as_bf16.argmax(-1))
+    columns = logits.t().contiguous().t()  # a non-contiguous view
+    assert torch.equal(argmax_rows(columns), logits.argmax(-1))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
