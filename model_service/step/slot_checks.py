@@ -50,6 +50,12 @@ def check_plan(
 def _after_diff(plan: PlanArrays, table: SlotTable) -> _SlotCounts:
     """The counts after the plan's drops and registrations; a drop of a free slot or a
     registration into an occupied one is refused."""
+    lifecycle = (plan.finished_slots, plan.preempted_slots, plan.aborted_slots)
+    if not plan.new_sequences and not any(slots.size for slots in lifecycle):
+        # Most decode steps change no slot: the table's own counts, only read from here.
+        return _SlotCounts(
+            table.active, table.num_tokens, table.num_computed, table.num_blocks, table.speculate
+        )
     counts = _SlotCounts(
         table.active.copy(),
         table.num_tokens.copy(),
