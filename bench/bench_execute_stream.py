@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import queue
 import subprocess
 import sys
@@ -184,15 +185,39 @@ def main() -> None:
     parser.add_argument("--threads", action="store_true", help="CPU of each thread too")
     parser.add_argument("--code", default=ROOT, help="the checkout the model service runs from")
     parser.add_argument("--label", default="")
+    default_out = os.path.join(ROOT, "bench", "results", "execute_stream.json")
+    parser.add_argument("--out", default=default_out)
+    parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     process, port = start_model_service(args)
+    rows = []
     try:
         for _ in range(args.runs):
-            row = measure(process, port, args)
-            print(json.dumps({"label": args.label, "code": args.code, **row}), flush=True)
+            rows.append(measure(process, port, args))
+            print(json.dumps({"label": args.label, "code": args.code, **rows[-1]}), flush=True)
     finally:
         process.terminate()
         process.wait(timeout=60)
+    if not args.no_write:
+        append_run(args, rows, load_before)
+
+
+def append_run(args, rows: list[dict], load_before) -> None:
+    results = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            results = json.load(f)
+    results.setdefault("runs", []).append({
+        "label": args.label,
+        "code": args.code,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "loadavg_before": [round(x, 2) for x in load_before]},
+        "rows": rows,
+    })  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
 
 
 if __name__ == "__main__":
