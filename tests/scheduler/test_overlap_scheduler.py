@@ -11,7 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from factories import EOS, WORDS, ShadowEngine, make_grammar_compiler, make_request, make_scheduler
+from factories import (EOS, WORDS, ShadowEngine, make_grammar_compiler, make_request, make_scheduler,
+                       plan_masks)
 from scheduler_service.core.plan import StepResult
 from scheduler_service.core.request import FinishReason
 from scheduler_service.text.structured import StructuredSpec
@@ -23,13 +24,6 @@ REGEX = "(w2|w3|w4)((w5|w6|w7)(w2|w3|w4)){2,8}"
 def _allowed(row: np.ndarray) -> list[int]:
     bits = np.unpackbits(row.astype("<u4").view(np.uint8), bitorder="little")
     return np.flatnonzero(bits).tolist()
-
-
-def _plan_masks(plan) -> dict[int, list[int]]:
-    if not plan.masked_slots:
-        return {}
-    rows = np.frombuffer(plan.allowed_token_bitmask, dtype="<u4").reshape(len(plan.masked_slots), -1)
-    return {slot: _allowed(row) for slot, row in zip(plan.masked_slots, rows)}
 
 
 def _mask_after(grammar, output_ids: list[int]) -> list[int]:
@@ -77,7 +71,7 @@ class ModelSim:
             self.tokens[seq.slot], self.computed[seq.slot] = list(seq.token_ids), seq.num_computed_tokens
             self.num_prompt[seq.slot] = seq.num_prompt_tokens
         counts, sampled = [], []
-        masks = _plan_masks(plan)
+        masks = plan_masks(plan)
         for request, slot, n in zip(plan.requests, plan.slots, plan.num_scheduled_tokens):
             self.computed[slot] += n
             tokens = self.tokens[slot]
