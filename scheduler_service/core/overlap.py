@@ -20,15 +20,21 @@ class Overlap(SchedulerPart):
 
     @property
     def needs_lockstep(self) -> bool:
-        """A plan can only be built once the previous one's tokens are known: a grammar's mask
-        depends on them, and a speculating decode's length does."""
-        return self._num_constrained > 0 or self.facts.num_speculative_tokens > 0
+        """A plan can only be built once the previous one's tokens are known: a speculating
+        decode's length depends on them. (A grammar's mask does too, but only its own
+        sequence's: commit() keeps that one out of the plan built meanwhile.)"""
+        return self.facts.num_speculative_tokens > 0
 
     def commit(self, plan: StepPlan) -> None:
         """Applies a plan as if it had completed, before its result: computed counts advance and
         every entry that samples gets a placeholder token (its id is on the model side, which
         feeds it to the next step by itself), so the next plan can be built right away.
-        Prefix-cache registration waits for reconcile(), when the ids are real."""
+        Prefix-cache registration waits for reconcile(), when the ids are real.
+
+        A constrained sequence (structured output, tools) gets no placeholder: its next mask
+        needs the token, so it has nothing to compute until the token comes back and the
+        plan built meanwhile leaves it out (it runs every other plan while the others run in
+        every one); reconcile() appends its token as lockstep's update() does."""
         if plan.packed is None:
             raise ValueError("commit needs a plan built by schedule()")
         plan.prompt_starts = {
@@ -38,12 +44,16 @@ class Overlap(SchedulerPart):
         }
         expected = self.core.sampling_entries(plan.packed)
         self.core.advance(plan.packed, expected, cache_blocks=False)
-        placeholders = {}
+        placeholders: dict[int, Optional[int]] = {}
         for index in self.core.live_entries(plan.packed):
-            if expected[index]:
-                slot = plan.slots[index]
-                placeholders[index] = self.core.num_tokens(slot)
-                self.core.append_tokens(slot, [0])
+            if not expected[index]:
+                continue
+            slot = plan.slots[index]
+            if plan.requests[index].guide is not None:
+                placeholders[index] = None  # held back: appended when it comes
+                continue
+            placeholders[index] = self.core.num_tokens(slot)
+            self.core.append_tokens(slot, [0])
         plan.placeholders = placeholders
 
     def reconcile(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
@@ -73,9 +83,11 @@ class Overlap(SchedulerPart):
                 entries = logprobs.take(token_ids, request.logprobs)
             if index not in live or index not in plan.placeholders:
                 continue
-            output = self._take_tokens(
-                request, token_ids, entries, now, placeholder=plan.placeholders[index]
-            )
+            placeholder = plan.placeholders[index]
+            if placeholder is None:  # a constrained sequence: every token it holds is real
+                slot = plan.slots[index]
+                self.core.cache_finished_blocks(slot, self.core.num_tokens(slot))
+            output = self._take_tokens(request, token_ids, entries, now, placeholder=placeholder)
             if output is not None:
                 outputs.append((request, output))
         self.core.cache_blocks(packed)

@@ -63,8 +63,9 @@ class StepPlan:
     # (a cython_ext.step_core.PackedPlan: the wire encoding, and what update() reads); None for
     # plans built in Python, whose lists are then encoded field by field.
     packed: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
-    # Overlap (Scheduler.commit): entry index -> index of the placeholder token it reserved, and
-    # entry index -> computed count at planning time for prompt-logprob requests.
+    # Overlap (Scheduler.commit): entry index -> index of the placeholder token it reserved (None
+    # for a constrained sequence, whose token is appended when it comes), and entry index ->
+    # computed count at planning time for prompt-logprob requests.
     placeholders: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     prompt_starts: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
 

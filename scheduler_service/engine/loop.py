@@ -5,8 +5,10 @@ builds and sends step N+1 while the model service computes step N, committing ea
 had completed (Scheduler.commit: counts advance, sampled tokens are placeholders; the model
 service feeds its own sampled tokens to the next step) and reconciling when the result comes
 (Scheduler.reconcile: real ids, stops, releases). A request that stopped at step N was already
-scheduled in N+1: that token is computed and discarded. While a grammar-constrained request runs
-or the engine speculates, the next plan depends on the last tokens, so steps go one at a time.
+scheduled in N+1: that token is computed and discarded. A grammar-constrained sequence sits out
+the plan built while its token is in flight (its mask needs that token), so it runs every other
+plan while the others keep both in flight. While the engine speculates, the next plan depends on
+the last tokens, so steps go one at a time.
 
 It sleeps while there is no work and wakes when a request arrives or is aborted.
 

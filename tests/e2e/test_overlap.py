@@ -1,8 +1,10 @@
 """Overlap on real servers (tiny model): the default scheduler keeps two plans in flight; its
 greedy tokens equal those of a lockstep scheduler (overlap off) on its own model service, a
 stop seen while the next step is already computing sends nothing past it, and an abort while
-plans are in flight frees every block."""
+plans are in flight frees every block. A grammar-constrained request beside plain ones leaves
+two plans in flight and still matches its grammar, with lockstep's tokens."""
 import asyncio
+import re
 
 import grpc
 import pytest
@@ -79,3 +81,63 @@ async def test_abort_while_plans_are_in_flight_frees_every_block(tiny_server):
     assert_no_leaked_blocks(tiny_server)
     after = await complete(stub, greedy_ids_request(PROMPTS[0], 4))  # still serving
     assert len(after.token_ids) == 4
+
+
+def _constrained_request(regex: str, seed: int, request_id: str = "") -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest(request_id=request_id)
+    request.token_ids.ids.extend(PROMPTS[1])
+    request.sampling.temperature = 1.0
+    request.sampling.seed = seed
+    request.stopping.max_new_tokens = 200
+    request.structured_output.regex = regex
+    return request
+
+
+# At least 24 tokens whichever way the model splits the words: it outlasts a few plans.
+LONG_REGEX = r"((red|green|blue) ){24,30}(stop|end)\."
+
+
+async def test_a_constrained_request_keeps_two_plans_in_flight_and_its_grammar(
+        tiny_server, lockstep_server):
+    """While a grammar-constrained request runs beside plain ones, the loop still keeps two plans
+    in flight (the constrained sequence sits out every other one); its output matches the grammar
+    and equals what it gives alone on the lockstep server (same seed)."""
+    stub = stub_for(tiny_server)
+    plain = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, 300))) for p in PROMPTS]
+    await asyncio.sleep(0.3)  # the plain requests are admitted and decoding
+    chunks, in_flight_while_constrained = [], 0
+    loop = tiny_server.loop
+    async for chunk in stub.Generate(_constrained_request(LONG_REGEX, 5, "grammar-overlap")):
+        running = loop.scheduler.find("grammar-overlap") is not None
+        if not chunks:  # admitted: from here on a grammar runs
+            loop.max_in_flight_seen = 0
+        elif running:  # read in the same event-loop turn: nothing stepped in between
+            in_flight_while_constrained = loop.max_in_flight_seen
+        chunks.append(chunk)
+    assert not all(task.done() for task in plain)  # the plain requests ran all along
+    await asyncio.gather(*plain)
+    text = "".join(c.text for c in chunks)
+    assert re.fullmatch(LONG_REGEX, text), text
+    assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_EOS
+    assert in_flight_while_constrained == 2
+    alone = await complete(stub_for(lockstep_server), _constrained_request(LONG_REGEX, seed=5))
+    assert [t for c in chunks for t in c.token_ids] == alone.token_ids
+    await wait_until_idle(tiny_server)
+    assert_no_leaked_blocks(tiny_server)
+
+
+async def test_aborting_a_constrained_request_with_plans_in_flight_frees_every_block(tiny_server):
+    stub = stub_for(tiny_server)
+    plain = asyncio.ensure_future(complete(stub, greedy_ids_request(PROMPTS[0], 120)))
+    call = stub.Generate(_constrained_request(LONG_REGEX, seed=1, request_id="grammar-abort"))
+    seen = 0
+    async for chunk in call:
+        seen += len(chunk.token_ids)
+        if seen >= 3:
+            await stub.Abort(generate_pb2.AbortRequest(request_id="grammar-abort"))
+            break
+    chunks = [c async for c in call]
+    assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_CANCELLED
+    assert len((await plain).token_ids) == 120
+    await wait_until_idle(tiny_server)
+    assert_no_leaked_blocks(tiny_server)

@@ -28,6 +28,26 @@ def make_tokenizer() -> Tokenizer:
     return Tokenizer(tokenizer.to_str(), chat_template="", special_tokens={})
 
 
+def make_grammar_compiler():
+    """outlines-core over the same word-level vocabulary (a token spells its word, no space)."""
+    from scheduler_service.text.structured import GrammarCompiler
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tokenizer.add_special_tokens(["<eos>"])
+    return GrammarCompiler(tokenizer.to_str(), [EOS], len(WORDS))
+
+
+def plan_masks(plan) -> dict[int, list[int]]:
+    """The allowed token ids a plan gives each masked slot (as a model service applies them)."""
+    import numpy as np
+    if not plan.masked_slots:
+        return {}
+    rows = np.frombuffer(plan.allowed_token_bitmask, dtype="<u4").reshape(len(plan.masked_slots), -1)
+    return {slot: np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist()
+            for slot, row in zip(plan.masked_slots, rows)}
+
+
 def make_facts(num_blocks: int = 64, block_size: int = 4, max_num_slots: int = 16,
                max_model_len: int = 128, **facts) -> EngineFacts:
     """A fake model's Describe; `facts` sets any other EngineFacts field (step_token_budget...)."""

@@ -1,14 +1,39 @@
 """Overlap (Scheduler.commit / reconcile) against lockstep (schedule / update), driven by a
 simulated model service that, like the real one, keeps each slot's tokens and feeds its own
 samples to the next step: every request must get exactly the same tokens and finish the same
-way, with stops, EOS, preemption, aborts and parallel samples in the mix, and no block left."""
+way, with stops, EOS, preemption, aborts and parallel samples in the mix, and no block left.
+Grammar-constrained requests keep overlap on: the simulated model service samples them from
+their plan's mask and checks that mask against one rebuilt from every token the slot holds."""
 import collections
 import random
+import re
 
+import numpy as np
 import pytest
 
-from factories import EOS, ShadowEngine, make_request, make_scheduler
+from factories import (EOS, WORDS, ShadowEngine, make_grammar_compiler, make_request, make_scheduler,
+                       plan_masks)
 from scheduler_service.core.plan import StepResult
+from scheduler_service.core.request import FinishReason
+from scheduler_service.text.structured import StructuredSpec
+
+# A few tokens, then end of sequence; the model's choice matters at every step.
+REGEX = "(w2|w3|w4)((w5|w6|w7)(w2|w3|w4)){2,8}"
+
+
+def _allowed(row: np.ndarray) -> list[int]:
+    bits = np.unpackbits(row.astype("<u4").view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits).tolist()
+
+
+def _mask_after(grammar, output_ids: list[int]) -> list[int]:
+    """The mask a guide that took exactly `output_ids` gives: the up-to-date one."""
+    guide = grammar.new_guide()
+    for token_id in output_ids:
+        assert guide.accept(token_id)
+    row = np.zeros(grammar.num_words, dtype="<u4")
+    guide.write_mask(row)
+    return _allowed(row)
 
 
 class ModelSim:
@@ -18,12 +43,25 @@ class ModelSim:
     def __init__(self, eos_every: int):
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
+        self.num_prompt: dict[int, int] = {}
         self.eos_every = eos_every
         self.max_tokens_seen = 0
+        self.num_masked = 0
 
-    def next_token(self, tokens: list[int]) -> int:
+    def next_token(self, tokens: list[int], allowed=None) -> int:
         h = (sum(t * (i + 7) for i, t in enumerate(tokens)) * 2654435761) % 1000003
+        if allowed is not None:
+            return allowed[h % len(allowed)]
         return EOS if self.eos_every and h % self.eos_every == 0 else 2 + h % 150
+
+    def _mask_of(self, request, slot: int, masks: dict[int, list[int]]):
+        if request.guide is None:
+            return None
+        assert slot in masks, f"slot {slot}: a constrained sequence sampled without a mask"
+        outputs = self.tokens[slot][self.num_prompt[slot]:]
+        assert masks[slot] == _mask_after(request.guide.grammar, outputs), "a stale mask"
+        self.num_masked += 1
+        return masks[slot]
 
     def execute(self, plan) -> StepResult:
         for slot in plan.finished_slots + plan.preempted_slots + plan.aborted_slots:
@@ -31,13 +69,15 @@ class ModelSim:
         for seq in plan.new_sequences:
             assert seq.slot not in self.tokens
             self.tokens[seq.slot], self.computed[seq.slot] = list(seq.token_ids), seq.num_computed_tokens
+            self.num_prompt[seq.slot] = seq.num_prompt_tokens
         counts, sampled = [], []
-        for slot, n in zip(plan.slots, plan.num_scheduled_tokens):
+        masks = plan_masks(plan)
+        for request, slot, n in zip(plan.requests, plan.slots, plan.num_scheduled_tokens):
             self.computed[slot] += n
             tokens = self.tokens[slot]
             assert self.computed[slot] <= len(tokens), "scheduled past the known tokens"
             if self.computed[slot] == len(tokens):
-                tokens.append(self.next_token(tokens))
+                tokens.append(self.next_token(tokens, self._mask_of(request, slot, masks)))
                 self.max_tokens_seen = max(self.max_tokens_seen, len(tokens))
                 counts.append(1), sampled.append(tokens[-1])
             else:
@@ -46,24 +86,29 @@ class ModelSim:
                           forward_ns=0, sample_ns=0, total_ns=0)
 
 
-def _workload(seed: int):
+def _workload(seed: int, constrained: bool = False):
+    """40 requests arriving over 60 steps; with `constrained`, a third of them under REGEX."""
     rng = random.Random(seed)
     arrivals = collections.defaultdict(list)
     for index in range(40):
-        arrivals[rng.randrange(0, 60)].append(dict(
+        spec = dict(
             num_prompt_tokens=rng.randrange(1, 40), max_new_tokens=rng.randrange(1, 30),
             stop_token_ids=(rng.randrange(2, 152),) if rng.random() < 0.3 else (),
-            n=2 if rng.random() < 0.15 else 1, request_id=f"q{index}"))
+            n=2 if rng.random() < 0.15 else 1, request_id=f"q{index}")
+        if constrained and rng.random() < 0.35:
+            spec.update(structured=StructuredSpec("regex", REGEX), stop_token_ids=())
+        arrivals[rng.randrange(0, 60)].append(spec)
     arrived_at = {spec["request_id"]: step for step, specs in arrivals.items() for spec in specs}
     # A few requests aborted a few steps after they arrive (usually mid-generation).
     aborts = {arrived_at[f"q{i}"] + rng.randrange(2, 6): f"q{i}" for i in rng.sample(range(40), 5)}
     return arrivals, aborts
 
 
-def _run(overlap: bool, seed: int, eos_every: int, num_blocks: int, with_aborts: bool = False):
+def _run(overlap: bool, seed: int, eos_every: int, num_blocks: int, with_aborts: bool = False,
+         grammars=None):
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=24, max_num_seqs=8)
     model, shadow = ModelSim(eos_every), ShadowEngine(4)
-    arrivals, aborts = _workload(seed)
+    arrivals, aborts = _workload(seed, constrained=grammars is not None)
     if not with_aborts:  # an abort lands at a loop iteration: its effect depends on timing
         aborts = {}
     tokens = collections.defaultdict(list)
@@ -82,7 +127,10 @@ def _run(overlap: bool, seed: int, eos_every: int, num_blocks: int, with_aborts:
     while step <= 60 or scheduler.has_work() or in_flight:
         assert step < 5000, "did not drain"
         for spec in arrivals.get(step, []):
-            scheduler.add_request(make_request(**spec))
+            request = make_request(**spec)
+            if request.structured is not None:
+                request.guide = grammars.compile(request.structured).new_guide()
+            scheduler.add_request(request)
         if step in aborts:
             scheduler.abort_request(aborts[step])
         step += 1
@@ -99,7 +147,8 @@ def _run(overlap: bool, seed: int, eos_every: int, num_blocks: int, with_aborts:
                 scheduler.commit(plan)
                 shadow.apply(plan)
                 in_flight.append((plan, model.execute(plan)))  # computed now, read later
-                max_in_flight = max(max_in_flight, len(in_flight))
+                if grammars is None or any(r.guide for r in scheduler.running):
+                    max_in_flight = max(max_in_flight, len(in_flight))
                 if len(in_flight) < 2:
                     continue
         if in_flight:
@@ -110,6 +159,8 @@ def _run(overlap: bool, seed: int, eos_every: int, num_blocks: int, with_aborts:
     assert not scheduler.requests
     every = {(spec["request_id"], i) for specs in arrivals.values() for spec in specs for i in range(spec["n"])}
     assert set(finished) == every, "a sample ended without its last chunk"
+    if grammars is not None:
+        assert model.num_masked > 0
     return dict(tokens), finished, scheduler.num_preemptions_total, max_in_flight
 
 
@@ -121,6 +172,41 @@ def test_overlap_gives_exactly_the_lockstep_outputs(seed, num_blocks):
     assert max_in_flight == 2
     assert finished == lockstep_finished
     assert tokens == lockstep_tokens
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return make_grammar_compiler()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_blocks", [24, 200])
+def test_constrained_requests_keep_two_plans_in_flight_with_up_to_date_masks(seed, num_blocks,
+                                                                             grammars):
+    """Overlap stays on while grammars run (two plans in flight with a constrained sequence
+    running); every constrained sample had the mask of all its tokens so far (ModelSim checks),
+    and everything equals lockstep, with preemptions (24 blocks) and parallel samples."""
+    lockstep = _run(False, seed, eos_every=23, num_blocks=num_blocks, grammars=grammars)
+    tokens, finished, _, max_in_flight = _run(True, seed, eos_every=23, num_blocks=num_blocks,
+                                              grammars=grammars)
+    assert max_in_flight == 2
+    assert (tokens, finished) == lockstep[:2]
+    specs = {spec["request_id"]: spec for specs in _workload(seed, True)[0].values() for spec in specs}
+    num_complete = 0
+    for (request_id, _), reason in finished.items():
+        assert reason is not FinishReason.ERROR
+        if specs[request_id].get("structured") is not None and reason is FinishReason.EOS:
+            text = "".join(WORDS[t] for t in tokens[(request_id, _)][:-1])
+            assert re.fullmatch(REGEX, text), text
+            num_complete += 1
+    assert num_complete > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_aborts_of_constrained_requests_with_plans_in_flight_leak_nothing(seed, grammars):
+    _, finished, _, _ = _run(True, seed, eos_every=23, num_blocks=24, with_aborts=True,
+                             grammars=grammars)
+    assert FinishReason.CANCELLED in finished.values()
 
 
 def test_the_small_pool_does_preempt_under_overlap():

@@ -5,6 +5,7 @@ position, the token whose KV it caches; plans are applied in the model service's
 register, append blocks, swap out, copy, swap in, forward) and every scheduled sequence's cached
 prefix is checked token by token before the forward writes its new positions. A swap that lost,
 misplaced or overwrote a block fails here exactly where the real model would compute from wrong KV.
+Under overlap, grammar-constrained sequences (sampled from their plan's mask) are swapped too.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import random
 
 import pytest
 
-from factories import EOS, fake_result, make_request, make_scheduler
+from factories import EOS, fake_result, make_grammar_compiler, make_request, make_scheduler, plan_masks
 from scheduler_service.core.plan import StepResult
 from scheduler_service.core.swap import SwapSpace
+from scheduler_service.text.structured import StructuredSpec
 
 
 class KVShadow:
@@ -305,11 +307,13 @@ class KVModel(KVShadow):
     def execute(self, plan):
         self.apply(plan)
         counts, sampled = [], []
+        masks = plan_masks(plan)  # a masked slot samples among its allowed tokens
         for slot in plan.slots:
             tokens = self.tokens[slot]
             if self.computed[slot] == len(tokens):
                 h = sum(t * (i + 7) for i, t in enumerate(tokens)) * 2654435761 % 1000003
-                tokens.append(2 + h % 150)
+                allowed = masks.get(slot)
+                tokens.append(allowed[h % len(allowed)] if allowed else 2 + h % 150)
                 counts.append(1), sampled.append(tokens[-1])
             else:
                 counts.append(0)
@@ -372,3 +376,33 @@ def test_overlap_swaps_decodes_whose_token_is_in_flight(seed):
     # Some swapped-out sequence was decoding: resumed one position short of its known tokens.
     resumed = [s for p in plans if p.swap_in_src for s in p.new_sequences if s.num_computed_tokens > 0]
     assert any(s.num_computed_tokens == len(s.token_ids) - 1 for s in resumed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlap_swaps_constrained_sequences_that_sit_out_a_plan(seed):
+    """A constrained sequence has no placeholder while its token is in flight (it sits out the
+    plan built meanwhile); swapped out then, it resumes one position short and samples that
+    token again under the same mask. Tokens equal lockstep's; nothing is left held."""
+    grammars = make_grammar_compiler()
+
+    def requests():
+        rng = random.Random(seed)
+        made = []
+        for i in range(8):
+            request = make_request(max_new_tokens=rng.randint(8, 24), request_id=f"g{i}",
+                                   prompt_token_ids=[2 + rng.randrange(140) for _ in range(rng.randint(4, 20))])
+            if i % 2 == 0:
+                request.structured = StructuredSpec("regex", "(w2|w3|w4)((w5|w6|w7)(w2|w3|w4)){2,8}")
+                request.guide = grammars.compile(request.structured).new_guide()
+            made.append(request)
+        return made
+
+    lockstep, _ = _run_model(make_swap_scheduler(64, num_blocks=21, max_num_batched_tokens=16), requests(), 64, False)
+    scheduler = make_swap_scheduler(64, num_blocks=21, max_num_batched_tokens=16)
+    overlapped_requests = requests()
+    overlapped, _ = _run_model(scheduler, overlapped_requests, 64, True)
+    assert overlapped == lockstep
+    assert any(r.num_preemptions for r in overlapped_requests if r.guide is not None)
+    assert scheduler.swap.num_swap_outs > 0 and scheduler.swap.num_free == 64
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+    assert all(r.finish_reason is not None and r.finish_reason.name != "ERROR" for r in overlapped_requests)
