@@ -98,9 +98,12 @@ class ModelServiceConfig:
 
     dtype: str = setting("auto", choices=_DTYPES)
     """Compute dtype of weights and KV cache: "float32", "bfloat16", "float16" (for GPUs without
-    bf16; on the CPU it runs torch's kernels, not the native ones), or "auto": bfloat16 on a GPU or
-    on a CPU with native bf16 matmul (AMX, or AVX512-BF16: ~4x the float32 rate here), float32
-    otherwise.
+    bf16; on the CPU it runs torch's kernels, not the native ones), or "auto": bfloat16 on a GPU,
+    on a CPU with native bf16 matmul (AMX, or AVX512-BF16), and on one rank of a CPU whose bf16
+    linears the packed GEMM takes on a vector path (gemm_isa resolving to avx512_bf16, avx512 or
+    avx2: on AVX2 and AVX-512F it widens the bf16 weights to float32 in registers, and the step
+    runs the native decoder loop); float32 otherwise, where bf16 would run torch's GEMM without
+    native bf16 (oneDNN's emulation: docs/benchmarks.md has the rates and the per-class choice).
     Describe reports the resolved name. Logits are upcast to float32 before sampling either way."""
 
     quantization: str = setting("none", choices=_QUANTIZATIONS)
@@ -277,7 +280,18 @@ class ModelServiceConfig:
             return self.dtype
         if self.resolved_device().startswith("cuda"):
             return "bfloat16"
-        return "bfloat16" if cpu_has_native_bf16() else "float32"
+        return "bfloat16" if cpu_has_native_bf16() or self._packs_bf16_linears() else "float32"
+
+    def _packs_bf16_linears(self) -> bool:
+        """Whether a bf16 model's linears run the packed GEMM on a vector path here (not torch's,
+        which tensor-parallel ranks and gemm_isa torch run, nor the scalar portable one). The
+        native module itself, as kernels/gemm.py resolves it (kernels/ import this module)."""
+        if self.tensor_parallel_size != 1:
+            return False
+        from cython_ext import gemm as native
+
+        isa = native.best_isa() if self.gemm_isa == "auto" else self.gemm_isa
+        return isa in _GEMM_VECTOR_PATHS and native.isa_supported(isa)
 
     def resolved_device(self) -> str:
         """The concrete torch device string ("auto" resolved)."""
@@ -287,6 +301,9 @@ class ModelServiceConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+
+# The packed GEMM's paths faster than torch's bf16 GEMM wherever they run (cython_ext.gemm.ISAS).
+_GEMM_VECTOR_PATHS = ("avx512_bf16", "avx512", "avx2")
 
 # The compute fields' documented environment names (older spellings, still honoured).
 COMPUTE_ENV_ALIASES = {

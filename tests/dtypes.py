@@ -1,10 +1,11 @@
 """Which dtypes a test serves a model in, by CPU class (issue 29; the classes: tests/cpu_class.py).
 
 Every test checks the dtype users get by default (`--dtype auto`: bfloat16 where the CPU multiplies
-bf16 natively, float32 elsewhere) and float32 where parity with transformers is checked. On a CPU
-without native bf16 torch's bf16 GEMM runs at a few hundredths of float32's rate, so there a test
-serves SmolLM2 in bfloat16 only when bf16 is its point (the bf16 kernels, int8 in bf16); the tiny
-model, where bf16 is cheap, keeps both dtypes everywhere.
+bf16 natively or the packed GEMM takes bf16 linears on a vector path, AVX2 included; float32
+elsewhere) and float32 where parity with transformers is checked. Where bf16 would run torch's
+GEMM without native bf16 (a few hundredths of float32's rate), a test serves SmolLM2 in bfloat16
+only when bf16 is its point (the bf16 kernels, int8 in bf16); the tiny model, where bf16 is cheap,
+keeps both dtypes everywhere.
 """
 
 from __future__ import annotations
@@ -12,14 +13,22 @@ from __future__ import annotations
 import cpu_class
 
 CLASS = cpu_class.emulate()  # before any test module loads a model
-NATIVE_BF16 = CLASS == "native-bf16"
 CHEAP = ("tiny",)  # small enough for emulated bf16 on any CPU (so are the random family models)
 
 
+def _default_dtype() -> str:
+    from model_service.config import ModelServiceConfig
+
+    return ModelServiceConfig(dtype="auto", device="cpu").resolved_dtype()
+
+
+DEFAULT = _default_dtype()  # what `--dtype auto` serves on this class
+
+
 def served_dtypes(model: str) -> tuple[str, ...]:
-    """The dtypes to serve `model` in on this CPU: bfloat16 where it is native or cheap, and
-    float32 (the default without native bf16, and parity's dtype)."""
-    if NATIVE_BF16 or model in CHEAP:
+    """The dtypes to serve `model` in on this CPU: bfloat16 where it is the default or cheap, and
+    float32 (parity's dtype, and the default where bf16 would run torch's GEMM)."""
+    if DEFAULT == "bfloat16" or model in CHEAP:
         return ("bfloat16", "float32")
     return ("float32",)
 
@@ -28,12 +37,12 @@ def header() -> list[str]:
     """The report header's lines: the CPU class, the dtypes served, and why."""
     forced = cpu_class.forced()
     source = f"forced by {cpu_class.ENV}" if forced else "detected"
-    if NATIVE_BF16:
-        served = "bf16 runs natively: every model in bfloat16 (the default) and float32"
+    if DEFAULT == "bfloat16":
+        served = "every model in bfloat16 (the default here) and float32"
     else:
         served = (
-            "no native bf16: SmolLM2 in float32 (the default here), in bfloat16 only where bf16 "
-            "is the point of the test; the tiny model in bfloat16 and float32"
+            "bf16 runs torch's GEMM here: SmolLM2 in float32 (the default here), in bfloat16 only "
+            "where bf16 is the point of the test; the tiny model in bfloat16 and float32"
         )
     return [f"CPU class: {CLASS} ({source}); dtypes: {served}", f"kernel paths (auto): {_paths()}"]
 

@@ -109,12 +109,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
         threshold = torch.zeros((probs.shape[0], 1), dtype=probs.dtype, device=device)
         return _min_p_filter(probs, threshold, params, probs.amax(dim=-1))
 
-    sorted_probs, _ = probs.sort(dim=-1, descending=True)
-    # top-k: keep probabilities >= the k-th largest (k = vocab when off).
-    k = torch.from_numpy(
-        np.where(params.top_k > 0, np.minimum(params.top_k, vocab), vocab).astype(np.int64)
-    ).to(device)
-    kth = sorted_probs.gather(1, (k - 1)[:, None])
+    sorted_probs = _sorted_head(probs, params, k_off, p_off)
+    # top-k: keep probabilities >= the k-th largest (k = vocab when off: 1 is gathered, unused).
+    k = np.where(~k_off, np.minimum(params.top_k, vocab), 1).astype(np.int64)
+    kth = sorted_probs.gather(1, torch.from_numpy(k - 1).to(device)[:, None])
     kth = torch.where(torch.from_numpy(k_off).to(device)[:, None], 0.0, kth)
     # top-p: keep the smallest prefix of the sorted list whose mass reaches top_p, i.e. every token
     # whose preceding mass is still below top_p; its smallest member is the threshold.
@@ -124,6 +122,31 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     pth = sorted_probs.gather(1, (num_kept - 1)[:, None])
     pth = torch.where(torch.from_numpy(p_off).to(device)[:, None], 0.0, pth)
     return _min_p_filter(probs, torch.maximum(kth, pth), params, sorted_probs[:, 0])
+
+
+# Tokens the thresholds are first looked for among: the largest probabilities, by topk instead
+# of a sort of the whole vocabulary (most of a sampled step's cost on a CPU: docs/benchmarks.md).
+_HEAD = 1024
+
+
+def _sorted_head(
+    probs: torch.Tensor, params: SamplingBatch, k_off: np.ndarray, p_off: np.ndarray
+) -> torch.Tensor:
+    """The leading columns of probs sorted descending, enough of them for every row's top-k and
+    top-p threshold: the same values, bit for bit, as those columns of the full sort, so the
+    thresholds are too (topk's values are the sort's; cumsum is a running sum, the same for a
+    prefix). Enough means k within the head where top-k is on, and where top-p is on a head mass
+    at least top_p + 1e-9: every later token's preceding mass is then at least the head's less a
+    few ulps, never under top_p, so none of them counts. Else the whole vocabulary is sorted."""
+    vocab = probs.shape[-1]
+    head = min(vocab, max(_HEAD, int(np.max(np.where(k_off, 0, params.top_k)))))
+    if head < vocab and probs.device.type == "cpu":  # a GPU sorts fast; no host sync there
+        values = probs.topk(head, dim=-1).values
+        mass = values.sum(dim=-1).cpu().numpy()  # a bound check only: the thresholds use cumsum
+        covered = p_off | (mass >= params.top_p.astype(np.float64) + 1e-9)
+        if covered.all():
+            return values
+    return probs.sort(dim=-1, descending=True).values
 
 
 def _min_p_filter(

@@ -77,11 +77,25 @@ def test_cli_prints_port_and_serves():
 
 
 def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
+    """auto is bfloat16 where bf16 is native or the packed GEMM takes bf16 linears on a vector
+    path (AVX2 and AVX-512F widen the weights to float32 in registers), float32 where bf16 would
+    run torch's GEMM without native bf16 (issue 33)."""
     from model_service import config as config_module
+    from model_service.kernels import gemm
 
     monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)
-    assert ModelServiceConfig(dtype="auto", device="cpu").resolved_dtype() == "float32"
+    for gemm_isa in ("torch", "portable"):  # bf16 would run torch's GEMM, or the scalar one
+        assert ModelServiceConfig(dtype="auto", device="cpu", gemm_isa=gemm_isa).resolved_dtype() == "float32"
+    assert ModelServiceConfig(dtype="auto", device="cpu", tensor_parallel_size=2).resolved_dtype() == "float32"
+    for gemm_isa in ("avx2", "avx512", "avx512_bf16"):  # the packed GEMM's vector paths
+        if gemm.native.isa_supported(gemm_isa):
+            assert ModelServiceConfig(dtype="auto", device="cpu", gemm_isa=gemm_isa).resolved_dtype() == "bfloat16"
+    if gemm.native.isa_supported("avx2"):  # an AVX2 CPU's default: bf16 on the native decoder loop
+        avx2 = {field: "avx2" for field in ("gemm_isa", "attention_isa", "layer_ops_isa")}
+        facts = start_runner(tiny_config(dtype="auto", device="cpu", **avx2)).describe_facts()
+        assert (facts.dtype, facts.compute["gemm"], facts.compute["decoder_loop"]) == ("bfloat16", "avx2", "native")
     monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: True)
+    assert ModelServiceConfig(dtype="auto", device="cpu", gemm_isa="torch").resolved_dtype() == "bfloat16"
     assert ModelServiceConfig(dtype="auto", device="cpu").resolved_dtype() == "bfloat16"
     assert ModelServiceConfig(dtype="auto", device="cuda").resolved_dtype() == "bfloat16"
     assert ModelServiceConfig(dtype="float32", device="cuda").resolved_dtype() == "float32"
@@ -92,7 +106,8 @@ def test_auto_dtype_resolves_and_describe_reports_it(monkeypatch):
 
 def test_a_onednn_cap_under_bf16_makes_auto_float32(monkeypatch):
     """ONEDNN_MAX_CPU_ISA=AVX2 makes torch's bf16 matmul oneDNN's emulation on any CPU, so "auto"
-    picks float32 there as on an AVX2-only CPU (how the suite emulates one: docs/benchmarks.md)."""
+    picks float32 there where bf16 would run torch's GEMM (gemm_isa torch), as on an AVX2-only CPU
+    without the packed GEMM (how the suite caps torch: docs/benchmarks.md)."""
     from model_service import config as config_module
 
     assert config_module.onednn_capped_below_bf16({"ONEDNN_MAX_CPU_ISA": "avx2"})
@@ -101,7 +116,7 @@ def test_a_onednn_cap_under_bf16_makes_auto_float32(monkeypatch):
         assert not config_module.onednn_capped_below_bf16(uncapped)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not config_module.cpu_has_native_bf16()
-    assert ModelServiceConfig(dtype="auto", device="cpu").resolved_dtype() == "float32"
+    assert ModelServiceConfig(dtype="auto", device="cpu", gemm_isa="torch").resolved_dtype() == "float32"
 
 
 def test_compute_fields_are_what_describe_reports_and_their_aliases_default_the_flags(monkeypatch):
@@ -124,6 +139,7 @@ def test_compute_fields_are_what_describe_reports_and_their_aliases_default_the_
         start_runner(tiny_config(attention_isa="sse9"))
 
     monkeypatch.setenv("PLANSERVE_ATTENTION_ISA", "portable")
+    monkeypatch.delenv("PLANSERVE_LAYER_OPS_ISA", raising=False)  # set where a CPU class is forced
     monkeypatch.setenv("PLANSERVE_CUDA_GRAPHS", "0")
     parsed = parse_args(["--model", "tiny"])
     assert (parsed.attention_isa, parsed.cuda_graphs, parsed.layer_ops_isa) == ("portable", "off", "auto")

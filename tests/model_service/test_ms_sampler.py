@@ -95,3 +95,38 @@ def test_uniform_is_deterministic_and_in_range():
     u = uniform_for(np.array([1, 1, 2], dtype=np.uint64), np.array([0, 1, 0]))
     assert np.array_equal(u, uniform_for(np.array([1, 1, 2], dtype=np.uint64), np.array([0, 1, 0])))
     assert len(set(u.tolist())) == 3 and ((u >= 0) & (u < 1)).all()
+
+
+def test_thresholds_from_the_largest_probabilities_match_the_full_sort(monkeypatch):
+    """Top-k and top-p thresholds are looked for among the largest probabilities (topk, not a
+    sort of the vocabulary) where those hold every row's k and top_p mass: the same filtered
+    distribution, bit for bit, as from the full sort (_HEAD at the vocabulary forces it), on
+    peaked rows (the head suffices) and flat ones (it does not: the full sort runs)."""
+    from model_service.step import sampler
+
+    vocab, rows = 49152, 16
+    rng = np.random.default_rng(0)
+    widths = []
+    sorted_head = sampler._sorted_head
+
+    def spy(*args):
+        out = sorted_head(*args)
+        widths.append(out.shape[-1])
+        return out
+
+    monkeypatch.setattr(sampler, "_sorted_head", spy)
+    for scale in (20.0, 8.0, 1.0):
+        logits = torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32) * scale)
+        params = SamplingBatch(
+            temperature=rng.choice([0.0, 0.7, 1.0], rows).astype(np.float32),
+            top_k=rng.choice([0, 1, 50, 1500, vocab + 1], rows).astype(np.int64),
+            top_p=rng.choice([1.0, 0.5, 0.9, 0.95], rows).astype(np.float32),
+            seed=np.arange(rows, dtype=np.uint64),
+            position=np.full(rows, 7, dtype=np.int64),
+            min_p=rng.choice([0.0, 0.05], rows).astype(np.float32),
+        )
+        ours = sampler.filtered_probs(logits, params)
+        with monkeypatch.context() as full:
+            full.setattr(sampler, "_HEAD", vocab)
+            assert torch.equal(ours, sampler.filtered_probs(logits, params)), scale
+    assert widths[0] < vocab and widths[-2] == vocab  # the head served the peaked rows, the sort the flat ones
