@@ -203,7 +203,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--grammar-engine", default="outlines", choices=("outlines", "llguidance"))
+    parser.add_argument(
+        "--grammar-engine", default="llguidance", choices=("llguidance", "outlines")
+    )
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH (repeatable)")
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=448)  # the tiny model holds 512

@@ -187,11 +187,13 @@ class SchedulerConfig:
     in the background and is cached, so the same grammar sent again may find it ready; other
     requests never wait for it (it runs off the event loop)."""
 
-    grammar_engine: str = setting("outlines", choices=("outlines", "llguidance"))
-    """The structured-output engine (text/structured.py): outlines-core (precomputes a DFA over
-    the vocabulary: 0.05 s to seconds a schema, then cheap masks) or llguidance (compiles a
+    grammar_engine: str = setting("llguidance", choices=("llguidance", "outlines"))
+    """The structured-output engine (text/structured.py): llguidance (the default: compiles a
     tool's schema in about a millisecond, masks computed per step; needs a vocabulary that
-    spells every byte, as byte-level BPE and byte-fallback SentencePiece ones do)."""
+    spells every byte, as byte-level BPE and byte-fallback SentencePiece ones do) or outlines-core
+    (precomputes a DFA over the vocabulary: 0.05 s to seconds a schema, then cheap masks). Both
+    give an object that declares `properties` only those, unless the schema sets
+    `additionalProperties`."""
 
     enable_auto_tool_choice: bool = False
     """Let chat requests with tools use tool_choice "auto" (OpenAI's default when tools are

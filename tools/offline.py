@@ -203,7 +203,10 @@ class LLM:
             OutputProcessor(self.tokenizer, self.facts.eos_token_ids, self.facts.max_model_len),
         )
         self.grammars = structured.GrammarCompiler(
-            self.facts.tokenizer_json, self.facts.eos_token_ids, self.facts.vocab_size
+            self.facts.tokenizer_json,
+            self.facts.eos_token_ids,
+            self.facts.vocab_size,
+            engine=self.config.grammar_engine,
         )
 
     def generate(

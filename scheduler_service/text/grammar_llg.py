@@ -25,6 +25,47 @@ _JSON_DEFAULTS: "JsonCompileOptions" = {
 }
 
 
+# Keywords whose value is one subschema, or a list or map of them, that may hold objects.
+_ONE = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else")
+_LISTS = ("items", "prefixItems", "anyOf", "oneOf")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def closed(schema):
+    """`schema` (parsed JSON) with `"additionalProperties": false` given to every object schema
+    that declares `properties` and does not set it, at any depth: outlines-core writes only the
+    declared properties, llguidance reads JSON Schema's default (any more allowed), and a model
+    left free to add keys may write them until max_tokens. An object without `properties`
+    stays open, as outlines-core leaves it (any keys). allOf's members are not closed
+    themselves (only what they hold): their intersection would refuse every property another
+    member declares."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed_under(key, value) for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_under(key: str, value):
+    if key == "allOf" and isinstance(value, list):
+        return [_closed_members(member) for member in value]
+    if key in _LISTS and isinstance(value, list):
+        return [closed(item) for item in value]
+    if key in _MAPS and isinstance(value, dict):
+        return {name: closed(item) for name, item in value.items()}
+    if key in _ONE:
+        return closed(value)
+    return value
+
+
+def _closed_members(member):
+    """An allOf member: what it holds is closed, the member itself is left as written."""
+    if not isinstance(member, dict):
+        return member
+    return {key: _closed_under(key, value) for key, value in member.items()}
+
+
 class LlgWalk:
     """One sequence's llguidance matcher."""
 
@@ -126,7 +167,8 @@ class LlgEngine:
         """The llguidance grammar of a spec (`regex`: its regex, for choice)."""
         matcher = self._llguidance.LLMatcher
         if kind == "json_schema":
-            return matcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+            schema = closed(json.loads(text))
+            return matcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         if kind == "json_object":
             schema = json.dumps({"type": "object"})
             return matcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)

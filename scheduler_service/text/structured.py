@@ -1,12 +1,14 @@
 """Structured output: a JSON schema, a regex or a list of choices constrains decoding.
 
-Two grammar engines (`--grammar-engine`): outlines-core (the default: a grammar becomes a regex,
-a JSON schema through its schema-to-regex builder, the regex an `Index` over the model's
-vocabulary: a DFA whose every state knows its allowed tokens, 0.05 s to seconds to build) and
-llguidance (text/grammar_llg.py: an Earley parser that computes each step's mask from the
-grammar, compiled in about a millisecond; it needs a vocabulary that spells every byte, which
-the word-level vocabularies of the scheduler's unit tests do not). Each request walks the
-grammar (text/guides.py).
+Two grammar engines (`--grammar-engine`): llguidance (the default; text/grammar_llg.py: an
+Earley parser that computes each step's mask from the grammar, compiled in about a millisecond;
+it needs a vocabulary that spells every byte, which the word-level vocabularies of the
+scheduler's unit tests do not) and outlines-core (a grammar becomes a regex, a JSON schema
+through its schema-to-regex builder, the regex an `Index` over the model's vocabulary: a DFA
+whose every state knows its allowed tokens, 0.05 s to seconds to build). Both accept the same
+JSON documents for a schema: an object that declares properties gets only those unless it sets
+additionalProperties (grammar_llg.closed).
+Each request walks the grammar (text/guides.py).
 
 Where each part runs:
 - intake (event loop, cheap): `spec_from_pb` checks the request's StructuredOutput and parses a
@@ -43,7 +45,8 @@ from scheduler_service.text.guides import Grammar, OpeningMasks, OutlinesWalk, W
 from scheduler_service.text.token_bytes import token_bytes
 
 KINDS = ("json_schema", "regex", "choice", "json_object")
-ENGINES = ("outlines", "llguidance")  # --grammar-engine
+ENGINES = ("llguidance", "outlines")  # --grammar-engine
+DEFAULT_ENGINE = "llguidance"  # compiles a tool's schema in ~1 ms (docs/benchmarks.md)
 MAX_GRAMMAR_CHARS = 65536
 MAX_CHOICES = 1024
 DEFAULT_CACHE_SIZE = 128
@@ -157,7 +160,7 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         vocab_size: int,
         cache_size: int = DEFAULT_CACHE_SIZE,
-        engine: str = "outlines",
+        engine: str = DEFAULT_ENGINE,
     ):
         if engine not in ENGINES:
             raise ValueError(f"grammar engine {engine!r}: must be one of {', '.join(ENGINES)}")

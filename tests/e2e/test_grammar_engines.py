@@ -1,7 +1,8 @@
-"""--grammar-engine llguidance end to end: the tiny server, with llguidance as its grammar
-engine, serves structured output and forced tool calls through
-the official `openai` client as the default engine does (valid under the schema, the regex
-matched, a cut call left as text), and leaves nothing behind."""
+"""Both grammar engines end to end (`--grammar-engine llguidance`, the default, and `outlines`):
+the tiny server, with each as its grammar engine, serves structured output and forced tool calls
+through the official `openai` client alike (valid under the schema, only the declared keys of
+objects that leave additionalProperties unset, the regex matched, a cut call left as text), and
+leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -29,22 +30,26 @@ SCHEMA = {
         },
     },
     "required": ["zone", "hours", "where"],
-    # llguidance reads JSON Schema's default (more properties allowed) where outlines-core
-    # writes only the declared ones; a random model would go on writing keys.
-    "additionalProperties": False,
+    # No additionalProperties here: both engines give only the declared keys.
 }
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": SCHEMA}}]
 ASK = [{"role": "user", "content": "What time is it in Berlin?"}]
 
 
-@pytest_asyncio.fixture
-async def llg_server(tiny_server):
-    """The tiny server with llguidance as its grammar engine (what --grammar-engine llguidance
-    builds at start), for one test: the engine allows one scheduler at a time."""
+def _valid(arguments: str) -> None:
+    document = json.loads(arguments)
+    jsonschema.validate(document, SCHEMA)
+    assert set(document) <= set(SCHEMA["properties"]), document
+
+
+@pytest_asyncio.fixture(params=["llguidance", "outlines"])
+async def engine_server(tiny_server, request):
+    """The tiny server with a fresh compiler of one engine (what --grammar-engine builds at
+    start), for one test: the model service allows one scheduler at a time."""
     serving = tiny_server.admission.serving
     facts = serving.facts
     grammars = GrammarCompiler(
-        facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size, engine="llguidance"
+        facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size, engine=request.param
     )
     tiny_server.admission.serving = dataclasses.replace(serving, grammars=grammars)
     try:
@@ -53,14 +58,14 @@ async def llg_server(tiny_server):
         tiny_server.admission.serving = serving
 
 
-async def test_llguidance_serves_schemas_regexes_and_forced_calls(llg_server):
+async def test_each_engine_serves_schemas_regexes_and_forced_calls(engine_server):
     client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{llg_server.http_port}/v1",
+        base_url=f"http://127.0.0.1:{engine_server.http_port}/v1",
         api_key="x",
         max_retries=0,
         timeout=120,
     )
-    model = llg_server.servicer.serving.facts.model_name
+    model = engine_server.servicer.serving.facts.model_name
     for seed in range(3):
         named = await client.chat.completions.create(
             model=model,
@@ -72,7 +77,7 @@ async def test_llguidance_serves_schemas_regexes_and_forced_calls(llg_server):
         )
         assert named.choices[0].finish_reason == "tool_calls", named.choices[0]
         [call] = named.choices[0].message.tool_calls
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        _valid(call.function.arguments)
         required = await client.chat.completions.create(
             model=model,
             messages=ASK,
@@ -84,7 +89,7 @@ async def test_llguidance_serves_schemas_regexes_and_forced_calls(llg_server):
         )
         assert required.choices[0].finish_reason == "tool_calls"
         for call in required.choices[0].message.tool_calls:
-            jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+            _valid(call.function.arguments)
         regex = await client.chat.completions.create(
             model=model,
             messages=ASK,
@@ -102,6 +107,6 @@ async def test_llguidance_serves_schemas_regexes_and_forced_calls(llg_server):
         tool_choice={"type": "function", "function": {"name": "get_time"}},
     )
     assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
-    await wait_until_idle(llg_server)
-    assert_no_leaked_blocks(llg_server)
-    assert llg_server.admission.serving.grammars.num_compiled >= 3  # compiled by llguidance
+    await wait_until_idle(engine_server)
+    assert_no_leaked_blocks(engine_server)
+    assert engine_server.admission.serving.grammars.num_compiled >= 3  # compiled by this engine

@@ -35,7 +35,8 @@ def make_grammar_compiler():
     tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     tokenizer.add_special_tokens(["<eos>"])
-    return GrammarCompiler(tokenizer.to_str(), [EOS], len(WORDS))
+    # outlines-core: llguidance needs a vocabulary that spells every byte, these words do not.
+    return GrammarCompiler(tokenizer.to_str(), [EOS], len(WORDS), engine="outlines")
 
 
 def plan_masks(plan) -> dict[int, list[int]]:

@@ -29,7 +29,8 @@ def _word_level_json() -> str:
 
 @pytest.fixture(scope="module")
 def grammars() -> GrammarCompiler:
-    return GrammarCompiler(_word_level_json(), [EOS], len(WORDS))
+    # outlines-core: llguidance needs a vocabulary that spells every byte, these words do not.
+    return GrammarCompiler(_word_level_json(), [EOS], len(WORDS), engine="outlines")
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +148,65 @@ def test_json_schema_and_object_compile_and_bad_ones_name_the_field(smollm2_voca
     assert error.value.field == "structured_output.regex"
 
 
-def test_the_cache_is_lru_by_spec(grammars):
-    compiler = GrammarCompiler(_word_level_json(), [EOS], len(WORDS), cache_size=2)
-    a, b, c = (StructuredSpec("regex", r) for r in ("w2", "w3", "w4"))
+# No additionalProperties anywhere: the top object, one reached through $defs, one in an array.
+_OPEN_SCHEMA = {"type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/$defs/B"},
+                               "c": {"type": "array", "items": {"type": "object",
+                                                                "properties": {"x": {"type": "integer"}}}}},
+                "$defs": {"B": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+
+
+def _walk(compiler, vocab, spec, document: str) -> tuple[str, bool]:
+    """(the text the guide took before it refused a token, whether it took all and is final)."""
+    guide = compiler.compile(spec).new_guide()
+    taken = []
+    for token_id in vocab.encode(document, add_special_tokens=False).ids:
+        if not guide.accept(token_id):
+            return vocab.decode(taken), False
+        taken.append(token_id)
+    return vocab.decode(taken), guide.is_final
+
+
+@ENGINES
+def test_a_schema_without_additional_properties_refuses_undeclared_keys_on_both_engines(
+        smollm2_vocab, engine):
+    compiler = GrammarCompiler(*smollm2_vocab, engine=engine)
+    vocab = tokenizers.Tokenizer.from_str(smollm2_vocab[0])
+    spec = StructuredSpec("json_schema", json.dumps(_OPEN_SCHEMA))
+    assert _walk(compiler, vocab, spec, '{"a": 1, "b": {"x": 2}, "c": [{"x": 3}]}')[1]
+    for document, before_the_extra_key in (
+            ('{"a": 1, "z": 2}', '{"a": 1, '),
+            ('{"a": 1, "b": {"x": 2, "z": 3}}', '{"a": 1, "b": {"x": 2'),
+            ('{"a": 1, "c": [{"x": 3, "z": 4}]}', '{"a": 1, "c": [{"x": 3')):
+        taken, whole = _walk(compiler, vocab, spec, document)
+        assert not whole and taken.startswith(before_the_extra_key), (document, taken)
+    # An explicit additionalProperties is the schema's to decide: llguidance then follows it.
+    opened = StructuredSpec("json_schema", json.dumps(dict(_OPEN_SCHEMA, additionalProperties=True)))
+    assert _walk(compiler, vocab, opened, '{"a": 1, "z": 2}')[1] is (engine == "llguidance")
+
+
+def test_closing_gives_additional_properties_false_only_where_outlines_core_writes_declared_keys():
+    from scheduler_service.text.grammar_llg import closed
+    member = {"type": "object", "properties": {"q": {"properties": {}}}}
+    schema = {"type": "object", "properties": {"o": {"type": "object"}, "p": {"properties": {}}},
+              "anyOf": [{"properties": {}}], "allOf": [member], "definitions": {"D": {"properties": {}}},
+              "additionalProperties": {"properties": {}}}
+    got = closed(schema)
+    assert got["additionalProperties"] == {"properties": {}, "additionalProperties": False}  # kept
+    assert "additionalProperties" not in got["properties"]["o"]  # no properties: any keys, as outlines-core
+    assert got["properties"]["p"]["additionalProperties"] is False
+    assert got["anyOf"][0]["additionalProperties"] is False
+    assert got["definitions"]["D"]["additionalProperties"] is False
+    # An allOf member stays open (closed, it would refuse the other members' keys); what it holds closes.
+    assert "additionalProperties" not in got["allOf"][0]
+    assert got["allOf"][0]["properties"]["q"]["additionalProperties"] is False
+    assert "additionalProperties" not in member["properties"]["q"]  # the caller's schema is untouched
+
+
+@ENGINES
+def test_the_cache_is_lru_by_spec(smollm2_vocab, engine):
+    compiler = GrammarCompiler(*smollm2_vocab, cache_size=2, engine=engine)
+    a, b, c = (StructuredSpec("regex", r) for r in ("ab", "cd", "ef"))
     first = compiler.compile(a)
     compiler.compile(b)
     assert compiler.compile(a) is first and compiler.num_compiled == 2
@@ -160,9 +217,10 @@ def test_the_cache_is_lru_by_spec(grammars):
     assert compiler.num_compiled == 4
 
 
-def test_concurrent_compiles_of_one_spec_compile_once():
-    compiler = GrammarCompiler(_word_level_json(), [EOS], len(WORDS))
-    spec = StructuredSpec("regex", "(w2|w3)+w4")
+@ENGINES
+def test_concurrent_compiles_of_one_spec_compile_once(smollm2_vocab, engine):
+    compiler = GrammarCompiler(*smollm2_vocab, engine=engine)
+    spec = StructuredSpec("regex", "(ab|cd)+ef")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         grammars = list(pool.map(lambda _: compiler.compile(spec), range(16)))
     assert compiler.num_compiled == 1
