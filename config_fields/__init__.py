@@ -39,6 +39,7 @@ class Bound:
     aliases: tuple[str, ...] = ()  # more names of the flag (an older spelling)
     parse: Optional[Callable[[str], Any]] = None  # the flag's text -> value, when not the type's
     note: str = ""  # said after the bound when a value is outside it: "(block 0 is reserved)"
+    nargs: Optional[str] = None  # a flag taking several values ("+"): a tuple field
 
     def rule(self) -> Optional[str]:
         """The range as words ("in [1, 1024]", "in (0, 1]", ">= 1", "> 0"); None if none."""
@@ -157,6 +158,8 @@ def add_flags(
             kwargs["metavar"] = name.upper().replace("-", "_")
             if bound.choices is not None:
                 kwargs["choices"] = list(bound.choices)
+            if bound.nargs is not None:
+                kwargs["nargs"] = bound.nargs
         parser.add_argument("--" + name, *("--" + alias for alias in bound.aliases), **kwargs)
 
 
@@ -183,4 +186,6 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     given = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
     }
+    # A flag with nargs gives a list; the frozen config holds a tuple.
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
     return cls(**{**given, **overrides})

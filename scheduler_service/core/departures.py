@@ -53,6 +53,7 @@ class Departures(SchedulerPart):
             self.policy.remove(request)
         else:
             self.running.remove(request)
+            self.loras.on_stop(request.lora_name, self._next_step_id)
         self._early_outputs.append((request, self.outputs.finish(request, reason)))
         self._early_outputs.extend((request, output) for output in request.unforked_finals(reason))
         request.forked = True
@@ -71,6 +72,7 @@ class Departures(SchedulerPart):
         self.outputs.release(request)
         self.policy.on_finished(request)
         del self.requests[request.request_id]
+        self.loras.on_leave(request.lora_name)
         members = self._groups.get(request.public_id)
         if members and members[0].forked and all(m.is_finished for m in members):
             del self._groups[request.public_id]

@@ -26,20 +26,30 @@ def cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def salt_of(cache_salt: str, tenant: str | None = None) -> int:
+def salt_of(cache_salt: str, tenant: str | None = None, lora: str = "") -> int:
     """The 256-bit prefix-cache salt (what BlockPool and StepCore take) of a request's cache_salt,
-    and of its tenant when the cache is tenant-scoped (tenant not None).
+    of its tenant when the cache is tenant-scoped (tenant not None), and of its LoRA adapter
+    (`lora`: "name#id", empty for the base model), so that two adapters never share KV.
 
-    0, shared by every such request, for no cache_salt in the global scope; otherwise SHA-256 of
-    the tagged, length-prefixed strings, so ("ab", "c") and ("a", "bc") differ and a tenant-scoped
-    salt never equals a global one:  b"C" len(uint32 LE) cache_salt  [b"N" len tenant]  (UTF-8).
+    0, shared by every such request, for no cache_salt and no adapter in the global scope;
+    otherwise SHA-256 of the tagged, length-prefixed strings, so ("ab", "c") and ("a", "bc")
+    differ and a tenant-scoped salt never equals a global one:
+    b"C" len(uint32 LE) cache_salt  [b"N" len tenant]  [b"L" len lora]  (UTF-8).
     """
-    if not cache_salt and tenant is None:
+    if not cache_salt and tenant is None and not lora:
         return 0
     message = b"C" + struct.pack("<I", len(cache_salt.encode())) + cache_salt.encode()
     if tenant is not None:
         message += b"N" + struct.pack("<I", len(tenant.encode())) + tenant.encode()
+    if lora:
+        message += b"L" + struct.pack("<I", len(lora.encode())) + lora.encode()
     return int.from_bytes(hashlib.sha256(message).digest(), "big")
+
+
+def lora_key(request: Request) -> str:
+    """The adapter's part of the salt: its name and id (ids are never reused, so an adapter
+    loaded again under an old name never finds the old one's KV); "" for the base model."""
+    return f"{request.lora_name}#{request.lora_id}" if request.lora_name else ""
 
 
 class KVBlockManager:
@@ -69,9 +79,8 @@ class KVBlockManager:
 
     def salt(self, request: Request) -> int:
         """The request's prefix-cache salt under this manager's scope (see salt_of)."""
-        if self.prefix_cache_scope == "tenant":
-            return salt_of(request.cache_salt, request.tenant)
-        return salt_of(request.cache_salt)
+        tenant = request.tenant if self.prefix_cache_scope == "tenant" else None
+        return salt_of(request.cache_salt, tenant, lora_key(request))
 
     @property
     def num_free_blocks(self) -> int:

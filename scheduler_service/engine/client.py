@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from planserve.contract import CONTRACT_VERSION, CPU_STEP, REQUEST_BOUNDS, RequestBounds
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_service.core import plan as plan_codec
+from scheduler_service.core.loras import LoraCapacity
 from scheduler_service.core.request import Sampling
 from scheduler_service.engine.execute_stream import ExecuteStream, StreamEnded
 
@@ -52,6 +53,8 @@ class EngineFacts:
     step_max_seqs: int = CPU_STEP.max_seqs
     """The most sequences of one step the engine chose: the scheduler's max_num_seqs unless
     --max-num-seqs is given (never above max_num_slots)."""
+    lora: Optional[LoraCapacity] = None
+    """The LoRA adapters the engine can hold (DescribeResponse.lora); None: it serves none."""
 
     @classmethod
     def from_pb(cls, reply: engine_pb2.DescribeResponse) -> "EngineFacts":
@@ -83,7 +86,21 @@ class EngineFacts:
             # 0: an engine before these fields; the contract's CPU shape, as it always planned.
             step_token_budget=reply.step_token_budget or CPU_STEP.token_budget,
             step_max_seqs=reply.step_max_seqs or CPU_STEP.max_seqs,
+            lora=_lora(reply),
         )
+
+
+def _lora(reply: engine_pb2.DescribeResponse) -> Optional[LoraCapacity]:
+    if not reply.HasField("lora"):
+        return None
+    lora = reply.lora
+    return LoraCapacity(
+        max_loras=lora.max_loras,
+        max_lora_rank=lora.max_lora_rank,
+        # Never fewer than max_loras: every adapter of a step is loaded.
+        max_cpu_loras=max(lora.max_cpu_loras, lora.max_loras),
+        target_modules=tuple(lora.target_modules),
+    )
 
 
 def _bounds(reply: engine_pb2.DescribeResponse) -> RequestBounds:
