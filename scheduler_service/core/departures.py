@@ -33,6 +33,13 @@ class Departures(SchedulerPart):
             if not request.is_finished:
                 self._end(request, reason, self._aborted_slots)
 
+    def fail_adapter(self, name: str) -> None:
+        """The model service refused to load adapter `name`: its waiting requests end with
+        ERROR (outputs in take_early_outputs()); running ones, if any, go on."""
+        for request in list(self.requests.values()):
+            if request.lora_name == name and request.status is RequestStatus.WAITING:
+                self._end(request, FinishReason.ERROR, self._aborted_slots)
+
     def _expire_deadlines(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, request_id = heapq.heappop(self._deadlines)

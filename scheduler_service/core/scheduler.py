@@ -214,6 +214,7 @@ class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, Paralle
             or self._finished_slots
             or self._aborted_slots
             or self._abort_ids
+            or self._early_outputs  # e.g. requests of an adapter that failed to load
         )
 
     @property

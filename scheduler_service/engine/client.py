@@ -234,6 +234,24 @@ class EngineClient:
             )
         await self.execute(plan_codec.StepPlan(step_id=first_step_id + 1, aborted_slots=[0]))
 
+    async def load_adapter(
+        self, lora_id: int, name: str, path: str, timeout_s: float = 600.0
+    ) -> engine_pb2.LoadAdapterResponse:
+        """LoadAdapter: the model service reads the PEFT folder and keeps it under lora_id
+        (grpc.aio.AioRpcError on refusal, engine/lora_loader.py maps it)."""
+        request = engine_pb2.LoadAdapterRequest(lora_id=lora_id, lora_name=name, lora_path=path)
+        return await self._stub.LoadAdapter(request, timeout=timeout_s)
+
+    async def evict_adapter(self, lora_id: int, timeout_s: float = 60.0) -> None:
+        """EvictAdapter; an id the model service does not hold (it restarted) is not an error."""
+        try:
+            await self._stub.EvictAdapter(
+                engine_pb2.EvictAdapterRequest(lora_id=lora_id), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+
     async def is_alive(self, timeout_s: float) -> bool:
         """A cheap liveness check while idle: the model service's own health service."""
         try:
