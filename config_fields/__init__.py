@@ -149,8 +149,10 @@ def add_flags(
             text += f" (default: {shown})"  # --help shows every default
         kwargs: dict[str, Any] = {"dest": field.name, "help": text.replace("%", "%%")}
         if isinstance(field.default, bool):
-            # A flag turns a setting on (store_true) or, spelled no-..., off (store_false).
-            kwargs["action"] = "store_false" if field.default else "store_true"
+            # A flag turns a setting on or, spelled no-..., off; it also takes the value spelled
+            # out ("--enable-lora true"), which is how a flag passed on is written.
+            kwargs.update(nargs="?", const=not field.default, type=parse_bool, metavar="BOOL")
+            kwargs["default"] = None if pass_on else field.default
         else:
             parse = bound.parse or _value_type(cls, field)
             kwargs["type"] = str if pass_on and bound.parse else parse
@@ -161,6 +163,16 @@ def add_flags(
             if bound.nargs is not None:
                 kwargs["nargs"] = bound.nargs
         parser.add_argument("--" + name, *("--" + alias for alias in bound.aliases), **kwargs)
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean flag's spelled-out value: true/false, yes/no, on/off or 1/0."""
+    value = str(text).strip().lower()
+    if value in ("true", "yes", "on", "1"):
+        return True
+    if value in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
 def flag_of(cls: type, name: str) -> str:
