@@ -1,0 +1,264 @@
+"""LoRA adapters end to end (docs/lora.md): a real model service (the tiny model, --enable-lora)
+behind a real scheduler with a bearer token, --lora-modules and run-time loading under an adapter
+root; adapters are random PEFT folders made with peft on the tiny model's shapes.
+
+The official openai client selects an adapter by model name and reads /v1/models' parent and
+root; run-time load and unload (HTTP and gRPC) with each bad input refused; unload refused while a
+request runs with the adapter; the metrics' labels. The null model (which checks folders and
+holds no weights) serves the start-up errors and the closed door.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from conftest import EngineProcess, start_scheduler
+from planserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_service.ports import StartupError
+
+TOKEN = "lora-test-token"
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _save_adapter(reference, folder: str, seed: int, rank: int = 4) -> str:
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=16, target_modules=ATTENTION, init_lora_weights=False, lora_dropout=0.0
+    )
+    peft.get_peft_model(copy.deepcopy(reference), config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory):
+    """root/{a1,a2,a3} (adapters), outside/evil (an adapter outside the root), root/link (a
+    symlink out of the root)."""
+    from model_service.config import ModelServiceConfig
+    from model_service.loading.loader import load_model
+    from reference import hf_llama_from_loaded
+
+    reference = hf_llama_from_loaded(load_model(ModelServiceConfig(model="tiny", dtype="float32")))
+    base = tmp_path_factory.mktemp("lora")
+    root, outside = base / "root", base / "outside"
+    root.mkdir()
+    outside.mkdir()
+    for seed, name in enumerate(("a1", "a2", "a3")):
+        _save_adapter(reference, str(root / name), seed=seed + 1)
+    _save_adapter(reference, str(outside / "evil"), seed=9)
+    os.symlink(outside / "evil", root / "link")
+    return root, outside
+
+
+@pytest.fixture(scope="module")
+def lora_engine():
+    engine = EngineProcess(
+        "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64",
+        "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3",
+    )  # fmt: skip
+    yield engine.address
+    engine.stop()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def lora_server(lora_engine, adapter_root, tmp_path_factory):
+    root, _ = adapter_root
+    token_file = tmp_path_factory.mktemp("token") / "token"
+    token_file.write_text(TOKEN)
+    server = await start_scheduler(
+        lora_engine,
+        http_port=0,
+        max_num_seqs=8,
+        auth_token_file=str(token_file),
+        lora_modules=(f"a1={root / 'a1'}",),
+        enable_runtime_lora=True,
+        lora_root=str(root),
+    )
+    yield server
+    await server.stop(grace_s=1)
+
+
+def _http(server) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{server.http_port}",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+
+
+def _openai(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=TOKEN)
+
+
+def _base(server) -> str:
+    return server.admission.serving.facts.model_name
+
+
+async def _logprobs(client, model: str) -> list[float]:
+    reply = await client.completions.create(
+        model=model, prompt="hello world", max_tokens=6, temperature=0, logprobs=1
+    )
+    assert reply.model == model
+    return reply.choices[0].logprobs.token_logprobs
+
+
+async def test_the_openai_client_selects_an_adapter_by_model_name(lora_server, adapter_root):
+    client = _openai(lora_server)
+    base, adapted = await asyncio.gather(
+        _logprobs(client, _base(lora_server)), _logprobs(client, "a1")
+    )
+    assert base != adapted  # the adapter changes the model's output
+    assert await _logprobs(client, "a1") == adapted
+    models = {m.id: m for m in (await client.models.list()).data}
+    assert getattr(models["a1"], "parent") == _base(lora_server)
+    assert getattr(models["a1"], "root") == str(adapter_root[0] / "a1")
+    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+        await client.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+async def test_runtime_load_and_unload_with_every_bad_input_refused(lora_server, adapter_root):
+    root, outside = adapter_root
+    async with _http(lora_server) as http:
+        refused = {
+            ("", str(root / "a2")): (400, "lora_name"),
+            ("x" * 65, str(root / "a2")): (400, "lora_name"),
+            ("a/b", str(root / "a2")): (400, "lora_name"),
+            (_base(lora_server), str(root / "a2")): (400, "lora_name"),
+            ("evil", str(outside / "evil")): (400, "lora_path"),
+            ("evil", str(root / "link")): (400, "lora_path"),
+            ("evil", "../outside/evil"): (400, "lora_path"),
+            ("a1", str(root / "a2")): (409, "lora_name"),
+            ("missing", str(root / "none")): (404, "lora_path"),
+        }
+        for (name, path), (status, field) in refused.items():
+            reply = await http.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+            )
+            assert reply.status_code == status, (name, path, reply.text)
+            assert reply.json()["error"]["param"] == field, reply.text
+        reply = await http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(root / "a2")}
+        )
+        assert reply.status_code == 200, reply.text
+        assert (
+            await http.post("/v1/unload_lora_adapter", json={"lora_name": "zz"})
+        ).status_code == 404
+        no_token = await httpx.AsyncClient().post(
+            f"http://127.0.0.1:{lora_server.http_port}/v1/load_lora_adapter",
+            json={"lora_name": "a3", "lora_path": str(root / "a3")},
+        )
+        assert no_token.status_code == 401
+    client = _openai(lora_server)
+    assert len(await _logprobs(client, "a2")) == 6
+    async with _http(lora_server) as http:
+        reply = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"})
+        assert reply.status_code == 200, reply.text
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="a2", prompt="x", max_tokens=1)
+
+
+async def test_unload_is_refused_while_a_request_uses_the_adapter(lora_server, adapter_root):
+    root, _ = adapter_root
+    client = _openai(lora_server)
+    async with _http(lora_server) as http:
+        reply = await http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(root / "a3")}
+        )
+        assert reply.status_code == 200, reply.text
+        stream = await client.completions.create(
+            model="a3", prompt="count", max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = aiter(stream)
+        await anext(chunks)  # it runs
+        busy = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+        assert busy.status_code == 409 and busy.json()["error"]["param"] == "lora_name"
+        async for _ in chunks:
+            pass
+        reply = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+        assert reply.status_code == 200, reply.text
+
+
+async def test_grpc_selects_loads_and_lists_adapters(lora_server, adapter_root):
+    root, _ = adapter_root
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{lora_server.port}") as channel:
+        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            async for _ in stub.Generate(
+                generate_pb2.GenerateRequest(text="hi", lora_name="nope"), metadata=metadata
+            ):
+                pass
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        loaded = await stub.LoadLoraAdapter(
+            generate_pb2.LoadLoraAdapterRequest(lora_name="g1", lora_path=str(root / "a2")),
+            metadata=metadata,
+        )
+        assert loaded.adapter.rank == 4
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.LoadLoraAdapter(
+                generate_pb2.LoadLoraAdapterRequest(lora_name="g1", lora_path=str(root / "a2")),
+                metadata=metadata,
+            )
+        assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        tokens = []
+        async for chunk in stub.Generate(
+            generate_pb2.GenerateRequest(
+                text="hi",
+                lora_name="g1",
+                stopping=generate_pb2.StoppingCriteria(max_new_tokens=3, ignore_eos=True),
+            ),
+            metadata=metadata,
+        ):
+            tokens.extend(chunk.token_ids)
+        assert len(tokens) == 3
+        info = await stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), metadata=metadata)
+        assert {"a1", "g1"} <= {a.name for a in info.lora_adapters}
+        await stub.UnloadLoraAdapter(
+            generate_pb2.UnloadLoraAdapterRequest(lora_name="g1"), metadata=metadata
+        )
+
+
+async def test_metrics_carry_the_adapters(lora_server):
+    await _logprobs(_openai(lora_server), "a1")
+    async with _http(lora_server) as http:
+        text = (await http.get("/metrics")).text
+    info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0], info
+    assert 'running_lora_adapters="' in info[0] and 'waiting_lora_adapters="' in info[0]
+    assert 'planserve_lora_requests_total{lora_name="a1"}' in text
+
+
+async def test_start_up_errors_and_the_closed_door(adapter_root):
+    root, _ = adapter_root
+    plain = EngineProcess("--model", "null")
+    try:
+        with pytest.raises(StartupError, match="--lora-modules: the model service serves no LoRA"):
+            await start_scheduler(plain.address, lora_modules=(f"a1={root / 'a1'}",))
+    finally:
+        plain.stop()
+    engine = EngineProcess("--model", "null", "--enable-lora")
+    try:
+        with pytest.raises(StartupError, match="--lora-modules bad="):
+            await start_scheduler(engine.address, lora_modules=(f"bad={root / 'none'}",))
+        server = await start_scheduler(engine.address, http_port=0)  # runtime loading off
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+                body = {"lora_name": "a2", "lora_path": str(root / "a2")}
+                assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 404
+                unload = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"})
+                assert unload.status_code == 404
+        finally:
+            await server.stop(grace_s=1)
+    finally:
+        engine.stop()
