@@ -4,11 +4,10 @@ Requests are added and aborted from the serving layer; `schedule()` builds the n
 and `update()` applies the model service's result to it. Both run on the event loop thread, one
 step at a time, so no locking is needed.
 
-The class is split by lifecycle: this module has the requests' arrival, the step (schedule)
-and its result (update); departures.py ends requests (aborts, deadlines, stops) and frees what
-they held, waiting.py admits waiting requests (lora_admission.py: the adapter rule),
-preemption.py makes room, forks.py starts parallel samples, overlap.py commits and reconciles
-plans built ahead.
+Split by lifecycle: this module has the requests' arrival, the step (schedule) and its result
+(update); departures.py ends requests and frees what they held, waiting.py admits waiting ones
+(lora_admission.py: the adapter rule), preemption.py makes room, forks.py starts parallel
+samples, overlap.py commits and reconciles plans built ahead.
 
 Python keeps the orchestration: Request objects and their lifecycle (admit, finish, abort,
 deadline, outputs), the waiting queue and every policy decision. The loops over running sequences
