@@ -13,12 +13,16 @@ it start with.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import struct
 
-from cython_ext.block_pool import BlockPool
+from cython_ext.block_pool import BlockPool, block_hash
 from scheduler_service.core.request import Request
+
+# First blocks of LoRA requests remembered for the KV-cache events (least recent dropped).
+_MAX_LORA_ROOTS = 4096
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,6 +69,9 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_scope = prefix_cache_scope
         self.logs_events = False  # the pool logs KV-cache events (engine/kv_events.py)
+        # With events: the first-block digest of recent LoRA requests -> (lora_id, lora_name),
+        # so that the events can name the adapter of the chains they start (kv_events.py).
+        self.lora_roots: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()
 
     def enable_events(self) -> None:
         """The pool logs its prefix cache's changes, and so does every pool that replaces it."""
@@ -81,6 +88,17 @@ class KVBlockManager:
         """The request's prefix-cache salt under this manager's scope (see salt_of)."""
         tenant = request.tenant if self.prefix_cache_scope == "tenant" else None
         return salt_of(request.cache_salt, tenant, lora_key(request))
+
+    def note_lora_root(self, request: Request) -> None:
+        """With events: remembers the digest the first block of a LoRA request will have."""
+        token_ids = request.all_token_ids
+        if len(token_ids) < self.block_size:
+            return
+        digest = block_hash(0, token_ids[: self.block_size], self.salt(request))
+        self.lora_roots[digest] = (request.lora_id, request.lora_name)
+        self.lora_roots.move_to_end(digest)
+        if len(self.lora_roots) > _MAX_LORA_ROOTS:
+            self.lora_roots.popitem(last=False)
 
     @property
     def num_free_blocks(self) -> int:

@@ -127,6 +127,8 @@ class WaitingAdmission(SchedulerPart):
         self.running.append(request)
         if request.lora_name:
             self._lora_admitted(request)
+            if self.kv.logs_events:
+                self.kv.note_lora_root(request)
         return slot
 
     def _lookahead(self, request: Request) -> int:

@@ -61,6 +61,8 @@ class EngineLoop:
     ):
         self.scheduler = scheduler
         self.kv_events = kv_events  # publishes the pool's KV-cache events after each step
+        if kv_events is not None:
+            kv_events.lora_roots = scheduler.kv.lora_roots
         self.client = client
         # LoRA adapters: the loads and evictions the scheduler decides (engine/lora_loader.py).
         self.adapters = AdapterLoader(scheduler, client, lora_registry or LoraRegistry(), self.wake)

@@ -219,3 +219,33 @@ def test_a_restart_forgets_residency_and_loads_again():
     while scheduler.has_work():
         step(scheduler, loads, 2)
     assert loads.loaded.count("A") == 2
+
+
+def test_kv_events_name_the_adapter_of_its_blocks(tmp_path):
+    import msgpack
+
+    from scheduler_service.engine.kv_events import KVEventPublisher, KVEventStream, parse_config
+
+    config = parse_config(
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        f'"endpoint": "ipc://{tmp_path}/kv-lora"}}'
+    )
+    publisher = KVEventPublisher(config, start=False)  # batches stay in its queue
+    try:
+        scheduler = lora_scheduler(max_loras=2)
+        scheduler.kv.enable_events()
+        stream = KVEventStream(publisher, scheduler.kv.block_size)
+        stream.lora_roots = scheduler.kv.lora_roots
+        prompt = list(range(2, 14))  # three full blocks of 4
+        for name in ("A", ""):
+            scheduler.add_request(lora_request(name, prompt_token_ids=prompt, max_new_tokens=1))
+        run(scheduler, max_loras=2)
+        stream.on_step(scheduler.kv.pool)
+        _, events, _ = publisher._queue.get_nowait()
+        stored = [e for e in msgpack.unpackb(msgpack.packb(events)) if e[0] == "BlockStored"]
+        adapted = [e for e in stored if e[5] is not None]
+        assert len(adapted) == 3 and len(stored) == 6
+        assert all(e[5] == IDS["A"] and e[7] == "A" for e in adapted)
+        assert all(len(e) == 7 for e in stored if e[5] is None)  # base blocks as before
+    finally:
+        publisher.close()
