@@ -145,7 +145,7 @@ def add_flags(
         default = field.default if bound.cli_default is _UNSET else bound.cli_default
         text = docs.get(field.name, "") + (helps or {}).get(field.name, "")
         if not isinstance(field.default, bool) and default is not dataclasses.MISSING:
-            shown = "none" if default is None or default == "" else default
+            shown = "none" if default is None or default in ("", ()) else default
             text += f" (default: {shown})"  # --help shows every default
         kwargs: dict[str, Any] = {"dest": field.name, "help": text.replace("%", "%%")}
         if isinstance(field.default, bool):

@@ -189,6 +189,26 @@ async def test_unload_is_refused_while_a_request_uses_the_adapter(lora_server, a
         assert reply.status_code == 200, reply.text
 
 
+async def test_more_adapters_than_places_each_equal_to_itself_alone(lora_server, adapter_root):
+    """Three adapters and the base model at once with --max-loras 2: the scheduler skips what
+    has no place (the model service fails a plan with too many adapters) and every request
+    gets exactly the tokens it gets alone."""
+    root, _ = adapter_root
+    async with _http(lora_server) as http:
+        for name in ("c2", "c3"):
+            body = {"lora_name": name, "lora_path": str(root / ("a" + name[1]))}
+            assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 200
+    client = _openai(lora_server)
+    models = [_base(lora_server), "a1", "c2", "c3"]
+    alone = {model: await _logprobs(client, model) for model in models}
+    together = await asyncio.gather(*(_logprobs(client, m) for m in models * 3))
+    assert together == [alone[m] for m in models * 3]
+    async with _http(lora_server) as http:
+        for name in ("c2", "c3"):
+            reply = await http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            assert reply.status_code == 200
+
+
 async def test_grpc_selects_loads_and_lists_adapters(lora_server, adapter_root):
     root, _ = adapter_root
     metadata = (("authorization", f"Bearer {TOKEN}"),)
