@@ -228,6 +228,10 @@ class SchedulerConfig:
     """Steps a waiting request may be skipped for its adapter (max_loras adapters running)
     before one running adapter is drained to make room for it (docs/lora.md: no starvation)."""
 
+    lora_rotate_after_steps: int = setting(8, low=0)
+    """Steps a running adapter keeps admitting new requests while requests of adapters without a
+    place wait that long; then it drains and gives its place (docs/lora.md: rotation). 0: never."""
+
     def validate(self) -> "SchedulerConfig":
         """Every field's declared bound (config_fields.check_bounds), then the rules that tie fields
         together or need a lookup; ValueError names the field. Returns self."""

@@ -29,6 +29,15 @@ times it is the *starved* request (one at a time, the first reached) and until i
 
 Requests of the other running adapters and of the base model are admitted as before, so the
 drain costs at most one adapter's admissions for as long as its running requests take.
+
+Rotation (latency, not only liveness). An adapter that keeps receiving requests never drains on
+its own, so without more the places go round only at the starvation bound's pace, and with more
+adapters than places the waiting time grows into a cliff. So a place is held for a quantum:
+once requests have waited `lora_rotate_after_steps` steps for a place, as many running adapters
+as they need (beyond the free places and those already closing), the ones that took their place
+longest ago and held it for a quantum, are *closed*: they admit nothing new until their running
+sequences finish and the place frees; the waiting adapter then admits its whole backlog at once.
+Each place thus serves adapters in turns of about a quantum plus one request's lifetime.
 """
 
 from __future__ import annotations
@@ -47,12 +56,15 @@ MAX_SKIPS_PER_STEP = 256
 def lora_blocked(loras: LoraState, request: Request) -> Optional[str]:
     """Why `request` cannot start this step for its adapter (None: it can). "load": its adapter
     is not loaded here; "full": max_loras adapters run; "starved": a place is kept for the starved
-    request's adapter; "draining": its adapter is being drained for the starved request."""
+    request's adapter; "draining": its adapter is being drained for the starved request;
+    "closed": its adapter held its place a quantum while others waited, and drains."""
     name = request.lora_name
     if not name:
         return None
     starved = loras.starved
     if name in loras.running:
+        if name in loras.closed:
+            return "closed"
         if starved is not None and name == loras.draining and request is not starved:
             return "draining"
         return None
@@ -80,6 +92,9 @@ class LoraAdmission(SchedulerPart):
         if why == "load":
             loras.want(request.lora_name, request.lora_id)
         request.lora_skips += 1
+        quantum = self.config.lora_rotate_after_steps
+        if why == "full" and quantum and request.lora_skips >= quantum:
+            loras.waiting_for_place.add(request.lora_name)
         if loras.starved is None and request.lora_skips >= self.config.lora_max_skipped_steps:
             loras.starved = request
             self._choose_drained()
@@ -89,6 +104,7 @@ class LoraAdmission(SchedulerPart):
         """Before a step's admissions: the starved request is forgotten once it is admitted or
         gone, and a drained adapter chosen while it still waits."""
         loras = self.loras
+        loras.rotate(self._next_step_id, self.config.lora_rotate_after_steps)
         starved = loras.starved
         if starved is None:
             return

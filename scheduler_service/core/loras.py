@@ -62,6 +62,12 @@ class LoraState:
         # adapter drained to make room for it.
         self.starved: Optional[Request] = None
         self.draining: Optional[str] = None
+        # Rotation (core/lora_admission.py): when each running adapter took its place, the ones
+        # closed to new requests until they drain, and the adapters whose requests waited a
+        # quantum for a place in the last step.
+        self.place_since: dict[str, int] = {}
+        self.closed: set[str] = set()
+        self.waiting_for_place: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +79,7 @@ class LoraState:
         """A sequence of `name` took a slot (admitted, resumed or forked) in plan `step_id`."""
         if name:
             self.running[name] += 1
+            self.place_since.setdefault(name, step_id)
             self.idle_since.pop(name, None)
             if name in self.resident:
                 self.resident.move_to_end(name)
@@ -85,6 +92,8 @@ class LoraState:
             if self.running[name] <= 0:
                 del self.running[name]
                 self.idle_since[name] = next_step_id
+                self.place_since.pop(name, None)
+                self.closed.discard(name)
 
     def on_arrive(self, name: str) -> None:
         if name:
@@ -176,6 +185,26 @@ class LoraState:
         self.completed_step = 0
         self.epoch += 1
         self.draining = None
+        self.place_since.clear()
+        self.closed.clear()
+        self.waiting_for_place.clear()
+
+    def rotate(self, step_id: int, quantum: int) -> None:
+        """Closes running adapters that held their place for `quantum` steps, oldest place
+        first, as many as the adapters that waited that long for one need beyond the free and
+        closing places (0: no rotation)."""
+        waiting, self.waiting_for_place = len(self.waiting_for_place), set()
+        if not quantum or not waiting:
+            return
+        need = waiting - (self.max_loras - len(self.running)) - len(self.closed)
+        if need <= 0:
+            return
+        held = sorted(
+            (since, name)
+            for name, since in self.place_since.items()
+            if name not in self.closed and step_id - since >= quantum
+        )
+        self.closed.update(name for _, name in held[:need])
 
     def forget(self, name: str) -> None:
         """The operator unloaded `name` (no request uses it): evicted here once idle."""

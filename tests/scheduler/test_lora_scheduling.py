@@ -120,10 +120,12 @@ def test_max_loras_per_step_holds_for_every_policy(policy):
     assert not scheduler.loras.running and not scheduler.loras.in_flight
 
 
-def _stream(lora_max_skipped_steps, max_steps=300):
+def _stream(lora_max_skipped_steps, max_steps=300, rotate=0):
     """Two popular adapters with a new request each every step, a rare one arriving at step 3;
     returns the step the rare one started at (None: never within max_steps)."""
-    scheduler = lora_scheduler(max_loras=2, lora_max_skipped_steps=lora_max_skipped_steps)
+    scheduler = lora_scheduler(
+        max_loras=2, lora_max_skipped_steps=lora_max_skipped_steps, lora_rotate_after_steps=rotate
+    )
     loads = Loads(scheduler)
     rare = lora_request("C", max_new_tokens=2)
     for number in range(max_steps):
@@ -142,6 +144,9 @@ def test_a_rare_adapter_is_not_starved_by_a_steady_stream_of_popular_ones():
     assert started is not None and started < 3 + 8 + 20
     # Without the rule (a bound it never reaches) the popular adapters keep every place.
     assert _stream(lora_max_skipped_steps=10_000) is None
+    # Rotation alone lets it in too, after about a quantum and one request's lifetime.
+    started = _stream(lora_max_skipped_steps=10_000, rotate=4)
+    assert started is not None and started < 3 + 4 + 20
 
 
 def test_the_prefix_cache_is_keyed_by_adapter():
