@@ -208,6 +208,8 @@ class EngineLoop:
         self._after_step(result)
 
     def _after_step(self, result) -> None:
+        if self.scheduler.loras.enabled:
+            self.adapters.pump()  # adapters idle since this result may be evicted now
         if self.kv_events is not None:
             self.kv_events.on_step(self.scheduler.kv.pool)
         if self.metrics is not None:
@@ -223,7 +225,6 @@ class EngineLoop:
             )
             self.metrics.on_forward(result.forward_ns)
             if scheduler.loras.enabled:
-                self.adapters.pump()  # adapters idle since this result may be evicted
                 self.metrics.on_lora(scheduler.loras)
             if result.num_draft_tokens:
                 self.metrics.on_speculation(
