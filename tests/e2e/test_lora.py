@@ -282,3 +282,43 @@ async def test_start_up_errors_and_the_closed_door(adapter_root):
             await server.stop(grace_s=1)
     finally:
         engine.stop()
+
+
+async def test_a_restarted_model_service_loads_the_adapter_again(adapter_root):
+    """SIGKILL of the model service mid-generation: the request on an adapter resumes on the
+    restarted process (the scheduler loads the adapter again) with the undisturbed tokens."""
+    import signal
+
+    from api import complete, greedy_ids_request, stub_for
+
+    root, _ = adapter_root
+    args = ("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64", "--enable-lora")
+    engine = EngineProcess(*args)
+    server = await start_scheduler(engine.address, lora_modules=(f"a1={root / 'a1'}",))
+    try:
+        stub = stub_for(server)
+        request = greedy_ids_request([17, 400, 120, 88, 9], 200)
+        request.lora_name = "a1"
+        reference = await complete(stub, request)
+        base = greedy_ids_request([17, 400, 120, 88, 9], 200)
+        assert (await complete(stub, base)).token_ids != reference.token_ids
+        tokens: list[int] = []
+
+        async def stream():
+            async for chunk in stub.Generate(request):
+                tokens.extend(chunk.token_ids)
+
+        task = asyncio.ensure_future(stream())
+        while len(tokens) < 10:
+            await asyncio.sleep(0.005)
+        engine.process.send_signal(signal.SIGKILL)
+        engine.process.wait()
+        assert len(tokens) < 200, "the request finished before the kill: nothing was tested"
+        port = server.config.engine_address.rsplit(":", 1)[1]
+        engine = EngineProcess(*args, "--port", port)
+        await task
+        assert tokens == list(reference.token_ids)
+        assert server.loop.num_engine_recoveries == 1
+    finally:
+        await server.stop(grace_s=1)
+        engine.stop()
