@@ -322,3 +322,42 @@ async def test_a_restarted_model_service_loads_the_adapter_again(adapter_root):
     finally:
         await server.stop(grace_s=1)
         engine.stop()
+
+
+async def test_every_replica_loads_the_modules_and_serves_them(adapter_root):
+    from api import complete, greedy_ids_request, stub_for
+
+    root, _ = adapter_root
+    args = ("--model", "null", "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "2")
+    engines = [EngineProcess(*args), EngineProcess(*args)]
+    server = await start_scheduler(
+        ",".join(e.address for e in engines),
+        metrics_port=0,
+        lora_modules=(f"a1={root / 'a1'}", f"a2={root / 'a2'}"),
+    )
+    try:
+        replicas = server.loop.replicas
+        assert len(replicas) == 2
+        for replica in replicas:
+            assert set(replica.scheduler.loras.resident) == {"a1", "a2"}
+        stub = stub_for(server)
+        requests = []
+        for index in range(8):
+            request = greedy_ids_request([5 + index, 6, 7], 8)
+            request.lora_name = ("a1", "a2")[index % 2]
+            requests.append(request)
+        replies = await asyncio.gather(*(complete(stub, r) for r in requests))
+        assert all(len(reply.token_ids) == 8 for reply in replies)
+        registry = server.metrics.registry
+        assert registry.get_sample_value("planserve_lora_requests_total", {"lora_name": "a2"}) == 4
+        infos = [
+            s.labels
+            for metric in registry.collect()
+            if metric.name == "vllm:lora_requests_info"
+            for s in metric.samples
+        ]
+        assert len(infos) == 1 and infos[0]["max_lora"] == "1"
+    finally:
+        await server.stop(grace_s=1)
+        for engine in engines:
+            engine.stop()
