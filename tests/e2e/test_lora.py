@@ -259,6 +259,7 @@ async def test_metrics_carry_the_adapters(lora_server):
     assert 'planserve_lora_requests_total{lora_name="a1"}' in text
 
 
+@pytest.mark.slow(reason="three model services start, one per start-up case")
 async def test_start_up_errors_and_the_closed_door(adapter_root):
     root, _ = adapter_root
     plain = EngineProcess("--model", "null")
@@ -284,6 +285,9 @@ async def test_start_up_errors_and_the_closed_door(adapter_root):
         engine.stop()
 
 
+@pytest.mark.slow(
+    reason="a model service killed mid-generation and started again (the tiny model loads twice)"
+)
 async def test_a_restarted_model_service_loads_the_adapter_again(adapter_root):
     """SIGKILL of the model service mid-generation: the request on an adapter resumes on the
     restarted process (the scheduler loads the adapter again) with the undisturbed tokens."""
