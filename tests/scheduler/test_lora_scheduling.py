@@ -254,3 +254,23 @@ def test_kv_events_name_the_adapter_of_its_blocks(tmp_path):
         assert all(len(e) == 7 for e in stored if e[5] is None)  # base blocks as before
     finally:
         publisher.close()
+
+
+def test_the_lora_affinity_scorer_prefers_the_replica_running_the_adapter():
+    import types
+
+    from scheduler_service.engine.scorers import builtin
+
+    running, loaded, full, empty = (lora_scheduler(max_loras=1) for _ in range(4))
+    running.loras.running["A"] = 1
+    running.loras.resident["A"] = IDS["A"]
+    loaded.loras.resident["A"] = IDS["A"]
+    full.loras.resident["A"] = IDS["A"]
+    full.loras.running["B"] = 1
+    replicas = [
+        types.SimpleNamespace(name=str(i), scheduler=s)
+        for i, s in enumerate((running, loaded, full, empty))
+    ]
+    scorer = builtin.LoraAffinity()
+    assert scorer.score(lora_request("A"), replicas) == [1.0, 0.75, 0.25, 0.5]
+    assert scorer.score(lora_request(""), replicas) == [0.0] * 4
