@@ -274,3 +274,20 @@ def test_the_lora_affinity_scorer_prefers_the_replica_running_the_adapter():
     scorer = builtin.LoraAffinity()
     assert scorer.score(lora_request("A"), replicas) == [1.0, 0.75, 0.25, 0.5]
     assert scorer.score(lora_request(""), replicas) == [0.0] * 4
+
+
+def test_a_skipped_request_takes_none_of_the_chunked_prefill_budget():
+    scheduler = lora_scheduler(max_loras=1, max_num_batched_tokens=32)
+    loads = Loads(scheduler)
+    scheduler.add_request(lora_request("A", num_prompt_tokens=4, max_new_tokens=20))
+    step(scheduler, loads, 1)
+    step(scheduler, loads, 1)  # A decodes: one token a step
+    blocked = lora_request("B", num_prompt_tokens=40)
+    base = lora_request("", num_prompt_tokens=60)
+    scheduler.add_request(blocked)
+    scheduler.add_request(base)
+    plan = step(scheduler, loads, 1)
+    scheduled = dict(zip((r.request_id for r in plan.requests), plan.num_scheduled_tokens))
+    assert blocked.request_id not in scheduled
+    assert scheduled[base.request_id] == 32 - 1  # the whole budget left after A's decode
+    assert sum(plan.num_scheduled_tokens) == 32
