@@ -113,6 +113,30 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
     }
 
 
+def skip_cost() -> float:
+    """Median schedule() time (ms) with 1,000 waiting requests of an adapter that has no place:
+    each step skips (pops and puts back) the most it may, MAX_SKIPS_PER_STEP."""
+    from scheduler.factories import fake_result
+    from scheduler.test_lora_scheduling import Loads, lora_request, lora_scheduler, step
+
+    scheduler = lora_scheduler(
+        max_loras=1, max_cpu_loras=8, num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=512
+    )
+    loads = Loads(scheduler)
+    scheduler.add_request(lora_request("A", max_new_tokens=10_000))
+    for _ in range(3):
+        step(scheduler, loads, 1)
+    for _ in range(1000):
+        scheduler.add_request(lora_request("B", max_new_tokens=4))
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        times.append(time.perf_counter() - started)
+        scheduler.update(plan, fake_result(plan))
+    return statistics.median(times) * 1000
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
@@ -122,7 +146,11 @@ async def main() -> None:
     parser.add_argument("--lora-rotate-after-steps", type=int, default=8)
     parser.add_argument("--only", choices=("base", "4", "16"), default=None, help="one row only")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--skip-cost", action="store_true", help="only the skip cost per step")
     args = parser.parse_args()
+    if args.skip_cost:
+        print(f"schedule() with 1,000 skipped requests waiting: {skip_cost():.3f} ms (median)")
+        return
     with tempfile.TemporaryDirectory() as folder:
         paths = make_adapters(folder, 16)
         cases = {"base": [], "4": paths[:4], "16": paths}
