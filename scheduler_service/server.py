@@ -150,6 +150,7 @@ class SchedulerServer:
             await self.admission.loras.load_modules(frontend, facts)
         except BaseException:
             await frontend.stop()
+            await self.stop(grace_s=0)  # nothing left listening behind the start-up error
             raise
         self.admission.serving = Serving(
             facts=facts,

@@ -40,11 +40,10 @@ _REFUSALS = {
 def engine_error(error: grpc.aio.AioRpcError, adapter: Adapter) -> LoraError:
     """The model service's refusal of `adapter` as a LoraError naming lora_path."""
     kind = _REFUSALS.get(error.code(), "unavailable")
-    return LoraError(
-        kind,
-        "lora_path",
-        f"lora_path: adapter {adapter.name!r} at {adapter.path!r}: {error.details()}",
-    )
+    details = error.details() or error.code().name
+    if not details.startswith("lora_path"):  # the model service names a key or tensor
+        details = f"lora_path: adapter {adapter.name!r} at {adapter.path!r}: {details}"
+    return LoraError(kind, "lora_path", details)
 
 
 class AdapterLoader:
