@@ -39,6 +39,7 @@ class Bound:
     aliases: tuple[str, ...] = ()  # more names of the flag (an older spelling)
     parse: Optional[Callable[[str], Any]] = None  # the flag's text -> value, when not the type's
     note: str = ""  # said after the bound when a value is outside it: "(block 0 is reserved)"
+    nargs: Optional[str] = None  # a flag taking several values ("+"): a tuple field
 
     def rule(self) -> Optional[str]:
         """The range as words ("in [1, 1024]", "in (0, 1]", ">= 1", "> 0"); None if none."""
@@ -144,12 +145,14 @@ def add_flags(
         default = field.default if bound.cli_default is _UNSET else bound.cli_default
         text = docs.get(field.name, "") + (helps or {}).get(field.name, "")
         if not isinstance(field.default, bool) and default is not dataclasses.MISSING:
-            shown = "none" if default is None or default == "" else default
+            shown = "none" if default is None or default in ("", ()) else default
             text += f" (default: {shown})"  # --help shows every default
         kwargs: dict[str, Any] = {"dest": field.name, "help": text.replace("%", "%%")}
         if isinstance(field.default, bool):
-            # A flag turns a setting on (store_true) or, spelled no-..., off (store_false).
-            kwargs["action"] = "store_false" if field.default else "store_true"
+            # A flag turns a setting on or, spelled no-..., off; it also takes the value spelled
+            # out ("--enable-lora true"), which is how a flag passed on is written.
+            kwargs.update(nargs="?", const=not field.default, type=parse_bool, metavar="BOOL")
+            kwargs["default"] = None if pass_on else field.default
         else:
             parse = bound.parse or _value_type(cls, field)
             kwargs["type"] = str if pass_on and bound.parse else parse
@@ -157,7 +160,19 @@ def add_flags(
             kwargs["metavar"] = name.upper().replace("-", "_")
             if bound.choices is not None:
                 kwargs["choices"] = list(bound.choices)
+            if bound.nargs is not None:
+                kwargs["nargs"] = bound.nargs
         parser.add_argument("--" + name, *("--" + alias for alias in bound.aliases), **kwargs)
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean flag's spelled-out value: true/false, yes/no, on/off or 1/0."""
+    value = str(text).strip().lower()
+    if value in ("true", "yes", "on", "1"):
+        return True
+    if value in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
 def flag_of(cls: type, name: str) -> str:
@@ -183,4 +198,6 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     given = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
     }
+    # A flag with nargs gives a list; the frozen config holds a tuple.
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
     return cls(**{**given, **overrides})

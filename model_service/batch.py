@@ -86,6 +86,7 @@ def _new_sequence(index: int, msg, limits: PlanLimits) -> SlotRegistration:
         int(seed),
         processing,
         speculate,
+        int(msg.lora_id),
     )
 
 
@@ -321,6 +322,16 @@ def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
         step_max_seqs=getattr(facts, "step_max_seqs", 0),
         compute=getattr(facts, "compute", {}),
     )
+    lora = getattr(facts, "lora", None)
+    if lora is not None:  # LoraFacts: unset when the engine serves no adapters
+        response.lora.CopyFrom(
+            engine_pb2.LoraCapacity(
+                max_loras=lora.max_loras,
+                max_lora_rank=lora.max_lora_rank,
+                max_cpu_loras=lora.max_cpu_loras,
+                target_modules=list(lora.target_modules),
+            )
+        )
     if facts.bos_token_id is not None:
         response.bos_token_id = facts.bos_token_id
     return response

@@ -191,6 +191,22 @@ class ModelServiceConfig:
     ngram_max: int = setting(3, low=1, high=8)
     """--speculative-method ngram: the longest suffix looked up (down to 1 token)."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters of the base model (PEFT folders: adapter_config.json and
+    adapter_model.safetensors), loaded and evicted at run time by the scheduler (LoadAdapter /
+    EvictAdapter); each sequence names its adapter, 0 the base model (model_service/lora/). One
+    rank only (tensor_parallel_size 1)."""
+
+    max_loras: int = setting(1, low=1, high=256)
+    """--enable-lora: the most distinct adapters in one step (base-model rows take no place)."""
+
+    max_lora_rank: int = setting(16, low=1, high=512)
+    """--enable-lora: the largest adapter rank (r) accepted."""
+
+    max_cpu_loras: Optional[int] = setting(None, low=1, high=4096)
+    """--enable-lora: the most adapters kept loaded at once (on the model's device, in its
+    compute dtype); None: max_loras (it may not be below)."""
+
     # -- compute: the path each op runs. Describe's `compute` reports what each resolved to. Each
     # field has an environment alias (COMPUTE_ENV_ALIASES), read once at start; a flag wins.
     attention_isa: str = "auto"
@@ -252,9 +268,21 @@ class ModelServiceConfig:
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("draft_model: needed with speculative_method 'draft'")
+        self._validate_lora()
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("tls_cert and tls_key go together, and tls_client_ca needs both")
         return self
+
+    def _validate_lora(self) -> None:
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "enable_lora: adapters are served on one rank; drop --tensor-parallel-size "
+                f"{self.tensor_parallel_size} or --enable-lora"
+            )
+        if (self.max_cpu_loras or self.max_loras) < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras: {self.max_cpu_loras} must be >= max_loras {self.max_loras}"
+            )
 
     def _validate_dummy(self) -> None:
         check_dummy_model(self.model)

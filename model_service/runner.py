@@ -38,6 +38,9 @@ from cython_ext.mapping import StepInputBuilder, StepInputs
 from model_service.attention.kv_cache import KVCache
 from model_service.config import ModelServiceConfig
 from model_service.loading.loaded import LoadedModel
+from model_service.lora import grouping
+from model_service.lora.peft_folder import Adapter, AdapterError
+from model_service.lora.store import AdapterStore
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
 from model_service.step import step_shape
 from model_service.step.cuda_graphs import StepGraphs
@@ -79,6 +82,7 @@ class DescribedFacts:
     step_max_seqs: int = 0
     # threads and kernel paths (threads.py)
     compute: dict[str, str] = dataclasses.field(default_factory=dict)
+    lora: AdapterStore | None = None  # --enable-lora: its capacity (DescribeResponse.lora)
 
 
 @dataclasses.dataclass
@@ -111,6 +115,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         graphs: StepGraphs | None = None,
         compute: dict[str, str] | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
         self.loaded = loaded
         self.config = config
@@ -141,6 +146,10 @@ class ModelRunner:
         self.num_speculative_tokens = 0 if drafter is None else config.num_speculative_tokens
         self.graphs = graphs
         self.compute = compute or {}
+        # --enable-lora: the loaded adapters (LoadAdapter adds them from another thread), and
+        # the current step's view of them (taken once, before its plan is checked).
+        self.adapters = adapters
+        self._step_adapters: dict[int, Adapter] = {}
 
     def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
@@ -167,6 +176,7 @@ class ModelRunner:
             step_token_budget=shape.token_budget,
             step_max_seqs=shape.max_seqs,
             compute=self.compute,
+            lora=self.adapters,
         )
 
     def reset(self) -> None:
@@ -179,6 +189,18 @@ class ModelRunner:
     def execute(self, plan: PlanArrays) -> ComputedStep:
         with self._lock, torch.inference_mode():
             return self._execute(plan)
+
+    def load_adapter(self, lora_id: int, name: str, path: str) -> Adapter:
+        """LoadAdapter, on the caller's thread (never under the step's lock: steps go on)."""
+        if self.adapters is None:
+            raise _lora_off()
+        return self.adapters.load(lora_id, name, path)
+
+    def evict_adapter(self, lora_id: int) -> None:
+        """EvictAdapter; a step that already took its view of the adapters keeps it."""
+        if self.adapters is None:
+            raise _lora_off()
+        self.adapters.evict(lora_id)
 
     def _apply_diff(self, plan: PlanArrays) -> None:
         c = self.slot_table
@@ -194,6 +216,7 @@ class ModelRunner:
                 seq.top_p,
                 seq.seed,
                 seq.processing,
+                seq.lora_id,
             )
             self.speculation.register(seq.slot, seq.speculate)
         if plan.new_block_ids.size:
@@ -220,6 +243,14 @@ class ModelRunner:
 
     def _execute(self, plan: PlanArrays) -> ComputedStep:
         check_plan(plan, self.slot_table, self.limits, self.block_size, self.num_speculative_tokens)
+        store = self.adapters
+        self._step_adapters = store.snapshot() if store is not None else {}
+        grouping.check_plan_adapters(
+            plan,
+            self.slot_table.lora_id,
+            self._step_adapters if store is not None else None,
+            store.max_loras if store is not None else 0,
+        )
         self._apply_diff(plan)
         if plan.slots.size == 0:
             empty = np.zeros(0, dtype=np.int64)
@@ -246,7 +277,11 @@ class ModelRunner:
         rows = self._logits_rows(x, slots, n, draft_rows(x.query_start))
 
         clock = StepClock(self.device)
-        logits = self._forward(x, n, rows.indices)
+        lora = None
+        if self.adapters is not None:  # each row runs its slot's adapter
+            row_lora = np.repeat(c.lora_id[slots], n)
+            lora = grouping.group_rows(row_lora, self._step_adapters, self.device)
+        logits = self._forward(x, n, rows.indices, lora)
         clock.forward_launched()
         output = ComputedStep(
             plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), 0, 0
@@ -278,11 +313,22 @@ class ModelRunner:
         )
         return _LogitsRows(x.sample_slots.size, draft, prompt, targets, counts, indices)
 
-    def _forward(self, x: StepInputs, n: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor:
-        if self.graphs and (logits := self.graphs.run(x, n, logits_indices)) is not None:
+    def _forward(
+        self,
+        x: StepInputs,
+        n: np.ndarray,
+        logits_indices: np.ndarray,
+        lora: grouping.LoraStep | None = None,
+    ) -> torch.Tensor:
+        # The captured graphs hold no adapter: a step with adapter rows runs eagerly.
+        if (
+            lora is None
+            and self.graphs
+            and (logits := self.graphs.run(x, n, logits_indices)) is not None
+        ):
             return logits
         return run_forward(
-            self.model, self.kv_cache, x, n, logits_indices, self.block_size, self.device
+            self.model, self.kv_cache, x, n, logits_indices, self.block_size, self.device, lora
         )
 
     def _sample(
@@ -303,3 +349,7 @@ class ModelRunner:
             output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(
                 logits[num_sample + num_draft :], rows.prompt_targets, rows.prompt_counts
             )
+
+
+def _lora_off() -> AdapterError:
+    return AdapterError("FAILED_PRECONDITION", "LoRA is not enabled (start with --enable-lora)")

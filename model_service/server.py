@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from model_service.batch import facts_to_pb, from_pb, result_to_pb
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
+from model_service.lora.peft_folder import AdapterError
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
 from model_service.step.plan import PlanError
@@ -52,6 +53,37 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.DescribeRequest, context
     ) -> engine_pb2.DescribeResponse:
         return self._describe
+
+    async def LoadAdapter(
+        self, request: engine_pb2.LoadAdapterRequest, context
+    ) -> engine_pb2.LoadAdapterResponse:
+        """Reads the adapter on a worker thread of its own: the event loop and the Execute
+        stream's steps go on meanwhile (the store's lock covers only the insert)."""
+        load = getattr(self.runner, "load_adapter", None)
+        try:
+            if load is None:  # tensor parallel: --enable-lora is refused at start
+                raise AdapterError("FAILED_PRECONDITION", "LoRA is not enabled on this engine")
+            adapter = await asyncio.to_thread(
+                load, request.lora_id, request.lora_name, request.lora_path
+            )
+        except AdapterError as error:
+            log.warning("lora_refused", lora_id=request.lora_id, error=error.message)
+            await context.abort(grpc.StatusCode[error.code], error.message)
+        return engine_pb2.LoadAdapterResponse(
+            rank=adapter.rank, target_modules=adapter.target_modules, num_bytes=adapter.num_bytes
+        )
+
+    async def EvictAdapter(
+        self, request: engine_pb2.EvictAdapterRequest, context
+    ) -> engine_pb2.EvictAdapterResponse:
+        evict = getattr(self.runner, "evict_adapter", None)
+        try:
+            if evict is None:
+                raise AdapterError("FAILED_PRECONDITION", "LoRA is not enabled on this engine")
+            evict(request.lora_id)
+        except AdapterError as error:
+            await context.abort(grpc.StatusCode[error.code], error.message)
+        return engine_pb2.EvictAdapterResponse()
 
     async def Execute(self, request_iterator, context):
         if self._stream_open:

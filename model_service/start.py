@@ -27,6 +27,7 @@ from model_service.kernels import layer_ops
 from model_service.kernels.gemm import PackedLinear
 from model_service.loading.loaded import LoadedModel
 from model_service.loading.loader import load_model
+from model_service.lora.store import new_store
 from model_service.models import decoder_loop
 from model_service.models.null import NullLM
 from model_service.models.parallel import RankShare
@@ -83,6 +84,9 @@ def build_runner(
         "cuda_graphs": graphs_path,
         "kv_budget": sizing.basis(),
     }
+    adapters = new_store(loaded, config)
+    if adapters is not None:
+        compute["lora"] = lora_path(device)
     log.info(
         "runner_ready",
         model=loaded.name,
@@ -92,7 +96,7 @@ def build_runner(
         step=step,
         **compute,
     )
-    return runner_class(loaded, config, kv_cache, table, drafter, graphs, compute)
+    return runner_class(loaded, config, kv_cache, table, drafter, graphs, compute, adapters)
 
 
 def select_compute(loaded: LoadedModel, config: ModelServiceConfig) -> None:
@@ -180,6 +184,13 @@ def _drafter(
             draft, table, kv_cache.num_blocks, config.block_size, device
         )
     return None
+
+
+def lora_path(device: torch.device) -> str:
+    """How a step with adapter rows runs (Describe's compute["lora"]): the native decoder loop
+    and the captured graphs hold no adapters, so such a step takes the Python layers, eagerly."""
+    graphs = "; CUDA graphs skipped" if device.type == "cuda" else ""
+    return f"python layers for steps with adapter rows, torch GEMMs grouped by adapter{graphs}"
 
 
 def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:

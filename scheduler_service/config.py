@@ -10,6 +10,7 @@ its help in the docstring under it; the CLI's flags (cli.py) are made from them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 from config_fields import check_bounds, setting
@@ -210,6 +211,29 @@ class SchedulerConfig:
     `content` (text/reasoning.py): qwen3 (the model writes <think>), deepseek_r1 (the chat
     template wrote it); empty: none."""
 
+    lora_modules: tuple[str, ...] = setting((), nargs="+")
+    """LoRA adapters loaded at start, as name=path (a PEFT folder: adapter_config.json and
+    adapter_model.safetensors on the model service's host); requests select one by name (`model`
+    on HTTP, `lora_name` on gRPC). The operator's paths: not confined to lora_root. Needs a model
+    service started with --enable-lora (docs/lora.md)."""
+
+    enable_runtime_lora: bool = False
+    """Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and the gRPC
+    LoadLoraAdapter / UnloadLoraAdapter); off, they answer 404. vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING. Paths must lie under lora_root."""
+
+    lora_root: str = ""
+    """The folder runtime-loaded adapters must lie under (after resolving symlinks); required
+    with enable_runtime_lora."""
+
+    lora_max_skipped_steps: int = setting(32, low=1)
+    """Steps a waiting request may be skipped for its adapter (max_loras adapters running)
+    before one running adapter is drained to make room for it (docs/lora.md: no starvation)."""
+
+    lora_rotate_after_steps: int = setting(8, low=0)
+    """Steps a running adapter keeps admitting new requests while requests of adapters without a
+    place wait that long; then it drains and gives its place (docs/lora.md: rotation). 0: never."""
+
     def validate(self) -> "SchedulerConfig":
         """Every field's declared bound (config_fields.check_bounds), then the rules that tie fields
         together or need a lookup; ValueError names the field. Returns self."""
@@ -245,6 +269,13 @@ class SchedulerConfig:
             raise ValueError("engine_tls_cert and engine_tls_key go together: set both or neither")
         if self.engine_tls_cert and not self.engine_tls_ca:
             raise ValueError("engine_tls_cert needs engine_tls_ca (mutual TLS is TLS)")
+        from scheduler_service.core import lora_registry
+
+        lora_registry.parse_modules(self.lora_modules)  # names the bad entry
+        if self.enable_runtime_lora and not self.lora_root:
+            raise ValueError("enable_runtime_lora needs lora_root (the folder adapters load from)")
+        if self.lora_root and not os.path.isdir(self.lora_root):
+            raise ValueError(f"lora_root: {self.lora_root!r} is not a folder")
         return self
 
 

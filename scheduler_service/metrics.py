@@ -25,6 +25,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from scheduler_service.core.loras import LoraState
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.metrics_vllm import VllmMetrics
 
@@ -117,6 +118,12 @@ class Metrics:
             "Draft tokens accepted by verification.",
             registry=registry,
         )
+        self.lora_requests = Counter(
+            "planserve_lora_requests",
+            "Requests admitted per LoRA adapter (docs/lora.md).",
+            ["lora_name"],
+            registry=registry,
+        )
 
     def _add_forward_histogram(self, registry: CollectorRegistry) -> None:
         # The model service's own time per step, to set beside the inter-token latency clients see.
@@ -168,6 +175,14 @@ class Metrics:
     def on_rejected(self, reason: str) -> None:
         """reason: queue_full, stream_buffer_full or draining."""
         self.rejected.labels(reason).inc()
+
+    def on_lora_request(self, name: str) -> None:
+        """A request for adapter `name` was admitted (planserve_lora_requests_total)."""
+        self.lora_requests.labels(name).inc()
+
+    def on_lora(self, loras: LoraState) -> None:
+        """The adapters running and waiting after a step (vllm:lora_requests_info)."""
+        self.vllm.on_lora(loras.max_loras, sorted(loras.running), loras.waiting_names())
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics; returns the bound port (port 0 picks a free one)."""

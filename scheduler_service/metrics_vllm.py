@@ -77,14 +77,15 @@ class VllmMetrics:
             registry=registry,
         )
         # vLLM sets the value to the unix time of the update; the lists are comma-joined adapter
-        # names. planserve serves no adapter yet, so both lists are empty and max_lora is 0.
+        # names (empty lists and max_lora 0 without adapters); one label set at a time.
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running and waiting LoRA adapters in the labels; the value is the unix time.",
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=registry,
         )
-        self.lora_info.labels("0", "", "").set(time.time())
+        self._lora_labels = ("0", "", "")
+        self.lora_info.labels(*self._lora_labels).set(time.time())
 
     def _add_counters(self, registry: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(
@@ -120,6 +121,14 @@ class VllmMetrics:
         after a model-service restart with other numbers)."""
         self.cache_config.clear()
         self.cache_config.labels(str(block_size), str(num_gpu_blocks)).set(1)
+
+    def on_lora(self, max_lora: int, running: list[str], waiting: list[str]) -> None:
+        """The adapters running and waiting after a step (vllm:lora_requests_info)."""
+        labels = (str(max_lora), ",".join(running), ",".join(waiting))
+        if labels != self._lora_labels:
+            self.lora_info.clear()
+            self._lora_labels = labels
+        self.lora_info.labels(*labels).set(time.time())
 
     def on_step(
         self, num_waiting: int, num_running: int, kv_usage: float, num_preemptions: int

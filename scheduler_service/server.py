@@ -146,6 +146,12 @@ class SchedulerServer:
             facts, tokenizer, frontend, engine_down = await self._connect_replicas()
         else:
             facts, tokenizer, frontend, engine_down = await self._connect_engine()
+        try:
+            await self.admission.loras.load_modules(frontend, facts)
+        except BaseException:
+            await frontend.stop()
+            await self.stop(grace_s=0)  # nothing left listening behind the start-up error
+            raise
         self.admission.serving = Serving(
             facts=facts,
             tokenizer=tokenizer,
@@ -179,6 +185,7 @@ class SchedulerServer:
             on_serving=self._on_engine_up,
             make_client=self._engine_client,
             kv_publisher=self._kv_publisher(),
+            lora_registry=self.admission.loras.registry,
         )
         facts, tokenizer = await replicas.connect()
         return facts, tokenizer, replicas, None
@@ -202,6 +209,7 @@ class SchedulerServer:
             on_engine_up=self._on_engine_up,
             is_compatible=lambda new: engine_client.incompatibility(facts, new),
             kv_events=events,
+            lora_registry=self.admission.loras.registry,
         )
         loop.start(engine_down)
         return facts, tokenizer, loop, engine_down

@@ -68,9 +68,11 @@ class LlamaAttention(nn.Module):
         self.sliding_window = arch.sliding_window
 
     def forward(
-        self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata
+        self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata, lora=None
     ) -> torch.Tensor:
         qkv = layer_ops.linear(self.qkv_proj, x)
+        if lora is not None:
+            lora.add_("qkv_proj", x, qkv)
         d, heads, kv_heads = self.head_dim, self.num_heads, self.num_kv_heads
         if self.q_norm is not None:
             _norm_heads_(qkv, 0, heads, d, self.q_norm)
@@ -89,7 +91,10 @@ class LlamaAttention(nn.Module):
             sliding_window=self.sliding_window,
             kv_written=kv_written,
         )
-        return layer_ops.linear(self.o_proj, out)
+        if lora is None:
+            return layer_ops.linear(self.o_proj, out)
+        out = out.flatten(1)
+        return lora.add_("o_proj", out, layer_ops.linear(self.o_proj, out))
 
 
 def _norm_heads_(
@@ -108,10 +113,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_ops.linear(
-            self.down_proj, layer_ops.silu_mul(layer_ops.linear(self.gate_up_proj, x))
-        )
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        if lora is None:
+            return layer_ops.linear(
+                self.down_proj, layer_ops.silu_mul(layer_ops.linear(self.gate_up_proj, x))
+            )
+        gate_up = lora.add_("gate_up_proj", x, layer_ops.linear(self.gate_up_proj, x))
+        h = layer_ops.silu_mul(gate_up)
+        return lora.add_("down_proj", h, layer_ops.linear(self.down_proj, h))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,14 +131,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, delta, residual, positions, rope, k_cache, v_cache, meta) -> torch.Tensor:
+    def forward(
+        self, delta, residual, positions, rope, k_cache, v_cache, meta, lora=None
+    ) -> torch.Tensor:
         """Adds the previous layer's output `delta` (None on layer 0) into `residual` in place and
-        returns this layer's output, to be added by the next layer (or the final norm)."""
+        returns this layer's output, to be added by the next layer (or the final norm). `lora`:
+        this layer's view of the step's adapter groups (model_service/lora/grouping.py)."""
         x = self.input_layernorm(residual, delta)
         x = self.post_attention_layernorm(
-            residual, self.self_attn(x, positions, rope, k_cache, v_cache, meta)
+            residual, self.self_attn(x, positions, rope, k_cache, v_cache, meta, lora)
         )
-        return self.mlp(x)
+        return self.mlp(x, lora)
 
 
 class LlamaModel(nn.Module):
@@ -190,19 +202,23 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
         logits_indices: torch.Tensor,
+        lora=None,
     ) -> torch.Tensor:
         """input_ids/positions [T]; returns float32 logits [R, vocab] for packed rows
-        logits_indices [R]."""
+        logits_indices [R]. `lora`: the step's rows grouped by adapter (lora/grouping.py
+        LoraStep), None when no row runs one; the native loop holds no adapters, so such a step
+        takes the Python loop."""
         residual = self.model.embed_tokens(input_ids).contiguous()
         rope = self.rope_table(residual.device)
         native = self.native_layers(rope)
-        if native is not None and meta.native_step is not None:
+        if native is not None and meta.native_step is not None and lora is None:
             delta = native.run(residual, positions, meta, kv_cache)
         else:
             delta = None
             for index, layer in enumerate(self.model.layers):
                 k_cache, v_cache = kv_cache.layer(index)
-                delta = layer(delta, residual, positions, rope, k_cache, v_cache, meta)
+                layer_lora = None if lora is None else lora.layer(index)
+                delta = layer(delta, residual, positions, rope, k_cache, v_cache, meta, layer_lora)
         # The last add, the norm and lm_head only for the rows that get sampled: a prefill chunk
         # needs none.
         x = self.model.norm(

@@ -128,7 +128,11 @@ class NullLM(nn.Module):
             "alphabet", torch.tensor(list(NULL_ALPHABET), dtype=torch.int64), persistent=False
         )
 
-    def forward(self, input_ids, positions, meta, kv_cache, logits_indices) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, meta, kv_cache, logits_indices, lora=None
+    ) -> torch.Tensor:
+        """`lora` (rows grouped by adapter) changes nothing: the null model continues the same
+        way whatever adapter a sequence names."""
         if self.step_delay_s > 0:
             time.sleep(self.step_delay_s)
         if input_ids.device.type == "cpu":

@@ -32,8 +32,10 @@ def run_forward(
     logits_indices: np.ndarray,
     block_size: int,
     device: torch.device,
+    lora=None,
 ) -> torch.Tensor:
-    """The logits of the packed rows `logits_indices` after one forward over `x`."""
+    """The logits of the packed rows `logits_indices` after one forward over `x`; `lora` (a
+    model_service.lora.grouping.LoraStep): the step's rows grouped by adapter, None for none."""
     tiles = None
     arch = getattr(model, "arch", None)
     if device.type == "cuda" and arch is not None:  # the Triton kernel's grid, built here
@@ -50,13 +52,14 @@ def run_forward(
         x.max_context_len,
         tiles,
     )
-    return model(
+    args = (
         to_device(x.input_ids, device),
         to_device(x.positions, device),
         meta,
         kv_cache,
         to_device(logits_indices, device),
     )
+    return model(*args) if lora is None else model(*args, lora=lora)
 
 
 class StepClock:

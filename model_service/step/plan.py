@@ -46,6 +46,7 @@ class SlotRegistration:
     seed: int
     processing: Optional[LogitsProcessing] = None  # None: NO_PROCESSING
     speculate: bool = False
+    lora_id: int = 0  # the LoRA adapter it runs (model_service/lora/), 0: the base model
 
 
 @dataclasses.dataclass(frozen=True)

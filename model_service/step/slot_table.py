@@ -9,6 +9,7 @@
     processing    per slot LogitsProcessing (penalties, bias, min tokens, logprob counts), with
                   changes_logits / num_logprobs / num_prompt_logprobs mirrored into arrays so
                   that a step finds the few slots that need them without a Python loop
+    lora_id       [max_num_slots]                            its LoRA adapter, 0: base model
     active        [max_num_slots] bool
 
 Flat arrays, not objects per sequence, so that a step's inputs are a few vectorized gathers
@@ -49,6 +50,7 @@ class SlotTable:
         self.speculate = np.zeros(
             max_num_slots, dtype=bool
         )  # may get draft tokens (speculative.py)
+        self.lora_id = np.zeros(max_num_slots, dtype=np.int64)  # 0: the base model
         self.active = np.zeros(max_num_slots, dtype=bool)
 
     def register(
@@ -61,8 +63,10 @@ class SlotTable:
         top_p: float,
         seed: int,
         processing: LogitsProcessing | None = None,
+        lora_id: int = 0,
     ) -> None:
         n = len(token_ids)
+        self.lora_id[slot] = lora_id
         self.tokens[slot, :n] = token_ids
         self.num_tokens[slot] = n
         self.block_table[slot] = 0

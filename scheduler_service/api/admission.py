@@ -20,9 +20,11 @@ import grpc
 from planserve.v1 import generate_pb2
 from scheduler_service.api import intake, overload
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.lora_registry import LoraError
 from scheduler_service.core.request import Request
 from scheduler_service.engine.client import EngineFacts
 from scheduler_service.engine.frontend import EngineFrontend
+from scheduler_service.engine.lora_admin import LoraAdmin
 from scheduler_service.text import reasoning, structured
 from scheduler_service.text.guides import Grammar
 from scheduler_service.text.tokenizer import Tokenizer
@@ -94,6 +96,7 @@ class Admission:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.serving: Optional[Serving] = None
+        self.loras = LoraAdmin(config)  # the LoRA adapters served (engine/lora_admin.py)
         self.draining = False  # SIGTERM: new requests get UNAVAILABLE, running ones finish
 
     def _ready(self) -> Serving:
@@ -132,6 +135,8 @@ class Admission:
             )
         except intake.InvalidRequest as error:
             raise Rejected.invalid(error.field, error.detail) from None
+        if pb.lora_name:
+            self._select_adapter(request, pb.lora_name, serving)
         if scheduler.find(request.request_id) is not None:
             raise Rejected(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -140,7 +145,20 @@ class Admission:
             )
         if scheduler.num_waiting:
             self._check_queue_room(request)
+        metrics = serving.frontend.metrics
+        if request.lora_name and metrics is not None and hasattr(metrics, "on_lora_request"):
+            metrics.on_lora_request(request.lora_name)
         return request
+
+    def _select_adapter(self, request: Request, name: str, serving: Serving) -> None:
+        """The request's LoRA adapter by name (the base model's name or "": none); NOT_FOUND
+        for a name not served."""
+        try:
+            adapter = self.loras.registry.resolve(name, serving.facts.model_name)
+        except LoraError as error:
+            raise Rejected(grpc.StatusCode.NOT_FOUND, error.message, field="lora_name") from None
+        if adapter is not None:
+            request.lora_name, request.lora_id = adapter.name, adapter.lora_id
 
     def render(self, pb: generate_pb2.GenerateRequest) -> Request:
         """The request Generate would make of `pb` (the same intake: prompt ids with the chat

@@ -18,6 +18,7 @@ from scheduler_service.api.admission import Admission, Rejected, Serving
 from scheduler_service.api.grpc_chat import ChatChunks, ChatDoor
 from scheduler_service.api.streams import Outstanding, StreamCut, outputs_of, take_waiting
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.lora_registry import LoraError
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.text import outputs
@@ -60,6 +61,15 @@ def _sample_of(item: object) -> Optional[tuple[int, int]]:
 
 def _merge_tagged(first: tuple, then: tuple) -> tuple:
     return first[0], outputs.merge(first[1], then[1]), first[2]
+
+
+# LoraError kinds (core/lora_registry.py) as gRPC status codes.
+_LORA_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "conflict": grpc.StatusCode.ALREADY_EXISTS,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+}
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
@@ -255,4 +265,39 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             dtype=facts.dtype,
             max_model_len=facts.max_model_len,
             vocab_size=facts.vocab_size,
+            lora_adapters=[
+                generate_pb2.LoraAdapter(name=a.name, path=a.path, rank=a.rank)
+                for a in self.admission.loras.registry.adapters.values()
+            ],
         )
+
+    async def LoadLoraAdapter(
+        self, request: generate_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.LoadLoraAdapterResponse:
+        """Off (NOT_FOUND) unless --enable-runtime-lora; engine/lora_admin.py does the work."""
+        serving = await self._serving(context)
+        try:
+            adapter = await self.admission.loras.load(
+                serving.frontend, serving.facts, request.lora_name, request.lora_path
+            )
+        except LoraError as error:
+            await _abort(context, _LORA_STATUS[error.kind], error.message)
+        return generate_pb2.LoadLoraAdapterResponse(
+            adapter=generate_pb2.LoraAdapter(
+                name=adapter.name, path=adapter.path, rank=adapter.rank
+            )
+        )
+
+    async def UnloadLoraAdapter(
+        self, request: generate_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.UnloadLoraAdapterResponse:
+        """FAILED_PRECONDITION while requests use the adapter."""
+        serving = await self._serving(context)
+        try:
+            self.admission.loras.unload(serving.frontend, request.lora_name)
+        except LoraError as error:
+            code = _LORA_STATUS[error.kind]
+            if error.kind == "conflict":
+                code = grpc.StatusCode.FAILED_PRECONDITION
+            await _abort(context, code, error.message)
+        return generate_pb2.UnloadLoraAdapterResponse()

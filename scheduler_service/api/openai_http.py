@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
-from scheduler_service.api import chat_outputs, chat_prompt, gateway
+from scheduler_service.api import chat_outputs, chat_prompt, gateway, lora_http
 from scheduler_service.api.admission import Admission, Rejected, Serving
 from scheduler_service.api.chat_outputs import ChatOutput
 from scheduler_service.api.openai_errors import ApiError
@@ -143,6 +143,7 @@ class OpenAIApp:
         self.app.post("/v1/chat/completions")(self.chat_completions)
         self.app.post("/tokenize")(self.tokenize)
         self.app.post("/detokenize")(self.detokenize)
+        lora_http.add_routes(self.app, admission)
 
     @staticmethod
     async def _api_error(http: HttpRequest, error: ApiError) -> JSONResponse:
@@ -167,17 +168,22 @@ class OpenAIApp:
         return _error_response(http, ApiError(400, message, param=param))
 
     def serving(self, model: Optional[str] = None) -> Serving:
-        """The serving state; 503 before the engine answered Describe, 404 for another model."""
+        """The serving state; 503 before the engine answered Describe, 404 for a model that is
+        neither the base model nor a LoRA adapter served."""
         serving = self.admission.serving
         if serving is None:
             raise ApiError(
                 503, "the model service has not answered Describe yet", "service_unavailable"
             )
-        if model is not None and model != serving.facts.model_name:
+        name = serving.facts.model_name
+        if (
+            model is not None
+            and model != name
+            and model not in self.admission.loras.registry.adapters
+        ):
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist; this server serves "
-                f"`{serving.facts.model_name}`",
+                f"The model `{model}` does not exist; this server serves `{name}`",
                 param="model",
                 code="model_not_found",
             )
@@ -189,15 +195,7 @@ class OpenAIApp:
         return JSONResponse(content={"status": "ok"})
 
     async def models(self) -> dict:
-        facts = self.serving().facts
-        model = {
-            "id": facts.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "planserve",
-            "max_model_len": facts.max_model_len,
-        }
-        return {"object": "list", "data": [model]}
+        return lora_http.models(self.serving().facts, self.admission.loras.registry)
 
     async def completions(self, body: CompletionRequest, http: HttpRequest):
         return await self._handle(body, http, chat=False)
@@ -247,6 +245,8 @@ class OpenAIApp:
             pb, plan = chat_prompt.chat_request_pb(body, parser, serving.tokenizer)
         else:
             pb, plan = to_pb(body, uuid.uuid4().hex), None
+        if body.model != serving.facts.model_name:
+            pb.lora_name = body.model  # an adapter (self.serving checked the name)
         headers = http.headers if http is not None else {}
         pb.request_id = gateway.request_id(headers, pb.request_id)
         gateway.apply(pb, body.priority, body.cache_salt, headers, self._gateway_objectives)
@@ -317,7 +317,7 @@ class _Response:
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.serving.facts.model_name,
+            "model": self.req.lora_name or self.serving.facts.model_name,
             "choices": choices,
             "usage": self.totals.as_dict(),
         }
@@ -329,7 +329,7 @@ class _Response:
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.serving.facts.model_name,
+            "model": self.req.lora_name or self.serving.facts.model_name,
             "choices": choices,
         }
         if with_usage:

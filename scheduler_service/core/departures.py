@@ -33,6 +33,13 @@ class Departures(SchedulerPart):
             if not request.is_finished:
                 self._end(request, reason, self._aborted_slots)
 
+    def fail_adapter(self, name: str) -> None:
+        """The model service refused to load adapter `name`: its waiting requests end with
+        ERROR (outputs in take_early_outputs()); running ones, if any, go on."""
+        for request in list(self.requests.values()):
+            if request.lora_name == name and request.status is RequestStatus.WAITING:
+                self._end(request, FinishReason.ERROR, self._aborted_slots)
+
     def _expire_deadlines(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, request_id = heapq.heappop(self._deadlines)
@@ -53,6 +60,7 @@ class Departures(SchedulerPart):
             self.policy.remove(request)
         else:
             self.running.remove(request)
+            self.loras.on_stop(request.lora_name, self._next_step_id)
         self._early_outputs.append((request, self.outputs.finish(request, reason)))
         self._early_outputs.extend((request, output) for output in request.unforked_finals(reason))
         request.forked = True
@@ -71,6 +79,7 @@ class Departures(SchedulerPart):
         self.outputs.release(request)
         self.policy.on_finished(request)
         del self.requests[request.request_id]
+        self.loras.on_leave(request.lora_name)
         members = self._groups.get(request.public_id)
         if members and members[0].forked and all(m.is_finished for m in members):
             del self._groups[request.public_id]

@@ -31,6 +31,7 @@ class ParallelSamples(SchedulerPart):
         for index in range(1, parent.n):
             child = parent.fork_sample(index)
             self.requests[child.request_id] = child
+            self.loras.on_arrive(child.lora_name)
             members.append(child)
             self.outputs.start(child)
             if child.guide is not None:
@@ -65,6 +66,7 @@ class ParallelSamples(SchedulerPart):
             copy,
         )
         self.running.append(child)
+        self.loras.on_start(child.lora_name, self._next_step_id)
 
     def _register_forks(self, plan: StepPlan) -> None:
         """Forked samples still running join the plan: registered, their copy before the

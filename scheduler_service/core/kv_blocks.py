@@ -13,12 +13,16 @@ it start with.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import struct
 
-from cython_ext.block_pool import BlockPool
+from cython_ext.block_pool import BlockPool, block_hash
 from scheduler_service.core.request import Request
+
+# First blocks of LoRA requests remembered for the KV-cache events (least recent dropped).
+_MAX_LORA_ROOTS = 4096
 
 
 def cdiv(a: int, b: int) -> int:
@@ -26,20 +30,30 @@ def cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def salt_of(cache_salt: str, tenant: str | None = None) -> int:
+def salt_of(cache_salt: str, tenant: str | None = None, lora: str = "") -> int:
     """The 256-bit prefix-cache salt (what BlockPool and StepCore take) of a request's cache_salt,
-    and of its tenant when the cache is tenant-scoped (tenant not None).
+    of its tenant when the cache is tenant-scoped (tenant not None), and of its LoRA adapter
+    (`lora`: "name#id", empty for the base model), so that two adapters never share KV.
 
-    0, shared by every such request, for no cache_salt in the global scope; otherwise SHA-256 of
-    the tagged, length-prefixed strings, so ("ab", "c") and ("a", "bc") differ and a tenant-scoped
-    salt never equals a global one:  b"C" len(uint32 LE) cache_salt  [b"N" len tenant]  (UTF-8).
+    0, shared by every such request, for no cache_salt and no adapter in the global scope;
+    otherwise SHA-256 of the tagged, length-prefixed strings, so ("ab", "c") and ("a", "bc")
+    differ and a tenant-scoped salt never equals a global one:
+    b"C" len(uint32 LE) cache_salt  [b"N" len tenant]  [b"L" len lora]  (UTF-8).
     """
-    if not cache_salt and tenant is None:
+    if not cache_salt and tenant is None and not lora:
         return 0
     message = b"C" + struct.pack("<I", len(cache_salt.encode())) + cache_salt.encode()
     if tenant is not None:
         message += b"N" + struct.pack("<I", len(tenant.encode())) + tenant.encode()
+    if lora:
+        message += b"L" + struct.pack("<I", len(lora.encode())) + lora.encode()
     return int.from_bytes(hashlib.sha256(message).digest(), "big")
+
+
+def lora_key(request: Request) -> str:
+    """The adapter's part of the salt: its name and id (ids are never reused, so an adapter
+    loaded again under an old name never finds the old one's KV); "" for the base model."""
+    return f"{request.lora_name}#{request.lora_id}" if request.lora_name else ""
 
 
 class KVBlockManager:
@@ -55,6 +69,9 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_scope = prefix_cache_scope
         self.logs_events = False  # the pool logs KV-cache events (engine/kv_events.py)
+        # With events: the first-block digest of recent LoRA requests -> (lora_id, lora_name),
+        # so that the events can name the adapter of the chains they start (kv_events.py).
+        self.lora_roots: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()
 
     def enable_events(self) -> None:
         """The pool logs its prefix cache's changes, and so does every pool that replaces it."""
@@ -69,9 +86,19 @@ class KVBlockManager:
 
     def salt(self, request: Request) -> int:
         """The request's prefix-cache salt under this manager's scope (see salt_of)."""
-        if self.prefix_cache_scope == "tenant":
-            return salt_of(request.cache_salt, request.tenant)
-        return salt_of(request.cache_salt)
+        tenant = request.tenant if self.prefix_cache_scope == "tenant" else None
+        return salt_of(request.cache_salt, tenant, lora_key(request))
+
+    def note_lora_root(self, request: Request) -> None:
+        """With events: remembers the digest the first block of a LoRA request will have."""
+        token_ids = request.all_token_ids
+        if len(token_ids) < self.block_size:
+            return
+        digest = block_hash(0, token_ids[: self.block_size], self.salt(request))
+        self.lora_roots[digest] = (request.lora_id, request.lora_name)
+        self.lora_roots.move_to_end(digest)
+        if len(self.lora_roots) > _MAX_LORA_ROOTS:
+            self.lora_roots.popitem(last=False)
 
     @property
     def num_free_blocks(self) -> int:

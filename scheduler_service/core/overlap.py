@@ -65,6 +65,7 @@ class Overlap(SchedulerPart):
         packed = plan.packed
         if packed is None:
             raise ValueError("reconcile needs a plan built by schedule()")
+        self.loras.completed_step = plan.step_id  # its released slots are gone on the model side
         outputs: list[tuple[Request, RequestOutput]] = []
         if result.prompt_logprobs:
             self._take_prompt_logprobs(plan, result, plan.prompt_starts)

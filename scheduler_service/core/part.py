@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from cython_ext.step_core import StepCore
     from scheduler_service.config import SchedulerConfig
     from scheduler_service.core.kv_blocks import KVBlockManager
+    from scheduler_service.core.loras import LoraState
     from scheduler_service.core.plan import NewSequence, StepPlan
     from scheduler_service.core.policies.base import SchedulingPolicy
     from scheduler_service.core.request import Request, RequestOutput, TokenLogprob
@@ -47,6 +48,12 @@ class SchedulerPart:
         _pending_forks: dict[int, tuple[NewSequence, Optional[tuple[int, int]]]]
         _plan: Optional[StepPlan]
         _num_constrained: int
+        _next_step_id: int
+        loras: LoraState
+
+        def _lora_skip(self, request: Request) -> bool: ...
+        def _lora_step_start(self) -> None: ...
+        def _lora_admitted(self, request: Request) -> None: ...
 
         def _preempt(self, request: Request, plan: StepPlan) -> None: ...
         def _free_blocks(self, request: Request) -> None: ...

@@ -32,6 +32,7 @@ class NewSequence:
     num_logprobs: Optional[int] = None
     num_prompt_logprobs: Optional[int] = None
     speculate: bool = False
+    lora_id: int = 0  # the adapter, as loaded by LoadAdapter; 0: the base model
 
 
 @dataclasses.dataclass
@@ -138,6 +139,8 @@ def _add_new_sequence(batch: engine_pb2.BatchPlan, seq: NewSequence) -> None:
         message.num_prompt_logprobs = seq.num_prompt_logprobs
     if seq.speculate:
         message.speculate = True
+    if seq.lora_id:
+        message.lora_id = seq.lora_id
 
 
 def to_pb(plan: StepPlan) -> engine_pb2.ExecuteRequest:

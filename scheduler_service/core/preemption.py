@@ -58,6 +58,7 @@ class Preemption(SchedulerPart):
             plan.swap_out_src.extend(self.core.block_ids(slot)[:num_swap_blocks])
             plan.swap_out_dst.extend(self.swap.swap_out(request, num_swap_blocks))
         self.running.remove(request)
+        self.loras.on_stop(request.lora_name, self._next_step_id)
         self._free_blocks(request)
         self.slots.free(slot)
         request.slot = None

@@ -134,6 +134,12 @@ class Request:
     first_token_due: Optional[float] = None
     tenant: str = ""
     cache_salt: str = ""
+    # The LoRA adapter it runs with ("" and 0: the base model); lora_id is the id the scheduler
+    # gave the name (core/lora_registry.py), what NewSequence.lora_id carries.
+    lora_name: str = ""
+    lora_id: int = 0
+    # Steps this request was skipped for its adapter while waiting (core/lora_admission.py).
+    lora_skips: int = 0
     # Times this request was preempted; a preempted request goes ahead of fresh ones.
     num_preemptions: int = 0
     # Parallel samples: sample 0 is this request; once its prompt is computed, samples
@@ -222,6 +228,8 @@ class Request:
             first_token_due=self.first_token_due,
             tenant=self.tenant,
             cache_salt=self.cache_salt,
+            lora_name=self.lora_name,
+            lora_id=self.lora_id,
             index=index,
             group_id=self.request_id,
             outputs=self.outputs,

@@ -4,10 +4,10 @@ Requests are added and aborted from the serving layer; `schedule()` builds the n
 and `update()` applies the model service's result to it. Both run on the event loop thread, one
 step at a time, so no locking is needed.
 
-The class is split by lifecycle: this module has the requests' arrival, the step (schedule)
-and its result (update); departures.py ends requests (aborts, deadlines, stops) and frees what
-they held, waiting.py admits waiting requests, preemption.py makes room, forks.py starts
-parallel samples, overlap.py commits and reconciles plans built ahead.
+Split by lifecycle: this module has the requests' arrival, the step (schedule) and its result
+(update); departures.py ends requests and frees what they held, waiting.py admits waiting ones
+(lora_admission.py: the adapter rule), preemption.py makes room, forks.py starts parallel
+samples, overlap.py commits and reconciles plans built ahead.
 
 Python keeps the orchestration: Request objects and their lifecycle (admit, finish, abort,
 deadline, outputs), the waiting queue and every policy decision. The loops over running sequences
@@ -30,6 +30,8 @@ from scheduler_service.core import policies
 from scheduler_service.core.departures import Departures
 from scheduler_service.core.forks import ParallelSamples
 from scheduler_service.core.kv_blocks import KVBlockManager
+from scheduler_service.core.lora_admission import LoraAdmission
+from scheduler_service.core.loras import LoraState
 from scheduler_service.core.overlap import LogprobReader, Overlap
 from scheduler_service.core.plan import NewSequence, StepPlan, StepResult
 from scheduler_service.core.policies.base import SchedulingPolicy
@@ -51,9 +53,8 @@ def step_budget(config: SchedulerConfig, facts: EngineFacts) -> tuple[int, int]:
     the engine holds."""
     max_seqs = config.max_num_seqs if config.max_num_seqs is not None else facts.step_max_seqs
     tokens = config.max_num_batched_tokens
-    return min(
-        max_seqs, facts.max_num_slots
-    ), tokens if tokens is not None else facts.step_token_budget
+    budget = tokens if tokens is not None else facts.step_token_budget
+    return min(max_seqs, facts.max_num_slots), budget
 
 
 def log_step_budget(scheduler: "Scheduler") -> None:
@@ -69,7 +70,7 @@ def log_step_budget(scheduler: "Scheduler") -> None:
     )
 
 
-class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overlap):
+class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, ParallelSamples, Overlap):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -97,10 +98,10 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.loras = LoraState(facts.lora)  # adapter counts and residency (core/loras.py)
         self._next_step_id = 1
         self.num_preemptions_total = 0
-        # Speculative decoding, as the engine reports it: drafts proposed and accepted.
-        self.num_draft_tokens_total = 0
+        self.num_draft_tokens_total = 0  # speculation, as the engine reports it
         self.num_accepted_draft_tokens_total = 0
         self._abort_ids: set[str] = set()
         self._deadlines: list[tuple[float, str]] = []  # a heap
@@ -169,6 +170,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         self.max_num_seqs, self.token_budget = step_budget(self.config, facts)
         self.swap = SwapSpace(self._usable_swap_blocks(facts))
         self.core = self._new_core()
+        self.loras.reset(facts.lora)  # the new process holds no adapter
         return num_running
 
     def take_step_ids(self, count: int) -> int:
@@ -188,6 +190,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
 
     def _enqueue(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.loras.on_arrive(request.lora_name)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         if request.guide is not None:
@@ -210,6 +213,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
             or self._finished_slots
             or self._aborted_slots
             or self._abort_ids
+            or self._early_outputs  # e.g. requests of an adapter that failed to load
         )
 
     @property
@@ -231,6 +235,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
             )
         self.policy.remove(request)
         del self.requests[request.request_id]
+        self.loras.on_leave(request.lora_name)
         if request.guide is not None:
             self._num_constrained -= 1
         return self._groups.pop(request.public_id, None)
@@ -331,6 +336,7 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
         cache (both in C, for every sequence in the plan), then the sequences that sampled
         tokens get them appended, stops checked, and free their blocks when finished."""
         outputs: list[tuple[Request, RequestOutput]] = []
+        self.loras.completed_step = plan.step_id  # its released slots are gone on the model side
         self.num_draft_tokens_total += result.num_draft_tokens
         self.num_accepted_draft_tokens_total += result.num_accepted_draft_tokens
         if result.prompt_logprobs:
@@ -389,5 +395,6 @@ class Scheduler(Departures, WaitingAdmission, Preemption, ParallelSamples, Overl
                 num_real = placeholder + (1 if output.token_ids else 0)
                 self.core.cache_finished_blocks(request.running_slot, num_real)
             self.running.remove(request)
+            self.loras.on_stop(request.lora_name, self._next_step_id)
             self._release(request, self._finished_slots)
         return shown

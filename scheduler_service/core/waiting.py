@@ -12,6 +12,7 @@ import time
 from typing import Optional
 
 from scheduler_service.core.kv_blocks import cdiv
+from scheduler_service.core.lora_admission import MAX_SKIPS_PER_STEP, lora_blocked
 from scheduler_service.core.part import SchedulerPart
 from scheduler_service.core.plan import NewSequence, StepPlan
 from scheduler_service.core.request import Request, RequestStatus
@@ -21,14 +22,36 @@ class WaitingAdmission(SchedulerPart):
     """Admitting waiting requests into a step (a part of Scheduler)."""
 
     def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
-        core, kv, policy = self.core, self.kv, self.policy
+        core, policy = self.core, self.policy
         if not (len(policy) and core.budget_open and self.slots.num_free > 0):
             return
+        if not self.loras.enabled:
+            self._admit_waiting(plan, now, None)
+            return
+        # Requests skipped for their adapter (core/lora_admission.py) leave the queue for the
+        # rest of this step and go back to their places after it.
+        skipped: list[Request] = []
+        self._lora_step_start()
+        try:
+            self._admit_waiting(plan, now, skipped)
+        finally:
+            for request in skipped:
+                policy.put_back(request)
+
+    def _admit_waiting(self, plan: StepPlan, now: float, skipped: Optional[list[Request]]) -> None:
+        """Admits waiting requests in the policy's order until the budget, the slots or the
+        blocks run out; `skipped` (with LoRA): where requests held back for their adapter go."""
+        core, kv, policy = self.core, self.kv, self.policy
         reserve = core.decode_reserve_blocks()
         while len(policy) and core.budget_open and self.slots.num_free > 0:
             request = policy.peek(now)
             if request is None or policy.admission_veto(request, self.running):
                 return
+            if skipped is not None and request.lora_name and self._lora_skip(request):
+                if len(skipped) >= MAX_SKIPS_PER_STEP:
+                    return
+                skipped.append(policy.pop(now))
+                continue
             hits: list[int]
             swapped = self.swap.held_blocks(request) is not None
             if swapped:  # resumes at its computed count, its KV swapped back in
@@ -73,6 +96,8 @@ class WaitingAdmission(SchedulerPart):
         """Preempts running sequences the policy ranks below the head of the queue until the
         head fits (lowest rank first). FCFS-like policies never rank a waiting request above a
         running one, so for them this is never called (see _preempts_for_waiting)."""
+        if head is not None and lora_blocked(self.loras, head) is not None:
+            return  # preempting would not let it in: its adapter holds it back
         while head is not None and self.running and not self._fits(head):
             victim = self.policy.select_victim(self.running)
             if not self.policy.may_preempt_for(head, victim):
@@ -100,6 +125,10 @@ class WaitingAdmission(SchedulerPart):
         )
         plan.new_sequences.append(self._new_sequence(request, slot, token_ids))
         self.running.append(request)
+        if request.lora_name:
+            self._lora_admitted(request)
+            if self.kv.logs_events:
+                self.kv.note_lora_root(request)
         return slot
 
     def _lookahead(self, request: Request) -> int:
@@ -147,4 +176,5 @@ class WaitingAdmission(SchedulerPart):
             num_logprobs=request.logprobs,
             num_prompt_logprobs=prompt_logprobs,
             speculate=self._lookahead(request) > 0,
+            lora_id=request.lora_id,
         )

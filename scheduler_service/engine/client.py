@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from planserve.contract import CONTRACT_VERSION, CPU_STEP, REQUEST_BOUNDS, RequestBounds
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 from scheduler_service.core import plan as plan_codec
+from scheduler_service.core.loras import LoraCapacity
 from scheduler_service.core.request import Sampling
 from scheduler_service.engine.execute_stream import ExecuteStream, StreamEnded
 
@@ -52,6 +53,8 @@ class EngineFacts:
     step_max_seqs: int = CPU_STEP.max_seqs
     """The most sequences of one step the engine chose: the scheduler's max_num_seqs unless
     --max-num-seqs is given (never above max_num_slots)."""
+    lora: Optional[LoraCapacity] = None
+    """The LoRA adapters the engine can hold (DescribeResponse.lora); None: it serves none."""
 
     @classmethod
     def from_pb(cls, reply: engine_pb2.DescribeResponse) -> "EngineFacts":
@@ -83,7 +86,21 @@ class EngineFacts:
             # 0: an engine before these fields; the contract's CPU shape, as it always planned.
             step_token_budget=reply.step_token_budget or CPU_STEP.token_budget,
             step_max_seqs=reply.step_max_seqs or CPU_STEP.max_seqs,
+            lora=_lora(reply),
         )
+
+
+def _lora(reply: engine_pb2.DescribeResponse) -> Optional[LoraCapacity]:
+    if not reply.HasField("lora"):
+        return None
+    lora = reply.lora
+    return LoraCapacity(
+        max_loras=lora.max_loras,
+        max_lora_rank=lora.max_lora_rank,
+        # Never fewer than max_loras: every adapter of a step is loaded.
+        max_cpu_loras=max(lora.max_cpu_loras, lora.max_loras),
+        target_modules=tuple(lora.target_modules),
+    )
 
 
 def _bounds(reply: engine_pb2.DescribeResponse) -> RequestBounds:
@@ -216,6 +233,24 @@ class EngineClient:
                 "expected one token in the vocabulary"
             )
         await self.execute(plan_codec.StepPlan(step_id=first_step_id + 1, aborted_slots=[0]))
+
+    async def load_adapter(
+        self, lora_id: int, name: str, path: str, timeout_s: float = 600.0
+    ) -> engine_pb2.LoadAdapterResponse:
+        """LoadAdapter: the model service reads the PEFT folder and keeps it under lora_id
+        (grpc.aio.AioRpcError on refusal, engine/lora_loader.py maps it)."""
+        request = engine_pb2.LoadAdapterRequest(lora_id=lora_id, lora_name=name, lora_path=path)
+        return await self._stub.LoadAdapter(request, timeout=timeout_s)
+
+    async def evict_adapter(self, lora_id: int, timeout_s: float = 60.0) -> None:
+        """EvictAdapter; an id the model service does not hold (it restarted) is not an error."""
+        try:
+            await self._stub.EvictAdapter(
+                engine_pb2.EvictAdapterRequest(lora_id=lora_id), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
 
     async def is_alive(self, timeout_s: float) -> bool:
         """A cheap liveness check while idle: the model service's own health service."""

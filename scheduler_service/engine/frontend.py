@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
+from scheduler_service.core.loras import LoraState
 from scheduler_service.core.request import Request, RequestOutput
 
 
@@ -24,6 +25,7 @@ class EngineMetrics(Protocol):
     def on_engine_up(self, up: bool) -> None: ...
     def on_output(self, request: Request, output: RequestOutput) -> None: ...
     def on_rejected(self, reason: str) -> None: ...
+    def on_lora(self, loras: LoraState) -> None: ...
 
 
 class KVView(Protocol):

@@ -16,6 +16,7 @@ tag=True, omit_defaults=True): an array whose first element is the class name, t
 in declaration order, the trailing ones left at their defaults omitted (lora_name, extra_keys):
 
     ["BlockStored", [h], p or None, [token ids...], block_size, None (lora_id), "GPU"]
+    ["BlockStored", ..., block_size, lora_id, "GPU", lora_name]     (a LoRA adapter's block)
     ["BlockRemoved", [h], "GPU"]
     ["AllBlocksCleared"]
 
@@ -217,17 +218,22 @@ class KVEventPublisher:
         self._context.term()
 
 
-def _stored(event: tuple, block_size: int) -> list:
-    """BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)."""
+def _stored(event: tuple, block_size: int, lora: Optional[tuple[int, str]] = None) -> list:
+    """BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium
+    [, lora_name]): lora_id and lora_name for a block of a LoRA adapter's request."""
     _, digest, parent, token_ids = event
     parent_hash = None if parent is None else parent & HASH_MASK
-    return ["BlockStored", [digest & HASH_MASK], parent_hash, token_ids, block_size, None, MEDIUM]
+    stored = ["BlockStored", [digest & HASH_MASK], parent_hash, token_ids, block_size, None, MEDIUM]
+    if lora is not None:
+        stored[5] = lora[0]
+        stored.append(lora[1])
+    return stored
 
 
-def _wire(event: tuple, block_size: int) -> list:
+def _wire(event: tuple, block_size: int, lora: Optional[tuple[int, str]] = None) -> list:
     kind = event[0]
     if kind == STORED:
-        return _stored(event, block_size)
+        return _stored(event, block_size, lora)
     if kind == REMOVED:
         return ["BlockRemoved", [event[1] & HASH_MASK], MEDIUM]  # (block_hashes, medium)
     return CLEARED_EVENT
@@ -259,22 +265,47 @@ class KVEventStream:
         self.rank = rank
         self._pool: Any = None
         self._resync = False
+        # LoRA: the first-block digests of adapter requests (KVBlockManager.lora_roots, set by
+        # the engine loop) and the adapter of each cached block of theirs (a chain's blocks
+        # inherit their first block's adapter).
+        self.lora_roots: dict[int, tuple[int, str]] = {}
+        self._lora_of: dict[int, tuple[int, str]] = {}
 
     def clear(self) -> None:
         """The model service is gone (a replica removed): its rank's blocks are all gone."""
         self._resync = not self.publisher.publish([CLEARED_EVENT], self.rank)
+
+    def _lora(self, event: tuple) -> Optional[tuple[int, str]]:
+        """The adapter of a STORED block (None: the base model), kept while it is cached."""
+        if not (self.lora_roots or self._lora_of):
+            return None
+        kind, digest, parent, _ = event
+        if kind == STORED:
+            lora = self.lora_roots.get(digest) if parent is None else self._lora_of.get(parent)
+            if lora is not None:
+                self._lora_of[digest] = lora
+            return lora
+        if kind == REMOVED:
+            self._lora_of.pop(digest, None)
+        elif kind == CLEARED:
+            self._lora_of.clear()
+        return None
 
     def on_step(self, pool) -> None:
         """Publishes what the pool logged since the last step (nothing: no batch)."""
         logged, lost = pool.take_events()
         if pool is not self._pool:  # the first step, or a new pool after a model-service restart
             self._pool = pool
-            batch = [CLEARED_EVENT] + [_wire(e, self.block_size) for e in logged]
+            self._lora_of.clear()
+            batch = [CLEARED_EVENT] + [_wire(e, self.block_size, self._lora(e)) for e in logged]
         elif self._resync or lost:
             cached = parents_first(pool.cached_block_events())
-            batch = [CLEARED_EVENT] + [_stored(e, self.block_size) for e in cached]
+            lora_of = self._lora_of
+            batch = [CLEARED_EVENT] + [
+                _stored(e, self.block_size, lora_of.get(e[1])) for e in cached
+            ]
         elif logged:
-            batch = [_wire(e, self.block_size) for e in logged]
+            batch = [_wire(e, self.block_size, self._lora(e)) for e in logged]
         else:
             return
         self._resync = not self.publisher.publish(batch, self.rank)

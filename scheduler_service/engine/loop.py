@@ -29,11 +29,13 @@ from typing import Callable, Optional
 
 import structlog
 
+from scheduler_service.core.lora_registry import LoraRegistry
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineClient, EngineFacts, EngineUnavailable
 from scheduler_service.engine.frontend import EngineMetrics
 from scheduler_service.engine.kv_events import KVEventStream
+from scheduler_service.engine.lora_loader import AdapterLoader
 
 log = structlog.get_logger("planserve.loop")
 
@@ -57,10 +59,15 @@ class EngineLoop:
         engine_check_interval_s: float = 1.0,
         is_compatible: Optional[Callable[[EngineFacts], Optional[str]]] = None,
         kv_events: Optional[KVEventStream] = None,
+        lora_registry: Optional[LoraRegistry] = None,
     ):
         self.scheduler = scheduler
         self.kv_events = kv_events  # publishes the pool's KV-cache events after each step
+        if kv_events is not None:
+            kv_events.lora_roots = scheduler.kv.lora_roots
         self.client = client
+        # LoRA adapters: the loads and evictions the scheduler decides (engine/lora_loader.py).
+        self.adapters = AdapterLoader(scheduler, client, lora_registry or LoraRegistry(), self.wake)
         self.metrics = metrics
         self._on_engine_up = on_engine_up or (lambda up: None)
         self._check_interval_s = engine_check_interval_s
@@ -145,6 +152,7 @@ class EngineLoop:
             await self._finish_oldest()
             return
         plan = self.scheduler.schedule()
+        self.adapters.pump()
         # Every event logged from here to the next step names this step.
         structlog.contextvars.bind_contextvars(step_id=plan.step_id)
         self._deliver(self.scheduler.take_early_outputs())
@@ -161,6 +169,7 @@ class EngineLoop:
         scheduler = self.scheduler
         if len(self._in_flight) < 2 and scheduler.has_work():
             plan = scheduler.schedule()
+            self.adapters.pump()
             structlog.contextvars.bind_contextvars(step_id=plan.step_id)
             self._deliver(scheduler.take_early_outputs())
             if not plan.is_empty:
@@ -201,6 +210,8 @@ class EngineLoop:
         self._after_step(result)
 
     def _after_step(self, result) -> None:
+        if self.scheduler.loras.enabled:
+            self.adapters.pump()  # adapters idle since this result may be evicted now
         if self.kv_events is not None:
             self.kv_events.on_step(self.scheduler.kv.pool)
         if self.metrics is not None:
@@ -215,6 +226,8 @@ class EngineLoop:
                 preemptions,
             )
             self.metrics.on_forward(result.forward_ns)
+            if scheduler.loras.enabled:
+                self.metrics.on_lora(scheduler.loras)
             if result.num_draft_tokens:
                 self.metrics.on_speculation(
                     result.num_draft_tokens, result.num_accepted_draft_tokens

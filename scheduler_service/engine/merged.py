@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from scheduler_service.core.loras import LoraState
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineFacts
@@ -55,6 +56,14 @@ class ReplicaMetrics:
         if up and hasattr(self._metrics, "engine_recoveries"):
             self._metrics.engine_recoveries.inc()
 
+    def on_lora(self, loras: LoraState) -> None:
+        """vllm:lora_requests_info over every replica: the union of their running and waiting
+        adapters (one series, as one vLLM pod shows)."""
+        states = [s.loras for s in self._merged.schedulers()]
+        running = sorted({name for state in states for name in state.running})
+        waiting = sorted({name for state in states for name in state.waiting_names()})
+        self._metrics.vllm.on_lora(loras.max_loras, running, waiting)
+
     def __getattr__(self, name: str):
         return getattr(self._metrics, name)
 
@@ -100,6 +109,10 @@ class MergedScheduler:
     @property
     def facts(self) -> Optional[EngineFacts]:
         return self._facts()
+
+    def schedulers(self) -> list[Scheduler]:
+        """Each replica's Scheduler."""
+        return list(self._schedulers())
 
     def find(self, request_id: str) -> Optional[Request]:
         for scheduler in self._schedulers():

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import structlog
 
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.lora_registry import LoraRegistry
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import client as engine_client
@@ -87,8 +88,10 @@ class ReplicaSet:
         make_client: Callable[[str], EngineClient] = EngineClient,
         on_serving: Callable[[bool], None] = lambda up: None,
         kv_publisher: Optional[KVEventPublisher] = None,
+        lora_registry: Optional[LoraRegistry] = None,
     ):
         self.config = config
+        self.lora_registry = lora_registry or LoraRegistry()  # one id per adapter, every replica
         self.kv_publisher = kv_publisher  # KV-cache events: one socket, a rank per replica
         self._ranks: dict[str, int] = {}  # by address, in the order replicas first connect
         self.metrics = metrics
@@ -218,6 +221,7 @@ class ReplicaSet:
             on_engine_up=lambda up: self._on_engine_up(replica, up),
             is_compatible=lambda new: engine_client.incompatibility(first, new),
             kv_events=self._kv_event_stream(address, scheduler),
+            lora_registry=self.lora_registry,
         )
         replica = Replica(address, client, loop)
         self.replicas.append(replica)

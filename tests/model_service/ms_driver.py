@@ -42,9 +42,10 @@ class Driver:
         self.logprobs: dict[int, list[float]] = {}  # slot -> each sampled token's logprob (with_logprobs)
 
     def add(self, slot, token_ids, temperature=0.0, top_k=0, top_p=1.0, seed=0, computed=0, blocks=(),
-            with_logprobs=False) -> None:
+            with_logprobs=False, lora_id=0) -> None:
         """Register a sequence; `blocks` are cached blocks holding its first `computed` tokens;
-        with_logprobs records the logprob of each token sampled for it in self.logprobs."""
+        with_logprobs records the logprob of each token sampled for it in self.logprobs; lora_id:
+        the adapter it runs (0: the base model)."""
         self.seqs[slot] = Seq(list(token_ids), len(token_ids), computed)
         self._preset[slot] = list(blocks)
         processing = LogitsProcessing(num_prompt_tokens=len(token_ids), num_logprobs=0) if with_logprobs else None
@@ -52,7 +53,7 @@ class Driver:
             self.logprobs[slot] = []
         self._pending_new.append(
             SlotRegistration(slot, np.asarray(token_ids, dtype=np.int32), computed, temperature, top_k, top_p, seed,
-                            processing)
+                            processing, lora_id=lora_id)
         )
 
     def finish(self, slot) -> None:
@@ -92,7 +93,7 @@ class Driver:
         return sampled
 
     def run_to_completion(self, max_new_tokens: int, chunk: int = 32, joins: dict[int, list] | None = None,
-                          with_logprobs: bool = False) -> dict[int, list[int]]:
+                          with_logprobs: bool = False, lora_ids: dict[int, int] | None = None) -> dict[int, list[int]]:
         """Step until every sequence has max_new_tokens; prefills go in chunks of `chunk`.
 
         joins: {step index: [(slot, token_ids), ...]} sequences registered at that step, while the
@@ -102,7 +103,7 @@ class Driver:
         step = 0
         while self.seqs or joins:
             for slot, tokens in joins.pop(step, []):
-                self.add(slot, tokens, with_logprobs=with_logprobs)
+                self.add(slot, tokens, with_logprobs=with_logprobs, lora_id=(lora_ids or {}).get(slot, 0))
             schedule = {s: min(chunk, len(q.tokens) - q.computed) for s, q in self.seqs.items()}
             self.step(schedule)
             for slot, seq in list(self.seqs.items()):

@@ -54,6 +54,15 @@ class SchedulingPolicy(abc.ABC):
     def remove(self, request: Request) -> None:
         """Removes a waiting request (aborted, or its deadline passed)."""
 
+    def put_back(self, request: Request) -> None:
+        """A request popped in this step and not admitted (skipped for its LoRA adapter,
+        core/lora_admission.py) returns to its place. Default: added again as it came (a
+        preempted one ahead of fresh ones); a policy whose `add` changes state overrides it."""
+        if request.num_preemptions:
+            self.add_preempted(request)
+        else:
+            self.add(request)
+
     @abc.abstractmethod
     def __len__(self) -> int: ...
 

@@ -69,6 +69,10 @@ class FairPolicy(SchedulingPolicy):
     def add_preempted(self, request: Request) -> None:
         self._push(request, preempted=True)
 
+    def put_back(self, request: Request) -> None:
+        """A skipped request returns without the idle-tenant lift (it never left)."""
+        self._push(request, preempted=request.num_preemptions > 0)
+
     def peek(self, now: float) -> Optional[Request]:
         if self._peeked is not None and self._peeked[:2] == (now, self._version):
             return self._peeked[2]

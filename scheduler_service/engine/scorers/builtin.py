@@ -69,3 +69,29 @@ class Random(ReplicaScorer):
 
     def score(self, request: Request, replicas: Sequence[ReplicaView]) -> list[float]:
         return [self._random.random() for _ in replicas]
+
+
+@register
+class LoraAffinity(ReplicaScorer):
+    """LoRA adapter affinity (llm-d's LoRA-affinity scorer): for a request on an adapter, 1 where
+    the adapter already runs (it takes no new place), 0.75 where it is loaded and a place is free,
+    0.5 where a place is free (it loads there first), 0.25 where it is loaded but every place is
+    taken, else 0. Every replica scores 0 for a base-model request."""
+
+    name = "lora_affinity"
+
+    def score(self, request: Request, replicas: Sequence[ReplicaView]) -> list[float]:
+        name = request.lora_name
+        if not name:
+            return [0.0] * len(replicas)
+        scores = []
+        for replica in replicas:
+            loras = replica.scheduler.loras
+            place_free = len(loras.running) < loras.max_loras
+            if name in loras.running:
+                scores.append(1.0)
+            elif name in loras.resident:
+                scores.append(0.75 if place_free else 0.25)
+            else:
+                scores.append(0.5 if place_free else 0.0)
+        return scores

@@ -1,0 +1,176 @@
+"""The LoRA scheduling cliff (issue 35): the same workload with every request on one of K
+adapters, K = 16 over --max-loras 4 against K = 4 over --max-loras 4 (and the base model alone
+for reference), through a real scheduler and a real model service. The model is the null model
+with a fixed step time, so the figures measure the scheduling rule (places, skips, loads), not
+the LoRA arithmetic: median and slowest TTFT, output tokens per second.
+
+    PYTHONPATH=protos:. .venv/bin/python bench/bench_lora_scheduling.py \
+        --out bench/results/lora_scheduling.json
+
+Workload: 256 requests of 64 prompt tokens and 32 new tokens (ignore_eos), arriving every 10 ms,
+adapters round robin; null model step 10 ms; --max-num-seqs 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from conftest import EngineProcess, start_scheduler  # noqa: E402
+
+from planserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc  # noqa: E402
+
+
+def make_adapters(folder: str, count: int) -> list[str]:
+    """`count` rank-16 PEFT folders (all targets) of a small Llama: the null model checks their
+    files and keeps no weights."""
+    import peft
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    paths = []
+    for index in range(count):
+        torch.manual_seed(index)
+        lora = peft.LoraConfig(r=16, target_modules=targets, init_lora_weights=False)
+        path = os.path.join(folder, f"ad{index}")
+        peft.get_peft_model(transformers.LlamaForCausalLM(config), lora).save_pretrained(path)
+        paths.append(path)
+    del model
+    return paths
+
+
+async def one(stub, index: int, adapter: str, start: float, delay_s: float) -> tuple[float, int]:
+    await asyncio.sleep(max(0.0, start + index * delay_s - time.perf_counter()))
+    sent = time.perf_counter()
+    request = generate_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=[(index * 7 + i) % 90 + 5 for i in range(64)]),
+        lora_name=adapter,
+        stopping=generate_pb2.StoppingCriteria(max_new_tokens=32, ignore_eos=True),
+    )
+    first, tokens = None, 0
+    async for chunk in stub.Generate(request):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - sent
+        tokens += len(chunk.token_ids)
+    assert first is not None
+    return first, tokens
+
+
+async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
+    engine = EngineProcess(
+        "--model", "null", "--null-step-delay-ms", str(args.step_ms), "--enable-lora",
+        "--max-loras", str(max_loras), "--max-cpu-loras", str(max(len(adapters), max_loras)),
+    )  # fmt: skip
+    modules = tuple(f"{os.path.basename(p)}={p}" for p in adapters)
+    server = await start_scheduler(
+        engine.address,
+        max_num_seqs=64,
+        lora_modules=modules,
+        lora_max_skipped_steps=args.lora_max_skipped_steps,
+        lora_rotate_after_steps=args.lora_rotate_after_steps,
+    )
+    try:
+        names = [os.path.basename(p) for p in adapters] or [""]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = generate_pb2_grpc.GenerationServiceStub(channel)
+            start = time.perf_counter() + 0.2
+            results = await asyncio.gather(
+                *(
+                    one(stub, i, names[i % len(names)], start, args.interval_ms / 1000)
+                    for i in range(args.num_requests)
+                )
+            )
+            elapsed = time.perf_counter() - start
+    finally:
+        await server.stop(grace_s=1)
+        engine.stop()
+    ttft = sorted(r[0] for r in results)
+    return {
+        "adapters": len(adapters),
+        "max_loras": max_loras,
+        "lora_max_skipped_steps": args.lora_max_skipped_steps,
+        "lora_rotate_after_steps": args.lora_rotate_after_steps,
+        "median_ttft_ms": round(statistics.median(ttft) * 1000, 1),
+        "p99_ttft_ms": round(ttft[int(0.99 * (len(ttft) - 1))] * 1000, 1),
+        "max_ttft_ms": round(ttft[-1] * 1000, 1),
+        "output_tok_s": round(sum(r[1] for r in results) / elapsed, 1),
+    }
+
+
+def skip_cost() -> float:
+    """Median schedule() time (ms) with 1,000 waiting requests of an adapter that has no place:
+    each step skips (pops and puts back) the most it may, MAX_SKIPS_PER_STEP."""
+    from scheduler.factories import fake_result
+    from scheduler.test_lora_scheduling import Loads, lora_request, lora_scheduler, step
+
+    scheduler = lora_scheduler(
+        max_loras=1, max_cpu_loras=8, num_blocks=4096, max_num_seqs=256, max_num_batched_tokens=512
+    )
+    loads = Loads(scheduler)
+    scheduler.add_request(lora_request("A", max_new_tokens=10_000))
+    for _ in range(3):
+        step(scheduler, loads, 1)
+    for _ in range(1000):
+        scheduler.add_request(lora_request("B", max_new_tokens=4))
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        times.append(time.perf_counter() - started)
+        scheduler.update(plan, fake_result(plan))
+    return statistics.median(times) * 1000
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--interval-ms", type=float, default=10.0)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--lora-max-skipped-steps", type=int, default=32)
+    parser.add_argument("--lora-rotate-after-steps", type=int, default=8)
+    parser.add_argument("--only", choices=("base", "4", "16"), default=None, help="one row only")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--skip-cost", action="store_true", help="only the skip cost per step")
+    args = parser.parse_args()
+    if args.skip_cost:
+        print(f"schedule() with 1,000 skipped requests waiting: {skip_cost():.3f} ms (median)")
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        paths = make_adapters(folder, 16)
+        cases = {"base": [], "4": paths[:4], "16": paths}
+        rows = [
+            await run(adapters, 4, folder, args)
+            for name, adapters in cases.items()
+            if args.only in (None, name)
+        ]
+    load = os.getloadavg()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next(
+        (line.split(":", 1)[1].strip() for line in cpu.splitlines() if "Model name" in line), ""
+    )
+    report = {"cpu": model, "load_average": load, "workload": vars(args), "rows": rows}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,11 @@
+"""LoRA adapters of the base model (issue 35), by role:
+
+    targets.py      the modules an adapter may adapt, as slices of the model's fused linears
+    peft_folder.py  one PEFT folder read and checked, tensor by tensor, all or nothing
+    store.py        the loaded adapters by lora_id (LoadAdapter / EvictAdapter), thread-safe
+    grouping.py     a step's rows grouped by adapter, and the LoRA products added per group
+    triton_lora.py  the same products as grouped Triton kernels (CUDA; not yet called)
+
+The scheduler decides which adapters are loaded (engine.proto, LoadAdapter); the runner keeps each
+slot's lora_id and builds the step's grouping (model_service/runner.py).
+"""

@@ -1,0 +1,121 @@
+"""The loaded adapters by lora_id: what LoadAdapter adds and EvictAdapter drops, read by each step.
+
+Loading runs on the calling (unary RPC's) thread and never holds the lock while it reads: the
+lock covers the id's reservation and the final insert only, so a step (which takes a snapshot of
+the loaded adapters at its start, model_service/runner.py) never waits for a load. An adapter
+evicted while a step runs stays alive in that step's snapshot until the step ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import structlog
+import torch
+
+from model_service.lora.peft_folder import Adapter, AdapterError, read_adapter
+from model_service.lora.targets import TARGET_MODULES, ModelTargets
+
+log = structlog.get_logger(__name__)
+
+
+class AdapterStore:
+    """At most max_cpu_loras adapters, each complete or absent."""
+
+    def __init__(
+        self,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        targets: Optional[ModelTargets],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.target_modules = TARGET_MODULES
+        self._targets = targets
+        self._dtype, self._device = dtype, device
+        self._lock = threading.Lock()
+        self._loaded: dict[int, Adapter] = {}
+        self._loading: set[int] = set()
+
+    def load(self, lora_id: int, name: str, folder: str) -> Adapter:
+        """Reads the folder and keeps it under lora_id; AdapterError when refused."""
+        if lora_id == 0:
+            raise AdapterError("INVALID_ARGUMENT", "lora_id: 0 is the base model; ids start at 1")
+        self._reserve(lora_id)
+        try:
+            adapter = read_adapter(
+                lora_id,
+                name,
+                folder,
+                self.max_lora_rank,
+                self._targets,
+                self._dtype,
+                self._device,
+            )
+        except BaseException:
+            with self._lock:
+                self._loading.discard(lora_id)
+            raise
+        with self._lock:
+            self._loading.discard(lora_id)
+            self._loaded[lora_id] = adapter
+        log.info(
+            "lora_loaded",
+            lora_id=lora_id,
+            lora_name=name,
+            rank=adapter.rank,
+            targets=",".join(adapter.target_modules),
+            num_bytes=adapter.num_bytes,
+        )
+        return adapter
+
+    def _reserve(self, lora_id: int) -> None:
+        with self._lock:
+            if lora_id in self._loaded or lora_id in self._loading:
+                raise AdapterError("ALREADY_EXISTS", f"lora_id: {lora_id} is already loaded")
+            if len(self._loaded) + len(self._loading) >= self.max_cpu_loras:
+                raise AdapterError(
+                    "RESOURCE_EXHAUSTED",
+                    f"lora_id: {lora_id} would exceed --max-cpu-loras {self.max_cpu_loras} "
+                    "loaded adapters; evict one first",
+                )
+            self._loading.add(lora_id)
+
+    def evict(self, lora_id: int) -> None:
+        with self._lock:
+            if self._loaded.pop(lora_id, None) is None:
+                raise AdapterError("NOT_FOUND", f"lora_id: {lora_id} is not loaded")
+        log.info("lora_evicted", lora_id=lora_id)
+
+    def snapshot(self) -> dict[int, Adapter]:
+        """The loaded adapters now (a step's view: later loads and evicts do not change it)."""
+        with self._lock:
+            return dict(self._loaded)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._loaded)
+
+
+def new_store(loaded, config) -> Optional[AdapterStore]:
+    """The adapter store of a model service started with --enable-lora (None without). A model
+    without decoder layers (the null model) checks each folder and keeps no weights."""
+    if not config.enable_lora:
+        return None
+    from model_service.lora.targets import model_targets
+
+    parameter = next(loaded.model.parameters())
+    has_layers = hasattr(loaded.model, "decoder_loop_reason")
+    return AdapterStore(
+        config.max_loras,
+        config.max_lora_rank,
+        config.max_cpu_loras or config.max_loras,
+        model_targets(loaded.arch) if has_layers else None,
+        parameter.dtype,
+        parameter.device,
+    )

@@ -1,0 +1,143 @@
+"""Adapter-aware admission: at most max_loras distinct LoRA adapters in a step, skipping (never
+blocking) and never starving.
+
+The rule, applied to each waiting request in the policy's order (any policy), before its budget
+and blocks are looked at:
+
+  * a base-model request (no adapter) takes no place: never held back here;
+  * a request whose adapter already runs takes no new place: admitted as usual;
+  * a request whose adapter would make max_loras + 1 distinct running adapters is skipped;
+  * a request whose adapter is not loaded in this model service is skipped and the adapter is
+    asked for (the engine loop loads it, evicting an idle one beyond max_cpu_loras). Only with
+    a place free, so that adapters that could not run anyway are not loaded and evicted in turn.
+
+A skipped request goes back to its place in the queue once the step is built (`put_back`), so
+the requests behind it are admitted in this step and it comes first again in the next one. The
+running adapters never exceed max_loras, so neither does any plan. The chunked-prefill budget
+is untouched: a skipped request takes none of it.
+
+No starvation. Under a steady stream of requests for max_loras popular adapters a rare one would
+wait forever: each popular adapter always has a request running, so no place frees. Every skip
+counts on the request (`Request.lora_skips`); once one has been skipped `lora_max_skipped_steps`
+times it is the *starved* request (one at a time, the first reached) and until it is admitted:
+
+  * no request of an adapter that is not running may take a new place, unless it is the starved
+    request's adapter (a place that frees is kept for it, and only its adapter is loaded);
+  * one running adapter is *drained*: the one with the fewest running sequences when the places
+    are full (or when every loaded adapter runs and none can be evicted for the starved one); its
+    new requests are skipped, so its running ones finish and its place frees.
+
+Requests of the other running adapters and of the base model are admitted as before, so the
+drain costs at most one adapter's admissions for as long as its running requests take.
+
+Rotation (latency, not only liveness). An adapter that keeps receiving requests never drains on
+its own, so without more the places go round only at the starvation bound's pace, and with more
+adapters than places the waiting time grows into a cliff. So a place is held for a quantum:
+once requests have waited `lora_rotate_after_steps` steps for a place, as many running adapters
+as they need (beyond the free places and those already closing), the ones that took their place
+longest ago and held it for a quantum, are *closed*: they admit nothing new until their running
+sequences finish and the place frees; the waiting adapter then admits its whole backlog at once.
+Each place thus serves adapters in turns of about a quantum plus one request's lifetime.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from scheduler_service.core.loras import LoraState
+from scheduler_service.core.part import SchedulerPart
+from scheduler_service.core.request import Request, RequestStatus
+
+# At most this many requests are skipped (popped and put back) per step: past it admission
+# stops, as without adapters, rather than scan a long queue every step.
+MAX_SKIPS_PER_STEP = 256
+
+
+def lora_blocked(loras: LoraState, request: Request) -> Optional[str]:
+    """Why `request` cannot start this step for its adapter (None: it can). "load": its adapter
+    is not loaded here; "full": max_loras adapters run; "starved": a place is kept for the starved
+    request's adapter; "draining": its adapter is being drained for the starved request;
+    "closed": its adapter held its place a quantum while others waited, and drains."""
+    name = request.lora_name
+    if not name:
+        return None
+    starved = loras.starved
+    if name in loras.running:
+        if name in loras.closed:
+            return "closed"
+        if starved is not None and name == loras.draining and request is not starved:
+            return "draining"
+        return None
+    if starved is not None and starved.lora_name != name:
+        return "starved"
+    if name not in loras.resident:
+        return "load"
+    if len(loras.running) >= loras.max_loras:
+        return "full"
+    return None
+
+
+class LoraAdmission(SchedulerPart):
+    """The adapter rule of step 2 (a part of Scheduler)."""
+
+    loras: LoraState
+
+    def _lora_skip(self, request: Request) -> bool:
+        """True when `request` must be skipped this step for its adapter (counted, and its
+        adapter asked for when it is not loaded)."""
+        loras = self.loras
+        why = lora_blocked(loras, request)
+        if why is None:
+            return False
+        if why == "load":
+            loras.want(request.lora_name, request.lora_id)
+        request.lora_skips += 1
+        quantum = self.config.lora_rotate_after_steps
+        if why == "full" and quantum and request.lora_skips >= quantum:
+            loras.waiting_for_place.add(request.lora_name)
+        if loras.starved is None and request.lora_skips >= self.config.lora_max_skipped_steps:
+            loras.starved = request
+            self._choose_drained()
+        return True
+
+    def _lora_step_start(self) -> None:
+        """Before a step's admissions: the starved request is forgotten once it is admitted or
+        gone, and a drained adapter chosen while it still waits."""
+        loras = self.loras
+        loras.rotate(self._next_step_id, self.config.lora_rotate_after_steps)
+        starved = loras.starved
+        if starved is None:
+            return
+        if starved.status is not RequestStatus.WAITING or starved.request_id not in self.requests:
+            loras.starved = None
+            loras.draining = None
+            return
+        if loras.draining not in loras.running:
+            self._choose_drained()
+
+    def _choose_drained(self) -> None:
+        """The running adapter with the fewest running sequences, when the starved request
+        needs one of them to make room (places full, or no loaded adapter can be evicted)."""
+        loras = self.loras
+        loras.draining = None
+        starved = loras.starved
+        if starved is None or not loras.running:
+            return
+        name = starved.lora_name
+        places_full = len(loras.running) >= loras.max_loras
+        no_room = (
+            name not in loras.resident
+            and loras.capacity is not None
+            and loras.needs_room()
+            and loras.victim() is None
+        )
+        if places_full or no_room:
+            loras.draining = min(loras.running, key=lambda n: (loras.running[n], n))
+
+    def _lora_admitted(self, request: Request) -> None:
+        """`request` took a slot: its adapter counts as running."""
+        loras = self.loras
+        loras.on_start(request.lora_name, self._next_step_id)
+        if request is loras.starved:
+            loras.starved = None
+            loras.draining = None
