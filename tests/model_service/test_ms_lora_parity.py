@@ -98,7 +98,7 @@ def test_bfloat16_is_as_close_to_peft_as_peft_bf16(tiny_hf, tmp_path):
 
 
 @pytest.mark.slow(reason="SmolLM2-135M in float32: ours, then peft's unmerged and merged models and transformers' "
-                        "(470 s on 2 cores shared at load 9)")
+                        "(150 s at load 4-5 on 2 shared cores, 470 s at load 9)")
 def test_smollm2_float32_matches_peft(tmp_path):
     config = ModelServiceConfig(model="smollm2", dtype="float32", num_kv_blocks=256, max_num_slots=8, enable_lora=True)
     loaded = load_model(config)
