@@ -5,12 +5,14 @@ group per distinct adapter of the step (at most max_loras), holding the rows' in
 then loops over those groups, never over rows:
 
     xs = x.index_select(0, rows)                     the group's rows of the layer's input
-    y[:, start:end].index_add_(0, rows, scale * B(A(xs)))   for each target of the fused module
+    y[:, start:end].index_add_(0, rows, scale * B(A(xs)))   once per fused module
 
-in the order PEFT computes base + lora_B(lora_A(x)) * scaling, so float32 matches PEFT's unmerged
-model up to the base GEMM's own order. Both factors go through layer_ops.linear, which keeps
-torch's GEMMs batch-invariant (few-row padding); gathering, scaling and the indexed add are
-row by row. A row's result therefore never depends on the other rows of its step, whatever
+(the module's targets fused at load: A stacked, B block-diagonal over their columns,
+lora/peft_folder.py fuse_pairs), in the order PEFT computes base + lora_B(lora_A(x)) * scaling,
+so float32 matches PEFT's unmerged model up to the GEMMs' own summation order. Both factors go
+through layer_ops.linear: packed for the native GEMM on a bf16 CPU model (batch-invariant by
+construction), else torch's GEMM with its few-row padding; gathering, scaling and the indexed
+add are row by row. A row's result therefore never depends on the other rows of its step, whatever
 adapters they run. Base-model rows are in no group: a step without adapter rows builds no
 grouping at all and runs exactly the base path.
 """

@@ -17,12 +17,13 @@ import json
 import math
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from model_service.kernels.gemm import PackedLinear
 from model_service.lora.targets import (
     FUSED_MODULES,
     REFUSED_MODULES,
@@ -83,8 +84,8 @@ class LoraPair:
     target: str
     start: int
     end: int
-    a: WeightLinear  # [r, in]
-    b: WeightLinear  # [out, r]
+    a: nn.Module  # [r, in]: a WeightLinear, or a PackedLinear where the model's GEMMs are packed
+    b: nn.Module  # [out, r]
 
 
 @dataclasses.dataclass
@@ -115,9 +116,13 @@ def read_adapter(
     targets: Optional[ModelTargets],
     dtype: torch.dtype,
     device: torch.device,
+    gemm_isa: Optional[str] = None,
 ) -> Adapter:
     """The adapter in `folder`, its weights in `dtype` on `device`; AdapterError names what is
-    refused. `targets` None: check the folder, keep no weights (a model without layers)."""
+    refused. `targets` None: check the folder, keep no weights (a model without layers).
+    `gemm_isa`: the path the model's packed linears run (bf16 on the CPU), for which the factors
+    are packed too (the native GEMM: fast for these few-row products, batch-invariant by
+    construction); None keeps them dense for torch's GEMM."""
     if not os.path.isdir(folder):
         raise AdapterError("NOT_FOUND", f"lora_path: {folder!r} is not a folder")
     config = read_config(os.path.join(folder, CONFIG_FILE), max_rank)
@@ -130,7 +135,7 @@ def read_adapter(
                 f"{WEIGHTS_FILE} (PEFT's save_pretrained with safe_serialization=True)",
             )
         raise AdapterError("NOT_FOUND", f"lora_path: {folder!r} holds no {WEIGHTS_FILE}")
-    layers, found, num_bytes = _read_weights(weights, config.rank, targets, dtype, device)
+    layers, found, num_bytes = _read_weights(weights, config.rank, targets, dtype, device, gemm_isa)
     ordered = tuple(t for t in TARGET_MODULES if t in found)
     return Adapter(lora_id, name, config.rank, config.scale, ordered, num_bytes, layers)
 
@@ -190,6 +195,7 @@ def _read_weights(
     targets: Optional[ModelTargets],
     dtype: torch.dtype,
     device: torch.device,
+    gemm_isa: Optional[str] = None,
 ) -> tuple[list[dict[str, list[LoraPair]]], set[str], int]:
     """Every A/B pair of the file: names and shapes checked from the header first, then each
     tensor read by itself."""
@@ -212,12 +218,64 @@ def _read_weights(
             key_a, key_b = pairs[(layer, target)]
             a = f.get_tensor(key_a).to(device=device, dtype=dtype).contiguous()
             b = f.get_tensor(key_b).to(device=device, dtype=dtype).contiguous()
-            num_bytes += a.nbytes + b.nbytes
             place = targets.slices[target]
             layers[layer][place.fused].append(
                 LoraPair(target, place.start, place.end, WeightLinear(a), WeightLinear(b))
             )
+    for modules in layers:
+        for fused, module_pairs in modules.items():
+            modules[fused] = [_packed(p, gemm_isa) for p in fuse_pairs(module_pairs)]
+            num_bytes += sum(_stored_bytes(p.a) + _stored_bytes(p.b) for p in modules[fused])
     return layers, {target for _, target in pairs}, num_bytes
+
+
+def _packed(pair: LoraPair, gemm_isa: Optional[str]) -> LoraPair:
+    """The pair with each factor packed for the native GEMM where it takes it (as
+    gemm.packable: bfloat16 on the CPU, an even input size)."""
+    if gemm_isa is None:
+        return pair
+    factors = []
+    for factor in (pair.a, pair.b):
+        weight = _weight(factor)
+        native = (
+            weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and weight.shape[1] % 2 == 0
+        )
+        # PackedLinear reads weight (and a bias, none here) off its source, as off an nn.Linear.
+        factors.append(PackedLinear(cast(nn.Linear, factor), gemm_isa) if native else factor)
+    return dataclasses.replace(pair, a=factors[0], b=factors[1])
+
+
+def _weight(factor: nn.Module) -> torch.Tensor:
+    """A factor's dense weight [out, in] (a PackedLinear unpacks a copy)."""
+    weight = factor.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def _stored_bytes(factor: nn.Module) -> int:
+    packed = getattr(factor, "packed", None)
+    return int(packed.nbytes) if packed is not None else int(_weight(factor).nbytes)
+
+
+def fuse_pairs(pairs: list[LoraPair]) -> list[LoraPair]:
+    """The targets of one fused module (in column order) as one pair: A stacked [sum r, in], B
+    block-diagonal over their columns [end - start, sum r] (zeros elsewhere, which add exact
+    zeros), so a group pays one shrink, one expand and one indexed add per fused module instead
+    of one per target."""
+    if len(pairs) < 2:
+        return pairs
+    start, end = pairs[0].start, pairs[-1].end
+    a = torch.cat([_weight(p.a) for p in pairs])
+    b = a.new_zeros((end - start, a.shape[0]))
+    column = 0
+    for p in pairs:
+        rank = _weight(p.a).shape[0]
+        b[p.start - start : p.end - start, column : column + rank] = _weight(p.b)
+        column += rank
+    target = "+".join(p.target for p in pairs)
+    return [LoraPair(target, start, end, WeightLinear(a), WeightLinear(b))]
 
 
 def _check_header(

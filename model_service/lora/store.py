@@ -31,13 +31,14 @@ class AdapterStore:
         targets: Optional[ModelTargets],
         dtype: torch.dtype,
         device: torch.device,
+        gemm_isa: Optional[str] = None,
     ) -> None:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.target_modules = TARGET_MODULES
         self._targets = targets
-        self._dtype, self._device = dtype, device
+        self._dtype, self._device, self._gemm_isa = dtype, device, gemm_isa
         self._lock = threading.Lock()
         self._loaded: dict[int, Adapter] = {}
         self._loading: set[int] = set()
@@ -56,6 +57,7 @@ class AdapterStore:
                 self._targets,
                 self._dtype,
                 self._device,
+                self._gemm_isa,
             )
         except BaseException:
             with self._lock:
@@ -107,9 +109,12 @@ def new_store(loaded, config) -> Optional[AdapterStore]:
     without decoder layers (the null model) checks each folder and keeps no weights."""
     if not config.enable_lora:
         return None
+    from model_service.kernels.gemm import PackedLinear
     from model_service.lora.targets import model_targets
 
     parameter = next(loaded.model.parameters())
+    # The factors are packed for the model's native GEMM path where its linears are.
+    isa = next((m.isa for m in loaded.model.modules() if isinstance(m, PackedLinear)), None)
     has_layers = hasattr(loaded.model, "decoder_loop_reason")
     return AdapterStore(
         config.max_loras,
@@ -118,4 +123,5 @@ def new_store(loaded, config) -> Optional[AdapterStore]:
         model_targets(loaded.arch) if has_layers else None,
         parameter.dtype,
         parameter.device,
+        isa,
     )

@@ -39,7 +39,6 @@ def _runner(loaded, dtype, adapters):
     return runner
 
 
-@pytest.mark.slow(reason="five runs of up to four sequences per dtype: 100-160 s on 2 cores shared at load 8-10")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_each_sequence_equals_itself_alone_bitwise(adapters, dtype):
     loaded = load_model(tiny_config(dtype=dtype))

@@ -89,13 +89,18 @@ def test_load_keeps_weights_in_the_compute_dtype_and_evicts(tiny_loaded, adapter
     assert adapter.rank == 4 and adapter.target_modules == tuple(TARGET_MODULES)
     assert adapter.scale == 16.0 / 4
     arch = tiny_loaded.arch
-    pairs = adapter.layers[0]["qkv_proj"]
-    assert [p.target for p in pairs] == ["q_proj", "k_proj", "v_proj"]
-    assert [(p.start, p.end) for p in pairs] == [(0, 64), (64, 96), (96, 128)]
-    assert all(p.a.weight.dtype == torch.float32 for p in pairs)
+    # q, k and v fused as qkv_proj is: A stacked, B block-diagonal over their columns.
+    [qkv] = adapter.layers[0]["qkv_proj"]
+    assert (qkv.target, qkv.start, qkv.end) == ("q_proj+k_proj+v_proj", 0, 128)
+    assert qkv.a.weight.shape == (12, 64) and qkv.b.weight.shape == (128, 12)
+    assert qkv.a.weight.dtype == torch.float32
+    file = load_file(str(adapter_dir / "all4" / WEIGHTS))
+    k_b = file["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"]
+    assert torch.equal(qkv.b.weight[64:96, 4:8], k_b) and not qkv.b.weight[64:96, :4].any()
+    assert torch.equal(qkv.a.weight[8:12], file["base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"])
     assert adapter.layers[1]["down_proj"][0].a.weight.shape == (4, arch.intermediate_size)
-    expected = sum(t.nbytes for t in load_file(str(adapter_dir / "all4" / WEIGHTS)).values())
-    assert adapter.num_bytes == expected
+    stored = [p for layer in adapter.layers for pairs in layer.values() for p in pairs]
+    assert adapter.num_bytes == sum(p.a.weight.nbytes + p.b.weight.nbytes for p in stored)
     rslora = runner.load_adapter(2, "attn16", str(adapter_dir / "attn16"))
     assert rslora.scale == pytest.approx(16.0 / 4.0)  # alpha / sqrt(16)
     assert rslora.target_modules == tuple(ATTENTION) and rslora.layers[0]["gate_up_proj"] == []

@@ -44,7 +44,7 @@ async def test_load_evict_and_refusals_over_grpc(engine, adapter_folder, tmp_pat
     assert (facts.lora.max_loras, facts.lora.max_lora_rank, facts.lora.max_cpu_loras) == (2, 16, 2)
     assert list(facts.lora.target_modules) == list(TARGET_MODULES)
     reply = await engine.LoadAdapter(engine_pb2.LoadAdapterRequest(lora_id=1, lora_name="a", lora_path=adapter_folder))
-    assert reply.rank == 4 and list(reply.target_modules) == list(TARGET_MODULES) and reply.num_bytes == 32768
+    assert reply.rank == 4 and list(reply.target_modules) == list(TARGET_MODULES) and reply.num_bytes == 49152  # fused B blocks, zeros included
     code, details = await _code(engine.LoadAdapter(engine_pb2.LoadAdapterRequest(lora_id=1, lora_name="a",
                                                                                  lora_path=adapter_folder)))
     assert code == grpc.StatusCode.ALREADY_EXISTS and details.startswith("lora_id: 1")
