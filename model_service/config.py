@@ -17,6 +17,7 @@ import os
 from typing import Mapping, Optional
 
 from config_fields import Wording, check_bounds, setting
+from model_service.cpu_bf16 import cpu_has_native_bf16, packs_bf16_linears
 
 # The model service's words for a value outside its bound: "block_size: 0 must be in [1, 1024]".
 WORDING = Wording(
@@ -308,18 +309,8 @@ class ModelServiceConfig:
             return self.dtype
         if self.resolved_device().startswith("cuda"):
             return "bfloat16"
-        return "bfloat16" if cpu_has_native_bf16() or self._packs_bf16_linears() else "float32"
-
-    def _packs_bf16_linears(self) -> bool:
-        """Whether a bf16 model's linears run the packed GEMM on a vector path here (not torch's,
-        which tensor-parallel ranks and gemm_isa torch run, nor the scalar portable one). The
-        native module itself, as kernels/gemm.py resolves it (kernels/ import this module)."""
-        if self.tensor_parallel_size != 1:
-            return False
-        from cython_ext import gemm as native
-
-        isa = native.best_isa() if self.gemm_isa == "auto" else self.gemm_isa
-        return isa in _GEMM_VECTOR_PATHS and native.isa_supported(isa)
+        packs = self.tensor_parallel_size == 1 and packs_bf16_linears(self.gemm_isa)
+        return "bfloat16" if cpu_has_native_bf16() or packs else "float32"
 
     def resolved_device(self) -> str:
         """The concrete torch device string ("auto" resolved)."""
@@ -329,9 +320,6 @@ class ModelServiceConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-
-# The packed GEMM's paths faster than torch's bf16 GEMM wherever they run (cython_ext.gemm.ISAS).
-_GEMM_VECTOR_PATHS = ("avx512_bf16", "avx512", "avx2")
 
 # The compute fields' documented environment names (older spellings, still honoured).
 COMPUTE_ENV_ALIASES = {
@@ -377,37 +365,3 @@ def check_dummy_model(model: str) -> None:
         f"model: {model!r} is not a dummy shape ({', '.join(DUMMY_SHAPE_NAMES)}), a config.json "
         "file nor a folder holding one"
     )
-
-
-# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under AVX512_CORE_BF16: oneDNN then emulates bf16 matmul
-# whatever the CPU has, so bf16 is no longer the faster dtype (and tests emulate an AVX2 CPU so).
-_ONEDNN_CAPS_WITHOUT_BF16 = frozenset(
-    ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
-)
-
-
-def onednn_capped_below_bf16(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when the environment caps oneDNN (which runs torch's bf16 matmul on the CPU) under
-    AVX512_CORE_BF16; DNNL_MAX_CPU_ISA is its older name."""
-    cap = environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or ""
-    return cap.strip().upper() in _ONEDNN_CAPS_WITHOUT_BF16
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX tiles or AVX512-BF16) and oneDNN may use
-    it, so bf16 matmul beats float32; without it oneDNN emulates bf16 and float32 is faster."""
-    if onednn_capped_below_bf16():
-        return False
-    import torch
-
-    cpu = getattr(torch, "cpu", None)
-    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        check = getattr(cpu, probe, None)
-        if check is not None and check():
-            return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags

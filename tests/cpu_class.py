@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from model_service.config import cpu_has_native_bf16
+from model_service.cpu_bf16 import cpu_has_native_bf16
 
 CLASSES = ("avx2", "avx512", "native-bf16")
 ENV = "PLANSERVE_TEST_CPU_CLASS"

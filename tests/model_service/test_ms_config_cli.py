@@ -10,6 +10,7 @@ import torch
 import pytest
 
 from conftest import tiny_config
+from model_service import cpu_bf16
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.start import build_runner, start_runner
@@ -110,10 +111,10 @@ def test_a_onednn_cap_under_bf16_makes_auto_float32(monkeypatch):
     without the packed GEMM (how the suite caps torch: docs/benchmarks.md)."""
     from model_service import config as config_module
 
-    assert config_module.onednn_capped_below_bf16({"ONEDNN_MAX_CPU_ISA": "avx2"})
-    assert config_module.onednn_capped_below_bf16({"DNNL_MAX_CPU_ISA": "AVX512_CORE"})
+    assert cpu_bf16.onednn_capped_below_bf16({"ONEDNN_MAX_CPU_ISA": "avx2"})
+    assert cpu_bf16.onednn_capped_below_bf16({"DNNL_MAX_CPU_ISA": "AVX512_CORE"})
     for uncapped in ({}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, {"ONEDNN_MAX_CPU_ISA": "ALL"}):
-        assert not config_module.onednn_capped_below_bf16(uncapped)
+        assert not cpu_bf16.onednn_capped_below_bf16(uncapped)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not config_module.cpu_has_native_bf16()
     assert ModelServiceConfig(dtype="auto", device="cpu", gemm_isa="torch").resolved_dtype() == "float32"
