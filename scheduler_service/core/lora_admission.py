@@ -112,6 +112,7 @@ class LoraAdmission(SchedulerPart):
         loras = self.loras
         if not self.config.lora_preempt_after_steps:  # else _lora_preempt rotated already
             loras.rotate(self._next_step_id, self.config.lora_rotate_after_steps)
+        loras.lapse_promises()
         starved = loras.starved
         if starved is None:
             return

@@ -197,6 +197,12 @@ class LoraState:
         """A request of `name` waited `skips` steps (a quantum or more) for a place."""
         self.waiting_for_place[name] = max(skips, self.waiting_for_place.get(name, 0))
 
+    def lapse_promises(self) -> None:
+        """A promised place is free again once its adapter has no request left waiting (they
+        were aborted, or handed to another replica)."""
+        if self.promised:
+            self.promised = {name for name in self.promised if self.in_flight.get(name, 0) > 0}
+
     def rotate(self, step_id: int, quantum: int, preempt: bool = False) -> list[str]:
         """The running adapters that give their place to adapters that waited `quantum` steps
         for one: oldest place first, held `quantum` steps, as many as those need beyond the free
@@ -204,8 +210,8 @@ class LoraState:
         []); preemptive rotation returns them, to preempt, and keeps the places they free for
         the adapters that waited longest (`promised`), one each."""
         waiting, self.waiting_for_place = self.waiting_for_place, {}
-        # A promise lapses once its adapter has no request left waiting (aborted, finished).
-        self.promised = {name for name in self.promised if self.in_flight.get(name, 0) > 0}
+        waiting = {name: n for name, n in waiting.items() if self.in_flight.get(name, 0) > 0}
+        self.lapse_promises()
         if not quantum or not waiting:
             return []
         wanting = set(waiting) | self.promised

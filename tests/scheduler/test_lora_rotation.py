@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from scheduler_service.core.lora_admission import lora_blocked
 from scheduler_service.core.request import RequestStatus
 from tests.scheduler.test_lora_scheduling import POLICIES, Loads, lora_request, lora_scheduler
 from tests.scheduler.test_lora_scheduling import step as checked_step
@@ -192,3 +193,21 @@ def test_no_adapter_is_starved_either_way():
             last_start[name] = number
     assert all(watch.preempted.get(name, 0) >= 10 for name in "ABC"), watch.preempted
     assert longest <= 4 * quantum, longest
+
+
+def test_a_promised_place_is_free_again_once_its_requests_are_gone():
+    scheduler = lora_scheduler(max_loras=2, lora_preempt_after_steps=2)
+    watch = Watch(scheduler, 2, 2)
+    for name in "AD":
+        scheduler.add_request(lora_request(name, max_new_tokens=30))
+    watch.step()
+    watch.step()
+    loras = scheduler.loras
+    # One place runs A, the other (D's, as if preempted) was promised to C, whose requests were
+    # then aborted before they took it: D's next request is held back only while it lasts.
+    later = lora_request("D", max_new_tokens=2)
+    loras.running.pop("D")
+    loras.promised.add("C")
+    assert lora_blocked(loras, later) == "full"
+    loras.lapse_promises()
+    assert not loras.promised and lora_blocked(loras, later) is None
