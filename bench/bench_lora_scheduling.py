@@ -7,6 +7,9 @@ the LoRA arithmetic: median and slowest TTFT, output tokens per second.
     PYTHONPATH=protos:. .venv/bin/python bench/bench_lora_scheduling.py \
         --out bench/results/lora_scheduling.json
 
+Preemptive rotation: add --lora-preempt-after-steps Q (docs/lora.md); each row also reports the
+end-to-end latency (arrival to last token) and the scheduler's preemptions.
+
 Workload: 256 requests of 64 prompt tokens and 32 new tokens (ignore_eos), arriving every 10 ms,
 adapters round robin; null model step 10 ms; --max-num-seqs 64.
 """
