@@ -8,9 +8,8 @@ import asyncio
 
 import openai
 import pytest_asyncio
-from test_lora import adapter_root  # noqa: F401  (the module fixture: root/{a1,a2,a3})
-
 from conftest import EngineProcess, start_scheduler
+from test_lora import adapter_root  # noqa: F401  (the module fixture: root/{a1,a2,a3})
 
 
 @pytest_asyncio.fixture(scope="module")
