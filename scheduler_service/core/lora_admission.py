@@ -38,6 +38,12 @@ as they need (beyond the free places and those already closing), the ones that t
 longest ago and held it for a quantum, are *closed*: they admit nothing new until their running
 sequences finish and the place frees; the waiting adapter then admits its whole backlog at once.
 Each place thus serves adapters in turns of about a quantum plus one request's lifetime.
+
+Preemptive rotation (`lora_preempt_after_steps`, replacing the above when set): the chosen
+adapters are preempted instead of closed, before the step's running sequences are scheduled
+(`_lora_preempt`), so a turn is a quantum and no longer includes a request's lifetime. Each
+place a preemption frees is promised to the adapter that waited longest: the preempted requests
+go back ahead of fresh ones and would otherwise take it straight back.
 """
 
 from __future__ import annotations
