@@ -7,6 +7,9 @@ the LoRA arithmetic: median and slowest TTFT, output tokens per second.
     PYTHONPATH=protos:. .venv/bin/python bench/bench_lora_scheduling.py \
         --out bench/results/lora_scheduling.json
 
+Preemptive rotation: add --lora-preempt-after-steps Q (docs/lora.md); each row also reports the
+end-to-end latency (arrival to last token) and the scheduler's preemptions.
+
 Workload: 256 requests of 64 prompt tokens and 32 new tokens (ignore_eos), arriving every 10 ms,
 adapters round robin; null model step 10 ms; --max-num-seqs 64.
 """
@@ -55,7 +58,7 @@ def make_adapters(folder: str, count: int) -> list[str]:
     return paths
 
 
-async def one(stub, index: int, adapter: str, start: float, delay_s: float) -> tuple[float, int]:
+async def one(stub, index: int, adapter: str, start: float, delay_s: float) -> tuple:
     await asyncio.sleep(max(0.0, start + index * delay_s - time.perf_counter()))
     sent = time.perf_counter()
     request = generate_pb2.GenerateRequest(
@@ -69,7 +72,7 @@ async def one(stub, index: int, adapter: str, start: float, delay_s: float) -> t
             first = time.perf_counter() - sent
         tokens += len(chunk.token_ids)
     assert first is not None
-    return first, tokens
+    return first, tokens, time.perf_counter() - sent
 
 
 async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
@@ -84,6 +87,7 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
         lora_modules=modules,
         lora_max_skipped_steps=args.lora_max_skipped_steps,
         lora_rotate_after_steps=args.lora_rotate_after_steps,
+        lora_preempt_after_steps=args.lora_preempt_after_steps,
     )
     try:
         names = [os.path.basename(p) for p in adapters] or [""]
@@ -97,19 +101,25 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
                 )
             )
             elapsed = time.perf_counter() - start
+        preemptions = server.loop.scheduler.num_preemptions_total
     finally:
         await server.stop(grace_s=1)
         engine.stop()
     ttft = sorted(r[0] for r in results)
+    e2e = sorted(r[2] for r in results)
     return {
         "adapters": len(adapters),
         "max_loras": max_loras,
         "lora_max_skipped_steps": args.lora_max_skipped_steps,
         "lora_rotate_after_steps": args.lora_rotate_after_steps,
+        "lora_preempt_after_steps": args.lora_preempt_after_steps,
         "median_ttft_ms": round(statistics.median(ttft) * 1000, 1),
         "p99_ttft_ms": round(ttft[int(0.99 * (len(ttft) - 1))] * 1000, 1),
         "max_ttft_ms": round(ttft[-1] * 1000, 1),
         "output_tok_s": round(sum(r[1] for r in results) / elapsed, 1),
+        "median_e2e_ms": round(statistics.median(e2e) * 1000, 1),
+        "max_e2e_ms": round(e2e[-1] * 1000, 1),
+        "preemptions": preemptions,
     }
 
 
@@ -144,6 +154,7 @@ async def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--lora-max-skipped-steps", type=int, default=32)
     parser.add_argument("--lora-rotate-after-steps", type=int, default=8)
+    parser.add_argument("--lora-preempt-after-steps", type=int, default=0)
     parser.add_argument("--only", choices=("base", "4", "16"), default=None, help="one row only")
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-cost", action="store_true", help="only the skip cost per step")

@@ -234,6 +234,12 @@ class SchedulerConfig:
     """Steps a running adapter keeps admitting new requests while requests of adapters without a
     place wait that long; then it drains and gives its place (docs/lora.md: rotation). 0: never."""
 
+    lora_preempt_after_steps: int = setting(0, low=0)
+    """Preemptive rotation (docs/lora.md): once requests waited this many steps for a place,
+    the running adapter that has held its place longest (at least as long) is preempted, its
+    sequences requeued ahead of fresh requests, and its place given to the adapter that waited
+    longest. Replaces draining rotation when set. 0: off."""
+
     def validate(self) -> "SchedulerConfig":
         """Every field's declared bound (config_fields.check_bounds), then the rules that tie fields
         together or need a lookup; ValueError names the field. Returns self."""

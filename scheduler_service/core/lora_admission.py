@@ -38,6 +38,12 @@ as they need (beyond the free places and those already closing), the ones that t
 longest ago and held it for a quantum, are *closed*: they admit nothing new until their running
 sequences finish and the place frees; the waiting adapter then admits its whole backlog at once.
 Each place thus serves adapters in turns of about a quantum plus one request's lifetime.
+
+Preemptive rotation (`lora_preempt_after_steps`, replacing the above when set): the chosen
+adapters are preempted instead of closed, before the step's running sequences are scheduled
+(`_lora_preempt`), so a turn is a quantum and no longer includes a request's lifetime. Each
+place a preemption frees is promised to the adapter that waited longest: the preempted requests
+go back ahead of fresh ones and would otherwise take it straight back.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from typing import Optional
 
 from scheduler_service.core.loras import LoraState
 from scheduler_service.core.part import SchedulerPart
+from scheduler_service.core.plan import StepPlan
 from scheduler_service.core.request import Request, RequestStatus
 
 # At most this many requests are skipped (popped and put back) per step: past it admission
@@ -72,7 +79,10 @@ def lora_blocked(loras: LoraState, request: Request) -> Optional[str]:
         return "starved"
     if name not in loras.resident:
         return "load"
-    if len(loras.running) >= loras.max_loras:
+    # Places a preemption freed are kept for the adapters they were promised to (the starved
+    # request's adapter excepted: it already holds every other adapter back).
+    kept = 0 if starved is not None else len(loras.promised) - (name in loras.promised)
+    if len(loras.running) + kept >= loras.max_loras:
         return "full"
     return None
 
@@ -81,6 +91,7 @@ class LoraAdmission(SchedulerPart):
     """The adapter rule of step 2 (a part of Scheduler)."""
 
     loras: LoraState
+    num_lora_rotations_total = 0  # adapters preempted by preemptive rotation (per instance)
 
     def _lora_skip(self, request: Request) -> bool:
         """True when `request` must be skipped this step for its adapter (counted, and its
@@ -92,9 +103,10 @@ class LoraAdmission(SchedulerPart):
         if why == "load":
             loras.want(request.lora_name, request.lora_id)
         request.lora_skips += 1
-        quantum = self.config.lora_rotate_after_steps
+        config = self.config
+        quantum = config.lora_preempt_after_steps or config.lora_rotate_after_steps
         if why == "full" and quantum and request.lora_skips >= quantum:
-            loras.waiting_for_place.add(request.lora_name)
+            loras.note_waiting(request.lora_name, request.lora_skips)
         if loras.starved is None and request.lora_skips >= self.config.lora_max_skipped_steps:
             loras.starved = request
             self._choose_drained()
@@ -104,7 +116,9 @@ class LoraAdmission(SchedulerPart):
         """Before a step's admissions: the starved request is forgotten once it is admitted or
         gone, and a drained adapter chosen while it still waits."""
         loras = self.loras
-        loras.rotate(self._next_step_id, self.config.lora_rotate_after_steps)
+        if not self.config.lora_preempt_after_steps:  # else _lora_preempt rotated already
+            loras.rotate(self._next_step_id, self.config.lora_rotate_after_steps)
+        loras.lapse_promises()
         starved = loras.starved
         if starved is None:
             return
@@ -114,6 +128,19 @@ class LoraAdmission(SchedulerPart):
             return
         if loras.draining not in loras.running:
             self._choose_drained()
+
+    def _lora_preempt(self, plan: StepPlan) -> None:
+        """Preemptive rotation, before the step's running sequences are scheduled: every
+        sequence of each adapter `LoraState.rotate` chooses is preempted (swap or recompute, as
+        for want of blocks; requeued ahead of fresh requests, last first so their order holds),
+        and its place is kept for the adapter that waited longest."""
+        quantum = self.config.lora_preempt_after_steps
+        if not quantum or not self.loras.waiting_for_place:
+            return
+        chosen = set(self.loras.rotate(self._next_step_id, quantum, preempt=True))
+        for request in reversed([r for r in self.running if r.lora_name in chosen]):
+            self._preempt(request, plan)
+        self.num_lora_rotations_total += len(chosen)
 
     def _choose_drained(self) -> None:
         """The running adapter with the fewest running sequences, when the starved request
@@ -138,6 +165,7 @@ class LoraAdmission(SchedulerPart):
         """`request` took a slot: its adapter counts as running."""
         loras = self.loras
         loras.on_start(request.lora_name, self._next_step_id)
+        request.lora_skips = 0  # counts one wait: a preempted request's next starts from 0
         if request is loras.starved:
             loras.starved = None
             loras.draining = None

@@ -63,11 +63,13 @@ class LoraState:
         self.starved: Optional[Request] = None
         self.draining: Optional[str] = None
         # Rotation (core/lora_admission.py): when each running adapter took its place, the ones
-        # closed to new requests until they drain, and the adapters whose requests waited a
-        # quantum for a place in the last step.
+        # closed to new requests until they drain, the adapters whose requests waited a quantum
+        # for a place in the last step (the longest wait of each) and, with preemptive
+        # rotation, the adapters a preempted adapter's place is kept for.
         self.place_since: dict[str, int] = {}
         self.closed: set[str] = set()
-        self.waiting_for_place: set[str] = set()
+        self.waiting_for_place: dict[str, int] = {}
+        self.promised: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +82,7 @@ class LoraState:
         if name:
             self.running[name] += 1
             self.place_since.setdefault(name, step_id)
+            self.promised.discard(name)
             self.idle_since.pop(name, None)
             if name in self.resident:
                 self.resident.move_to_end(name)
@@ -188,23 +191,46 @@ class LoraState:
         self.place_since.clear()
         self.closed.clear()
         self.waiting_for_place.clear()
+        self.promised.clear()
 
-    def rotate(self, step_id: int, quantum: int) -> None:
-        """Closes running adapters that held their place for `quantum` steps, oldest place
-        first, as many as the adapters that waited that long for one need beyond the free and
-        closing places (0: no rotation)."""
-        waiting, self.waiting_for_place = len(self.waiting_for_place), set()
+    def note_waiting(self, name: str, skips: int) -> None:
+        """A request of `name` waited `skips` steps (a quantum or more) for a place."""
+        self.waiting_for_place[name] = max(skips, self.waiting_for_place.get(name, 0))
+
+    def lapse_promises(self) -> None:
+        """A promised place is free again once its adapter has no request left waiting (they
+        were aborted, or handed to another replica)."""
+        if self.promised:
+            self.promised = {name for name in self.promised if self.in_flight.get(name, 0) > 0}
+
+    def rotate(self, step_id: int, quantum: int, preempt: bool = False) -> list[str]:
+        """The running adapters that give their place to adapters that waited `quantum` steps
+        for one: oldest place first, held `quantum` steps, as many as those need beyond the free
+        places and the closing ones (0: no rotation). Draining rotation closes them (returns
+        []); preemptive rotation returns them, to preempt, and keeps the places they free for
+        the adapters that waited longest (`promised`), one each."""
+        waiting, self.waiting_for_place = self.waiting_for_place, {}
+        waiting = {name: n for name, n in waiting.items() if self.in_flight.get(name, 0) > 0}
+        self.lapse_promises()
         if not quantum or not waiting:
-            return
-        need = waiting - (self.max_loras - len(self.running)) - len(self.closed)
+            return []
+        wanting = set(waiting) | self.promised
+        free = max(0, self.max_loras - len(self.running))
+        need = len(wanting) - free - len(self.closed)
         if need <= 0:
-            return
+            return []
         held = sorted(
             (since, name)
             for name, since in self.place_since.items()
             if name not in self.closed and step_id - since >= quantum
         )
-        self.closed.update(name for _, name in held[:need])
+        chosen = [name for _, name in held[:need]]
+        if not preempt:
+            self.closed.update(chosen)
+            return []
+        longest = sorted(set(waiting) - self.promised, key=lambda n: (-waiting[n], n))
+        self.promised.update(longest[: len(chosen)])
+        return chosen
 
     def forget(self, name: str) -> None:
         """The operator unloaded `name` (no request uses it): evicted here once idle."""

@@ -286,9 +286,7 @@ class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, Paralle
         if len(self.policy):
             # Peek even when nothing will be preempted: a policy may fix its answer for `now`
             # at the first peek (fair does, before this step's charges move its counters).
-            head = self.policy.peek(now)
-            if self._preempts_for_waiting:
-                self._preempt_for_waiting(plan, head)
+            self._preempt_for_waiting(plan, self.policy.peek(now))
 
         core = self.core
         core.begin_step(plan.step_id, self.token_budget, self.max_num_seqs)

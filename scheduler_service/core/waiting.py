@@ -93,9 +93,15 @@ class WaitingAdmission(SchedulerPart):
         return num_blocks + num_free_hits <= self.kv.num_free_blocks
 
     def _preempt_for_waiting(self, plan: StepPlan, head: Optional[Request]) -> None:
-        """Preempts running sequences the policy ranks below the head of the queue until the
-        head fits (lowest rank first). FCFS-like policies never rank a waiting request above a
-        running one, so for them this is never called (see _preempts_for_waiting)."""
+        """Preemption for waiting requests, before the step's running sequences are scheduled:
+        preemptive LoRA rotation first (core/lora_admission.py), then running sequences the
+        policy ranks below the head of the queue until the head fits (lowest rank first).
+        FCFS-like policies never rank a waiting request above a running one, so for them the
+        second never runs (see _preempts_for_waiting)."""
+        if self.loras.enabled:
+            self._lora_preempt(plan)
+        if not self._preempts_for_waiting:
+            return
         if head is not None and lora_blocked(self.loras, head) is not None:
             return  # preempting would not let it in: its adapter holds it back
         while head is not None and self.running and not self._fits(head):

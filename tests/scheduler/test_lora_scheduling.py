@@ -21,9 +21,11 @@ POLICIES = ("fcfs", "priority", "edf", "fair", "lpm", "sjf")
 IDS = {name: i + 1 for i, name in enumerate("ABCDEFGH")}
 
 
-def lora_scheduler(max_loras=2, max_cpu_loras=4, num_blocks=256, **config):
+def lora_scheduler(max_loras=2, max_cpu_loras=4, num_blocks=256, num_swap_blocks=0, **config):
     capacity = LoraCapacity(max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras)
-    facts = make_facts(num_blocks=num_blocks, max_num_slots=32, lora=capacity)
+    facts = make_facts(
+        num_blocks=num_blocks, max_num_slots=32, lora=capacity, num_swap_blocks=num_swap_blocks
+    )
     config.setdefault("max_num_seqs", 16)
     config.setdefault("max_num_batched_tokens", 64)
     return make_scheduler(facts=facts, **config)
@@ -53,9 +55,9 @@ class Loads:
             self.loaded.append(name)
 
 
-def step(scheduler, loads, max_loras):
+def step(scheduler, loads, max_loras, next_token=lambda request: 50):
     """One step; checks the plan against the adapter rules; returns the plan."""
-    plan, _ = run_step(scheduler)
+    plan, _ = run_step(scheduler, next_token)
     names = {r.lora_name for r in plan.requests if r.lora_name}
     assert len(names) <= max_loras, f"step {plan.step_id} ran adapters {sorted(names)}"
     running = {r.lora_name for r in scheduler.running if r.lora_name}
