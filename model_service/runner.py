@@ -280,7 +280,9 @@ class ModelRunner:
         lora = None
         if self.adapters is not None:  # each row runs its slot's adapter
             row_lora = np.repeat(c.lora_id[slots], n)
-            lora = grouping.group_rows(row_lora, self._step_adapters, self.device)
+            lora = grouping.group_rows(
+                row_lora, self._step_adapters, self.device, self.adapters.stacks
+            )
         logits = self._forward(x, n, rows.indices, lora)
         clock.forward_launched()
         output = ComputedStep(

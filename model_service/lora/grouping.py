@@ -26,6 +26,7 @@ import torch
 
 from model_service.kernels import layer_ops
 from model_service.lora.peft_folder import Adapter
+from model_service.lora.stacked import StackCache, StepStack
 from model_service.step.plan import PlanArrays, PlanError
 
 
@@ -38,13 +39,20 @@ class AdapterRows:
 class LayerLora:
     """One layer's view of a step's groups."""
 
-    def __init__(self, groups: list[AdapterRows], index: int) -> None:
-        self.groups = groups
+    def __init__(self, step: LoraStep, index: int) -> None:
+        self.groups = step.groups
         self.index = index
+        self._stacked = step.stacked
 
     def add_(self, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the fused module's output for x, [T, out]) += each group's LoRA products, in place;
         returns y."""
+        if self._stacked is not None:
+            stack, row_owner, scale = self._stacked
+            module = stack.layers[self.index].get(fused)
+            if module is not None:
+                module.add_(x, y, row_owner, scale)
+            return y
         for group in self.groups:
             pairs = group.adapter.layers[self.index][fused]
             if not pairs:
@@ -58,24 +66,40 @@ class LayerLora:
 
 
 class LoraStep:
-    """The step's adapter groups (only built when some row runs an adapter)."""
+    """The step's adapter groups (only built when some row runs an adapter), and where the
+    factors are packed, their stacks with each row's place in them (lora/stacked.py)."""
 
-    def __init__(self, groups: list[AdapterRows]) -> None:
+    def __init__(
+        self,
+        groups: list[AdapterRows],
+        stacked: tuple[StepStack, np.ndarray, torch.Tensor] | None = None,
+    ) -> None:
         self.groups = groups
+        self.stacked = stacked
 
     def layer(self, index: int) -> LayerLora:
-        return LayerLora(self.groups, index)
+        return LayerLora(self, index)
 
 
 def group_rows(
-    row_lora: np.ndarray, adapters: dict[int, Adapter], device: torch.device
+    row_lora: np.ndarray,
+    adapters: dict[int, Adapter],
+    device: torch.device,
+    stacks: StackCache | None = None,
 ) -> LoraStep | None:
     """The groups of a step whose row r runs adapter row_lora[r] (0: base); None when no row
-    runs one."""
+    runs one. With `stacks` (packed factors), one stacked product per module instead."""
     if not row_lora.any():
         return None
+    ids = np.unique(row_lora[row_lora != 0])
+    if stacks is not None and adapters[int(ids[0])].layers:
+        stack = stacks.get(tuple(adapters[int(i)] for i in ids))
+        owner = np.searchsorted(ids, row_lora)  # the row's adapter's index in the set
+        owner[row_lora == 0] = -1  # base rows match no block
+        scale = torch.from_numpy(np.append(stack.scales, 0.0)[owner].astype(np.float32))
+        return LoraStep([], (stack, owner, scale[:, None]))
     groups = []
-    for lora_id in np.unique(row_lora[row_lora != 0]):
+    for lora_id in ids:
         rows = torch.from_numpy(np.flatnonzero(row_lora == lora_id)).to(device)
         groups.append(AdapterRows(adapters[int(lora_id)], rows))
     return LoraStep(groups)

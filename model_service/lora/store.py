@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from model_service.lora.peft_folder import Adapter, AdapterError, read_adapter
+from model_service.lora.stacked import StackCache
 from model_service.lora.targets import TARGET_MODULES, ModelTargets
 
 log = structlog.get_logger(__name__)
@@ -42,6 +43,9 @@ class AdapterStore:
         self._lock = threading.Lock()
         self._loaded: dict[int, Adapter] = {}
         self._loading: set[int] = set()
+        # Packed factors (a bfloat16 CPU model): a step's adapters run stacked (lora/stacked.py).
+        packed = gemm_isa is not None and dtype == torch.bfloat16 and device.type == "cpu"
+        self.stacks = StackCache(gemm_isa) if packed and gemm_isa is not None else None
 
     def load(self, lora_id: int, name: str, folder: str) -> Adapter:
         """Reads the folder and keeps it under lora_id; AdapterError when refused."""
@@ -92,6 +96,8 @@ class AdapterStore:
         with self._lock:
             if self._loaded.pop(lora_id, None) is None:
                 raise AdapterError("NOT_FOUND", f"lora_id: {lora_id} is not loaded")
+        if self.stacks is not None:
+            self.stacks.drop(lora_id)
         log.info("lora_evicted", lora_id=lora_id)
 
     def snapshot(self) -> dict[int, Adapter]:
