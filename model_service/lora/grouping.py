@@ -1,7 +1,9 @@
 """A step's rows grouped by adapter, and the LoRA products added to the fused linears' outputs.
 
-Each row of a step belongs to its slot's adapter (0: the base model). `group_rows` makes one
-group per distinct adapter of the step (at most max_loras), holding the rows' indices; a layer
+Each row of a step belongs to its slot's adapter (0: the base model). Where the factors are
+packed for the native GEMM (a bf16 model on the CPU), the step's adapters run stacked, one shrink
+and one expand per fused module for all of them (lora/stacked.py). Elsewhere `group_rows` makes
+one group per distinct adapter of the step (at most max_loras), holding the rows' indices; a layer
 then loops over those groups, never over rows:
 
     xs = x.index_select(0, rows)                     the group's rows of the layer's input
@@ -10,11 +12,10 @@ then loops over those groups, never over rows:
 (the module's targets fused at load: A stacked, B block-diagonal over their columns,
 lora/peft_folder.py fuse_pairs), in the order PEFT computes base + lora_B(lora_A(x)) * scaling,
 so float32 matches PEFT's unmerged model up to the GEMMs' own summation order. Both factors go
-through layer_ops.linear: packed for the native GEMM on a bf16 CPU model (batch-invariant by
-construction), else torch's GEMM with its few-row padding; gathering, scaling and the indexed
-add are row by row. A row's result therefore never depends on the other rows of its step, whatever
-adapters they run. Base-model rows are in no group: a step without adapter rows builds no
-grouping at all and runs exactly the base path.
+through layer_ops.linear (torch's GEMM with its few-row padding); gathering, scaling and the
+indexed add are row by row. A row's result therefore never depends on the other rows of its step,
+whatever adapters they run. Base-model rows are in no group: a step without adapter rows builds
+no grouping at all and runs exactly the base path.
 """
 
 from __future__ import annotations
