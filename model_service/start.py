@@ -86,7 +86,7 @@ def build_runner(
     }
     adapters = new_store(loaded, config)
     if adapters is not None:
-        compute["lora"] = lora_path(device, adapters.stacks is not None)
+        compute["lora"] = lora_path(device, adapters.stacked)
     log.info(
         "runner_ready",
         model=loaded.name,

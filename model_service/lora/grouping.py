@@ -27,7 +27,7 @@ import torch
 
 from model_service.kernels import layer_ops
 from model_service.lora.peft_folder import Adapter
-from model_service.lora.stacked import StackCache, StepStack
+from model_service.lora.stacked import LoadedStack
 from model_service.step.plan import PlanArrays, PlanError
 
 
@@ -73,7 +73,7 @@ class LoraStep:
     def __init__(
         self,
         groups: list[AdapterRows],
-        stacked: tuple[StepStack, np.ndarray, torch.Tensor] | None = None,
+        stacked: tuple[LoadedStack, np.ndarray, torch.Tensor] | None = None,
     ) -> None:
         self.groups = groups
         self.stacked = stacked
@@ -86,19 +86,18 @@ def group_rows(
     row_lora: np.ndarray,
     adapters: dict[int, Adapter],
     device: torch.device,
-    stacks: StackCache | None = None,
+    stack: LoadedStack | None = None,
 ) -> LoraStep | None:
     """The groups of a step whose row r runs adapter row_lora[r] (0: base); None when no row
-    runs one. With `stacks` (packed factors), one stacked product per module instead."""
+    runs one. With `stack` (packed factors: the loaded adapters stacked), one stacked product
+    per module instead."""
     if not row_lora.any():
         return None
     ids = np.unique(row_lora[row_lora != 0])
-    if stacks is not None and adapters[int(ids[0])].layers:
-        stack = stacks.get(tuple(adapters[int(i)] for i in ids))
-        owner = np.searchsorted(ids, row_lora)  # the row's adapter's index in the set
-        owner[row_lora == 0] = -1  # base rows match no block
-        scale = torch.from_numpy(np.append(stack.scales, 0.0)[owner].astype(np.float32))
-        return LoraStep([], (stack, owner, scale[:, None]))
+    if stack is not None and stack.layers:
+        scales = np.array([stack.scales.get(int(i), 0.0) for i in row_lora], dtype=np.float32)
+        row_owner = row_lora.astype(np.int64)  # base rows (0) match no block
+        return LoraStep([], (stack, row_owner, torch.from_numpy(scales)[:, None]))
     groups = []
     for lora_id in ids:
         rows = torch.from_numpy(np.flatnonzero(row_lora == lora_id)).to(device)

@@ -16,24 +16,23 @@ whatever the other rows and columns; the masked blocks add pairs of exact zeros,
 float32 sum unchanged, and even block offsets keep a block's pairs together. So the order of the
 adapters in the stack, and which other adapters are in it, change no row's bits.
 
-The stacks depend on the step's set of adapters: they are built on a set's first step and kept
-for the last few sets (StackCache; evicting an adapter drops the sets holding it).
+The stacks hold every loaded adapter, so no step builds anything: the store rebuilds them on
+the loading (or evicting) thread before the change is visible to steps. A step therefore pays
+the shrink and expand of every loaded adapter (--max-cpu-loras bounds them, --max-loras by
+default), not only of those its rows run.
 """
 
 from __future__ import annotations
 
-import collections
-import threading
+from typing import cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from model_service.kernels.gemm import PackedLinear
-from model_service.lora.peft_folder import Adapter
+from model_service.lora.peft_folder import Adapter, WeightLinear
 
-# A set of 8 rank-16 adapters on all targets of SmolLM2 stacks to ~120 MB: a few sets only.
-CACHED_SETS = 4
 # LoRA factors' GEMMs are small (a rank's columns): below this many multiply-adds one thread
 # runs them, as the fork and join of the second costs more than it saves.
 ONE_THREAD_MACS = 1 << 22
@@ -44,7 +43,7 @@ class ModuleStack:
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, owner: np.ndarray, lo: int, isa: str):
         self.a, self.b = _pack(a, isa), _pack(b, isa)
-        self.owner = owner  # [K]: the adapter (index in the set) of each stacked rank, -2 padding
+        self.owner = owner  # [K]: the lora_id of each stacked rank, -2 padding
         self.lo, self.hi = lo, lo + int(b.shape[0])
         self._masks: dict[bytes, torch.Tensor] = {}
 
@@ -67,14 +66,15 @@ class ModuleStack:
         return mask
 
 
-class StepStack:
-    """The stacks of one set of adapters, per layer and fused module."""
+class LoadedStack:
+    """The stacks of the loaded adapters, per layer and fused module (AdapterStore rebuilds it
+    when one is loaded or evicted; a step uses the one of its snapshot)."""
 
     def __init__(self, adapters: tuple[Adapter, ...], isa: str) -> None:
         self.ids = tuple(a.lora_id for a in adapters)
-        self.scales = np.array([a.scale for a in adapters], dtype=np.float32)
+        self.scales = {a.lora_id: a.scale for a in adapters}
         self.layers: list[dict[str, ModuleStack]] = []
-        for index in range(len(adapters[0].layers)):
+        for index in range(len(adapters[0].layers) if adapters else 0):
             modules: dict[str, ModuleStack] = {}
             for fused in adapters[0].layers[index]:
                 stack = _module_stack(adapters, index, fused, isa)
@@ -83,55 +83,27 @@ class StepStack:
             self.layers.append(modules)
 
 
-class StackCache:
-    """The last CACHED_SETS sets' stacks, by their adapters (the store owns one)."""
-
-    def __init__(self, isa: str) -> None:
-        self.isa = isa
-        self._lock = threading.Lock()
-        self._sets: collections.OrderedDict[tuple[int, ...], tuple] = collections.OrderedDict()
-
-    def get(self, adapters: tuple[Adapter, ...]) -> StepStack:
-        key = tuple(id(a) for a in adapters)
-        with self._lock:
-            entry = self._sets.get(key)
-            if entry is not None:
-                self._sets.move_to_end(key)
-                return entry[1]
-        stack = StepStack(adapters, self.isa)
-        with self._lock:  # the adapters are kept beside it, so no id() is reused under the key
-            self._sets[key] = (adapters, stack)
-            while len(self._sets) > CACHED_SETS:
-                self._sets.popitem(last=False)
-        return stack
-
-    def drop(self, lora_id: int) -> None:
-        """Forgets the sets holding lora_id (evicted: its memory goes when no step holds it)."""
-        with self._lock:
-            for key in [k for k, (_, s) in self._sets.items() if lora_id in s.ids]:
-                del self._sets[key]
-
-
 def _module_stack(
     adapters: tuple[Adapter, ...], index: int, fused: str, isa: str
 ) -> ModuleStack | None:
     """The module's factors of every adapter adapting it, or None where none does."""
-    pieces = [(g, p) for g, a in enumerate(adapters) for p in a.layers[index].get(fused, [])]
+    pieces = [(a.lora_id, p) for a in adapters for p in a.layers[index].get(fused, [])]
     if not pieces:
         return None
     lo = min(p.start for _, p in pieces)
     hi = max(p.end for _, p in pieces)
-    ranks = [_dense(p.a).shape[0] for _, p in pieces]
+    dense = [(_dense(p.a), _dense(p.b)) for _, p in pieces]
+    ranks = [fa.shape[0] for fa, _ in dense]
     blocks = [r + r % 2 for r in ranks]  # even offsets: the GEMM sums K by pairs
-    k, width = sum(blocks), _dense(pieces[0][1].a).shape[1]
+    k, width = sum(blocks), dense[0][0].shape[1]
     a = torch.zeros((k, width), dtype=torch.bfloat16)
     b = torch.zeros((hi - lo, k), dtype=torch.bfloat16)
     owner = np.full(k, -2, dtype=np.int64)
     column = 0
-    for (g, pair), rank, block in zip(pieces, ranks, blocks):
-        a[column : column + rank] = _dense(pair.a)
-        b[pair.start - lo : pair.end - lo, column : column + rank] = _dense(pair.b)
-        owner[column : column + rank] = g
+    for (lora_id, pair), (fa, fb), rank, block in zip(pieces, dense, ranks, blocks):
+        a[column : column + rank] = fa
+        b[pair.start - lo : pair.end - lo, column : column + rank] = fb
+        owner[column : column + rank] = lora_id
         column += block
     return ModuleStack(a, b, owner, lo, isa)
 
@@ -143,9 +115,9 @@ def _dense(factor: nn.Module) -> torch.Tensor:
 
 
 def _pack(weight: torch.Tensor, isa: str) -> PackedLinear:
-    source = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
-    source.weight = nn.Parameter(weight, requires_grad=False)
-    return PackedLinear(source, isa)
+    # PackedLinear reads weight (and a bias, none here) off its source, as off an nn.Linear
+    # (whose own construction would fill a random weight first).
+    return PackedLinear(cast(nn.Linear, WeightLinear(weight)), isa)
 
 
 def _linear(module: PackedLinear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -2,7 +2,7 @@
 default here): every adapter of a step in one shrink and one expand per fused module. Each row's
 result is bit for bit its result alone, at every row count and whatever other adapters share the
 step or their order in the stack; it agrees with the per-adapter products; evicting an adapter
-drops the cached stacks holding it."""
+rebuilds the stack without it, as loading one rebuilds it with it."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,13 +32,17 @@ def runner(tiny_hf, tmp_path_factory):
 
 def _products(runner, row_lora, x, width):
     """Every fused module's y (random base output) after the step's LoRA products, layer 0."""
-    step = grouping.group_rows(np.asarray(row_lora), runner.adapters.snapshot(), runner.device,
-                               runner.adapters.stacks)
+    step = grouping.group_rows(np.asarray(row_lora), *_view(runner))
     out = {}
     for fused in FUSED:
         y = torch.linspace(-1, 1, x[fused].shape[0] * width[fused]).reshape(-1, width[fused])
         out[fused] = step.layer(0).add_(fused, x[fused], y.to(torch.bfloat16))
     return step, out
+
+
+def _view(runner):
+    adapters, stack = runner.adapters.step_view()
+    return adapters, runner.device, stack
 
 
 def _inputs(runner, rows, seed):
@@ -53,9 +57,8 @@ def _inputs(runner, rows, seed):
 
 
 def test_the_default_dtype_runs_the_stacked_products(runner):
-    assert runner.adapters.stacks is not None
-    step = grouping.group_rows(np.array([0, 1, 2]), runner.adapters.snapshot(), runner.device,
-                               runner.adapters.stacks)
+    assert runner.adapters.stacked and "stacked" in runner.compute["lora"]
+    step = grouping.group_rows(np.array([0, 1, 2]), *_view(runner))
     assert step.stacked is not None and step.groups == []
 
 
@@ -78,8 +81,7 @@ def test_each_row_equals_itself_alone_bitwise(runner, rows):
 
 
 def _alone(runner, lora_id, x, y, fused):
-    step = grouping.group_rows(np.array([lora_id]), runner.adapters.snapshot(), runner.device,
-                               runner.adapters.stacks)
+    step = grouping.group_rows(np.array([lora_id]), *_view(runner))
     return step.layer(0).add_(fused, x, y.clone())
 
 
@@ -96,15 +98,15 @@ def test_stacked_agrees_with_the_per_adapter_products(runner):
         assert not torch.equal(stacked[fused], y)  # the products did add something
 
 
-def test_evicting_an_adapter_drops_its_stacks(runner, tiny_hf, tmp_path):
-    stacks = runner.adapters.stacks
-    grouping.group_rows(np.array([1, 2]), runner.adapters.snapshot(), runner.device, stacks)
-    grouping.group_rows(np.array([3]), runner.adapters.snapshot(), runner.device, stacks)
-    held = {s.ids for _, s in stacks._sets.values()}
-    assert (1, 2) in held and (3,) in held
+def test_loading_and_evicting_rebuild_the_stack(runner, tiny_hf, tmp_path):
+    assert runner.adapters.step_view()[1].ids == (1, 2, 3)
+    x, width = _inputs(runner, 3, 9)
+    _, before = _products(runner, [1, 0, 3], x, width)
     save_adapter(tiny_hf, str(tmp_path / "a4"), 4, ATTENTION, seed=4)
     runner.load_adapter(4, "a4", str(tmp_path / "a4"))
-    grouping.group_rows(np.array([4, 1]), runner.adapters.snapshot(), runner.device, stacks)
+    assert runner.adapters.step_view()[1].ids == (1, 2, 3, 4)
+    _, with_four = _products(runner, [1, 0, 3], x, width)
     runner.evict_adapter(4)
-    held = {s.ids for _, s in stacks._sets.values()}
-    assert not any(4 in ids for ids in held) and (3,) in held
+    assert runner.adapters.step_view()[1].ids == (1, 2, 3)
+    for fused in FUSED:  # another adapter in the stack changes no row's bits
+        assert torch.equal(before[fused], with_four[fused]), fused
