@@ -1,11 +1,11 @@
-"""Every adapter of a step in one shrink and one expand per fused module (packed native GEMM).
+"""Every loaded adapter in one shrink and one expand per fused module (packed native GEMM).
 
 Where the factors are packed for the native GEMM (a bfloat16 model on the CPU), a step does not
-loop over its adapters: for each fused module the step's adapters' A are stacked along the
+loop over its adapters: for each fused module the loaded adapters' A are stacked along the
 rank axis and their B side by side along it, each adapter in its own block of K (padded to an
 even size), and
 
-    u = x @ A_all^T            [T, K]  every row against every adapter's A (one GEMM)
+    u = x @ A_all^T            [T, K]  every row against every loaded adapter's A (one GEMM)
     u *= mask                  [T, K]  1 in the row's own adapter's block, 0 elsewhere (exact)
     d = u @ B_all^T            [T, out] float32 sums (one GEMM)
     y[:, lo:hi] += d * scale   the row's adapter's scale; base rows add exact zeros
