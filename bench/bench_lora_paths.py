@@ -118,7 +118,7 @@ def main() -> None:
     store = runners["8 adapters, stacked"].adapters
     adapters = tuple(store.snapshot()[i] for i in eight)
     start = time.perf_counter()
-    LoadedStack(adapters, store._stack_isa)
+    LoadedStack(adapters, store._stack_isa, store._targets.slices)
     print(f"  stack build, 8 adapters: {(time.perf_counter() - start) * 1e3:.0f} ms")
 
 

@@ -39,20 +39,24 @@ ONE_THREAD_MACS = 1 << 22
 
 
 class ModuleStack:
-    """One fused module of one layer: the step's adapters' factors stacked, packed."""
+    """One fused module of one layer: the loaded adapters' factors stacked, packed. K runs by
+    target, then adapter: each target's expand reads its own slice of u, so no block-diagonal
+    zeros are multiplied."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, owner: np.ndarray, lo: int, isa: str):
-        self.a, self.b = _pack(a, isa), _pack(b, isa)
+    def __init__(self, a: torch.Tensor, owner: np.ndarray, parts: list, isa: str) -> None:
+        self.a = _pack(a, isa)
         self.owner = owner  # [K]: the lora_id of each stacked rank, -2 padding
-        self.lo, self.hi = lo, lo + int(b.shape[0])
+        # per target: its K slice [k0, k1), its B [columns, k1 - k0] packed, its columns
+        self.parts = [(k0, k1, _pack(b, isa), start, end) for k0, k1, b, start, end in parts]
         self._masks: dict[bytes, torch.Tensor] = {}
 
     def add_(self, x: torch.Tensor, y: torch.Tensor, row_owner: np.ndarray, scale: torch.Tensor):
         mask = self._mask(row_owner)
         u = _linear(self.a, x, torch.bfloat16)
         u.mul_(mask)
-        delta = _linear(self.b, u, torch.float32)
-        y[:, self.lo : self.hi].addcmul_(delta, scale)
+        for k0, k1, b, start, end in self.parts:
+            delta = _linear(b, u[:, k0:k1], torch.float32)
+            y[:, start:end].addcmul_(delta, scale)
 
     def _mask(self, row_owner: np.ndarray) -> torch.Tensor:
         key = row_owner.tobytes()
@@ -70,42 +74,54 @@ class LoadedStack:
     """The stacks of the loaded adapters, per layer and fused module (AdapterStore rebuilds it
     when one is loaded or evicted; a step uses the one of its snapshot)."""
 
-    def __init__(self, adapters: tuple[Adapter, ...], isa: str) -> None:
+    def __init__(self, adapters: tuple[Adapter, ...], isa: str, slices: dict) -> None:
         self.ids = tuple(a.lora_id for a in adapters)
         self.scales = {a.lora_id: a.scale for a in adapters}
         self.layers: list[dict[str, ModuleStack]] = []
         for index in range(len(adapters[0].layers) if adapters else 0):
             modules: dict[str, ModuleStack] = {}
             for fused in adapters[0].layers[index]:
-                stack = _module_stack(adapters, index, fused, isa)
+                stack = _module_stack(adapters, index, fused, isa, slices)
                 if stack is not None:
                     modules[fused] = stack
             self.layers.append(modules)
 
 
 def _module_stack(
-    adapters: tuple[Adapter, ...], index: int, fused: str, isa: str
+    adapters: tuple[Adapter, ...], index: int, fused: str, isa: str, slices: dict
 ) -> ModuleStack | None:
     """The module's factors of every adapter adapting it, or None where none does."""
-    pieces = [(a.lora_id, p) for a in adapters for p in a.layers[index].get(fused, [])]
-    if not pieces:
+    per_target: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for adapter in adapters:
+        for pair in adapter.layers[index].get(fused, []):
+            names = pair.target.split("+")  # fused at load: A stacked, B block-diagonal
+            fa, fb = _dense(pair.a), _dense(pair.b)
+            rank = fa.shape[0] // len(names)  # one rank per adapter (rank_pattern is refused)
+            for j, name in enumerate(names):
+                rows = slice(slices[name].start - pair.start, slices[name].end - pair.start)
+                ranks = slice(j * rank, (j + 1) * rank)
+                per_target.setdefault(name, []).append(
+                    (adapter.lora_id, fa[ranks], fb[rows, ranks])
+                )
+    if not per_target:
         return None
-    lo = min(p.start for _, p in pieces)
-    hi = max(p.end for _, p in pieces)
-    dense = [(_dense(p.a), _dense(p.b)) for _, p in pieces]
-    ranks = [fa.shape[0] for fa, _ in dense]
-    blocks = [r + r % 2 for r in ranks]  # even offsets: the GEMM sums K by pairs
-    k, width = sum(blocks), dense[0][0].shape[1]
-    a = torch.zeros((k, width), dtype=torch.bfloat16)
-    b = torch.zeros((hi - lo, k), dtype=torch.bfloat16)
+    k = sum(fa.shape[0] + fa.shape[0] % 2 for f in per_target.values() for _, fa, _ in f)
+    a = torch.zeros((k, next(iter(per_target.values()))[0][1].shape[1]), dtype=torch.bfloat16)
     owner = np.full(k, -2, dtype=np.int64)
-    column = 0
-    for (lora_id, pair), (fa, fb), rank, block in zip(pieces, dense, ranks, blocks):
-        a[column : column + rank] = fa
-        b[pair.start - lo : pair.end - lo, column : column + rank] = fb
-        owner[column : column + rank] = lora_id
-        column += block
-    return ModuleStack(a, b, owner, lo, isa)
+    parts, column = [], 0
+    for name in sorted(per_target, key=lambda n: slices[n].start):
+        k0, place = column, slices[name]
+        for lora_id, fa, _ in per_target[name]:
+            a[column : column + fa.shape[0]] = fa
+            owner[column : column + fa.shape[0]] = lora_id
+            column += fa.shape[0] + fa.shape[0] % 2  # even offsets: the GEMM sums K by pairs
+        b = torch.zeros((place.end - place.start, column - k0), dtype=torch.bfloat16)
+        offset = 0
+        for _, fa, fb in per_target[name]:
+            b[:, offset : offset + fa.shape[0]] = fb
+            offset += fa.shape[0] + fa.shape[0] % 2
+        parts.append((k0, column, b, place.start, place.end))
+    return ModuleStack(a, owner, parts, isa)
 
 
 def _dense(factor: nn.Module) -> torch.Tensor:

@@ -130,9 +130,9 @@ class AdapterStore:
         adapters = [a for _, a in sorted(self.snapshot().items())]
         if adding is not None:
             adapters.append(adding)
-        if not adapters or not adapters[0].layers:
+        if not adapters or not adapters[0].layers or self._targets is None:
             return None
-        return LoadedStack(tuple(adapters), self._stack_isa)
+        return LoadedStack(tuple(adapters), self._stack_isa, self._targets.slices)
 
     def __len__(self) -> int:
         with self._lock:
