@@ -1,14 +1,14 @@
-"""Every loaded adapter in one shrink and one expand per fused module (packed native GEMM).
+"""Every loaded adapter in one shrink per fused module and one expand per target (packed GEMM).
 
 Where the factors are packed for the native GEMM (a bfloat16 model on the CPU), a step does not
-loop over its adapters: for each fused module the loaded adapters' A are stacked along the
-rank axis and their B side by side along it, each adapter in its own block of K (padded to an
-even size), and
+loop over its adapters: for each fused module the loaded adapters' A are stacked along the rank
+axis (by target, then adapter, each block of K padded to an even size) and each target's B side
+by side along it, and
 
-    u = x @ A_all^T            [T, K]  every row against every loaded adapter's A (one GEMM)
-    u *= mask                  [T, K]  1 in the row's own adapter's block, 0 elsewhere (exact)
-    d = u @ B_all^T            [T, out] float32 sums (one GEMM)
-    y[:, lo:hi] += d * scale   the row's adapter's scale; base rows add exact zeros
+    u = x @ A_all^T              [T, K]  every row against every loaded adapter's A (one GEMM)
+    u *= mask                    [T, K]  1 in the row's own adapter's blocks, 0 elsewhere (exact)
+    d = u[:, t] @ B_t^T          [T, out_t] float32 sums, per target t of the module
+    y[:, cols_t] += d * scale    the row's adapter's scale; base rows add exact zeros
 
 A row's result is bitwise its result alone: the packed GEMM computes each output element as a
 sum from zero over K in order, one pair of K at a time (model_service/kernels/gemm_driver.h),
