@@ -40,6 +40,7 @@ from model_service.config import ModelServiceConfig
 from model_service.loading.loaded import LoadedModel
 from model_service.lora import grouping
 from model_service.lora.peft_folder import Adapter, AdapterError
+from model_service.lora.stacked import LoadedStack
 from model_service.lora.store import AdapterStore
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
 from model_service.step import step_shape
@@ -150,6 +151,7 @@ class ModelRunner:
         # the current step's view of them (taken once, before its plan is checked).
         self.adapters = adapters
         self._step_adapters: dict[int, Adapter] = {}
+        self._step_stack: LoadedStack | None = None
 
     def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
@@ -244,7 +246,9 @@ class ModelRunner:
     def _execute(self, plan: PlanArrays) -> ComputedStep:
         check_plan(plan, self.slot_table, self.limits, self.block_size, self.num_speculative_tokens)
         store = self.adapters
-        self._step_adapters = store.snapshot() if store is not None else {}
+        self._step_adapters, self._step_stack = (
+            store.step_view() if store is not None else ({}, None)
+        )
         grouping.check_plan_adapters(
             plan,
             self.slot_table.lora_id,
@@ -280,7 +284,7 @@ class ModelRunner:
         lora = None
         if self.adapters is not None:  # each row runs its slot's adapter
             row_lora = np.repeat(c.lora_id[slots], n)
-            lora = grouping.group_rows(row_lora, self._step_adapters, self.device)
+            lora = grouping.group_rows(row_lora, self._step_adapters, self.device, self._step_stack)
         logits = self._forward(x, n, rows.indices, lora)
         clock.forward_launched()
         output = ComputedStep(

@@ -86,7 +86,7 @@ def build_runner(
     }
     adapters = new_store(loaded, config)
     if adapters is not None:
-        compute["lora"] = lora_path(device)
+        compute["lora"] = lora_path(device, adapters.stacked)
     log.info(
         "runner_ready",
         model=loaded.name,
@@ -186,11 +186,17 @@ def _drafter(
     return None
 
 
-def lora_path(device: torch.device) -> str:
+def lora_path(device: torch.device, stacked: bool) -> str:
     """How a step with adapter rows runs (Describe's compute["lora"]): the native decoder loop
-    and the captured graphs hold no adapters, so such a step takes the Python layers, eagerly."""
+    and the captured graphs hold no adapters, so such a step takes the Python layers, eagerly;
+    stacked: packed factors, every adapter in one shrink and one expand (lora/stacked.py)."""
     graphs = "; CUDA graphs skipped" if device.type == "cuda" else ""
-    return f"python layers for steps with adapter rows, torch GEMMs grouped by adapter{graphs}"
+    products = (
+        "the step's adapters stacked in one packed GEMM pair per module"
+        if stacked
+        else "torch GEMMs grouped by adapter"
+    )
+    return f"python layers for steps with adapter rows, {products}{graphs}"
 
 
 def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:

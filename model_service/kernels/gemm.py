@@ -84,8 +84,14 @@ class PackedLinear(nn.Module):
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """x @ W^T in bf16, or in float32 (the kernel's sums unrounded: lm_head's logits)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        out_dtype: torch.dtype = torch.bfloat16,
+        threads: int | None = None,
+    ) -> torch.Tensor:
+        """x @ W^T in bf16, or in float32 (the kernel's sums unrounded: lm_head's logits).
+        threads: how many run it (torch's count by default; the split changes no element)."""
         if out_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(
                 f"PackedLinear: out_dtype must be bfloat16 or float32, got {out_dtype}"
@@ -116,7 +122,7 @@ class PackedLinear(nn.Module):
                 self.out_features,
                 out_dtype == torch.float32,
                 self._isa_index,
-                torch.get_num_threads(),
+                torch.get_num_threads() if threads is None else threads,
             )
         return out
 

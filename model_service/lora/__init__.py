@@ -4,6 +4,7 @@
     peft_folder.py  one PEFT folder read and checked, tensor by tensor, all or nothing
     store.py        the loaded adapters by lora_id (LoadAdapter / EvictAdapter), thread-safe
     grouping.py     a step's rows grouped by adapter, and the LoRA products added per group
+    stacked.py      packed factors: every loaded adapter in one shrink a module, an expand a target
     triton_lora.py  the same products as grouped Triton kernels (CUDA; not yet called)
 
 The scheduler decides which adapters are loaded (engine.proto, LoadAdapter); the runner keeps each

@@ -1,7 +1,9 @@
 """A step's rows grouped by adapter, and the LoRA products added to the fused linears' outputs.
 
-Each row of a step belongs to its slot's adapter (0: the base model). `group_rows` makes one
-group per distinct adapter of the step (at most max_loras), holding the rows' indices; a layer
+Each row of a step belongs to its slot's adapter (0: the base model). Where the factors are
+packed for the native GEMM (a bf16 model on the CPU), the step's adapters run stacked, one shrink
+and one expand per fused module for all of them (lora/stacked.py). Elsewhere `group_rows` makes
+one group per distinct adapter of the step (at most max_loras), holding the rows' indices; a layer
 then loops over those groups, never over rows:
 
     xs = x.index_select(0, rows)                     the group's rows of the layer's input
@@ -10,11 +12,10 @@ then loops over those groups, never over rows:
 (the module's targets fused at load: A stacked, B block-diagonal over their columns,
 lora/peft_folder.py fuse_pairs), in the order PEFT computes base + lora_B(lora_A(x)) * scaling,
 so float32 matches PEFT's unmerged model up to the GEMMs' own summation order. Both factors go
-through layer_ops.linear: packed for the native GEMM on a bf16 CPU model (batch-invariant by
-construction), else torch's GEMM with its few-row padding; gathering, scaling and the indexed
-add are row by row. A row's result therefore never depends on the other rows of its step, whatever
-adapters they run. Base-model rows are in no group: a step without adapter rows builds no
-grouping at all and runs exactly the base path.
+through layer_ops.linear (torch's GEMM with its few-row padding); gathering, scaling and the
+indexed add are row by row. A row's result therefore never depends on the other rows of its step,
+whatever adapters they run. Base-model rows are in no group: a step without adapter rows builds
+no grouping at all and runs exactly the base path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from model_service.kernels import layer_ops
 from model_service.lora.peft_folder import Adapter
+from model_service.lora.stacked import LoadedStack
 from model_service.step.plan import PlanArrays, PlanError
 
 
@@ -38,13 +40,20 @@ class AdapterRows:
 class LayerLora:
     """One layer's view of a step's groups."""
 
-    def __init__(self, groups: list[AdapterRows], index: int) -> None:
-        self.groups = groups
+    def __init__(self, step: LoraStep, index: int) -> None:
+        self.groups = step.groups
         self.index = index
+        self._stacked = step.stacked
 
     def add_(self, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the fused module's output for x, [T, out]) += each group's LoRA products, in place;
         returns y."""
+        if self._stacked is not None:
+            stack, row_owner, scale = self._stacked
+            module = stack.layers[self.index].get(fused)
+            if module is not None:
+                module.add_(x, y, row_owner, scale)
+            return y
         for group in self.groups:
             pairs = group.adapter.layers[self.index][fused]
             if not pairs:
@@ -58,24 +67,39 @@ class LayerLora:
 
 
 class LoraStep:
-    """The step's adapter groups (only built when some row runs an adapter)."""
+    """The step's adapter groups (only built when some row runs an adapter), and where the
+    factors are packed, their stacks with each row's place in them (lora/stacked.py)."""
 
-    def __init__(self, groups: list[AdapterRows]) -> None:
+    def __init__(
+        self,
+        groups: list[AdapterRows],
+        stacked: tuple[LoadedStack, np.ndarray, torch.Tensor] | None = None,
+    ) -> None:
         self.groups = groups
+        self.stacked = stacked
 
     def layer(self, index: int) -> LayerLora:
-        return LayerLora(self.groups, index)
+        return LayerLora(self, index)
 
 
 def group_rows(
-    row_lora: np.ndarray, adapters: dict[int, Adapter], device: torch.device
+    row_lora: np.ndarray,
+    adapters: dict[int, Adapter],
+    device: torch.device,
+    stack: LoadedStack | None = None,
 ) -> LoraStep | None:
     """The groups of a step whose row r runs adapter row_lora[r] (0: base); None when no row
-    runs one."""
+    runs one. With `stack` (packed factors: the loaded adapters stacked), one stacked product
+    per module instead."""
     if not row_lora.any():
         return None
+    ids = np.unique(row_lora[row_lora != 0])
+    if stack is not None and stack.layers:
+        scales = np.array([stack.scales.get(int(i), 0.0) for i in row_lora], dtype=np.float32)
+        row_owner = row_lora.astype(np.int64)  # base rows (0) match no block
+        return LoraStep([], (stack, row_owner, torch.from_numpy(scales)[:, None]))
     groups = []
-    for lora_id in np.unique(row_lora[row_lora != 0]):
+    for lora_id in ids:
         rows = torch.from_numpy(np.flatnonzero(row_lora == lora_id)).to(device)
         groups.append(AdapterRows(adapters[int(lora_id)], rows))
     return LoraStep(groups)

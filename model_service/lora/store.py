@@ -15,6 +15,7 @@ import structlog
 import torch
 
 from model_service.lora.peft_folder import Adapter, AdapterError, read_adapter
+from model_service.lora.stacked import LoadedStack
 from model_service.lora.targets import TARGET_MODULES, ModelTargets
 
 log = structlog.get_logger(__name__)
@@ -42,6 +43,11 @@ class AdapterStore:
         self._lock = threading.Lock()
         self._loaded: dict[int, Adapter] = {}
         self._loading: set[int] = set()
+        # Packed factors (a bfloat16 CPU model): a step's adapters run stacked (lora/stacked.py).
+        packed = gemm_isa is not None and dtype == torch.bfloat16 and device.type == "cpu"
+        self._stack_isa = gemm_isa if packed else None
+        self._stack: Optional[LoadedStack] = None
+        self._build_lock = threading.Lock()  # one stack build at a time, loads and evicts
 
     def load(self, lora_id: int, name: str, folder: str) -> Adapter:
         """Reads the folder and keeps it under lora_id; AdapterError when refused."""
@@ -63,9 +69,12 @@ class AdapterStore:
             with self._lock:
                 self._loading.discard(lora_id)
             raise
-        with self._lock:
-            self._loading.discard(lora_id)
-            self._loaded[lora_id] = adapter
+        with self._build_lock:  # the stack with it, built before any step can see it
+            stack = self._build_stack(adapter)
+            with self._lock:
+                self._loading.discard(lora_id)
+                self._loaded[lora_id] = adapter
+                self._stack = stack
         log.info(
             "lora_loaded",
             lora_id=lora_id,
@@ -92,12 +101,38 @@ class AdapterStore:
         with self._lock:
             if self._loaded.pop(lora_id, None) is None:
                 raise AdapterError("NOT_FOUND", f"lora_id: {lora_id} is not loaded")
+        with self._build_lock:  # until rebuilt, the stack still holds it: extra products only
+            stack = self._build_stack(None)
+            with self._lock:
+                self._stack = stack
         log.info("lora_evicted", lora_id=lora_id)
 
     def snapshot(self) -> dict[int, Adapter]:
         """The loaded adapters now (a step's view: later loads and evicts do not change it)."""
         with self._lock:
             return dict(self._loaded)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether steps run the stacked products (packed factors: bf16 on the CPU)."""
+        return self._stack_isa is not None
+
+    def step_view(self) -> tuple[dict[int, Adapter], Optional[LoadedStack]]:
+        """snapshot() and the stack holding (at least) those adapters, taken together; the stack
+        is None where the factors are not packed (lora/stacked.py)."""
+        with self._lock:
+            return dict(self._loaded), self._stack
+
+    def _build_stack(self, adding: Optional[Adapter]) -> Optional[LoadedStack]:
+        """The loaded adapters' stack (with `adding`), under _build_lock; None when unpacked."""
+        if self._stack_isa is None:
+            return None
+        adapters = [a for _, a in sorted(self.snapshot().items())]
+        if adding is not None:
+            adapters.append(adding)
+        if not adapters or not adapters[0].layers or self._targets is None:
+            return None
+        return LoadedStack(tuple(adapters), self._stack_isa, self._targets.slices)
 
     def __len__(self) -> int:
         with self._lock:
