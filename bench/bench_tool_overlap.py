@@ -167,17 +167,6 @@ async def _warm(port: int, new_tokens: int) -> None:
     await client.close()
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _summary(runs: dict) -> dict:
     """Per tree and case: every run's tok/s, the median, and the median per-repetition slowdown
     against the same tree's "alone" run."""
@@ -235,8 +224,10 @@ def main() -> None:
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=60)
+    from bench.measure import cpu_model  # torch loads only once the runs are over
+
     results = {
-        "machine": f"{_cpu()}, {os.cpu_count()} CPUs ({platform.node()})",
+        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs ({platform.node()})",
         "load_average_1_5_15_per_rep": [[round(x, 2) for x in triple] for triple in load],
         "model": args.model,
         "grammar_engine": args.grammar_engine,
