@@ -33,7 +33,8 @@ UNMAPPED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 # Small, mostly in-vocabulary values where they matter, so that some requests get through.
 GENERATE = messages(generate_pb2.GenerateRequest, overrides={
-    "ids": st.one_of(st.integers(0, 258), st.integers(-1, 2**32 - 1)),
+    # Token ids are uint32 on the wire: anything from 0 up, the vocabulary's ids most often.
+    "ids": st.one_of(st.integers(0, 258), st.integers(0, 2**32 - 1)),
     "max_new_tokens": st.one_of(st.integers(0, 8), st.sampled_from([2**32 - 1, 9000])),
     "request_id": st.one_of(st.just(""), st.text(max_size=8), st.just("x" * 300)),
     "n": st.integers(0, 20),
