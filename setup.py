@@ -110,7 +110,8 @@ decoder = Extension(
     ["cython_ext/decoder.pyx", f"{CSRC}/decoder.cpp"],
     language="c++",
     include_dirs=["cython_ext"],
-    extra_compile_args=CXX_FLAGS,
+    # -ffp-contract=off: the LoRA add rounds its product before the sum (csrc/decoder.h).
+    extra_compile_args=CXX_FLAGS + ["-ffp-contract=off"],
     depends=sorted(glob.glob(f"{CSRC}/*.h")),
 )
 extensions += [attention, layer_ops, gemm, decoder]

@@ -32,6 +32,28 @@ cdef extern from "csrc/decoder.h" nogil:
         int64_t k
         int int8
 
+    ctypedef struct dl_lora_target:
+        const uint16_t* packed_b
+        int64_t k0
+        int64_t k1
+        int64_t start
+        int64_t end
+
+    ctypedef struct dl_lora_module:
+        const uint16_t* packed_a
+        int64_t rank
+        const int64_t* owner
+        int64_t num_targets
+        const dl_lora_target* targets
+
+    ctypedef struct dl_lora:
+        const dl_lora_module* modules
+        const int64_t* row_owner
+        const float* row_scale
+        uint16_t* u
+        float* delta
+        int64_t one_thread_macs
+
     ctypedef struct dl_layer:
         const uint16_t* input_norm
         const uint16_t* post_attention_norm
@@ -68,6 +90,7 @@ cdef extern from "csrc/decoder.h" nogil:
         void* attn
         void* gate_up
         void* act
+        const dl_lora* lora
 
     int dl_run_layers(const dl_kernels* kernels, const dl_model* model, const pa_args* step,
                       const dl_buffers* buffers, int num_threads, int* failed_op, int64_t* failed_layer)

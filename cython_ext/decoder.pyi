@@ -1,4 +1,14 @@
 OPS: tuple[str, ...]
+LORA_MODULES: tuple[str, ...]
+
+class LoraTable:
+    max_rank: int
+    max_columns: int
+    def __init__(self, num_layers: int, num_targets: int) -> None: ...
+    def set_module(
+        self, layer: int, fused: str, packed_a: int, rank: int, owner: int,
+        targets: list[tuple[int, int, int, int, int]],
+    ) -> None: ...
 
 class DecoderLayers:
     def __init__(
@@ -15,5 +25,6 @@ class DecoderLayers:
     def run(
         self, step_args: int, block_size: int, num_blocks: int, split_positions: int, rows: int,
         positions: int, residual: int, delta: int, x: int, qkv: int, attn: int, gate_up: int,
-        act: int, num_threads: int,
+        act: int, num_threads: int, lora: LoraTable | None = None, row_owner: int = 0,
+        row_scale: int = 0, lora_u: int = 0, lora_delta: int = 0, one_thread_macs: int = 0,
     ) -> None: ...

@@ -16,7 +16,9 @@ from cython_ext import gemm, layer_ops, paged_attention
 
 # dl_op order; each op's kernel module, for its error message.
 OPS = ("none", "check_indices", "input_norm", "qkv", "rope", "attention", "o", "post_attention_norm",
-       "gate_up", "silu_mul", "down")
+       "gate_up", "silu_mul", "down", "lora")
+# dl_lora's modules of a layer, in their order (csrc/decoder.cpp)
+LORA_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _MESSAGES = {"check_indices": paged_attention, "attention": paged_attention, "input_norm": layer_ops,
              "rope": layer_ops, "post_attention_norm": layer_ops, "silu_mul": layer_ops}
 
@@ -28,6 +30,47 @@ cdef dl_linear _linear(tuple spec):
     w.bias = <const uint16_t*><uintptr_t>spec[1] if spec[1] else NULL
     w.n, w.k, w.int8 = spec[2], spec[3], 1 if spec[4] else 0
     return w
+
+
+cdef class LoraTable:
+    """The loaded adapters' stacked factors (model_service/lora/stacked.py's LoadedStack) as the
+    native loop reads them: `set_module` once per adapted module of a layer. Holds addresses only:
+    its owner keeps the packed tensors and owner arrays alive."""
+    cdef dl_lora_module* modules
+    cdef dl_lora_target* targets
+    cdef int64_t num_layers, capacity, used
+    cdef readonly int64_t max_rank, max_columns
+
+    def __cinit__(self, int64_t num_layers, int64_t num_targets):
+        self.modules = <dl_lora_module*>calloc(max(num_layers * 4, 1), sizeof(dl_lora_module))
+        self.targets = <dl_lora_target*>calloc(max(num_targets, 1), sizeof(dl_lora_target))
+        if self.modules == NULL or self.targets == NULL:
+            raise MemoryError()
+        self.num_layers, self.capacity = num_layers, num_targets
+
+    def __dealloc__(self):
+        free(self.modules)
+        free(self.targets)
+
+    def set_module(self, int64_t layer, str fused, uintptr_t packed_a, int64_t rank, uintptr_t owner,
+                   list targets):
+        """Layer `layer`'s fused module (one of LORA_MODULES): A packed [rank, in], owner [rank]
+        int64, and per target (packed B [columns, k1 - k0], k0, k1, first column, end column)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        if self.used + len(targets) > self.capacity:
+            raise IndexError(f"more than the {self.capacity} targets this table was made for")
+        cdef dl_lora_module* mod = &self.modules[layer * 4 + LORA_MODULES.index(fused)]
+        mod.packed_a, mod.rank, mod.owner = <const uint16_t*>packed_a, rank, <const int64_t*>owner
+        mod.targets, mod.num_targets = &self.targets[self.used], len(targets)
+        cdef dl_lora_target* target
+        for packed_b, k0, k1, start, end in targets:
+            target = &self.targets[self.used]
+            target.packed_b = <const uint16_t*><uintptr_t>packed_b
+            target.k0, target.k1, target.start, target.end = k0, k1, start, end
+            self.max_columns = max(self.max_columns, end - start)
+            self.used += 1
+        self.max_rank = max(self.max_rank, rank)
 
 
 cdef class DecoderLayers:
@@ -90,12 +133,24 @@ cdef class DecoderLayers:
 
     def run(self, uintptr_t step_args, int64_t block_size, int64_t num_blocks, int64_t split_positions,
             int64_t rows, uintptr_t positions, uintptr_t residual, uintptr_t delta, uintptr_t x, uintptr_t qkv,
-            uintptr_t attn, uintptr_t gate_up, uintptr_t act, int num_threads):
+            uintptr_t attn, uintptr_t gate_up, uintptr_t act, int num_threads, LoraTable lora=None,
+            uintptr_t row_owner=0, uintptr_t row_scale=0, uintptr_t lora_u=0, uintptr_t lora_delta=0,
+            int64_t one_thread_macs=0):
         """Every layer over `rows` token rows: step_args is the step's AttentionStep.args_address;
         the buffers' addresses as csrc/decoder.h lays them out. On return `delta` holds the last
-        layer's MLP output, not yet added into `residual`."""
+        layer's MLP output, not yet added into `residual`. With `lora`, each row's adapter
+        (row_owner int64 [rows], row_scale float32 [rows]) and the scratch buffers u (bfloat16
+        [rows, lora.max_rank]) and delta (float32 [rows, lora.max_columns])."""
         cdef pa_args step = (<pa_args*>step_args)[0]
         cdef dl_buffers b
+        cdef dl_lora adapters
+        b.lora = NULL
+        if lora is not None:
+            adapters.modules = lora.modules
+            adapters.row_owner, adapters.row_scale = <const int64_t*>row_owner, <const float*>row_scale
+            adapters.u, adapters.delta = <uint16_t*>lora_u, <float*>lora_delta
+            adapters.one_thread_macs = one_thread_macs
+            b.lora = &adapters
         cdef int code, op
         cdef int64_t layer
         step.block_size, step.num_blocks, step.split_positions = block_size, num_blocks, split_positions

@@ -86,7 +86,8 @@ def build_runner(
     }
     adapters = new_store(loaded, config)
     if adapters is not None:
-        compute["lora"] = lora_path(device, adapters.stacked)
+        native = compute["decoder_loop"] == "native"
+        compute["lora"] = lora_path(device, adapters.stacked, native)
     log.info(
         "runner_ready",
         model=loaded.name,
@@ -186,17 +187,18 @@ def _drafter(
     return None
 
 
-def lora_path(device: torch.device, stacked: bool) -> str:
-    """How a step with adapter rows runs (Describe's compute["lora"]): the native decoder loop
-    and the captured graphs hold no adapters, so such a step takes the Python layers, eagerly;
-    stacked: packed factors, every adapter in one shrink and one expand (lora/stacked.py)."""
+def lora_path(device: torch.device, stacked: bool, native_loop: bool) -> str:
+    """How a step with adapter rows runs (Describe's compute["lora"]). Stacked (packed factors:
+    a bf16 model on the CPU): every loaded adapter in one shrink and one expand per module
+    (lora/stacked.py), inside the native decoder loop where the model runs it. Otherwise the
+    Python layers run such a step eagerly, with torch GEMMs grouped by adapter: the captured CUDA
+    graphs hold no adapters."""
+    if stacked:
+        where = "native decoder loop" if native_loop else "python layers"
+        products = "the loaded adapters stacked in one packed GEMM pair per module"
+        return f"{where} for steps with adapter rows, {products}"
     graphs = "; CUDA graphs skipped" if device.type == "cuda" else ""
-    products = (
-        "the step's adapters stacked in one packed GEMM pair per module"
-        if stacked
-        else "torch GEMMs grouped by adapter"
-    )
-    return f"python layers for steps with adapter rows, {products}{graphs}"
+    return f"python layers for steps with adapter rows, torch GEMMs grouped by adapter{graphs}"
 
 
 def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:

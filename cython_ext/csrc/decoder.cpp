@@ -2,7 +2,11 @@
 // (decoder.h says why and what the buffers hold).
 #include "decoder.h"
 
+#include "bf16.h"
+
 namespace {
+
+enum { DL_QKV = 0, DL_O, DL_GATE_UP, DL_DOWN, DL_MODULES };
 
 int linear(const dl_kernels* k, const dl_linear* w, const void* x, int64_t rows, void* out, int isa, int threads) {
     if (w->int8)
@@ -12,9 +16,53 @@ int linear(const dl_kernels* k, const dl_linear* w, const void* x, int64_t rows,
                           isa, threads);
 }
 
+int factor_threads(const dl_lora* lora, int64_t rows, int64_t n, int64_t k, int threads) {
+    return rows * n * k < lora->one_thread_macs ? 1 : threads;
+}
+
+// y [T, ldy] += the LoRA products of x [T, in_features] (decoder.h's LoRA paragraph).
+int lora_add(const dl_kernels* k, const dl_lora* lora, const dl_lora_module* mod, const void* x, int64_t in_features,
+             int64_t rows, uint16_t* y, int64_t ldy, int isa, int threads) {
+    const int64_t rank = mod->rank;
+    uint16_t* u = lora->u;
+    int code = k->linear_bf16((const uint16_t*)x, rows, in_features, mod->packed_a, rank, in_features, nullptr, u,
+                              rank, 0, isa, factor_threads(lora, rows, rank, in_features, threads));
+    if (code != 0) return code;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t owner = lora->row_owner[r];
+        for (int64_t c = 0; c < rank; ++c)
+            if (mod->owner[c] != owner) u[r * rank + c] = 0;
+    }
+    for (int64_t t = 0; t < mod->num_targets; ++t) {
+        const dl_lora_target* target = &mod->targets[t];
+        const int64_t cols = target->end - target->start, width = target->k1 - target->k0;
+        code = k->linear_bf16(u + target->k0, rows, rank, target->packed_b, cols, width, nullptr, lora->delta, cols,
+                              1, isa, factor_threads(lora, rows, cols, width, threads));
+        if (code != 0) return code;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float scale = lora->row_scale[r];
+            const float* d = lora->delta + r * cols;
+            uint16_t* out = y + r * ldy + target->start;
+            for (int64_t c = 0; c < cols; ++c) {
+                const float product = d[c] * scale;
+                out[c] = f32_to_bf16(bf16_to_f32(out[c]) + product);
+            }
+        }
+    }
+    return 0;
+}
+
+// The layer's LoRA module `which`, or NULL where this step has no adapter or none adapts it.
+const dl_lora_module* lora_module(const dl_buffers* b, int64_t layer, int which) {
+    if (b->lora == nullptr) return nullptr;
+    const dl_lora_module* mod = &b->lora->modules[layer * DL_MODULES + which];
+    return mod->packed_a ? mod : nullptr;
+}
+
 // One layer: x = norm(residual += delta); residual += o(attention(rope(qkv(x)))); delta = mlp(norm).
-int run_layer(const dl_kernels* k, const dl_model* m, const dl_layer* layer, pa_args* attention, const dl_buffers* b,
+int run_layer(const dl_kernels* k, const dl_model* m, int64_t index, pa_args* attention, const dl_buffers* b,
               const void* delta_in, int threads, int* failed_op) {
+    const dl_layer* layer = &m->layers[index];
     const int64_t T = b->rows, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim;
     const int64_t qkv_width = (H + 2 * KVH) * D;
     const int bf16 = LO_BFLOAT16;
@@ -24,9 +72,15 @@ int run_layer(const dl_kernels* k, const dl_model* m, const dl_layer* layer, pa_
         *failed_op = (op);     \
         return code;           \
     }
+// The fused linear `which`'s LoRA products, where this step has some for it.
+#define DL_LORA(which, x, in_features, y, width)                                                            \
+    if (const dl_lora_module* mod = lora_module(b, index, (which)))                                         \
+        DL_CALL(DL_OP_LORA, lora_add(k, b->lora, mod, (x), (in_features), T, (uint16_t*)(y), (width), m->gemm_isa, \
+                                     threads));
     DL_CALL(DL_OP_INPUT_NORM, k->add_rms_norm(b->residual, delta_in, layer->input_norm, b->x, T, m->hidden, m->eps,
                                               bf16, m->layer_ops_isa, threads));
     DL_CALL(DL_OP_QKV, linear(k, &layer->qkv, b->x, T, b->qkv, m->gemm_isa, threads));
+    DL_LORA(DL_QKV, b->x, m->hidden, b->qkv, qkv_width);
     DL_CALL(DL_OP_ROPE, k->rope(b->qkv, T, qkv_width, H + KVH, D, b->positions, m->rope, m->rope_rows, bf16,
                                 m->layer_ops_isa, threads));
     const uint16_t* qkv = (const uint16_t*)b->qkv;
@@ -37,11 +91,15 @@ int run_layer(const dl_kernels* k, const dl_model* m, const dl_layer* layer, pa_
     attention->v_cache = layer->v_cache;
     DL_CALL(DL_OP_ATTENTION, k->attention(attention, m->attention_isa));
     DL_CALL(DL_OP_O, linear(k, &layer->o, b->attn, T, b->delta, m->gemm_isa, threads));
+    DL_LORA(DL_O, b->attn, H * D, b->delta, m->hidden);
     DL_CALL(DL_OP_POST_NORM, k->add_rms_norm(b->residual, b->delta, layer->post_attention_norm, b->x, T, m->hidden,
                                              m->eps, bf16, m->layer_ops_isa, threads));
     DL_CALL(DL_OP_GATE_UP, linear(k, &layer->gate_up, b->x, T, b->gate_up, m->gemm_isa, threads));
+    DL_LORA(DL_GATE_UP, b->x, m->hidden, b->gate_up, 2 * m->intermediate);
     DL_CALL(DL_OP_SILU_MUL, k->silu_mul(b->gate_up, b->act, T, m->intermediate, bf16, m->layer_ops_isa, threads));
     DL_CALL(DL_OP_DOWN, linear(k, &layer->down, b->act, T, b->delta, m->gemm_isa, threads));
+    DL_LORA(DL_DOWN, b->act, m->intermediate, b->delta, m->hidden);
+#undef DL_LORA
 #undef DL_CALL
     return 0;
 }
@@ -72,7 +130,7 @@ extern "C" int dl_run_layers(const dl_kernels* kernels, const dl_model* model, c
         return code;
     }
     for (int64_t i = 0; i < model->num_layers; ++i) {
-        code = run_layer(kernels, model, &model->layers[i], &attention, buffers, i ? buffers->delta : nullptr,
+        code = run_layer(kernels, model, i, &attention, buffers, i ? buffers->delta : nullptr,
                          num_threads, failed_op);
         if (code != 0) {
             *failed_layer = i;

@@ -17,6 +17,14 @@
 //   delta    [T, hidden]  the last layer's MLP output on return (not yet added to residual)
 //   x        [T, hidden]  a normed row, the GEMMs' input
 //   qkv      [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I]
+//
+// LoRA adapters (optional, dl_buffers.lora): the stacked products of model_service/lora/stacked.py,
+// call for call, after each fused linear (before RoPE for qkv), on the same packed GEMM:
+//   u = x @ A_all^T (bfloat16 [T, K]); u[r, c] = 0 where c's adapter is not row r's;
+//   per target: d = u[:, k0:k1] @ B^T (float32 sums); y[:, start:end] = bf16(y + d * scale[r]).
+// The mask writes the zeros that stacked.py's multiply by a 0/1 mask gives, and the add rounds the
+// product to float32 before the sum (no FMA, which a baseline x86-64 CPU lacks), as stacked.py
+// does: the same bits as the Python loop.
 #pragma once
 #include <stdint.h>
 
@@ -62,6 +70,34 @@ typedef struct dl_linear {
     int int8;  // packed by gm_pack_int8 (else gm_pack_bf16)
 } dl_linear;
 
+// One target of a fused module's LoRA: its ranks [k0, k1) of u, its B packed [end - start, k1 - k0],
+// the output columns [start, end) it adds into.
+typedef struct dl_lora_target {
+    const uint16_t* packed_b;
+    int64_t k0, k1, start, end;
+} dl_lora_target;
+
+// A fused module's stacked adapters: A packed [rank, in features], owner[rank] = the lora_id of
+// each stacked rank (-2: padding). packed_a NULL: no loaded adapter adapts this module.
+typedef struct dl_lora_module {
+    const uint16_t* packed_a;
+    int64_t rank;
+    const int64_t* owner;
+    int64_t num_targets;
+    const dl_lora_target* targets;
+} dl_lora_module;
+
+// A step's adapters: the modules of every layer ([num_layers][4]: qkv, o, gate_up, down), each
+// row's lora_id (0: the base model, which owns no rank) and scale, and the scratch buffers.
+typedef struct dl_lora {
+    const dl_lora_module* modules;
+    const int64_t* row_owner;  // [T]
+    const float* row_scale;    // [T]
+    uint16_t* u;               // [T, max rank] bfloat16
+    float* delta;              // [T, max target columns]
+    int64_t one_thread_macs;   // factor GEMMs below this many multiply-adds run on one thread
+} dl_lora;
+
 typedef struct dl_layer {
     const uint16_t* input_norm;           // [hidden]
     const uint16_t* post_attention_norm;  // [hidden]
@@ -90,12 +126,13 @@ typedef struct dl_buffers {
     void* attn;
     void* gate_up;
     void* act;
+    const dl_lora* lora;  // NULL: no adapter in this step
 } dl_buffers;
 
 // Which call failed (dl_run_layers' *failed_op), for the error message.
 enum dl_op {
     DL_OP_NONE = 0, DL_OP_CHECK_INDICES, DL_OP_INPUT_NORM, DL_OP_QKV, DL_OP_ROPE, DL_OP_ATTENTION, DL_OP_O,
-    DL_OP_POST_NORM, DL_OP_GATE_UP, DL_OP_SILU_MUL, DL_OP_DOWN
+    DL_OP_POST_NORM, DL_OP_GATE_UP, DL_OP_SILU_MUL, DL_OP_DOWN, DL_OP_LORA
 };
 
 // Runs every layer; `step` holds the step's attention indices (slot_mapping .. block_tables,

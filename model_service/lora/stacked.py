@@ -8,7 +8,8 @@ by side along it, and
     u = x @ A_all^T              [T, K]  every row against every loaded adapter's A (one GEMM)
     u *= mask                    [T, K]  1 in the row's own adapter's blocks, 0 elsewhere (exact)
     d = u[:, t] @ B_t^T          [T, out_t] float32 sums, per target t of the module
-    y[:, cols_t] += d * scale    the row's adapter's scale; base rows add exact zeros
+    y[:, cols_t] += d * scale    the row's adapter's scale (product rounded to float32, then
+                                 the sum to bf16); base rows add exact zeros
 
 A row's result is bitwise its result alone: the packed GEMM computes each output element as a
 sum from zero over K in order, one pair of K at a time (model_service/kernels/gemm_driver.h),
@@ -56,7 +57,9 @@ class ModuleStack:
         u.mul_(mask)
         for k0, k1, b, start, end in self.parts:
             delta = _linear(b, u[:, k0:k1], torch.float32)
-            y[:, start:end].addcmul_(delta, scale)
+            # The scale's product rounded before the sum (not addcmul_'s fused one), as the
+            # native decoder loop computes it without an FMA on every x86-64 CPU.
+            y[:, start:end].add_(delta.mul_(scale))
 
     def _mask(self, row_owner: np.ndarray) -> torch.Tensor:
         key = row_owner.tobytes()

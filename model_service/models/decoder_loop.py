@@ -8,6 +8,11 @@ GIL released for the whole step: the same bits as the Python loop by constructio
 invariance holds as it does there (tests/model_service/test_ms_decoder_loop.py checks the logits
 bit for bit).
 
+A step with LoRA adapters runs here too where their factors are stacked and packed
+(model_service/lora/stacked.py, a bf16 model on the CPU): the C loop makes stacked.py's calls
+after each fused linear (csrc/decoder.h), from a `LoraTable` of the stack's addresses built once per
+stack (a stack is replaced, never changed, when an adapter is loaded or evicted).
+
 It applies where every kernel of a layer is native: a bfloat16 model on the CPU with its linears
 packed (model_service/kernels/gemm.py), the native attention and layer-op paths, and no per-head
 q/k norm or sliding window (Qwen3, Mistral with a window: those run the Python loop).
@@ -17,6 +22,7 @@ forces it (A/B checks).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cython_ext import decoder as native
@@ -28,6 +34,11 @@ from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import AttentionMetadata
 from model_service.kernels import layer_ops
 from model_service.kernels.gemm import PackedLinear
+from model_service.lora.stacked import ONE_THREAD_MACS, LoadedStack
+
+# A step's adapters as the native loop takes them: the stack, each row's lora_id (int64 [T], 0:
+# base) and scale (float32 [T, 1]), as lora/grouping.py's LoraStep.stacked holds them.
+StackedStep = tuple[LoadedStack, np.ndarray, torch.Tensor]
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -137,6 +148,7 @@ class NativeLayers:
                 down,
             )
         self._caches: tuple[int, int] | None = None
+        self._lora: tuple[LoadedStack, native.LoraTable] | None = None
 
     def _set_caches(self, kv_cache: KVCache) -> None:
         k, v = kv_cache.k, kv_cache.v
@@ -152,15 +164,43 @@ class NativeLayers:
             self.table.set_caches(k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size())
             self._caches = (k.data_ptr(), v.data_ptr())
 
+    def _lora_table(self, stack: LoadedStack) -> native.LoraTable:
+        """The native table of `stack`'s addresses, made when the stack is new (the stack it was
+        made from is kept with it: it owns the tensors the addresses point into)."""
+        if self._lora is not None and self._lora[0] is stack:
+            return self._lora[1]
+        modules = [(i, f, m) for i, layer in enumerate(stack.layers) for f, m in layer.items()]
+        table = native.LoraTable(
+            len(self.model.model.layers), sum(len(m.parts) for *_, m in modules)
+        )
+        for index, fused, module in modules:
+            targets = [
+                (b.packed.data_ptr(), k0, k1, start, end) for k0, k1, b, start, end in module.parts
+            ]
+            owner = module.owner
+            assert owner.dtype == np.int64 and owner.flags.c_contiguous
+            table.set_module(
+                index,
+                fused,
+                module.a.packed.data_ptr(),
+                module.a.out_features,
+                owner.ctypes.data,
+                targets,
+            )
+        self._lora = (stack, table)
+        return table
+
     def run(
         self,
         residual: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        lora: StackedStep | None = None,
     ) -> torch.Tensor:
         """Every layer over residual [T, hidden] (bfloat16, updated in place); returns the last
-        layer's output (to be added by the final norm), as the Python loop does."""
+        layer's output (to be added by the final norm), as the Python loop does. `lora`: the
+        step's stacked adapters, None when no row runs one."""
         rows = residual.shape[0]
         if residual.dtype != torch.bfloat16 or not residual.is_contiguous():
             raise ValueError("native decoder loop: residual must be contiguous bfloat16")
@@ -179,6 +219,7 @@ class NativeLayers:
         delta, x = buffer(self.hidden), buffer(self.hidden)
         qkv, attn = buffer((h + 2 * kvh) * d), buffer(h * d)
         gate_up, act = buffer(2 * self.intermediate), buffer(self.intermediate)
+        adapters, _alive = self._lora_arguments(lora, rows)
         self.table.run(
             meta.native_step.args_address,
             kv_cache.block_size,
@@ -194,5 +235,30 @@ class NativeLayers:
             gate_up.data_ptr(),
             act.data_ptr(),
             meta.num_threads,
+            **adapters,
         )
         return delta
+
+    def _lora_arguments(self, lora: StackedStep | None, rows: int) -> tuple[dict, tuple]:
+        """run()'s keyword arguments for the step's adapters (the table, each row's owner and
+        scale, the scratch buffers), and the arrays their addresses point into, which the caller
+        holds until the call returns."""
+        if lora is None:
+            return {}, ()
+        stack, row_owner, scale = lora
+        table = self._lora_table(stack)
+        if row_owner.dtype != np.int64 or row_owner.shape != (rows,):
+            raise ValueError(f"native decoder loop: LoRA row owners must be int64 [{rows}]")
+        scale = scale.reshape(rows).to(torch.float32).contiguous()
+        owner = np.ascontiguousarray(row_owner)
+        u = torch.empty((rows, table.max_rank), dtype=torch.bfloat16)
+        delta = torch.empty((rows, table.max_columns), dtype=torch.float32)
+        arguments = {
+            "lora": table,
+            "row_owner": owner.ctypes.data,
+            "row_scale": scale.data_ptr(),
+            "lora_u": u.data_ptr(),
+            "lora_delta": delta.data_ptr(),
+            "one_thread_macs": ONE_THREAD_MACS,
+        }
+        return arguments, (owner, scale, u, delta)

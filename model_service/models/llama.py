@@ -206,13 +206,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions [T]; returns float32 logits [R, vocab] for packed rows
         logits_indices [R]. `lora`: the step's rows grouped by adapter (lora/grouping.py
-        LoraStep), None when no row runs one; the native loop holds no adapters, so such a step
-        takes the Python loop."""
+        LoraStep), None when no row runs one; the native loop takes stacked adapters (a bf16 model
+        on the CPU), the Python loop every other kind."""
         residual = self.model.embed_tokens(input_ids).contiguous()
         rope = self.rope_table(residual.device)
         native = self.native_layers(rope)
-        if native is not None and meta.native_step is not None and lora is None:
-            delta = native.run(residual, positions, meta, kv_cache)
+        stacked = None if lora is None else lora.stacked
+        if native is not None and meta.native_step is not None and (lora is None or stacked):
+            delta = native.run(residual, positions, meta, kv_cache, stacked)
         else:
             delta = None
             for index, layer in enumerate(self.model.layers):

@@ -1,7 +1,7 @@
 """LoRA and batch invariance (issue 35): sequences on two adapters and on the base model, in one
 batch, each give bit for bit the tokens and logprobs they give alone, in float32 and in bfloat16
-(the default dtype here, where a base-model step alone runs the native decoder loop and a step
-with adapter rows the Python layers); speculation on adapter rows emits the plain greedy tokens;
+(the default dtype here, where every step runs the native decoder loop, the adapters' products
+stacked inside it); speculation on adapter rows emits the plain greedy tokens;
 a step without adapter rows takes the base path untouched."""
 from __future__ import annotations
 
