@@ -8,7 +8,12 @@ the LoRA arithmetic: median and slowest TTFT, output tokens per second.
         --out bench/results/lora_scheduling.json
 
 Preemptive rotation: add --lora-preempt-after-steps Q (docs/lora.md); each row also reports the
-end-to-end latency (arrival to last token) and the scheduler's preemptions.
+end-to-end latency (arrival to last token) and the scheduler's preemptions. Parking: add
+--lora-park-after-steps Q (0: off); each row reports the sequence-steps parked.
+
+Several rules in one run (same load, rows interleaved by rule): --rules drain,park:2,preempt:8
+(drain: draining rotation, parking and preemption off; park:Q; preempt:Q), with --cases to pick
+the rows of each (base,4,16).
 
 Workload: 256 requests of 64 prompt tokens and 32 new tokens (ignore_eos), arriving every 10 ms,
 adapters round robin; null model step 10 ms; --max-num-seqs 64.
@@ -88,6 +93,7 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
         lora_max_skipped_steps=args.lora_max_skipped_steps,
         lora_rotate_after_steps=args.lora_rotate_after_steps,
         lora_preempt_after_steps=args.lora_preempt_after_steps,
+        lora_park_after_steps=args.lora_park_after_steps,
     )
     try:
         names = [os.path.basename(p) for p in adapters] or [""]
@@ -102,6 +108,7 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
             )
             elapsed = time.perf_counter() - start
         preemptions = server.loop.scheduler.num_preemptions_total
+        parked = server.loop.scheduler.loras.turns.num_parked_total
     finally:
         await server.stop(grace_s=1)
         engine.stop()
@@ -113,6 +120,7 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
         "lora_max_skipped_steps": args.lora_max_skipped_steps,
         "lora_rotate_after_steps": args.lora_rotate_after_steps,
         "lora_preempt_after_steps": args.lora_preempt_after_steps,
+        "lora_park_after_steps": args.lora_park_after_steps,
         "median_ttft_ms": round(statistics.median(ttft) * 1000, 1),
         "p99_ttft_ms": round(ttft[int(0.99 * (len(ttft) - 1))] * 1000, 1),
         "max_ttft_ms": round(ttft[-1] * 1000, 1),
@@ -120,6 +128,8 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
         "median_e2e_ms": round(statistics.median(e2e) * 1000, 1),
         "max_e2e_ms": round(e2e[-1] * 1000, 1),
         "preemptions": preemptions,
+        "parked_sequence_steps": parked,
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -147,6 +157,19 @@ def skip_cost() -> float:
     return statistics.median(times) * 1000
 
 
+def with_rule(args: argparse.Namespace, rule: str) -> argparse.Namespace:
+    """`args` with one rule's flags: drain (draining rotation alone), park:Q, preempt:Q."""
+    kind, _, quantum = rule.partition(":")
+    flags = dict(vars(args), lora_park_after_steps=0, lora_preempt_after_steps=0)
+    if kind == "park":
+        flags["lora_park_after_steps"] = int(quantum)
+    elif kind == "preempt":
+        flags["lora_preempt_after_steps"] = int(quantum)
+    elif kind != "drain":
+        raise SystemExit(f"--rules: {rule!r} is not drain, park:Q or preempt:Q")
+    return argparse.Namespace(**flags)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
@@ -155,6 +178,9 @@ async def main() -> None:
     parser.add_argument("--lora-max-skipped-steps", type=int, default=32)
     parser.add_argument("--lora-rotate-after-steps", type=int, default=8)
     parser.add_argument("--lora-preempt-after-steps", type=int, default=0)
+    parser.add_argument("--lora-park-after-steps", type=int, default=1)
+    parser.add_argument("--rules", default=None, help="e.g. drain,park:2,preempt:8 (one run)")
+    parser.add_argument("--cases", default="base,4,16", help="rows of each rule with --rules")
     parser.add_argument("--only", choices=("base", "4", "16"), default=None, help="one row only")
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-cost", action="store_true", help="only the skip cost per step")
@@ -165,11 +191,16 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         paths = make_adapters(folder, 16)
         cases = {"base": [], "4": paths[:4], "16": paths}
-        rows = [
-            await run(adapters, 4, folder, args)
-            for name, adapters in cases.items()
-            if args.only in (None, name)
-        ]
+        rows = []
+        if args.rules is None:
+            for name, adapters in cases.items():
+                if args.only in (None, name):
+                    rows.append(await run(adapters, 4, folder, args))
+        else:
+            for rule in args.rules.split(","):
+                rule_args = with_rule(args, rule)
+                for name in args.cases.split(","):
+                    rows.append({"rule": rule, **await run(cases[name], 4, folder, rule_args)})
     load = os.getloadavg()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next(

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from scheduler_service.core.lora_parking import LoraParking
 from scheduler_service.core.loras import LoraState
-from scheduler_service.core.part import SchedulerPart
 from scheduler_service.core.plan import StepPlan
 from scheduler_service.core.request import Request, RequestStatus
 
@@ -62,13 +62,16 @@ MAX_SKIPS_PER_STEP = 256
 
 def lora_blocked(loras: LoraState, request: Request) -> Optional[str]:
     """Why `request` cannot start this step for its adapter (None: it can). "load": its adapter
-    is not loaded here; "full": max_loras adapters run; "starved": a place is kept for the starved
-    request's adapter; "draining": its adapter is being drained for the starved request;
-    "closed": its adapter held its place a quantum while others waited, and drains."""
+    is not loaded here; "full": max_loras adapters run (with parking: are in turn); "starved": a
+    place is kept for the starved request's adapter; "draining": its adapter is being drained
+    for the starved request; "closed": its adapter held its place a quantum while others
+    waited, and drains."""
     name = request.lora_name
     if not name:
         return None
     starved = loras.starved
+    if loras.turns.on:
+        return _blocked_by_turn(loras, request)
     if name in loras.running:
         if name in loras.closed:
             return "closed"
@@ -87,8 +90,27 @@ def lora_blocked(loras: LoraState, request: Request) -> Optional[str]:
     return None
 
 
-class LoraAdmission(SchedulerPart):
-    """The adapter rule of step 2 (a part of Scheduler)."""
+def _blocked_by_turn(loras: LoraState, request: Request) -> Optional[str]:
+    """lora_blocked with parking (core/lora_parking.py): an adapter in turn admits; another
+    takes a free place, if any. While a request starves, an adapter in turn with nothing
+    running admits nothing either (as a place that frees: kept for the starved one)."""
+    name, starved = request.lora_name, loras.starved
+    kept = starved is not None and name != starved.lora_name and name not in loras.running
+    if name in loras.turns.active and not kept:
+        if starved is not None and name == loras.draining and request is not starved:
+            return "draining"
+        return None
+    if starved is not None and starved.lora_name != name:
+        return "starved"
+    if name not in loras.resident:
+        return "load"
+    if len(loras.turns.active) >= loras.max_loras:
+        return "full"
+    return None
+
+
+class LoraAdmission(LoraParking):
+    """The adapter rule of step 2 (a part of Scheduler; parking's turns before step 1)."""
 
     loras: LoraState
     num_lora_rotations_total = 0  # adapters preempted by preemptive rotation (per instance)
@@ -103,6 +125,8 @@ class LoraAdmission(SchedulerPart):
         if why == "load":
             loras.want(request.lora_name, request.lora_id)
         request.lora_skips += 1
+        if why == "full" and loras.turns.on:
+            loras.turns.note_waiting(request.lora_name, self._next_step_id - 1)
         config = self.config
         quantum = config.lora_preempt_after_steps or config.lora_rotate_after_steps
         if why == "full" and quantum and request.lora_skips >= quantum:
@@ -116,7 +140,7 @@ class LoraAdmission(SchedulerPart):
         """Before a step's admissions: the starved request is forgotten once it is admitted or
         gone, and a drained adapter chosen while it still waits."""
         loras = self.loras
-        if not self.config.lora_preempt_after_steps:  # else _lora_preempt rotated already
+        if not (self.config.lora_preempt_after_steps or loras.turns.on):  # rotated already
             loras.rotate(self._next_step_id, self.config.lora_rotate_after_steps)
         loras.lapse_promises()
         starved = loras.starved
@@ -151,7 +175,8 @@ class LoraAdmission(SchedulerPart):
         if starved is None or not loras.running:
             return
         name = starved.lora_name
-        places_full = len(loras.running) >= loras.max_loras
+        # With parking a full set of places is no reason: the turns come round by themselves.
+        places_full = len(loras.running) >= loras.max_loras and not loras.turns.on
         no_room = (
             name not in loras.resident
             and loras.capacity is not None
@@ -165,6 +190,8 @@ class LoraAdmission(SchedulerPart):
         """`request` took a slot: its adapter counts as running."""
         loras = self.loras
         loras.on_start(request.lora_name, self._next_step_id)
+        if loras.turns.on:
+            loras.turns.begin(request.lora_name, self._next_step_id - 1)
         request.lora_skips = 0  # counts one wait: a preempted request's next starts from 0
         if request is loras.starved:
             loras.starved = None
