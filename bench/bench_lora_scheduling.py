@@ -170,6 +170,48 @@ def with_rule(args: argparse.Namespace, rule: str) -> argparse.Namespace:
     return argparse.Namespace(**flags)
 
 
+def park_cost(num_adapters: int, park: int) -> tuple[float, int, int]:
+    """Median schedule() time (ms), the sequences running and those in a step, with 128 long
+    requests on `num_adapters` adapters (0: the base model) over 4 places; with parking most
+    of them sit each step out."""
+    from scheduler.factories import fake_result, make_facts, make_request, make_scheduler
+    from scheduler.test_lora_scheduling import IDS, Loads, step
+
+    from scheduler_service.core.loras import LoraCapacity
+
+    capacity = LoraCapacity(max_loras=4, max_lora_rank=16, max_cpu_loras=16)
+    facts = make_facts(
+        num_blocks=16384, block_size=16, max_num_slots=256, max_model_len=8192, lora=capacity
+    )
+    scheduler = make_scheduler(
+        facts=facts,
+        max_model_len=8192,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        lora_park_after_steps=park,
+    )
+    loads = Loads(scheduler)
+    names = [f"x{i}" for i in range(num_adapters)]
+    IDS.update({name: 100 + i for i, name in enumerate(names)})
+    for i in range(128):
+        name = names[i % num_adapters] if num_adapters else ""
+        lora_id = IDS[name] if name else 0
+        request = make_request(
+            lora_name=name, lora_id=lora_id, max_new_tokens=4000, ignore_eos=True
+        )
+        scheduler.add_request(request)
+    for _ in range(64):
+        step(scheduler, loads, 4)
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        times.append(time.perf_counter() - started)
+        scheduler.update(plan, fake_result(plan))
+    in_step = sum(len(plan.requests) for plan in [scheduler.schedule()])
+    return statistics.median(times) * 1000, len(scheduler.running), in_step
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
@@ -184,9 +226,18 @@ async def main() -> None:
     parser.add_argument("--only", choices=("base", "4", "16"), default=None, help="one row only")
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-cost", action="store_true", help="only the skip cost per step")
+    parser.add_argument("--park-cost", action="store_true", help="only parking's cost per step")
     args = parser.parse_args()
     if args.skip_cost:
         print(f"schedule() with 1,000 skipped requests waiting: {skip_cost():.3f} ms (median)")
+        return
+    if args.park_cost:
+        for adapters in (0, 4, 16):
+            cost, running, in_step = park_cost(adapters, args.lora_park_after_steps)
+            print(
+                f"schedule(), 128 requests on {adapters} adapters over 4 places: {cost:.3f} ms"
+                f" ({running} running, {in_step} in the step)"
+            )
         return
     with tempfile.TemporaryDirectory() as folder:
         paths = make_adapters(folder, 16)

@@ -232,7 +232,8 @@ class SchedulerConfig:
 
     lora_rotate_after_steps: int = setting(8, low=0)
     """Steps a running adapter keeps admitting new requests while requests of adapters without a
-    place wait that long; then it drains and gives its place (docs/lora.md: rotation). 0: never."""
+    place wait that long; then it drains and gives its place (docs/lora.md: rotation), with
+    parking off. 0: never."""
 
     lora_park_after_steps: int = setting(1, low=0)
     """Parking (docs/lora.md): adapters take turns of this many steps at the step's max_loras

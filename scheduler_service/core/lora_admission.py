@@ -39,6 +39,10 @@ longest ago and held it for a quantum, are *closed*: they admit nothing new unti
 sequences finish and the place frees; the waiting adapter then admits its whole backlog at once.
 Each place thus serves adapters in turns of about a quantum plus one request's lifetime.
 
+Parking (`lora_park_after_steps`, the default; core/lora_parking.py) replaces draining
+rotation: the places are counted over the adapters *in turn* (`_blocked_by_turn`), sequences of
+the others sit steps out keeping their KV, and the turns go round every quantum.
+
 Preemptive rotation (`lora_preempt_after_steps`, replacing the above when set): the chosen
 adapters are preempted instead of closed, before the step's running sequences are scheduled
 (`_lora_preempt`), so a turn is a quantum and no longer includes a request's lifetime. Each
@@ -97,6 +101,8 @@ def _blocked_by_turn(loras: LoraState, request: Request) -> Optional[str]:
     name, starved = request.lora_name, loras.starved
     kept = starved is not None and name != starved.lora_name and name not in loras.running
     if name in loras.turns.active and not kept:
+        if name not in loras.resident:  # evicted while only waiting requests held its turn
+            return "load"
         if starved is not None and name == loras.draining and request is not starved:
             return "draining"
         return None
@@ -125,11 +131,11 @@ class LoraAdmission(LoraParking):
         if why == "load":
             loras.want(request.lora_name, request.lora_id)
         request.lora_skips += 1
-        if why == "full" and loras.turns.on:
-            loras.turns.note_waiting(request.lora_name, self._next_step_id - 1)
         config = self.config
         quantum = config.lora_preempt_after_steps or config.lora_rotate_after_steps
-        if why == "full" and quantum and request.lora_skips >= quantum:
+        if why == "full" and loras.turns.on:
+            loras.turns.note_waiting(request.lora_name, self._next_step_id - 1)
+        elif why == "full" and quantum and request.lora_skips >= quantum:
             loras.note_waiting(request.lora_name, request.lora_skips)
         if loras.starved is None and request.lora_skips >= self.config.lora_max_skipped_steps:
             loras.starved = request

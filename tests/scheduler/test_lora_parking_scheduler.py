@@ -18,6 +18,7 @@ import random
 
 import pytest
 
+from scheduler_service.core.lora_admission import lora_blocked
 from scheduler_service.core.request import RequestStatus
 from tests.scheduler.factories import ShadowEngine
 from tests.scheduler.test_lora_scheduling import Loads, lora_request, lora_scheduler
@@ -197,3 +198,16 @@ def test_parking_off_keeps_running_adapters_within_max_loras():
     while scheduler.has_work():
         checked_step(scheduler, loads, 2)  # checks the running adapters without parking
         assert scheduler.loras.turns.num_parked == 0
+
+
+def test_an_adapter_in_turn_that_was_evicted_loads_again_before_it_admits():
+    # Its turn was held by waiting requests only, so it was idle and could be evicted.
+    scheduler = lora_scheduler(max_loras=2, lora_park_after_steps=1)
+    loras = scheduler.loras
+    loras.turns.on = True
+    loras.turns.begin("A", 1)
+    request = lora_request("A")
+    assert "A" not in loras.resident
+    assert lora_blocked(loras, request) == "load"
+    loras.resident["A"] = 1
+    assert lora_blocked(loras, request) is None
