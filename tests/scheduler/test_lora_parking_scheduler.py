@@ -20,17 +20,18 @@ import pytest
 
 from scheduler_service.core.lora_admission import lora_blocked
 from scheduler_service.core.request import RequestStatus
-from tests.scheduler.factories import ShadowEngine
+from scheduler_service.text.structured import StructuredSpec
+from tests.scheduler.factories import ShadowEngine, make_grammar_compiler
 from tests.scheduler.test_lora_scheduling import Loads, lora_request, lora_scheduler
 from tests.scheduler.test_lora_scheduling import step as checked_step
-from tests.scheduler.test_overlap_scheduler import ModelSim
+from tests.scheduler.test_overlap_scheduler import REGEX, ModelSim
 
 NAMES = "ABCDEFGH"
 
 
-def _workload(seed: int, num_requests: int = 48):
+def _workload(seed: int, num_requests: int = 48, constrained: bool = False):
     """Requests on 8 adapters and the base model arriving over 40 steps; a few with n = 2 or
-    a stop token."""
+    a stop token; with `constrained`, a third under a grammar (REGEX)."""
     rng = random.Random(seed)
     arrivals = collections.defaultdict(list)
     for index in range(num_requests):
@@ -42,13 +43,16 @@ def _workload(seed: int, num_requests: int = 48):
             n=2 if rng.random() < 0.15 else 1,
             request_id=f"q{index}",
         )
+        if constrained and rng.random() < 0.35:
+            spec.update(structured=StructuredSpec("regex", REGEX), stop_token_ids=())
         arrivals[rng.randrange(0, 40)].append(spec)
     return arrivals
 
 
-def _run(seed, park, overlap, max_loras=2, num_blocks=400, max_cpu_loras=8):
-    """Runs the workload (lockstep or two plans in flight); checks every plan's adapters;
-    returns (tokens by (request, sample), preemptions, the most sequences parked in a step)."""
+def _run(seed, park, overlap, max_loras=2, num_blocks=400, max_cpu_loras=8, grammars=None):
+    """Runs the workload (lockstep or two plans in flight; with `grammars`, constrained
+    requests too); checks every plan's adapters; returns (tokens by (request, sample),
+    preemptions, the most sequences parked in a step)."""
     scheduler = lora_scheduler(
         max_loras=max_loras,
         max_cpu_loras=max_cpu_loras,
@@ -56,8 +60,9 @@ def _run(seed, park, overlap, max_loras=2, num_blocks=400, max_cpu_loras=8):
         lora_park_after_steps=park,
         lora_rotate_after_steps=0 if park else 8,
     )
-    loads, model, shadow = Loads(scheduler), ModelSim(eos_every=0), ShadowEngine(4)
-    arrivals = _workload(seed)
+    loads, shadow = Loads(scheduler), ShadowEngine(4)
+    model = ModelSim(eos_every=0 if grammars is None else 23)
+    arrivals = _workload(seed, constrained=grammars is not None)
     tokens = collections.defaultdict(list)
     in_flight = collections.deque()
     most_parked, step = 0, 0
@@ -70,7 +75,10 @@ def _run(seed, park, overlap, max_loras=2, num_blocks=400, max_cpu_loras=8):
         assert step < 5000, "did not drain"
         for spec in arrivals.get(step, []):
             spec = dict(spec)
-            scheduler.add_request(lora_request(spec.pop("name"), **spec))
+            request = lora_request(spec.pop("name"), **spec)
+            if request.structured is not None:
+                request.guide = grammars.compile(request.structured).new_guide()
+            scheduler.add_request(request)
         step += 1
         if scheduler.has_work() and len(in_flight) < (2 if overlap else 1):
             plan = scheduler.schedule()
@@ -102,6 +110,20 @@ def test_parked_sequences_resume_with_the_tokens_of_an_undisturbed_run(seed, ove
     parked, preemptions, most_parked = _run(seed, park=2, overlap=overlap)
     assert most_parked > 0, "nothing was parked: the test shows nothing"
     assert preemptions == 0
+    assert parked == alone
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return make_grammar_compiler()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_constrained_sequences_park_and_resume_with_up_to_date_masks(seed, grammars):
+    # ModelSim checks every constrained sample's mask against all the slot's tokens so far.
+    alone, _, _ = _run(seed, park=0, overlap=False, max_loras=8, grammars=grammars)
+    parked, preemptions, most_parked = _run(seed, park=1, overlap=True, grammars=grammars)
+    assert most_parked > 0 and preemptions == 0
     assert parked == alone
 
 
