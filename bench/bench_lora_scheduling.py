@@ -8,7 +8,12 @@ the LoRA arithmetic: median and slowest TTFT, output tokens per second.
         --out bench/results/lora_scheduling.json
 
 Preemptive rotation: add --lora-preempt-after-steps Q (docs/lora.md); each row also reports the
-end-to-end latency (arrival to last token) and the scheduler's preemptions.
+end-to-end latency (arrival to last token) and the scheduler's preemptions. Parking: add
+--lora-park-after-steps Q (0: off); each row reports the sequence-steps parked.
+
+Several rules in one run (same load, rows interleaved by rule): --rules drain,park:2,preempt:8
+(drain: draining rotation, parking and preemption off; park:Q; preempt:Q), with --cases to pick
+the rows of each (base,4,16).
 
 Workload: 256 requests of 64 prompt tokens and 32 new tokens (ignore_eos), arriving every 10 ms,
 adapters round robin; null model step 10 ms; --max-num-seqs 64.
@@ -88,6 +93,7 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
         lora_max_skipped_steps=args.lora_max_skipped_steps,
         lora_rotate_after_steps=args.lora_rotate_after_steps,
         lora_preempt_after_steps=args.lora_preempt_after_steps,
+        lora_park_after_steps=args.lora_park_after_steps,
     )
     try:
         names = [os.path.basename(p) for p in adapters] or [""]
@@ -102,6 +108,7 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
             )
             elapsed = time.perf_counter() - start
         preemptions = server.loop.scheduler.num_preemptions_total
+        parked = server.loop.scheduler.loras.turns.num_parked_total
     finally:
         await server.stop(grace_s=1)
         engine.stop()
@@ -113,6 +120,7 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
         "lora_max_skipped_steps": args.lora_max_skipped_steps,
         "lora_rotate_after_steps": args.lora_rotate_after_steps,
         "lora_preempt_after_steps": args.lora_preempt_after_steps,
+        "lora_park_after_steps": args.lora_park_after_steps,
         "median_ttft_ms": round(statistics.median(ttft) * 1000, 1),
         "p99_ttft_ms": round(ttft[int(0.99 * (len(ttft) - 1))] * 1000, 1),
         "max_ttft_ms": round(ttft[-1] * 1000, 1),
@@ -120,6 +128,8 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
         "median_e2e_ms": round(statistics.median(e2e) * 1000, 1),
         "max_e2e_ms": round(e2e[-1] * 1000, 1),
         "preemptions": preemptions,
+        "parked_sequence_steps": parked,
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -147,6 +157,61 @@ def skip_cost() -> float:
     return statistics.median(times) * 1000
 
 
+def with_rule(args: argparse.Namespace, rule: str) -> argparse.Namespace:
+    """`args` with one rule's flags: drain (draining rotation alone), park:Q, preempt:Q."""
+    kind, _, quantum = rule.partition(":")
+    flags = dict(vars(args), lora_park_after_steps=0, lora_preempt_after_steps=0)
+    if kind == "park":
+        flags["lora_park_after_steps"] = int(quantum)
+    elif kind == "preempt":
+        flags["lora_preempt_after_steps"] = int(quantum)
+    elif kind != "drain":
+        raise SystemExit(f"--rules: {rule!r} is not drain, park:Q or preempt:Q")
+    return argparse.Namespace(**flags)
+
+
+def park_cost(num_adapters: int, park: int) -> tuple[float, int, int]:
+    """Median schedule() time (ms), the sequences running and those in a step, with 128 long
+    requests on `num_adapters` adapters (0: the base model) over 4 places; with parking most
+    of them sit each step out."""
+    from scheduler.factories import fake_result, make_facts, make_request, make_scheduler
+    from scheduler.test_lora_scheduling import IDS, Loads, step
+
+    from scheduler_service.core.loras import LoraCapacity
+
+    capacity = LoraCapacity(max_loras=4, max_lora_rank=16, max_cpu_loras=16)
+    facts = make_facts(
+        num_blocks=16384, block_size=16, max_num_slots=256, max_model_len=8192, lora=capacity
+    )
+    scheduler = make_scheduler(
+        facts=facts,
+        max_model_len=8192,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        lora_park_after_steps=park,
+    )
+    loads = Loads(scheduler)
+    names = [f"x{i}" for i in range(num_adapters)]
+    IDS.update({name: 100 + i for i, name in enumerate(names)})
+    for i in range(128):
+        name = names[i % num_adapters] if num_adapters else ""
+        lora_id = IDS[name] if name else 0
+        request = make_request(
+            lora_name=name, lora_id=lora_id, max_new_tokens=4000, ignore_eos=True
+        )
+        scheduler.add_request(request)
+    for _ in range(64):
+        step(scheduler, loads, 4)
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        times.append(time.perf_counter() - started)
+        scheduler.update(plan, fake_result(plan))
+    in_step = sum(len(plan.requests) for plan in [scheduler.schedule()])
+    return statistics.median(times) * 1000, len(scheduler.running), in_step
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
@@ -155,21 +220,38 @@ async def main() -> None:
     parser.add_argument("--lora-max-skipped-steps", type=int, default=32)
     parser.add_argument("--lora-rotate-after-steps", type=int, default=8)
     parser.add_argument("--lora-preempt-after-steps", type=int, default=0)
+    parser.add_argument("--lora-park-after-steps", type=int, default=1)
+    parser.add_argument("--rules", default=None, help="e.g. drain,park:2,preempt:8 (one run)")
+    parser.add_argument("--cases", default="base,4,16", help="rows of each rule with --rules")
     parser.add_argument("--only", choices=("base", "4", "16"), default=None, help="one row only")
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-cost", action="store_true", help="only the skip cost per step")
+    parser.add_argument("--park-cost", action="store_true", help="only parking's cost per step")
     args = parser.parse_args()
     if args.skip_cost:
         print(f"schedule() with 1,000 skipped requests waiting: {skip_cost():.3f} ms (median)")
         return
+    if args.park_cost:
+        for adapters in (0, 4, 16):
+            cost, running, in_step = park_cost(adapters, args.lora_park_after_steps)
+            print(
+                f"schedule(), 128 requests on {adapters} adapters over 4 places: {cost:.3f} ms"
+                f" ({running} running, {in_step} in the step)"
+            )
+        return
     with tempfile.TemporaryDirectory() as folder:
         paths = make_adapters(folder, 16)
         cases = {"base": [], "4": paths[:4], "16": paths}
-        rows = [
-            await run(adapters, 4, folder, args)
-            for name, adapters in cases.items()
-            if args.only in (None, name)
-        ]
+        rows = []
+        if args.rules is None:
+            for name, adapters in cases.items():
+                if args.only in (None, name):
+                    rows.append(await run(adapters, 4, folder, args))
+        else:
+            for rule in args.rules.split(","):
+                rule_args = with_rule(args, rule)
+                for name in args.cases.split(","):
+                    rows.append({"rule": rule, **await run(cases[name], 4, folder, rule_args)})
     load = os.getloadavg()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next(

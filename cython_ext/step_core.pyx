@@ -570,6 +570,18 @@ cdef class StepCore:
     def is_scheduled(self, int32_t slot):
         return self._state(slot).scheduled_step == self.step_id
 
+    def hold(self, int32_t slot):
+        """Leaves the slot's running sequence out of this step (a parked LoRA sequence,
+        scheduler_service/core/lora_parking.py): the running passes skip it as if already
+        scheduled, with no entry and no tokens; it keeps its slot, blocks and counts."""
+        cdef SlotState* s = self._state(slot)
+        if self._requests[slot] is None:
+            raise ValueError(f"slot {slot} is not running")
+        if s.scheduled_step == self.step_id:
+            raise ValueError(f"slot {slot} is already scheduled in step {self.step_id}")
+        s.scheduled_step = self.step_id
+        s.num_scheduled_tokens = 0
+
     def decode_reserve_blocks(self):
         """Blocks every running sequence needs to grow decode_reserve_tokens past this step."""
         cdef int64_t total = 0

@@ -232,7 +232,14 @@ class SchedulerConfig:
 
     lora_rotate_after_steps: int = setting(8, low=0)
     """Steps a running adapter keeps admitting new requests while requests of adapters without a
-    place wait that long; then it drains and gives its place (docs/lora.md: rotation). 0: never."""
+    place wait that long; then it drains and gives its place (docs/lora.md: rotation), with
+    parking off. 0: never."""
+
+    lora_park_after_steps: int = setting(1, low=0)
+    """Parking (docs/lora.md): adapters take turns of this many steps at the step's max_loras
+    places while others wait for one; a running sequence whose adapter is out of turn sits the
+    step out, keeping its slot and KV (nothing recomputed). Replaces draining rotation when
+    set; preemptive rotation, when set, replaces it. 0: off."""
 
     lora_preempt_after_steps: int = setting(0, low=0)
     """Preemptive rotation (docs/lora.md): once requests waited this many steps for a place,

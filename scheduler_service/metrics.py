@@ -182,7 +182,7 @@ class Metrics:
 
     def on_lora(self, loras: LoraState) -> None:
         """The adapters running and waiting after a step (vllm:lora_requests_info)."""
-        self.vllm.on_lora(loras.max_loras, sorted(loras.running), loras.waiting_names())
+        self.vllm.on_lora(loras.max_loras, loras.running_names(), loras.waiting_names())
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics; returns the bound port (port 0 picks a free one)."""

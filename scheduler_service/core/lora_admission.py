@@ -39,6 +39,10 @@ longest ago and held it for a quantum, are *closed*: they admit nothing new unti
 sequences finish and the place frees; the waiting adapter then admits its whole backlog at once.
 Each place thus serves adapters in turns of about a quantum plus one request's lifetime.
 
+Parking (`lora_park_after_steps`, the default; core/lora_parking.py) replaces draining
+rotation: the places are counted over the adapters *in turn* (`_blocked_by_turn`), sequences of
+the others sit steps out keeping their KV, and the turns go round every quantum.
+
 Preemptive rotation (`lora_preempt_after_steps`, replacing the above when set): the chosen
 adapters are preempted instead of closed, before the step's running sequences are scheduled
 (`_lora_preempt`), so a turn is a quantum and no longer includes a request's lifetime. Each
@@ -50,8 +54,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from scheduler_service.core.lora_parking import LoraParking
 from scheduler_service.core.loras import LoraState
-from scheduler_service.core.part import SchedulerPart
 from scheduler_service.core.plan import StepPlan
 from scheduler_service.core.request import Request, RequestStatus
 
@@ -62,13 +66,16 @@ MAX_SKIPS_PER_STEP = 256
 
 def lora_blocked(loras: LoraState, request: Request) -> Optional[str]:
     """Why `request` cannot start this step for its adapter (None: it can). "load": its adapter
-    is not loaded here; "full": max_loras adapters run; "starved": a place is kept for the starved
-    request's adapter; "draining": its adapter is being drained for the starved request;
-    "closed": its adapter held its place a quantum while others waited, and drains."""
+    is not loaded here; "full": max_loras adapters run (with parking: are in turn); "starved": a
+    place is kept for the starved request's adapter; "draining": its adapter is being drained
+    for the starved request; "closed": its adapter held its place a quantum while others
+    waited, and drains."""
     name = request.lora_name
     if not name:
         return None
     starved = loras.starved
+    if loras.turns.on:
+        return _blocked_by_turn(loras, request)
     if name in loras.running:
         if name in loras.closed:
             return "closed"
@@ -87,8 +94,29 @@ def lora_blocked(loras: LoraState, request: Request) -> Optional[str]:
     return None
 
 
-class LoraAdmission(SchedulerPart):
-    """The adapter rule of step 2 (a part of Scheduler)."""
+def _blocked_by_turn(loras: LoraState, request: Request) -> Optional[str]:
+    """lora_blocked with parking (core/lora_parking.py): an adapter in turn admits; another
+    takes a free place, if any. While a request starves, an adapter in turn with nothing
+    running admits nothing either (as a place that frees: kept for the starved one)."""
+    name, starved = request.lora_name, loras.starved
+    kept = starved is not None and name != starved.lora_name and name not in loras.running
+    if name in loras.turns.active and not kept:
+        if name not in loras.resident:  # evicted while only waiting requests held its turn
+            return "load"
+        if starved is not None and name == loras.draining and request is not starved:
+            return "draining"
+        return None
+    if starved is not None and starved.lora_name != name:
+        return "starved"
+    if name not in loras.resident:
+        return "load"
+    if len(loras.turns.active) >= loras.max_loras:
+        return "full"
+    return None
+
+
+class LoraAdmission(LoraParking):
+    """The adapter rule of step 2 (a part of Scheduler; parking's turns before step 1)."""
 
     loras: LoraState
     num_lora_rotations_total = 0  # adapters preempted by preemptive rotation (per instance)
@@ -105,7 +133,9 @@ class LoraAdmission(SchedulerPart):
         request.lora_skips += 1
         config = self.config
         quantum = config.lora_preempt_after_steps or config.lora_rotate_after_steps
-        if why == "full" and quantum and request.lora_skips >= quantum:
+        if why == "full" and loras.turns.on:
+            loras.turns.note_waiting(request.lora_name, self._next_step_id - 1)
+        elif why == "full" and quantum and request.lora_skips >= quantum:
             loras.note_waiting(request.lora_name, request.lora_skips)
         if loras.starved is None and request.lora_skips >= self.config.lora_max_skipped_steps:
             loras.starved = request
@@ -116,7 +146,7 @@ class LoraAdmission(SchedulerPart):
         """Before a step's admissions: the starved request is forgotten once it is admitted or
         gone, and a drained adapter chosen while it still waits."""
         loras = self.loras
-        if not self.config.lora_preempt_after_steps:  # else _lora_preempt rotated already
+        if not (self.config.lora_preempt_after_steps or loras.turns.on):  # rotated already
             loras.rotate(self._next_step_id, self.config.lora_rotate_after_steps)
         loras.lapse_promises()
         starved = loras.starved
@@ -151,7 +181,8 @@ class LoraAdmission(SchedulerPart):
         if starved is None or not loras.running:
             return
         name = starved.lora_name
-        places_full = len(loras.running) >= loras.max_loras
+        # With parking a full set of places is no reason: the turns come round by themselves.
+        places_full = len(loras.running) >= loras.max_loras and not loras.turns.on
         no_room = (
             name not in loras.resident
             and loras.capacity is not None
@@ -165,6 +196,8 @@ class LoraAdmission(SchedulerPart):
         """`request` took a slot: its adapter counts as running."""
         loras = self.loras
         loras.on_start(request.lora_name, self._next_step_id)
+        if loras.turns.on:
+            loras.turns.begin(request.lora_name, self._next_step_id - 1)
         request.lora_skips = 0  # counts one wait: a preempted request's next starts from 0
         if request is loras.starved:
             loras.starved = None

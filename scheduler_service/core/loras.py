@@ -70,6 +70,8 @@ class LoraState:
         self.closed: set[str] = set()
         self.waiting_for_place: dict[str, int] = {}
         self.promised: set[str] = set()
+        # Parking (core/lora_parking.py): the adapters in turn and those waiting for one.
+        self.turns = LoraTurns()
 
     @property
     def enabled(self) -> bool:
@@ -109,8 +111,19 @@ class LoraState:
                 del self.in_flight[name]
 
     def waiting_names(self) -> list[str]:
-        """Adapters with at least one waiting request, sorted."""
-        return sorted(name for name, n in self.in_flight.items() if n > self.running.get(name, 0))
+        """Adapters with at least one waiting request, sorted; with parking, also those whose
+        running sequences are parked (they wait for their turn: core/lora_parking.py)."""
+        waiting = {name for name, n in self.in_flight.items() if n > self.running.get(name, 0)}
+        if self.turns.on:
+            waiting.update(name for name in self.running if name not in self.turns.active)
+        return sorted(waiting)
+
+    def running_names(self) -> list[str]:
+        """Adapters with running sequences, sorted; with parking, only those in turn (the
+        others' sequences are parked: waiting_names)."""
+        if self.turns.on:
+            return sorted(name for name in self.running if name in self.turns.active)
+        return sorted(self.running)
 
     # ---- residency ---------------------------------------------------------------------------
 
@@ -192,6 +205,7 @@ class LoraState:
         self.closed.clear()
         self.waiting_for_place.clear()
         self.promised.clear()
+        self.turns.clear()
 
     def note_waiting(self, name: str, skips: int) -> None:
         """A request of `name` waited `skips` steps (a quantum or more) for a place."""
@@ -238,3 +252,62 @@ class LoraState:
         lora_id = self.resident.pop(name, None)
         if lora_id is not None:
             self.forgotten[name] = lora_id
+
+
+class LoraTurns:
+    """The adapters in turn (at most max_loras) and those waiting for one."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, int] = {}  # name -> the step its turn began
+        self.waiting_since: dict[str, int] = {}  # name -> the step it began waiting for a turn
+        self.num_parked = 0  # sequences parked in the last step built (a gauge)
+        self.num_parked_total = 0  # sequence-steps parked since start (a counter)
+        self.on = False  # parking is the rule in force (set by each step)
+
+    def clear(self) -> None:
+        """A model-service restart: nothing runs, nothing is in turn."""
+        self.active.clear()
+        self.waiting_since.clear()
+        self.num_parked = 0
+
+    def begin(self, name: str, step_id: int) -> None:
+        """`name` takes a place (admitted into a free one, or given a turn)."""
+        self.active.setdefault(name, step_id)
+        self.waiting_since.pop(name, None)
+
+    def note_waiting(self, name: str, step_id: int) -> None:
+        """`name` has work and no turn: it queues for one (its first step of waiting kept)."""
+        if name not in self.active:
+            self.waiting_since.setdefault(name, step_id)
+
+    def next_turns(self, loras: LoraState, step_id: int, quantum: int) -> None:
+        """At a step's start: adapters with nothing in flight give up their place; waiting
+        adapters (oldest wait first) take the free places, then those of adapters that held
+        theirs `quantum` steps (oldest turn first). The starved request's adapter goes first
+        and may take the oldest turn however short (core/lora_admission.py: no starvation)."""
+        in_flight = loras.in_flight
+        for name in [n for n in self.active if not in_flight.get(n)]:
+            del self.active[name]
+        for name in [n for n in self.waiting_since if not in_flight.get(n)]:
+            del self.waiting_since[name]
+        starved = loras.starved.lora_name if loras.starved is not None else None
+        if starved is not None:  # skipped for a load or for the starved rule, not "full"
+            self.note_waiting(starved, step_id)
+            # An adapter in turn with nothing running admits nothing while one starves.
+            for name in [n for n in self.active if n != starved and not loras.running.get(n)]:
+                del self.active[name]
+        queue = sorted(
+            (name for name in self.waiting_since if name in loras.resident),
+            key=lambda n: (n != starved, self.waiting_since[n], n),
+        )
+        for name in queue:
+            if len(self.active) >= loras.max_loras:
+                held = [n for n, since in self.active.items() if step_id - since >= quantum]
+                if not held and name == starved:
+                    held = list(self.active)
+                if not held:
+                    break
+                ended = min(held, key=lambda n: (self.active[n], n))
+                del self.active[ended]
+                self.waiting_since[ended] = step_id  # behind every adapter already waiting
+            self.begin(name, step_id)

@@ -18,14 +18,19 @@ class Preemption(SchedulerPart):
 
     def _on_blocks_exhausted(self, slot: int) -> bool:
         """StepCore's call when the sequence in `slot` needs more blocks than are free: preempts
-        the policy's victim among the running sequences not yet scheduled in this step. True when
-        the victim is that sequence itself (nothing else fits either)."""
+        the policy's victim among the running sequences not yet scheduled in this step, parked
+        ones included (core/lora_parking.py). True when the victim is that sequence itself
+        (nothing else fits either)."""
         core, plan = self.core, self._plan
         if plan is None:
             raise RuntimeError(f"slot {slot} ran out of blocks outside schedule()")
         request = self.running_in(slot)
         victim = self.policy.select_victim(
-            [r for r in self.running if not core.is_scheduled(r.running_slot)]
+            [
+                r
+                for r in self.running
+                if r.lora_parked_step == plan.step_id or not core.is_scheduled(r.running_slot)
+            ]
         )
         self._preempt(victim, plan)
         return victim is request

@@ -140,6 +140,8 @@ class Request:
     lora_id: int = 0
     # Steps this request was skipped for its adapter while waiting (core/lora_admission.py).
     lora_skips: int = 0
+    # The last step it sat out while running, its adapter out of turn (core/lora_parking.py).
+    lora_parked_step: int = -1
     # Times this request was preempted; a preempted request goes ahead of fresh ones.
     num_preemptions: int = 0
     # Parallel samples: sample 0 is this request; once its prompt is computed, samples

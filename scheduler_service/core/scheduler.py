@@ -314,6 +314,7 @@ class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, Paralle
     def _schedule_in_mode_order(self, plan: StepPlan, now: float) -> None:
         """Steps 1 and 2 in the chunking mode's order (SchedulerConfig.chunking_mode)."""
         core, mode = self.core, self.config.chunking_mode
+        self._lora_park(plan.step_id)  # out-of-turn adapters' sequences sit the step out
         if mode == "interleaved":
             core.schedule_running(PHASE_ALL)
             self._schedule_waiting(plan, now)

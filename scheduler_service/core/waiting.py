@@ -75,8 +75,13 @@ class WaitingAdmission(SchedulerPart):
             reserve += core.reserve_blocks_of(slot, num_new_tokens)
 
     def _fits(self, request: Request) -> bool:
-        """Whether the waiting request's first chunk could be admitted right now."""
-        if len(self.running) >= self.max_num_seqs or self.slots.num_free == 0:
+        """Whether the waiting request's first chunk could be admitted right now (parked
+        sequences take a slot but no place in the step: core/lora_parking.py)."""
+        num_in_step = len(self.running)
+        if self.loras.turns.on:
+            active = self.loras.turns.active
+            num_in_step = sum(1 for r in self.running if not r.lora_name or r.lora_name in active)
+        if num_in_step >= self.max_num_seqs or self.slots.num_free == 0:
             return False
         hits: list[int]
         if self.swap.held_blocks(request) is not None:

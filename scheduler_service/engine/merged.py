@@ -60,7 +60,7 @@ class ReplicaMetrics:
         """vllm:lora_requests_info over every replica: the union of their running and waiting
         adapters (one series, as one vLLM pod shows)."""
         states = [s.loras for s in self._merged.schedulers()]
-        running = sorted({name for state in states for name in state.running})
+        running = sorted({name for state in states for name in state.running_names()})
         waiting = sorted({name for state in states for name in state.waiting_names()})
         self._metrics.vllm.on_lora(loras.max_loras, running, waiting)
 
