@@ -52,7 +52,6 @@ cdef extern from "csrc/decoder.h" nogil:
         const float* row_scale
         uint16_t* u
         float* delta
-        int64_t one_thread_macs
 
     ctypedef struct dl_layer:
         const uint16_t* input_norm

@@ -26,5 +26,5 @@ class DecoderLayers:
         self, step_args: int, block_size: int, num_blocks: int, split_positions: int, rows: int,
         positions: int, residual: int, delta: int, x: int, qkv: int, attn: int, gate_up: int,
         act: int, num_threads: int, lora: LoraTable | None = None, row_owner: int = 0,
-        row_scale: int = 0, lora_u: int = 0, lora_delta: int = 0, one_thread_macs: int = 0,
+        row_scale: int = 0, lora_u: int = 0, lora_delta: int = 0,
     ) -> None: ...

@@ -134,8 +134,7 @@ cdef class DecoderLayers:
     def run(self, uintptr_t step_args, int64_t block_size, int64_t num_blocks, int64_t split_positions,
             int64_t rows, uintptr_t positions, uintptr_t residual, uintptr_t delta, uintptr_t x, uintptr_t qkv,
             uintptr_t attn, uintptr_t gate_up, uintptr_t act, int num_threads, LoraTable lora=None,
-            uintptr_t row_owner=0, uintptr_t row_scale=0, uintptr_t lora_u=0, uintptr_t lora_delta=0,
-            int64_t one_thread_macs=0):
+            uintptr_t row_owner=0, uintptr_t row_scale=0, uintptr_t lora_u=0, uintptr_t lora_delta=0):
         """Every layer over `rows` token rows: step_args is the step's AttentionStep.args_address;
         the buffers' addresses as csrc/decoder.h lays them out. On return `delta` holds the last
         layer's MLP output, not yet added into `residual`. With `lora`, each row's adapter
@@ -149,7 +148,6 @@ cdef class DecoderLayers:
             adapters.modules = lora.modules
             adapters.row_owner, adapters.row_scale = <const int64_t*>row_owner, <const float*>row_scale
             adapters.u, adapters.delta = <uint16_t*>lora_u, <float*>lora_delta
-            adapters.one_thread_macs = one_thread_macs
             b.lora = &adapters
         cdef int code, op
         cdef int64_t layer

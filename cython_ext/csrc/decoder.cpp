@@ -16,17 +16,15 @@ int linear(const dl_kernels* k, const dl_linear* w, const void* x, int64_t rows,
                           isa, threads);
 }
 
-int factor_threads(const dl_lora* lora, int64_t rows, int64_t n, int64_t k, int threads) {
-    return rows * n * k < lora->one_thread_macs ? 1 : threads;
-}
-
-// y [T, ldy] += the LoRA products of x [T, in_features] (decoder.h's LoRA paragraph).
+// y [T, ldy] += the LoRA products of x [T, in_features] (decoder.h's LoRA paragraph). The factors'
+// GEMMs run on the step's threads: between back-to-back calls the team is awake, so the small
+// GEMMs gain from the second thread here, unlike from Python (lora/stacked.py's ONE_THREAD_MACS).
 int lora_add(const dl_kernels* k, const dl_lora* lora, const dl_lora_module* mod, const void* x, int64_t in_features,
              int64_t rows, uint16_t* y, int64_t ldy, int isa, int threads) {
     const int64_t rank = mod->rank;
     uint16_t* u = lora->u;
     int code = k->linear_bf16((const uint16_t*)x, rows, in_features, mod->packed_a, rank, in_features, nullptr, u,
-                              rank, 0, isa, factor_threads(lora, rows, rank, in_features, threads));
+                              rank, 0, isa, threads);
     if (code != 0) return code;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t owner = lora->row_owner[r];
@@ -37,7 +35,7 @@ int lora_add(const dl_kernels* k, const dl_lora* lora, const dl_lora_module* mod
         const dl_lora_target* target = &mod->targets[t];
         const int64_t cols = target->end - target->start, width = target->k1 - target->k0;
         code = k->linear_bf16(u + target->k0, rows, rank, target->packed_b, cols, width, nullptr, lora->delta, cols,
-                              1, isa, factor_threads(lora, rows, cols, width, threads));
+                              1, isa, threads);
         if (code != 0) return code;
         for (int64_t r = 0; r < rows; ++r) {
             const float scale = lora->row_scale[r];

@@ -95,7 +95,6 @@ typedef struct dl_lora {
     const float* row_scale;    // [T]
     uint16_t* u;               // [T, max rank] bfloat16
     float* delta;              // [T, max target columns]
-    int64_t one_thread_macs;   // factor GEMMs below this many multiply-adds run on one thread
 } dl_lora;
 
 typedef struct dl_layer {

@@ -34,7 +34,7 @@ from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import AttentionMetadata
 from model_service.kernels import layer_ops
 from model_service.kernels.gemm import PackedLinear
-from model_service.lora.stacked import ONE_THREAD_MACS, LoadedStack
+from model_service.lora.stacked import LoadedStack
 
 # A step's adapters as the native loop takes them: the stack, each row's lora_id (int64 [T], 0:
 # base) and scale (float32 [T, 1]), as lora/grouping.py's LoraStep.stacked holds them.
@@ -259,6 +259,5 @@ class NativeLayers:
             "row_scale": scale.data_ptr(),
             "lora_u": u.data_ptr(),
             "lora_delta": delta.data_ptr(),
-            "one_thread_macs": ONE_THREAD_MACS,
         }
         return arguments, (owner, scale, u, delta)
