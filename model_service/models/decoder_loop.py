@@ -22,6 +22,8 @@ forces it (A/B checks).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -34,10 +36,11 @@ from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import AttentionMetadata
 from model_service.kernels import layer_ops
 from model_service.kernels.gemm import PackedLinear
-from model_service.lora.stacked import LoadedStack
 
-# A step's adapters as the native loop takes them: the stack, each row's lora_id (int64 [T], 0:
-# base) and scale (float32 [T, 1]), as lora/grouping.py's LoraStep.stacked holds them.
+# A step's adapters as the native loop takes them: the stack (lora/stacked.py's LoadedStack, not
+# imported: lora/ sits above models/ in the rooms), each row's lora_id (int64 [T], 0: base) and
+# scale (float32 [T, 1]), as lora/grouping.py's LoraStep.stacked holds them.
+LoadedStack = Any
 StackedStep = tuple[LoadedStack, np.ndarray, torch.Tensor]
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
