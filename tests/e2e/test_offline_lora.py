@@ -120,8 +120,9 @@ def test_bad_lora_requests_are_refused_naming_the_field(llm, folders):
     from planserve import LLM, LoRARequest
 
     root, _ = folders
-    a1 = _lora(root, "a1", 1)
-    llm.generate(PROMPTS[0], _params(), lora_request=a1)  # registered
+    a1, a2 = _lora(root, "a1", 1), _lora(root, "a2", 2)
+    [before] = llm.generate(PROMPTS[0], _params(), lora_request=a2)
+    llm.generate(PROMPTS[0], _params(), lora_request=a1)  # a2 is now the idle one to evict
     free, names = llm.scheduler.kv.num_free_blocks, dict(llm.adapters.registry.adapters)
     refused = [
         (_lora(root, "big", 3), "lora_request.lora_path: .*r: 32 exceeds --max-lora-rank 16"),
@@ -144,8 +145,10 @@ def test_bad_lora_requests_are_refused_naming_the_field(llm, folders):
         assert not llm.scheduler.has_work() and llm.scheduler.kv.num_free_blocks == free
     with pytest.raises(ValueError, match="lora_int_id: must be an int > 0"):
         LoRARequest("a1", 0, str(root / "a1"))
-    [again] = llm.generate(PROMPTS[0], _params(), lora_request=a1)  # still served
-    assert again.finish_reason == "length"
+    # Loading `big` evicted a2 (max_cpu_loras 2) before its refusal: a2 loads again at first use.
+    assert "a2" not in llm.scheduler.loras.resident
+    [again] = llm.generate(PROMPTS[0], _params(), lora_request=a2)
+    assert again.token_ids == before.token_ids and "a2" in llm.scheduler.loras.resident
 
     base = LLM(model="tiny", dtype=dtypes.DEFAULT, num_kv_blocks=16)
     with pytest.raises(ValueError, match="lora_request: .*LoRA is not enabled .*enable_lora=True"):
