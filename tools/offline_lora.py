@@ -110,13 +110,13 @@ class OfflineAdapters:
                 raise ValueError(f"lora_request: {len(wanted)} for {num_prompts} prompts")
         adapters: dict[LoRARequest, Adapter] = {}
         for lora in wanted:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request: a LoRARequest or None, got {type(lora).__name__}")
             if lora is not None and lora not in adapters:
                 adapters[lora] = self._adapter(lora)
         return [None if lora is None else adapters[lora] for lora in wanted]
 
     def _adapter(self, lora: LoRARequest) -> Adapter:
-        if not isinstance(lora, LoRARequest):
-            raise ValueError(f"lora_request: a LoRARequest or None, got {type(lora).__name__}")
         if self.scheduler.loras.capacity is None:
             raise ValueError(
                 f"lora_request: adapter {lora.lora_name!r} asked for, but LoRA is not enabled "

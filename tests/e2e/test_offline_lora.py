@@ -136,6 +136,7 @@ def test_bad_lora_requests_are_refused_naming_the_field(llm, folders):
         (LoRARequest("other", 1, str(root / "a2")), "lora_request.lora_int_id: 1 already names"),
         ([a1, None], "lora_request: 2 for 3 prompts"),
         (["a1", None, None], "lora_request: a LoRARequest or None"),
+        ([None, {"lora_name": "a1"}, None], "lora_request: a LoRARequest or None, got dict"),
     ]
     for lora, message in refused:
         with pytest.raises(ValueError, match=message):
