@@ -6,6 +6,10 @@
                            SamplingParams(max_tokens=32, temperature=0))
     print(results[0].text, results[0].token_ids, results[0].finish_reason)
 
+LoRA adapters: `LLM(..., enable_lora=True, max_loras=2)`, then
+`llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))`
+(tools/offline_lora.py).
+
 The same code as the two services, minus the network: prompts become the same GenerateRequest a
 gRPC client sends and pass the same validation (intake.py); the same Scheduler plans every step;
 `InProcessEngine` hands each plan to the model service's own plan parsing and ModelRunner through
@@ -22,7 +26,7 @@ import time
 import uuid
 from typing import Any, Optional, Sequence, Union
 
-from planserve.v1 import common_pb2, generate_pb2
+from planserve.v1 import common_pb2, engine_pb2, generate_pb2
 from scheduler_service.api import intake
 from scheduler_service.api.streams import Collected, finish_reason_name
 from scheduler_service.config import SchedulerConfig
@@ -33,6 +37,9 @@ from scheduler_service.engine.client import EngineFacts
 from scheduler_service.text import structured
 from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
+from tools.offline_lora import LoRARequest, LoraRequests, OfflineAdapters, rpc_error
+
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 @dataclasses.dataclass
@@ -162,6 +169,31 @@ class InProcessEngine:
             raise RuntimeError(f"result for step {result.step_id}, expected {step.step_id}")
         return result
 
+    async def load_adapter(
+        self, lora_id: int, name: str, path: str, timeout_s: float = 600.0
+    ) -> engine_pb2.LoadAdapterResponse:
+        """LoadAdapter on the runner, on this thread (EngineClient's call, without the wait);
+        a refusal raises the status the model service would send."""
+        from model_service.lora.peft_folder import AdapterError
+
+        try:
+            adapter = self.runner.load_adapter(lora_id, name, path)
+        except AdapterError as error:
+            raise rpc_error(error.code, error.message) from None
+        return engine_pb2.LoadAdapterResponse(
+            rank=adapter.rank, target_modules=adapter.target_modules, num_bytes=adapter.num_bytes
+        )
+
+    async def evict_adapter(self, lora_id: int, timeout_s: float = 60.0) -> None:
+        """EvictAdapter on the runner; an id it does not hold is not an error (EngineClient's)."""
+        from model_service.lora.peft_folder import AdapterError
+
+        try:
+            self.runner.evict_adapter(lora_id)
+        except AdapterError as error:
+            if error.code != "NOT_FOUND":
+                raise rpc_error(error.code, error.message) from None
+
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -170,7 +202,9 @@ class LLM:
     """A model and a scheduler in this process. `model`: "tiny", "smollm2", a .gguf path or a
     Hugging Face folder (what `planserve model-service --model` takes); `engine_options` go to
     ModelServiceConfig (num_kv_blocks, max_model_len, kv_cache_memory_bytes, ...), and
-    `scheduler_options` to SchedulerConfig (max_num_seqs, max_num_batched_tokens, policy, ...)."""
+    `scheduler_options` to SchedulerConfig (max_num_seqs, max_num_batched_tokens, policy, ...).
+    LoRA: `enable_lora=True` and vLLM's `max_loras`, `max_lora_rank`, `max_cpu_loras` (engine
+    options too); generate() and chat() then take `lora_request` (docs/lora.md, "Offline")."""
 
     def __init__(
         self,
@@ -208,15 +242,19 @@ class LLM:
             self.facts.vocab_size,
             engine=self.config.grammar_engine,
         )
+        self.adapters = OfflineAdapters(self.scheduler, self.engine, self.facts.model_name)
 
     def generate(
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        lora_request: LoraRequests = None,
     ) -> list[RequestResult]:
         """Generates for every prompt (a string, a list of token ids, or chat messages as
         [{"role", "content"}, ...]), all batched together by the scheduler; results in the
-        prompts' order. Bad input raises ValueError naming the field, before anything runs."""
+        prompts' order. `lora_request`: one LoRARequest for every prompt, or a list with one
+        per prompt (None: the base model). Bad input raises ValueError naming the field, before
+        anything runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         prompts = list(prompts)
@@ -226,18 +264,23 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} for {len(prompts)} prompts")
+        adapters = self.adapters.resolve(lora_request, len(prompts))
         requests = [self._request(prompt, p) for prompt, p in zip(prompts, params)]
+        for request, adapter in zip(requests, adapters):
+            if adapter is not None:  # as the served path's admission selects it
+                request.lora_name, request.lora_id = adapter.name, adapter.lora_id
         return self._run(prompts, requests)
 
     def chat(
         self,
         conversations: Union[Sequence[dict], Sequence[Sequence[dict]]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        lora_request: LoraRequests = None,
     ) -> list[RequestResult]:
         """generate() for chat conversations, rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate(list(conversations), sampling_params)
+        return self.generate(list(conversations), sampling_params, lora_request)
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> Request:
         pb = generate_pb2.GenerateRequest(request_id=uuid.uuid4().hex)
@@ -274,6 +317,7 @@ class LLM:
         num_idle_steps = 0  # plans with nothing to compute, in a row
         while scheduler.has_work():
             step = scheduler.schedule()
+            self.adapters.pump()  # the adapters this plan's waiting requests need, loaded now
             collect(scheduler.take_early_outputs())
             if step.is_empty:
                 num_idle_steps += 1
@@ -285,6 +329,7 @@ class LLM:
                 continue
             num_idle_steps = 0
             collect(scheduler.update(step, self.engine.execute(step)))
+            self.adapters.pump()  # adapters idle since this result may be evicted now
         collect(scheduler.take_early_outputs())
         return [
             RequestResult(

@@ -1,12 +1,12 @@
 """planserve: the public gRPC contract (planserve.v1) and the offline Python API.
 
-`from planserve import LLM, SamplingParams` runs the scheduler and the model in this process
-(tools/offline.py); both are imported on first use, so importing the generated
+`from planserve import LLM, SamplingParams, LoRARequest` runs the scheduler and the model in
+this process (tools/offline.py); they are imported on first use, so importing the generated
 stubs stays light (no torch).
 """
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str):
