@@ -61,6 +61,31 @@ def adapter_root(tmp_path_factory):
     return root, outside
 
 
+async def one_place_server(root, dtype: str, **rule):
+    """The tiny model in `dtype` with a1..a3 of `root` over one place (--max-loras 1) behind a
+    scheduler with the rotation `rule` (a lora_*_after_steps setting): (engine, server)."""
+    engine = EngineProcess(
+        "--model", "tiny", "--dtype", dtype, "--num-kv-blocks", "64",
+        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "3",
+    )  # fmt: skip
+    server = await start_scheduler(
+        engine.address,
+        http_port=0,
+        max_num_seqs=8,
+        lora_modules=tuple(f"{name}={root / name}" for name in ("a1", "a2", "a3")),
+        **rule,
+    )
+    return engine, server
+
+
+async def greedy_tokens(client, model: str) -> list[str]:
+    """24 greedy tokens of "hello world" on `model` (an adapter's name or the base model's)."""
+    reply = await client.completions.create(
+        model=model, prompt="hello world", max_tokens=24, temperature=0, logprobs=1
+    )
+    return reply.choices[0].logprobs.tokens
+
+
 @pytest.fixture(scope="module")
 def lora_engine():
     engine = EngineProcess(

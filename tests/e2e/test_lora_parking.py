@@ -11,10 +11,10 @@ import asyncio
 
 import grpc
 import openai
-import pytest
 import pytest_asyncio
 from conftest import EngineProcess, start_scheduler
 from test_lora import adapter_root  # noqa: F401  (the module fixture: root/{a1,a2,a3})
+from test_lora import greedy_tokens, one_place_server
 
 from planserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
@@ -74,43 +74,24 @@ async def test_every_stream_gets_exactly_its_tokens_with_parking(null_server):
 
 @pytest_asyncio.fixture(scope="module", params=["float32", "auto"])
 async def tiny_parking_server(request, adapter_root):  # noqa: F811
-    root, _ = adapter_root
-    engine = EngineProcess(
-        "--model", "tiny", "--dtype", request.param, "--num-kv-blocks", "64",
-        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "3",
-    )  # fmt: skip
-    server = await start_scheduler(
-        engine.address,
-        http_port=0,
-        max_num_seqs=8,
-        lora_modules=tuple(f"{name}={root / name}" for name in ("a1", "a2", "a3")),
-        lora_park_after_steps=1,
-    )
+    engine, server = await one_place_server(adapter_root[0], request.param, lora_park_after_steps=1)
     yield server
     await server.stop(grace_s=1)
     engine.stop()
 
 
-async def _tokens(client, model: str) -> list[str]:
-    reply = await client.completions.create(
-        model=model, prompt="hello world", max_tokens=24, temperature=0, logprobs=1
-    )
-    return reply.choices[0].logprobs.tokens
-
-
-@pytest.mark.slow(reason="the tiny model with three adapters, in two dtypes")
 async def test_parked_adapters_resume_with_the_tokens_they_get_alone(tiny_parking_server):
     server = tiny_parking_server
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused"
     )
     models = ["a1", "a2", "a3"]
-    alone = {model: await _tokens(client, model) for model in models}
+    alone = {model: await greedy_tokens(client, model) for model in models}
     assert len({tuple(tokens) for tokens in alone.values()}) == 3  # three different adapters
     scheduler = server.loop.scheduler
     parked_before = scheduler.loras.turns.num_parked_total
     preempted_before = scheduler.num_preemptions_total
-    together = await asyncio.gather(*(_tokens(client, m) for m in models * 2))
+    together = await asyncio.gather(*(greedy_tokens(client, m) for m in models * 2))
     assert together == [alone[m] for m in models * 2]
     assert scheduler.loras.turns.num_parked_total > parked_before, "nothing was parked"
     assert scheduler.num_preemptions_total == preempted_before

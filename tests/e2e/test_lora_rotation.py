@@ -8,34 +8,16 @@ import asyncio
 
 import openai
 import pytest_asyncio
-from conftest import EngineProcess, start_scheduler
 from test_lora import adapter_root  # noqa: F401  (the module fixture: root/{a1,a2,a3})
+from test_lora import greedy_tokens, one_place_server
 
 
 @pytest_asyncio.fixture(scope="module")
 async def rotating_server(adapter_root):  # noqa: F811
-    root, _ = adapter_root
-    engine = EngineProcess(
-        "--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64",
-        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "3",
-    )  # fmt: skip
-    server = await start_scheduler(
-        engine.address,
-        http_port=0,
-        max_num_seqs=8,
-        lora_modules=tuple(f"{name}={root / name}" for name in ("a1", "a2", "a3")),
-        lora_preempt_after_steps=2,
-    )
+    engine, server = await one_place_server(adapter_root[0], "float32", lora_preempt_after_steps=2)
     yield server
     await server.stop(grace_s=1)
     engine.stop()
-
-
-async def _tokens(client, model: str) -> list[str]:
-    reply = await client.completions.create(
-        model=model, prompt="hello world", max_tokens=24, temperature=0, logprobs=1
-    )
-    return reply.choices[0].logprobs.tokens
 
 
 async def test_preempted_adapters_resume_with_the_tokens_they_get_alone(rotating_server):
@@ -43,11 +25,11 @@ async def test_preempted_adapters_resume_with_the_tokens_they_get_alone(rotating
         base_url=f"http://127.0.0.1:{rotating_server.http_port}/v1", api_key="unused"
     )
     models = ["a1", "a2", "a3"]
-    alone = {model: await _tokens(client, model) for model in models}
+    alone = {model: await greedy_tokens(client, model) for model in models}
     assert len({tuple(tokens) for tokens in alone.values()}) == 3  # three different adapters
     scheduler = rotating_server.loop.scheduler
     before = scheduler.num_lora_rotations_total
-    together = await asyncio.gather(*(_tokens(client, m) for m in models * 2))
+    together = await asyncio.gather(*(greedy_tokens(client, m) for m in models * 2))
     assert together == [alone[m] for m in models * 2]
     assert scheduler.num_lora_rotations_total > before, "no adapter was preempted"
     assert not scheduler.loras.running and not scheduler.loras.promised
