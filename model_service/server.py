@@ -1,18 +1,23 @@
-"""The model service's thin gRPC servicer (grpc.aio).
+"""The model service's gRPC server: a synchronous `grpc.server`, its RPCs on a pool of threads.
 
-Describe returns the runner's facts; Execute runs one plan per request, in order, each step
-(plan decode, run, result encode) on the stream's own thread (step_thread.py) so the event loop
-keeps serving health checks and Describe and does only the stream's reads and writes. The
-stream's lifetime is the lifetime of the slots: when it ends, every slot is dropped. One stream
-at a time: a second concurrent Execute gets FAILED_PRECONDITION. Errors map to status codes
-here and only here.
+Describe returns the runner's facts; Execute runs one plan per request, in order, on the stream's
+handler thread: read the plan, decode and check it, run it, encode and write the result, then read
+the next, with no event loop and no hand-off between threads on the step path (the measurements
+that chose a synchronous server over grpc.aio: docs/benchmarks.md, "The model service's host CPU
+per step"). The stream's lifetime is the lifetime of the slots: when it ends, every slot is
+dropped. One stream at a time: a second concurrent Execute gets FAILED_PRECONDITION. Errors map
+to status codes here and only here. Health checks, Describe and the LoRA RPCs run on other
+threads of the pool while a stream steps. `serve` and `shutdown` stay coroutines for their
+callers (the process's signal loop, tests); the server itself needs no event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
+from concurrent import futures
 
 import grpc
 import structlog
@@ -25,7 +30,6 @@ from model_service.lora.peft_folder import AdapterError
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
 from model_service.step.plan import PlanError
-from model_service.step_thread import StepThread
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -35,6 +39,10 @@ Runner = ModelRunner | TensorParallelRunner
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "planserve.v1.EngineService"
+# Handler threads: the one Execute stream, a refused second one, health checks, Describe and an
+# adapter load (seconds long) at once, with room to spare. Health Watch streams hold none (the
+# health servicer sends their updates as short tasks on the same pool).
+RPC_THREADS = 8
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -45,35 +53,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # status reaches the client), so a reconnecting scheduler is never refused by a stream that
         # is only cleaning up. Slot drops run under `_cleanup`: every new stream drops all slots
         # first, and an ending stream drops them only if no newer stream has started meanwhile.
+        self._lock = threading.Lock()  # the flag and the generation, read and set together
         self._stream_open = False
         self._generation = 0
-        self._cleanup = asyncio.Lock()
+        self._cleanup = threading.Lock()
 
-    async def Describe(
-        self, request: engine_pb2.DescribeRequest, context
-    ) -> engine_pb2.DescribeResponse:
+    def Describe(self, request: engine_pb2.DescribeRequest, context) -> engine_pb2.DescribeResponse:
         return self._describe
 
-    async def LoadAdapter(
+    def LoadAdapter(
         self, request: engine_pb2.LoadAdapterRequest, context
     ) -> engine_pb2.LoadAdapterResponse:
-        """Reads the adapter on a worker thread of its own: the event loop and the Execute
-        stream's steps go on meanwhile (the store's lock covers only the insert)."""
+        """Reads the adapter on this RPC's thread: the Execute stream's steps go on meanwhile on
+        theirs (the store's lock covers only the insert)."""
         load = getattr(self.runner, "load_adapter", None)
         try:
             if load is None:  # tensor parallel: --enable-lora is refused at start
                 raise AdapterError("FAILED_PRECONDITION", "LoRA is not enabled on this engine")
-            adapter = await asyncio.to_thread(
-                load, request.lora_id, request.lora_name, request.lora_path
-            )
+            adapter = load(request.lora_id, request.lora_name, request.lora_path)
         except AdapterError as error:
             log.warning("lora_refused", lora_id=request.lora_id, error=error.message)
-            await context.abort(grpc.StatusCode[error.code], error.message)
+            context.abort(grpc.StatusCode[error.code], error.message)
         return engine_pb2.LoadAdapterResponse(
             rank=adapter.rank, target_modules=adapter.target_modules, num_bytes=adapter.num_bytes
         )
 
-    async def EvictAdapter(
+    def EvictAdapter(
         self, request: engine_pb2.EvictAdapterRequest, context
     ) -> engine_pb2.EvictAdapterResponse:
         evict = getattr(self.runner, "evict_adapter", None)
@@ -82,25 +87,20 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 raise AdapterError("FAILED_PRECONDITION", "LoRA is not enabled on this engine")
             evict(request.lora_id)
         except AdapterError as error:
-            await context.abort(grpc.StatusCode[error.code], error.message)
+            context.abort(grpc.StatusCode[error.code], error.message)
         return engine_pb2.EvictAdapterResponse()
 
-    async def Execute(self, request_iterator, context):
-        if self._stream_open:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open; one at a time"
-            )
-        self._stream_open = True
-        self._generation += 1
-        generation = self._generation
-        log.info("execute_stream_open", peer=context.peer(), generation=generation)
-        steps = StepThread()
+    def Execute(self, request_iterator, context):
+        """A generator on the stream's handler thread: each `next` of the request iterator
+        blocks for the next plan, each `yield` blocks until the result is written. A client
+        that goes away raises out of either (or ends the generator), and `finally` drops the
+        slots."""
+        generation = self._open(context)
         try:
-            async with self._cleanup:
-                # reset() waits for a step still running in a worker thread (runner lock).
-                await asyncio.to_thread(self.runner.reset)
+            with self._cleanup:
+                self.runner.reset()  # waits for a step still running for an older stream
             last_step_id = None  # steps run in order: each step_id above the previous one
-            async for request in request_iterator:
+            for request in request_iterator:
                 received = time.perf_counter_ns()
                 try:
                     if last_step_id is not None and request.plan.step_id <= last_step_id:
@@ -109,7 +109,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                             f"{request.plan.step_id} is not after the previous step {last_step_id}",
                         )
                     last_step_id = request.plan.step_id
-                    response = await steps.run(self._step, request, received)
+                    response = self._step(request, received)
                 except PlanError as error:
                     log.warning(
                         "bad_plan",
@@ -117,32 +117,50 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                         field=error.field,
                         error=error.message,
                     )
-                    self._stream_open = False
-                    await context.abort(
+                    self._ending(generation)
+                    context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
                     )
                 except (
                     Exception
                 ) as error:  # a bug or a device failure: end the stream with a status
                     log.exception("step_failed", step_id=request.plan.step_id)
-                    self._stream_open = False
-                    await context.abort(
+                    self._ending(generation)
+                    context.abort(
                         grpc.StatusCode.INTERNAL, f"step {request.plan.step_id} failed: {error!r}"
                     )
                 yield response
         finally:
-            steps.close()
+            self._ending(generation)
+            with self._cleanup:
+                if self._generation == generation:
+                    self.runner.reset()
+            log.info("execute_stream_closed", generation=generation)
+
+    def _open(self, context) -> int:
+        """The new stream's generation; FAILED_PRECONDITION while another stream is open."""
+        with self._lock:
+            refused = self._stream_open
+            if not refused:
+                self._stream_open = True
+                self._generation += 1
+                generation = self._generation
+        if refused:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "another Execute stream is open; one at a time"
+            )
+        log.info("execute_stream_open", peer=context.peer(), generation=generation)
+        return generation
+
+    def _ending(self, generation: int) -> None:
+        with self._lock:
             if self._generation == generation:
                 self._stream_open = False
-            async with self._cleanup:
-                if self._generation == generation:
-                    await asyncio.to_thread(self.runner.reset)
-            log.info("execute_stream_closed", generation=generation)
 
     def _step(
         self, request: engine_pb2.ExecuteRequest, received_ns: int
     ) -> engine_pb2.ExecuteResponse:
-        """One step, on the stream's thread: decode and check the plan, run it, encode."""
+        """One step: decode and check the plan, run it, encode."""
         output = self.runner.execute(from_pb(request, self.runner.limits))
         return result_to_pb(output, total_ns=time.perf_counter_ns() - received_ns)
 
@@ -215,30 +233,52 @@ async def _start(config: ModelServiceConfig) -> Runner:
     return build_runner(loaded, config)
 
 
+class EngineServer:
+    """The started server: `bound_port` (useful with config.port == 0), `health` (SERVING for ""
+    and the engine service once started), `runner`, and `stop`, a coroutine as grpc.aio's is."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        pool: futures.ThreadPoolExecutor,
+        health_servicer: health.HealthServicer,
+        runner: Runner,
+        bound_port: int,
+    ) -> None:
+        self._server, self._pool = server, pool
+        self.health, self.runner, self.bound_port = health_servicer, runner, bound_port
+
+    async def stop(self, grace: float | None) -> None:
+        """New RPCs refused at once; open ones get `grace` seconds, then are cancelled."""
+        stopped = self._server.stop(grace)
+        await asyncio.to_thread(stopped.wait)
+        self._pool.shutdown(wait=False)
+
+
 async def serve(
     config: ModelServiceConfig,
     runner: Runner | None = None,
     credentials: grpc.ServerCredentials | None = None,
-) -> grpc.aio.Server:
-    """Load the model (unless a runner is given), bind, start; returns the started server.
-
-    The bound port is `server.bound_port` (useful with config.port == 0); the health servicer is
-    `server.health` (SERVING for "" and the engine service once started).
-    """
+) -> EngineServer:
+    """Load the model (unless a runner is given), bind, start; returns the started server."""
     config.validate()
     if runner is None:
         runner = await _start(config)
     # Not SERVING (not even listening) before one real step went through the model.
     await asyncio.to_thread(warm_up, runner)
-    server = grpc.aio.server(
+    pool = futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="engine-rpc")
+    server = grpc.server(
+        pool,
         options=[
             ("grpc.so_reuseport", 0),  # a taken port fails instead of sharing its connections
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
-        ]
+        ],
     )
     engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(runner), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.HealthServicer(
+        experimental_non_blocking=True, experimental_thread_pool=pool
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # The engine trusts its plans: loopback by default (config.host), TLS/mTLS when credentials are
     # given. `--host unix:/path/engine.sock` binds a Unix socket instead (port unused; the
@@ -253,21 +293,19 @@ async def serve(
     except RuntimeError:
         port = 0
     if port == 0:
+        pool.shutdown(wait=False)
         raise PortTaken(f"--port {config.port}: cannot listen on {address}")
-    await server.start()
+    server.start()
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    server.bound_port = port
-    server.health = health_servicer
-    server.runner = runner
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", host=config.host, port=port, model=runner.loaded.name)
-    return server
+    return EngineServer(server, pool, health_servicer, runner, port)
 
 
-async def shutdown(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+async def shutdown(server: EngineServer, grace_s: float = 5.0) -> None:
     """Health NOT_SERVING first (so balancers stop sending), then a graceful stop."""
     for name in ("", SERVICE_NAME):
-        await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace_s)
     close = getattr(server.runner, "close", None)  # tensor parallel: stop the other ranks
     if close is not None:

@@ -111,7 +111,7 @@ def prompt_logprob_rows(
     alternative counts: for each scheduled slot that asked (in plan order), each computed
     position p whose next token p + 1 is still a prompt token. Call before computed advances."""
     rows, targets, counts = [], [], []
-    for b in np.flatnonzero(slot_table.num_prompt_logprobs[slots] >= 0).tolist():
+    for b in (slot_table.num_prompt_logprobs[slots] >= 0).nonzero()[0].tolist():
         slot = int(slots[b])
         start = int(slot_table.num_computed[slot])
         end = min(start + int(num_scheduled[b]), slot_table.processing[slot].num_prompt_tokens - 1)

@@ -24,7 +24,7 @@ def sample_rows(
     """Logits processing, sampling and logprobs for the sample rows; returns the token ids
     (and fills output's logprob arrays)."""
     raw = logits
-    processed = np.flatnonzero(table.changes_logits[sample_slots])
+    processed = table.changes_logits[sample_slots].nonzero()[0]
     if processed.size or plan.masked_slots.size:
         logits = logits.clone()
         if processed.size:
@@ -44,7 +44,7 @@ def sample_rows(
         min_p=table.min_p[sample_slots],
     )
     sampled = sample(logits, params).cpu().numpy().astype(np.int64)
-    logprob_rows = np.flatnonzero(table.num_logprobs[sample_slots] >= 0)
+    logprob_rows = (table.num_logprobs[sample_slots] >= 0).nonzero()[0]
     if logprob_rows.size:
         output.logprobs, output.logprob_token_ids = gather_logprobs(
             raw[torch.from_numpy(logprob_rows).to(raw.device)],

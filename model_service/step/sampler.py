@@ -69,7 +69,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """logits [R, V] float32 -> token ids [R] int64 (on the logits' device)."""
     device = logits.device
     greedy_ids = argmax_rows(logits)
-    random_rows = np.flatnonzero(params.temperature > 0)
+    random_rows = (params.temperature > 0).nonzero()[0]
     if not random_rows.size:
         return greedy_ids
     # Only the rows that draw compute a distribution (each row's by itself: batch-invariant).

@@ -89,13 +89,14 @@ def _check_tokens(
     """Scheduled tokens within the known ones (plus drafts), masks on sampling slots only, and
     no sequence past max_model_len."""
     slots, num_tokens, num_computed = plan.slots, counts.num_tokens, counts.num_computed
-    # A speculating decode may be granted up to k draft tokens past what is known.
-    lookahead = np.where(
-        (num_tokens[slots] - num_computed[slots] == 1) & counts.speculate[slots],
-        num_speculative_tokens,
-        0,
-    )
-    over = end > num_tokens[slots] + lookahead
+    known = num_tokens[slots]
+    lookahead: np.ndarray | int = 0
+    if num_speculative_tokens:
+        # A speculating decode may be granted up to k draft tokens past what is known.
+        lookahead = np.where(
+            (known - num_computed[slots] == 1) & counts.speculate[slots], num_speculative_tokens, 0
+        )
+    over = end > known + lookahead
     if over.any():
         i = int(np.argmax(over))
         raise PlanError(
@@ -104,7 +105,7 @@ def _check_tokens(
             f"{plan.num_scheduled_tokens[i]} exceeds its {num_tokens[slots[i]]} known tokens",
         )
     if plan.masked_slots.size:
-        missing = ~np.isin(plan.masked_slots, slots[end >= num_tokens[slots]])
+        missing = ~np.isin(plan.masked_slots, slots[end >= known])
         if missing.any():
             raise PlanError(
                 "masked_slots",

@@ -1,4 +1,4 @@
-"""LoRA over a real grpc.aio model server on 127.0.0.1 (tiny model, --enable-lora): Describe's
+"""LoRA over a real model server on 127.0.0.1 (tiny model, --enable-lora): Describe's
 capacity, LoadAdapter and EvictAdapter with their status codes, and an Execute stream whose
 sequences name an adapter and the base model, a load answered while the stream is open."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A real grpc.aio model server on 127.0.0.1 (tiny model): Describe, Execute steps, a bad plan."""
+"""A real model server on 127.0.0.1 (tiny model): Describe, Execute steps, a bad plan."""
 from __future__ import annotations
 
 import asyncio
