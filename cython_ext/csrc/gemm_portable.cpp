@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "bf16_scalar.h"
 #include "gemm.h"
 
 // GCC 12's loop vectorizer miscompiles these scalar tiles at -O3 (a 1-row tile added x[0] * w
@@ -24,20 +25,6 @@
 namespace GM_NS {
 
 using XT = uint16_t;  // the tiles read x as given
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 template <int MR, size_t W>
 static void store(const float (&acc)[MR][W], const uint16_t* bias, void* c, int64_t ldc, int cols, int f32) {

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_scalar.h"
 #include "gemm.h"
 
 #define GM_WIDEN_X 1
@@ -36,20 +37,6 @@ constexpr int64_t kLine = 2 * GM_PANEL; // bfloat16 values per pair of one panel
 // per pair that memory needs asking farther ahead.
 template <int MR>
 constexpr int64_t kAhead = MR >= 4 ? 48 : 16;
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 void widen_row(const uint16_t* x, int64_t k, float* out) {
     for (int64_t kk = 0; kk < k; ++kk) out[kk] = bf16_to_f32(x[kk]);
