@@ -155,33 +155,37 @@ struct Ops {
         for (int64_t g = 0; g * 8 < n; ++g)
             for (int64_t r = 0; r < rows; ++r) scores8(q + r * d, k + g * 8 * d, d, scale, s + r * s_stride + g * 8);
     }
-    static inline float max(const float* s, int64_t n) {
-        float m = s[0];
-        for (int64_t j = 1; j < n; ++j) m = s[j] > m ? s[j] : m;
-        return m;
-    }
-    static inline float exp1(float x) { return exp_nonpositive(vf{} + x)[0]; }
-    // s[j] = exp(s[j] - m) for j < n (whole 8-lane vectors; lanes past n become 0); returns the
-    // sum of the first n, in index order.
-    static inline float exp_shifted(float* s, int64_t n, float m) {
-        for (int64_t j = 0; j < n; j += kWidth) storev(s + j, exp_nonpositive(loadv(s + j) - m));
-        for (int64_t j = n; j < (n + kWidth - 1) / kWidth * kWidth; ++j) s[j] = 0.0f;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; ++j) sum += s[j];
-        return sum;
-    }
-    // The softmax update of `pairs` (row, head) pairs, pair i seeing keys[i] keys of the block.
+    // The softmax update of `pairs` (row, head) pairs, pair i seeing keys[i] keys of the block:
+    //     m' = max(m, max_j s_j), alpha = exp(m - m'), p_j = exp(s_j - m'), l = fma(l, alpha, sum)
+    // with the block's max and sum over 8-lane vectors of keys, reduced across the lanes by a
+    // fixed tree (a max is the same in any order; the sum's order is this one for every pair).
     static inline void softmax_rows(float* s, int64_t s_stride, int64_t pairs, const int32_t* keys, float* m, float* l, float* alpha) {
-        for (int64_t i = 0; i < pairs; ++i) {
-            float* si = s + i * s_stride;
-            const float block_max = max(si, keys[i]);
-            const float m_new = block_max > m[i] ? block_max : m[i];
-            // exp(0) is exactly 1 in every path's exp, so skipping it changes no bit.
-            alpha[i] = m_new == m[i] ? 1.0f : exp1(m[i] - m_new);
-            const float sum = exp_shifted(si, keys[i], m_new);
-            m[i] = m_new;
-            l[i] = l[i] * alpha[i] + sum;
+        for (int64_t i = 0; i < pairs; ++i) softmax_pair(s + i * s_stride, keys[i], m[i], l[i], alpha[i]);
+    }
+    static PA_INLINE void softmax_pair(float* s, int64_t n, float& m, float& l, float& alpha) {
+        const __m256 lowest = _mm256_set1_ps(-__builtin_inff());
+        __m256 mx = lowest;
+        for (int64_t j = 0; j < n; j += kWidth)  // lanes past n: -inf (the row has KP >= n rounded up to 8 floats)
+            mx = _mm256_max_ps(mx, _mm256_blendv_ps(lowest, _mm256_loadu_ps(s + j), _mm256_castsi256_ps(tail_mask(n - j))));
+        mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4E));
+        mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xB1));
+        const float block_max = _mm256_cvtss_f32(mx);
+        const float m_new = block_max > m ? block_max : m;
+        // exp(0) is exactly 1 in every path's exp, so skipping it changes no bit.
+        alpha = m_new == m ? 1.0f : exp_nonpositive(vf{} + (m - m_new))[0];
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += kWidth) {
+            const vf p = exp_nonpositive(loadv(s + j) - m_new);
+            const __m256 kept = _mm256_and_ps((__m256)p, _mm256_castsi256_ps(tail_mask(n - j)));  // lanes past n: 0
+            _mm256_storeu_ps(s + j, kept);
+            sum = _mm256_add_ps(sum, kept);
         }
+        sum = _mm256_add_ps(sum, _mm256_permute2f128_ps(sum, sum, 1));
+        sum = _mm256_add_ps(sum, _mm256_permute_ps(sum, 0x4E));
+        sum = _mm256_add_ps(sum, _mm256_permute_ps(sum, 0xB1));
+        m = m_new;
+        l = __builtin_fmaf(l, alpha, _mm256_cvtss_f32(sum));
     }
     // V is float32 rows here whatever T is (prepare_block widened bf16 ones).
     template <class T>
