@@ -1,4 +1,7 @@
-"""docs/benchmarks.md, written from the stored results (bench/results/peers/*.json)."""
+"""docs/benchmarks.md's peer sections, written from the stored results (bench/results/peers/*.json).
+
+Only the page's head is generated: everything from KEEP_MARKER on (the other benchmarks' sections,
+written by hand) is carried over as it is. A page without the marker is not overwritten."""
 
 from __future__ import annotations
 
@@ -17,6 +20,29 @@ def _load_results() -> list[dict]:
             with open(path) as f:
                 rows.append(json.load(f))
     return rows
+
+
+# The line that ends the generated head of docs/benchmarks.md.
+KEEP_MARKER = (
+    "<!-- Above: written by `python -m bench.peers.compare` from bench/results/peers and "
+    "bench/peers/NOTES.md. Below: kept as written. -->"
+)
+
+
+def _kept_tail() -> str:
+    """The page from KEEP_MARKER on (the marker alone for a new page); SystemExit naming the
+    marker where the page exists without it (rewriting it would drop every hand-written section)."""
+    if not os.path.exists(DOC):
+        return KEEP_MARKER + "\n"
+    with open(DOC) as f:
+        page = f.read()
+    at = page.find(KEEP_MARKER)
+    if at < 0:
+        raise SystemExit(
+            f"{DOC} lacks the line {KEEP_MARKER!r} that ends its generated sections: "
+            "put it back above the hand-written ones (or pass --no-doc)"
+        )
+    return page[at:]
 
 
 def _fmt(value, digits: int = 0) -> str:
@@ -62,9 +88,10 @@ def write_doc() -> None:
             f"{_fmt((r['load'] or [None])[0], 2)} |"
         )
     lines += _after_offline(peer_rows, curves, failures)
+    tail = _kept_tail()
     os.makedirs(os.path.dirname(DOC), exist_ok=True)
     with open(DOC, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines) + "\n\n" + tail)
     print(f"wrote {DOC}")
 
 
