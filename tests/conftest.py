@@ -70,9 +70,26 @@ async def tiny_server(tiny_engine):
 
 @pytest.fixture(scope="session")
 def smollm2_engine():
+    """SmolLM2 in float32: parity with transformers' float32 (and tensor parallelism's reference)."""
     engine = EngineProcess("--model", "smollm2", "--dtype", "float32")
     yield engine.address
     engine.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_default_engine():
+    """SmolLM2 in this CPU's default dtype (tests/dtypes.py): what users run, for the tests whose
+    point is not parity (sampling, grammars, tools)."""
+    engine = EngineProcess("--model", "smollm2", "--dtype", dtypes.DEFAULT)
+    yield engine.address
+    engine.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def smollm2_default_server(smollm2_default_engine):
+    server = await start_scheduler(smollm2_default_engine, max_num_batched_tokens=64)
+    yield server
+    await server.stop(grace_s=1)
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -347,8 +347,8 @@ async def test_bad_tools_get_a_400_naming_the_parameter(
 
 
 @pytest.fixture
-async def smollm2_client(smollm2_server):
-    http = HttpServer(smollm2_server.admission, "127.0.0.1", 0)
+async def smollm2_client(smollm2_default_server):
+    http = HttpServer(smollm2_default_server.admission, "127.0.0.1", 0)
     port = await http.start()
     yield _client(port)
     await http.stop(grace_s=1)
@@ -356,9 +356,9 @@ async def smollm2_client(smollm2_server):
 
 @pytest.mark.slow(reason="three SmolLM2 chat turns, two of them under a tool's JSON schema")
 async def test_smollm2_required_and_named_calls_validate_and_the_conversation_goes_on(
-    smollm2_server, smollm2_client
+    smollm2_default_server, smollm2_client
 ):
-    model = _model(smollm2_server)
+    model = _model(smollm2_default_server)
     ask = [{"role": "user", "content": "What will the weather be in Paris tomorrow?"}]
     required = await smollm2_client.chat.completions.create(
         model=model,
@@ -391,8 +391,8 @@ async def test_smollm2_required_and_named_calls_validate_and_the_conversation_go
     )
     assert answer.choices[0].message.content.strip()
     assert answer.choices[0].message.tool_calls is None
-    await wait_until_idle(smollm2_server)
-    assert_no_leaked_blocks(smollm2_server)
+    await wait_until_idle(smollm2_default_server)
+    assert_no_leaked_blocks(smollm2_default_server)
 
 
 async def test_a_compile_past_its_bound_is_a_400_serves_others_meanwhile_and_is_kept(
