@@ -109,6 +109,10 @@ async def test_both_backends_count_the_same_tokens_at_the_same_times(null_server
     for request, a, b in zip(requests, over_http, over_grpc):
         assert not a.error and not b.error, (a.error, b.error)
         assert a.output_tokens == b.output_tokens == len(null_continuation(request.prompt_ids, 9))
-        assert a.chunk_tokens == [1] * 9
-        assert b.chunk_tokens == [4, 4, 1]  # stream_interval 4
+        # Every token counted once. A reader that falls behind gets what waited as one chunk (the
+        # null model steps faster than a loaded machine reads), so chunks may be merged: stream
+        # interval 1's chunks sum to the tokens, interval 4's are whole fours but the last.
+        assert sum(a.chunk_tokens) == 9 and min(a.chunk_tokens) >= 1, a.chunk_tokens
+        assert sum(b.chunk_tokens) == 9 and all(n % 4 == 0 for n in b.chunk_tokens[:-1]), b.chunk_tokens
+        assert len(a.chunk_times_s) == len(a.chunk_tokens)
         assert a.sent_s <= a.chunk_times_s[0] <= a.chunk_times_s[-1] <= a.end_s

@@ -95,8 +95,11 @@ async def _in_flight(server, count: int) -> None:
 
 async def _finishing_order(server, second: dict, third: dict) -> list[str]:
     """A long request holds the one sequence while two more arrive, one after the other; then it
-    is cancelled, and the two run one at a time: which finishes first."""
-    blocker = stub_for(server).Generate(greedy_ids_request(list(range(2, 30)), 400))
+    is cancelled, and the two run one at a time: which finishes first. The blocker outranks
+    both, so neither preempts it (a preempting request could finish before the other arrives)."""
+    request = greedy_ids_request(list(range(2, 30)), 400)
+    request.priority = 1_000_000  # above every objective's and body's priority
+    blocker = stub_for(server).Generate(request)
     await blocker.read()  # it runs
     order: list[str] = []
 
