@@ -133,10 +133,22 @@ async def run(adapters: list[str], max_loras: int, folder: str, args) -> dict:
     }
 
 
+def median_schedule_ms(scheduler) -> float:
+    """Median time of schedule() (ms) over 200 steps, each updated with a fake result."""
+    from scheduler.factories import fake_result
+
+    times = []
+    for _ in range(200):
+        started = time.perf_counter()
+        plan = scheduler.schedule()
+        times.append(time.perf_counter() - started)
+        scheduler.update(plan, fake_result(plan))
+    return statistics.median(times) * 1000
+
+
 def skip_cost() -> float:
     """Median schedule() time (ms) with 1,000 waiting requests of an adapter that has no place:
     each step skips (pops and puts back) the most it may, MAX_SKIPS_PER_STEP."""
-    from scheduler.factories import fake_result
     from scheduler.test_lora_scheduling import Loads, lora_request, lora_scheduler, step
 
     scheduler = lora_scheduler(
@@ -148,13 +160,7 @@ def skip_cost() -> float:
         step(scheduler, loads, 1)
     for _ in range(1000):
         scheduler.add_request(lora_request("B", max_new_tokens=4))
-    times = []
-    for _ in range(200):
-        started = time.perf_counter()
-        plan = scheduler.schedule()
-        times.append(time.perf_counter() - started)
-        scheduler.update(plan, fake_result(plan))
-    return statistics.median(times) * 1000
+    return median_schedule_ms(scheduler)
 
 
 def with_rule(args: argparse.Namespace, rule: str) -> argparse.Namespace:
@@ -174,7 +180,7 @@ def park_cost(num_adapters: int, park: int) -> tuple[float, int, int]:
     """Median schedule() time (ms), the sequences running and those in a step, with 128 long
     requests on `num_adapters` adapters (0: the base model) over 4 places; with parking most
     of them sit each step out."""
-    from scheduler.factories import fake_result, make_facts, make_request, make_scheduler
+    from scheduler.factories import make_facts, make_request, make_scheduler
     from scheduler.test_lora_scheduling import IDS, Loads, step
 
     from scheduler_service.core.loras import LoraCapacity
@@ -202,14 +208,8 @@ def park_cost(num_adapters: int, park: int) -> tuple[float, int, int]:
         scheduler.add_request(request)
     for _ in range(64):
         step(scheduler, loads, 4)
-    times = []
-    for _ in range(200):
-        started = time.perf_counter()
-        plan = scheduler.schedule()
-        times.append(time.perf_counter() - started)
-        scheduler.update(plan, fake_result(plan))
-    in_step = sum(len(plan.requests) for plan in [scheduler.schedule()])
-    return statistics.median(times) * 1000, len(scheduler.running), in_step
+    cost = median_schedule_ms(scheduler)
+    return cost, len(scheduler.running), len(scheduler.schedule().requests)
 
 
 async def main() -> None:

@@ -44,6 +44,19 @@ def _decode(step_id: int, slot: int = 0) -> engine_pb2.ExecuteRequest:
         step_id=step_id, slots=[slot], num_scheduled_tokens=[1], num_new_blocks=[0]))
 
 
+async def _held_stream(stub, gate: asyncio.Event):
+    """An Execute stream that has run its first plan (slot 0 registered) and stays open, sending
+    nothing more, until `gate` is set."""
+
+    async def plans():
+        yield _register(0)
+        await gate.wait()
+
+    call = stub.Execute(plans())
+    assert (await call.read()).result.step_id == 0
+    return call
+
+
 async def _fresh_stream_steps(server) -> list[int]:
     """Registers slot 0 on a new stream, from a new channel; retries while the server has not yet
     seen the previous stream end (FAILED_PRECONDITION), at most 100 times."""
@@ -110,13 +123,7 @@ async def test_describe_and_health_answer_while_a_stream_is_open(server):
     async with _channel(server) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         gate = asyncio.Event()
-
-        async def plans():
-            yield _register(0)
-            await gate.wait()
-
-        call = stub.Execute(plans())
-        assert (await call.read()).result.step_id == 0
+        call = await _held_stream(stub, gate)
         health = health_pb2_grpc.HealthStub(channel)
         checks = await asyncio.gather(*(
             health.Check(health_pb2.HealthCheckRequest(service="planserve.v1.EngineService"))
@@ -134,13 +141,7 @@ async def test_shutdown_ends_an_open_stream_and_reports_not_serving(tiny_loaded)
     async with _channel(started) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         gate = asyncio.Event()
-
-        async def plans():
-            yield _register(0)
-            await gate.wait()
-
-        call = stub.Execute(plans())
-        assert (await call.read()).result.step_id == 0
+        call = await _held_stream(stub, gate)
         await shutdown(started, grace_s=0.2)
         assert started.health.Check(health_pb2.HealthCheckRequest(service=""), None).status == (
             health_pb2.HealthCheckResponse.NOT_SERVING)
