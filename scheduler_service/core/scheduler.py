@@ -376,14 +376,11 @@ class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, Paralle
         finished. Returns what the client gets (None: held back by stream_interval)."""
         if request.first_token_time is None:
             request.first_token_time = now
-        output = self.outputs.add_tokens(request, token_ids, entries)
+        accepted, shown = self.outputs.take_tokens(request, token_ids, entries)
         if placeholder is None:
-            self.core.append_tokens(request.running_slot, output.token_ids)
-        elif output.token_ids:
-            self.core.set_token(request.running_slot, placeholder, output.token_ids[0])
-        shown: Optional[RequestOutput] = output
-        if request.stream_interval > 1:
-            shown = self.outputs.coalesce(request, output)  # None: held back
+            self.core.append_tokens(request.running_slot, accepted)
+        elif accepted:
+            self.core.set_token(request.running_slot, placeholder, accepted[0])
         if not request.forked and request.n > 1:
             self._fork_samples(request)
         if request.finish_reason is not None:
@@ -391,7 +388,7 @@ class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, Paralle
                 # Overlap registers a plan's blocks once its stops are checked, after this
                 # release: a sequence finishing here registers its own first (its prompt's, when
                 # it ends in its first step), up to its last real token.
-                num_real = placeholder + (1 if output.token_ids else 0)
+                num_real = placeholder + (1 if accepted else 0)
                 self.core.cache_finished_blocks(request.running_slot, num_real)
             self.running.remove(request)
             self.loras.on_stop(request.lora_name, self._next_step_id)

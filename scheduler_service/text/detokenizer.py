@@ -1,9 +1,10 @@
 """Incremental detokenization and stop strings, one instance per request.
 
 Decoding one token at a time is wrong for byte-level BPE: a character can span tokens, and a
-token's text can depend on its neighbours. So we decode a small window twice, with and without
-the newest tokens, and emit the difference once it no longer ends in a partial character
-(U+FFFD). Text that could still grow into a stop string is held back until it cannot.
+token's text can depend on its neighbours. The tokenizer's stream decoder (Tokenizer.decode_stream)
+decodes a small window with and without the newest tokens and gives the difference once it no
+longer ends in a partial character. Text that could still grow into a stop string is held back
+until it cannot.
 """
 
 from __future__ import annotations
@@ -12,39 +13,27 @@ from typing import Optional, Sequence
 
 from scheduler_service.text.tokenizer import Tokenizer
 
-# Tokens before the unread ones that are decoded with them, so that merges at the seam
-# (leading spaces, multi-token characters) come out as they would in a full decode.
-_CONTEXT_TOKENS = 5
-
 
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop_strings: Sequence[str]
     ):
-        self._tokenizer = tokenizer
-        self._token_ids = list(prompt_token_ids)
-        self._prefix_offset = max(len(self._token_ids) - _CONTEXT_TOKENS, 0)
-        self._read_offset = len(self._token_ids)
+        self._next_text = tokenizer.decode_stream(prompt_token_ids)
         self._stop_strings = tuple(s for s in stop_strings if s)
         self._longest_stop = max((len(s) for s in self._stop_strings), default=0)
-        self.text = ""  # all text produced so far (stop match excluded once found)
+        # With stop strings: all text produced so far (the stop match cut off once found) and how
+        # much of it was sent. Without (most requests): only the pieces not sent yet.
+        self.text = ""
         self._num_chars_sent = 0
+        self._unsent: list[str] = []
 
     def add_token(self, token_id: int) -> Optional[str]:
         """Appends one token; returns the stop string if the text now contains one."""
-        self._token_ids.append(token_id)
-        prefix_text = self._tokenizer.decode(
-            self._token_ids[self._prefix_offset : self._read_offset]
-        )
-        new_text = self._tokenizer.decode(self._token_ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        delta = self._next_text(token_id)
+        if not delta:
             return None  # an incomplete character: wait for the next token
-        delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
-
-        if not self._stop_strings:  # most requests: nothing to search or hold back
-            self.text += delta
+        if not self._stop_strings:  # nothing to search or hold back
+            self._unsent.append(delta)
             return None
         search_from = max(len(self.text) - self._longest_stop + 1, 0)
         self.text += delta
@@ -70,11 +59,13 @@ class IncrementalDetokenizer:
 
     def take_text(self, final: bool = False) -> str:
         """The text not sent yet; the held-back tail too when the request is over."""
-        end = (
-            len(self.text)
-            if final or not self._stop_strings
-            else len(self.text) - self._held_back()
-        )
+        if not self._stop_strings:
+            unsent = self._unsent
+            if not unsent:
+                return ""
+            self._unsent = []
+            return unsent[0] if len(unsent) == 1 else "".join(unsent)
+        end = len(self.text) if final else len(self.text) - self._held_back()
         if end <= self._num_chars_sent:
             return ""
         chunk = self.text[self._num_chars_sent : end]

@@ -24,7 +24,8 @@ class OutputProcessor:
         self._eos_token_ids = eos_token_ids
         self._max_model_len = max_model_len
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # stream_interval: outputs held back until enough tokens are ready, by request id.
+        # stream_interval: outputs held back until enough tokens are ready, by request id (their
+        # text not taken yet).
         self._held: dict[str, RequestOutput] = {}
 
     def start(self, request: Request) -> None:
@@ -32,16 +33,44 @@ class OutputProcessor:
             self._tokenizer, request.prompt_token_ids, request.stopping.stop_strings
         )
 
-    def add_tokens(
+    def take_tokens(
         self, request: Request, token_ids: list[int], logprobs: Optional[list[TokenLogprob]] = None
-    ) -> RequestOutput:
-        """Appends sampled tokens to the request (up to a stop) and says what the client gets.
+    ) -> tuple[list[int], Optional[RequestOutput]]:
+        """Appends sampled tokens to the request (up to a stop) and says what the client gets:
+        the tokens accepted, and the output to send now, or None while fewer than the request's
+        stream_interval tokens are ready (the last output is never held).
 
         Sets request.finish_reason when a stop condition holds; tokens after the stop are
-        dropped (they can only appear when a step returns several tokens).
+        dropped (they can only appear when a step returns several tokens). A held output grows
+        in place and its text is taken once, when it is sent.
         """
-        detokenizer = self._detokenizers[request.request_id]
         first = not request.output_token_ids
+        accepted, stop_match = self._accept(request, token_ids)
+        output = self._held.pop(request.request_id, None)
+        if output is None:
+            output = RequestOutput(token_ids=list(accepted), text="", index=request.index)
+            if first and request.prompt_logprobs is not None and request.index == 0:
+                output.prompt_logprobs = request.prompt_logprobs_out
+        else:
+            output.token_ids += accepted
+        if logprobs is not None:
+            entries = logprobs[: len(accepted)]
+            output.logprobs = entries if output.logprobs is None else output.logprobs + entries
+        final = request.finish_reason is not None
+        if not final and len(output.token_ids) < request.stream_interval:
+            self._held[request.request_id] = output
+            return accepted, None
+        output.text = self._detokenizers[request.request_id].take_text(final=final)
+        output.finish_reason = request.finish_reason
+        output.stop_match = stop_match
+        output.usage = request.usage() if final else None
+        return accepted, output
+
+    def _accept(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[list[int], Optional[str | int]]:
+        """The tokens appended before a stop (all of them when none holds), and what matched."""
+        detokenizer = self._detokenizers[request.request_id]
         accepted: list[int] = []
         stop_match: Optional[str | int] = None
         for token_id in token_ids:
@@ -54,20 +83,7 @@ class OutputProcessor:
             if reason is not None:
                 request.finish_reason = reason
                 break
-        final = request.finish_reason is not None
-        output = RequestOutput(
-            token_ids=accepted,
-            text=detokenizer.take_text(final=final),
-            finish_reason=request.finish_reason,
-            stop_match=stop_match,
-            usage=request.usage() if final else None,
-            index=request.index,
-        )
-        if logprobs is not None:
-            output.logprobs = logprobs[: len(accepted)]
-        if first and request.prompt_logprobs is not None and request.index == 0:
-            output.prompt_logprobs = request.prompt_logprobs_out
-        return output
+        return accepted, stop_match
 
     def _check_stop(self, request: Request, token_id: int, stop_string: Optional[str]):
         stopping = request.stopping
@@ -93,17 +109,6 @@ class OutputProcessor:
         if not guide.accept(token_id):
             return FinishReason.ERROR
         return None
-
-    def coalesce(self, request: Request, output: RequestOutput) -> Optional[RequestOutput]:
-        """stream_interval: holds outputs back (None) until request.stream_interval tokens are
-        ready, then returns them merged into one; the last output is never held."""
-        held = self._held.pop(request.request_id, None)
-        if held is not None:
-            output = merge(held, output)
-        if output.finish_reason is None and len(output.token_ids) < request.stream_interval:
-            self._held[request.request_id] = output
-            return None
-        return output
 
     def finish(self, request: Request, reason: FinishReason) -> RequestOutput:
         """The last output of a request that ends for a reason outside its tokens (abort...)."""

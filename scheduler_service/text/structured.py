@@ -20,7 +20,7 @@ Where each part runs:
 - every step (`fill_plan_masks`, event loop): each constrained sequence that samples in the
   step gets its allowed-token bitmask written straight from its guide into one numpy block,
   sent as BatchPlan.masked_slots + allowed_token_bitmask; the model side masks its logits.
-- every result (`GuideState.accept`, in OutputProcessor.add_tokens): the guide advances by the
+- every result (`GuideState.accept`, in OutputProcessor.take_tokens): the guide advances by the
   sampled token. With a reasoning parser the grammar applies after the think block
   (text/guides.py).
 End-of-sequence tokens are allowed only in the grammar's final states. Preemption needs no

@@ -7,13 +7,19 @@ document and the chat template as Jinja2 source, rendered the way `transformers`
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
+import tokenizers.decoders
+
+# Prompt tokens a stream of generated text is decoded after, so that merges at the seam (leading
+# spaces, multi-token characters) come out as they would in a full decode.
+_STREAM_CONTEXT_TOKENS = 5
 
 
 def _raise_exception(message: str):
@@ -72,6 +78,16 @@ class Tokenizer:
         if len(token_ids) == 1 and skip_special_tokens:
             return self.decode_one(token_ids[0])
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, prompt_token_ids: Sequence[int]) -> Callable[[int], Optional[str]]:
+        """A function giving the text each next generated token adds after the prompt (None or
+        "" while the text ends inside a character): tokenizers' incremental decoder, which keeps
+        its offsets in Rust and decodes each token's window once, where decoding the window with
+        and without the newest token from Python took two decode calls a token."""
+        stream = tokenizers.decoders.DecodeStream(
+            ids=list(prompt_token_ids[-_STREAM_CONTEXT_TOKENS:]), skip_special_tokens=True
+        )
+        return functools.partial(stream.step, self._tokenizer)
 
     def decode_one(self, token_id: int) -> str:
         """decode([token_id]), remembered: the incremental detokenizer decodes the previous token

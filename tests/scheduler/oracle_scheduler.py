@@ -499,13 +499,14 @@ class OracleScheduler:
                 continue  # a prompt chunk that did not reach the end yet
             if request.first_token_time is None:
                 request.first_token_time = now
-            output = self.outputs.add_tokens(request, token_ids)
+            _, output = self.outputs.take_tokens(request, token_ids)
             if not request.forked and request.n > 1:
                 self._fork_samples(request)
             if request.finish_reason is not None:
                 self.running.remove(request)
                 self._release(request, self._finished_slots)
-            outputs.append((request, output))
+            if output is not None:  # None: held back by stream_interval
+                outputs.append((request, output))
         return outputs
 
     def _fork_samples(self, parent: Request) -> None:
