@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from bench.load.workloads import BenchRequest
 
@@ -41,10 +41,17 @@ class RequestResult:
 class GrpcBackend:
     name = "grpc"
 
-    def __init__(self, address: str, stream_interval: int = 1, num_channels: int = 4) -> None:
+    def __init__(
+        self,
+        address: str,
+        stream_interval: int = 1,
+        num_channels: int = 4,
+        lora_names: Sequence[str] = (),
+    ) -> None:
         self.address = address
         self.stream_interval = stream_interval
         self.num_channels = num_channels
+        self.lora_names = list(lora_names)  # request i names lora_names[i % len]; none: the base
         self.vocab_size: Optional[int] = None
 
     async def __aenter__(self) -> "GrpcBackend":
@@ -79,6 +86,8 @@ class GrpcBackend:
         pb.stopping.ignore_eos = request.ignore_eos
         if self.stream_interval != 1:
             pb.stream_interval = self.stream_interval
+        if self.lora_names:
+            pb.lora_name = self.lora_names[index % len(self.lora_names)]
         stub = self._stubs[index % len(self._stubs)]
         result.sent_s = time.perf_counter() - start
         async for chunk in stub.Generate(pb):
