@@ -59,8 +59,10 @@ def build_runner(
     device, dtype = _device(loaded), next(loaded.model.parameters()).dtype
     # LoRA before sizing: on the Triton path the store's device stack is allocated now, so the
     # KV budget counts it like the weights (lora/triton_stack.py).
-    kernel, kernel_why = triton_stack.kernel_path(
-        device, os.environ.get(triton_stack.KERNEL_ENV) or "auto"
+    kernel, kernel_why = (
+        triton_stack.kernel_path(device, os.environ.get(triton_stack.KERNEL_ENV) or "auto")
+        if config.enable_lora
+        else ("torch", "")
     )
     adapters = new_store(loaded, config, kernel)
     draft = draft_model.load_draft(config, loaded)

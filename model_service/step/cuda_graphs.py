@@ -18,11 +18,12 @@ cuda_graphs "off"; where attention runs the torch path (it sizes its gather from
 longest context on the host, which a graph would freeze); under tensor parallelism (the ranks
 would have to replay in lockstep; not built).
 
-With LoRA on the Triton path (lora/triton_stack.py) every graph holds the LoRA kernels, over the
-adapter stack's fixed slots and each row's slot in the padded step's buffers: a step with adapter
-rows replays like any other, and a step without runs the same graph with every slot -1 (the
-kernels' programs return at once). On the torch grouped path a step with adapter rows runs
-eagerly (`run` returns None).
+With LoRA on the Triton path (lora/triton_stack.py) each bucket has a second graph holding the
+LoRA kernels, over the adapter stack's fixed slots and each row's slot in the padded step's
+buffers: a step with adapter rows replays it, a step without replays the base graph, so base rows
+pay no LoRA launches (a graph of the LoRA kernels on all slots -1 would launch ~15 empty kernels
+a layer). Both sets share the one pool (they never replay at once). On the torch grouped path a
+step with adapter rows runs eagerly (`run` returns None).
 
 cuda_graphs "eager" runs the same bookkeeping (bucket, padding, static buffers) without capturing,
 on any device: how CI checks it on the CPU, greedy tokens against the plain path.
@@ -117,6 +118,7 @@ def capture(
     graphs = StepGraphs(loaded.model, kv_cache, step, captured=True, lora_stack=lora_stack)
     held = torch.cuda.memory_reserved(device) - before
     log.info("step_graphs_captured", sizes=len(graphs.sizes), bytes=held)
+    lora += " (graphs of their own)" if lora else ""
     return graphs, f"every step, {len(graphs.sizes)} buckets up to {max_tokens} tokens{lora}"
 
 
@@ -141,29 +143,31 @@ class StepGraphs:
         self.sizes = sorted(sizes or token_buckets(step.max_tokens))
         self.captured = captured
         self.replays = 0  # steps served padded (tests, and the note's figures)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # (bucket, with the LoRA kernels) -> its graph
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits = torch.empty(0)  # [max_seqs, vocab] once the first (largest) warm-up ran
         if captured:
             pool = torch.cuda.graph_pool_handle()
             for size in reversed(self.sizes):  # largest first: the smaller reuse its memory
-                self._capture(size, pool)
+                self._capture(size, pool, adapters=False)
+                if lora_stack is not None:
+                    self._capture(size, pool, adapters=True)
 
-    def _forward(self, size: int, eager_step=None, adapters: bool = True) -> torch.Tensor:
-        """The model over a bucket's views; with the LoRA stack, its kernels over the rows'
-        slots (always in a capture; in an eager padded step only when `adapters`: a step
-        without adapter rows then runs exactly the base path)."""
+    def _forward(self, size: int, eager_step=None, adapters: bool = False) -> torch.Tensor:
+        """The model over a bucket's views; with `adapters` (and the LoRA stack), its kernels
+        over the rows' slots; without, exactly the base path."""
         ids, positions, meta, logits_indices = self.step.args(size, eager_step)
         if self.lora_stack is None or not adapters:
             return self.model(ids, positions, meta, self.kv_cache, logits_indices)
         lora = TritonLoraStep(self.lora_stack, self.step.lora_slots(size))
         return self.model(ids, positions, meta, self.kv_cache, logits_indices, lora=lora)
 
-    def _capture(self, size: int, pool) -> None:
+    def _capture(self, size: int, pool, adapters: bool) -> None:
         self.step.clear()  # warm-up and capture run on all-padding inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(side):
-            warm = self._forward(size)  # Triton compiles, cuBLAS chooses, nothing recorded
+            warm = self._forward(size, adapters=adapters)  # compiles and chooses, records nothing
         torch.cuda.current_stream().wait_stream(side)
         if self.logits.numel() == 0:
             self.logits = torch.empty((self.step.max_seqs, warm.shape[1]), dtype=warm.dtype,
@@ -171,8 +175,8 @@ class StepGraphs:
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            self.logits[: self.step.seqs_of(size)].copy_(self._forward(size))
-        self.graphs[size] = graph
+            self.logits[: self.step.seqs_of(size)].copy_(self._forward(size, adapters=adapters))
+        self.graphs[(size, adapters)] = graph
 
     def bucket(self, num_tokens: int) -> int | None:
         """The smallest bucket holding num_tokens rows, or None past the largest."""
@@ -195,5 +199,5 @@ class StepGraphs:
         count = logits_indices.size
         if not self.captured:
             return self._forward(size, x, adapters=lora is not None)[:count]
-        self.graphs[size].replay()
+        self.graphs[(size, lora is not None)].replay()
         return self.logits[:count]

@@ -149,6 +149,7 @@ def test_interpreted_rows_alone_and_padded_steps_give_the_same_bits(
     assert padded.graphs.replays >= 6  # mixed and decode-only steps with adapter rows, padded
 
 
+@pytest.mark.slow(reason="Triton's interpreter runs the LoRA kernels in Python: ~45 s at load 5")
 def test_the_lora_forward_under_tritons_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
@@ -180,6 +181,9 @@ def test_replayed_steps_with_adapter_rows_give_the_eager_steps_tokens(folders, m
     for graphs in ("auto", "off"):
         runner = build_runner(loaded, dataclasses.replace(config, cuda_graphs=graphs))
         assert runner.compute["lora"].startswith("triton grouped kernels (CUDA)")
+        if graphs == "auto":  # each bucket's base graph and its graph with the LoRA kernels
+            assert runner.compute["cuda_graphs"].endswith("rows included (graphs of their own)")
+            assert len(runner.graphs.graphs) == 2 * len(runner.graphs.sizes)
         for lora_id, folder in enumerate(folders, start=1):
             runner.load_adapter(lora_id, f"adapter{lora_id}", folder)
         first = _run(runner)[0]
