@@ -60,6 +60,8 @@ class AdapterStore:
         self._slot_of: dict[int, int] = {}  # the Triton stack's slot per loaded adapter
         if kernel == "triton" and targets is not None:
             self.triton = TritonStack(targets, max_cpu_loras, max_lora_rank, dtype, device)
+            log.info("lora_stack_allocated", slots=max_cpu_loras, rank=max_lora_rank,
+                     num_bytes=self.triton.num_bytes)  # fmt: skip
             self._stack_isa = None
             self._gemm_isa = None  # the factors stay dense: they are copied into the slots
             self._device = torch.device("cpu")  # the slots are the adapters' device copy

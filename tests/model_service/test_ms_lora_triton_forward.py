@@ -22,6 +22,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from model_service.lora.store import AdapterStore
 from model_service.lora.targets import model_targets
 from model_service.lora.triton_stack import KERNEL_ENV, kernel_path
 from model_service.start import build_runner
+from model_service.step.padded_step import PaddedStep
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
@@ -113,6 +115,24 @@ def test_the_stack_keeps_its_addresses_and_puts_each_adapter_in_its_slot(tiny_lo
     assert stack.scale[1].item() == pytest.approx(16 / 7)
     adapter = store.snapshot()[4]  # the slots are the device copy; the adapter stays on the host
     assert next(iter(adapter.layers[0]["qkv_proj"])).a.weight.device.type == "cpu"
+
+
+def test_the_padded_steps_lora_slots_are_the_rows_then_minus_one():
+    """What a captured step with adapter rows reads: each row's slot, then -1 to the bucket's
+    end (padding runs no adapter), and -1 everywhere for a step without adapter rows."""
+    step = PaddedStep(48, 16, 8, 16, 2, torch.device("cpu"))
+    step.clear()
+    assert (step.lora_slots(48) == -1).all()
+    x = SimpleNamespace(
+        num_tokens=5, input_ids=np.arange(5), positions=np.arange(5), slot_mapping=np.arange(5),
+        query_start=np.array([0, 3]), context_lens=np.array([3, 2]),
+        block_tables=np.ones((2, 1), dtype=np.int64),
+    )  # fmt: skip
+    n, logits = np.array([3, 2]), np.array([2, 4])
+    step.fill(x, n, logits, 8, np.array([2, 2, 2, -1, 0]))
+    assert step.lora_slots(8).tolist() == [2, 2, 2, -1, 0, -1, -1, -1]
+    step.fill(x, n, logits, 8)
+    assert step.lora_slots(8).tolist() == [-1] * 8
 
 
 @interpreted
