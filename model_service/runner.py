@@ -42,6 +42,7 @@ from model_service.lora import grouping
 from model_service.lora.peft_folder import Adapter, AdapterError
 from model_service.lora.stacked import LoadedStack
 from model_service.lora.store import AdapterStore
+from model_service.lora.triton_stack import TritonView
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
 from model_service.step import step_shape
 from model_service.step.cuda_graphs import StepGraphs
@@ -151,7 +152,7 @@ class ModelRunner:
         # the current step's view of them (taken once, before its plan is checked).
         self.adapters = adapters
         self._step_adapters: dict[int, Adapter] = {}
-        self._step_stack: LoadedStack | None = None
+        self._step_stack: LoadedStack | TritonView | None = None
 
     def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
@@ -322,14 +323,10 @@ class ModelRunner:
         x: StepInputs,
         n: np.ndarray,
         logits_indices: np.ndarray,
-        lora: grouping.LoraStep | None = None,
+        lora: grouping.LoraStep | grouping.TritonLoraStep | None = None,
     ) -> torch.Tensor:
-        # The captured graphs hold no adapter: a step with adapter rows runs eagerly.
-        if (
-            lora is None
-            and self.graphs
-            and (logits := self.graphs.run(x, n, logits_indices)) is not None
-        ):
+        # A step with adapter rows replays only where the graphs hold the LoRA kernels.
+        if self.graphs and (logits := self.graphs.run(x, n, logits_indices, lora)) is not None:
             return logits
         return run_forward(
             self.model, self.kv_cache, x, n, logits_indices, self.block_size, self.device, lora

@@ -14,6 +14,7 @@ Each part receives what it reads; the runner receives the parts.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import structlog
@@ -27,7 +28,8 @@ from model_service.kernels import layer_ops
 from model_service.kernels.gemm import PackedLinear
 from model_service.loading.loaded import LoadedModel
 from model_service.loading.loader import load_model
-from model_service.lora.store import new_store
+from model_service.lora import triton_stack
+from model_service.lora.store import AdapterStore, new_store
 from model_service.models import decoder_loop
 from model_service.models.null import NullLM
 from model_service.models.parallel import RankShare
@@ -55,6 +57,14 @@ def build_runner(
     config.validate()
     select_compute(loaded, config)
     device, dtype = _device(loaded), next(loaded.model.parameters()).dtype
+    # LoRA before sizing: on the Triton path the store's device stack is allocated now, so the
+    # KV budget counts it like the weights (lora/triton_stack.py).
+    kernel, kernel_why = (
+        triton_stack.kernel_path(device, os.environ.get(triton_stack.KERNEL_ENV) or "auto")
+        if config.enable_lora
+        else ("torch", "")
+    )
+    adapters = new_store(loaded, config, kernel)
     draft = draft_model.load_draft(config, loaded)
     step_peak_bytes = profile_largest_step(loaded, config) if profiles(device, loaded) else None
     draft_bytes = draft_model.draft_block_bytes(draft, config.block_size)
@@ -78,16 +88,16 @@ def build_runner(
         step.token_budget,
         config.max_num_slots,
         table.max_blocks_per_seq,
+        adapters.triton if adapters is not None else None,
     )
     compute = {
         **compute_paths(loaded, kv_cache),
         "cuda_graphs": graphs_path,
         "kv_budget": sizing.basis(),
     }
-    adapters = new_store(loaded, config)
     if adapters is not None:
         native = compute["decoder_loop"] == "native"
-        compute["lora"] = lora_path(device, adapters.stacked, native)
+        compute["lora"] = lora_path(device, adapters, native, kernel_why)
     log.info(
         "runner_ready",
         model=loaded.name,
@@ -187,18 +197,23 @@ def _drafter(
     return None
 
 
-def lora_path(device: torch.device, stacked: bool, native_loop: bool) -> str:
-    """How a step with adapter rows runs (Describe's compute["lora"]). Stacked (packed factors:
-    a bf16 model on the CPU): every loaded adapter in one shrink and one expand per module
-    (lora/stacked.py), inside the native decoder loop where the model runs it. Otherwise the
-    Python layers run such a step eagerly, with torch GEMMs grouped by adapter: the captured CUDA
-    graphs hold no adapters."""
-    if stacked:
+def lora_path(device: torch.device, store: AdapterStore, native_loop: bool, why: str) -> str:
+    """How a step with adapter rows runs (Describe's compute["lora"]). The Triton kernels
+    (lora/triton_stack.py; `why`: the decider's reason), in the captured steps too. Stacked
+    (packed factors: a bf16 model on the CPU): every loaded adapter in one shrink and one expand
+    per module (lora/stacked.py), inside the native decoder loop where the model runs it.
+    Otherwise the Python layers run such a step eagerly, with torch GEMMs grouped by adapter."""
+    if store.triton is not None:
+        slots = f"{store.triton.slots} slots of rank {store.triton.rank}"
+        return f"triton grouped kernels ({why}), the adapters in a device stack of {slots}"
+    if store.stacked:
         where = "native decoder loop" if native_loop else "python layers"
         products = "the loaded adapters stacked in one packed GEMM pair per module"
         return f"{where} for steps with adapter rows, {products}"
     graphs = "; CUDA graphs skipped" if device.type == "cuda" else ""
-    return f"python layers for steps with adapter rows, torch GEMMs grouped by adapter{graphs}"
+    return (
+        f"python layers for steps with adapter rows, torch GEMMs grouped by adapter ({why}){graphs}"
+    )
 
 
 def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:

@@ -5,7 +5,8 @@
     store.py        the loaded adapters by lora_id (LoadAdapter / EvictAdapter), thread-safe
     grouping.py     a step's rows grouped by adapter, and the LoRA products added per group
     stacked.py      packed factors: every loaded adapter in one shrink a module, an expand a target
-    triton_lora.py  the same products as grouped Triton kernels (CUDA; not yet called)
+    triton_lora.py  the same products as grouped Triton kernels (CUDA)
+    triton_stack.py the path's decider, the kernels' device stack of fixed slots, the layers' hook
 
 The scheduler decides which adapters are loaded (engine.proto, LoadAdapter); the runner keeps each
 slot's lora_id and builds the step's grouping (model_service/runner.py).

@@ -3,7 +3,8 @@
 Each row of a step belongs to its slot's adapter (0: the base model). Where the factors are
 packed for the native GEMM (a bf16 model on the CPU), the step's adapters run stacked, one shrink
 and one expand per fused module for all of them (lora/stacked.py). Elsewhere `group_rows` makes
-one group per distinct adapter of the step (at most max_loras), holding the rows' indices; a layer
+one group per distinct adapter of the step (at most max_loras), holding the rows' indices (on
+the Triton path, CUDA's, each row's slot in the device stack instead: lora/triton_stack.py); a layer
 then loops over those groups, never over rows:
 
     xs = x.index_select(0, rows)                     the group's rows of the layer's input
@@ -28,6 +29,7 @@ import torch
 from model_service.kernels import layer_ops
 from model_service.lora.peft_folder import Adapter
 from model_service.lora.stacked import LoadedStack
+from model_service.lora.triton_stack import TritonLoraStep, TritonView
 from model_service.step.plan import PlanArrays, PlanError
 
 
@@ -86,13 +88,15 @@ def group_rows(
     row_lora: np.ndarray,
     adapters: dict[int, Adapter],
     device: torch.device,
-    stack: LoadedStack | None = None,
-) -> LoraStep | None:
+    stack: LoadedStack | TritonView | None = None,
+) -> LoraStep | TritonLoraStep | None:
     """The groups of a step whose row r runs adapter row_lora[r] (0: base); None when no row
     runs one. With `stack` (packed factors: the loaded adapters stacked), one stacked product
-    per module instead."""
+    per module instead; with the Triton stack's view, each row's slot for the kernels."""
     if not row_lora.any():
         return None
+    if isinstance(stack, TritonView):
+        return stack.step(row_lora, device)
     ids = np.unique(row_lora[row_lora != 0])
     if stack is not None and stack.layers:
         scales = np.array([stack.scales.get(int(i), 0.0) for i in row_lora], dtype=np.float32)

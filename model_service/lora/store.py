@@ -4,6 +4,10 @@ Loading runs on the calling (unary RPC's) thread and never holds the lock while 
 lock covers the id's reservation and the final insert only, so a step (which takes a snapshot of
 the loaded adapters at its start, model_service/runner.py) never waits for a load. An adapter
 evicted while a step runs stays alive in that step's snapshot until the step ends.
+
+On the Triton path (CUDA; lora/triton_stack.py) the store owns the device stack the kernels
+read, allocated at start: a load copies the adapter into a free slot, an evict frees its slot,
+and the adapters' own tensors stay on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from model_service.lora.peft_folder import Adapter, AdapterError, read_adapter
 from model_service.lora.stacked import LoadedStack
 from model_service.lora.targets import TARGET_MODULES, ModelTargets
+from model_service.lora.triton_stack import TritonStack, TritonView
 
 log = structlog.get_logger(__name__)
 
@@ -33,7 +38,10 @@ class AdapterStore:
         dtype: torch.dtype,
         device: torch.device,
         gemm_isa: Optional[str] = None,
+        kernel: str = "torch",
     ) -> None:
+        """`kernel`: the LoRA path (triton_stack.kernel_path): "triton" allocates the device
+        stack now (a model with layers), "torch" the grouped or packed products."""
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
@@ -48,6 +56,15 @@ class AdapterStore:
         self._stack_isa = gemm_isa if packed else None
         self._stack: Optional[LoadedStack] = None
         self._build_lock = threading.Lock()  # one stack build at a time, loads and evicts
+        self.triton: Optional[TritonStack] = None
+        self._slot_of: dict[int, int] = {}  # the Triton stack's slot per loaded adapter
+        if kernel == "triton" and targets is not None:
+            self.triton = TritonStack(targets, max_cpu_loras, max_lora_rank, dtype, device)
+            log.info("lora_stack_allocated", slots=max_cpu_loras, rank=max_lora_rank,
+                     num_bytes=self.triton.num_bytes)  # fmt: skip
+            self._stack_isa = None
+            self._gemm_isa = None  # the factors stay dense: they are copied into the slots
+            self._device = torch.device("cpu")  # the slots are the adapters' device copy
 
     def load(self, lora_id: int, name: str, folder: str) -> Adapter:
         """Reads the folder and keeps it under lora_id; AdapterError when refused."""
@@ -71,10 +88,13 @@ class AdapterStore:
             raise
         with self._build_lock:  # the stack with it, built before any step can see it
             stack = self._build_stack(adapter)
+            slot = self.triton.put(adapter) if self.triton is not None else None
             with self._lock:
                 self._loading.discard(lora_id)
                 self._loaded[lora_id] = adapter
                 self._stack = stack
+                if slot is not None:  # a new dict: steps' views keep theirs
+                    self._slot_of = {**self._slot_of, lora_id: slot}
         log.info(
             "lora_loaded",
             lora_id=lora_id,
@@ -101,6 +121,10 @@ class AdapterStore:
         with self._lock:
             if self._loaded.pop(lora_id, None) is None:
                 raise AdapterError("NOT_FOUND", f"lora_id: {lora_id} is not loaded")
+            if self.triton is not None:  # freed with the count: a load may follow at once
+                slot_of = dict(self._slot_of)
+                self.triton.free(slot_of.pop(lora_id))
+                self._slot_of = slot_of
         with self._build_lock:  # until rebuilt, the stack still holds it: extra products only
             stack = self._build_stack(None)
             with self._lock:
@@ -117,10 +141,13 @@ class AdapterStore:
         """Whether steps run the stacked products (packed factors: bf16 on the CPU)."""
         return self._stack_isa is not None
 
-    def step_view(self) -> tuple[dict[int, Adapter], Optional[LoadedStack]]:
-        """snapshot() and the stack holding (at least) those adapters, taken together; the stack
-        is None where the factors are not packed (lora/stacked.py)."""
+    def step_view(self) -> tuple[dict[int, Adapter], Optional[LoadedStack | TritonView]]:
+        """snapshot() and the stack holding (at least) those adapters, taken together: the
+        packed stack (lora/stacked.py), the Triton stack's slots (lora/triton_stack.py), or None
+        for the torch grouped path."""
         with self._lock:
+            if self.triton is not None:
+                return dict(self._loaded), TritonView(self.triton, self._slot_of)
             return dict(self._loaded), self._stack
 
     def _build_stack(self, adding: Optional[Adapter]) -> Optional[LoadedStack]:
@@ -139,9 +166,10 @@ class AdapterStore:
             return len(self._loaded)
 
 
-def new_store(loaded, config) -> Optional[AdapterStore]:
+def new_store(loaded, config, kernel: str = "torch") -> Optional[AdapterStore]:
     """The adapter store of a model service started with --enable-lora (None without). A model
-    without decoder layers (the null model) checks each folder and keeps no weights."""
+    without decoder layers (the null model) checks each folder and keeps no weights. `kernel`:
+    the LoRA path (lora/triton_stack.py kernel_path)."""
     if not config.enable_lora:
         return None
     from model_service.kernels.gemm import PackedLinear
@@ -159,4 +187,5 @@ def new_store(loaded, config) -> Optional[AdapterStore]:
         parameter.dtype,
         parameter.device,
         isa,
+        kernel,
     )

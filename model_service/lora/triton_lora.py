@@ -11,10 +11,10 @@ the sum over K and over R runs in a fixed order inside one program per row (per 
 block for the expand), and the block sizes come from K, R and N, never from T: a row computes
 the same alone or among others (batch invariance by construction, as triton_ops' kernels).
 
-The eager torch path (lora/grouping.py) is what the model runs today on every device; these
-kernels are tested under Triton's interpreter (tests/model_service/test_ms_lora_triton.py) and
-not yet called by the forward: that needs the step's stacked factors kept per adapter set and a
-GPU to check them on.
+The forward calls them on CUDA (lora/triton_stack.py: the device stack they read, the path's
+decider, the layers' hook), eagerly and inside the captured steps; CI runs them under Triton's
+interpreter (tests/model_service/test_ms_lora_triton*.py). The expand reads xa through its row
+stride, so one shrink of a fused module (its targets' A side by side) feeds one expand per target.
 """
 
 from __future__ import annotations
@@ -64,10 +64,17 @@ def expand_(
     start: int,
 ) -> torch.Tensor:
     """y[t, start:start + N] += scale[s] * xa[t] @ B[s].T for s = row_slot[t] >= 0, in place
-    (the sum in float32, rounded once to y's dtype as it is added); returns y."""
+    (the sum in float32, rounded once to y's dtype as it is added); returns y. xa may be a
+    column slice of a wider shrink output (its rows strided)."""
     rows, rank = xa.shape
     slots, n, rank_b = b.shape
-    if rank_b != rank or y.stride(1) != 1 or start + n > y.shape[1] or not b.is_contiguous():
+    if (
+        rank_b != rank
+        or y.stride(1) != 1
+        or xa.stride(1) != 1
+        or start + n > y.shape[1]
+        or not b.is_contiguous()
+    ):
         raise ValueError(
             f"expand: y {tuple(y.shape)} at {start}, xa {tuple(xa.shape)}, B {tuple(b.shape)}"
         )
@@ -75,7 +82,7 @@ def expand_(
         return y
     block_n = min(EXPAND_BLOCK_N, _pow2(n))
     _expand_kernel[(rows, triton.cdiv(n, block_n))](
-        y, xa, b, scale, row_slot, y.stride(0), start, n, rank,
+        y, xa, b, scale, row_slot, y.stride(0), xa.stride(0), start, n, rank,
         BLOCK_N=block_n, BLOCK_R=_pow2(rank), **COMPILE_OPTIONS,
     )  # fmt: skip
     return y
@@ -114,6 +121,7 @@ if triton is not None:
         scale,
         row_slot,
         y_stride,
+        xa_stride,
         start,
         N,
         R,
@@ -125,7 +133,7 @@ if triton is not None:
         if slot >= 0:
             n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             r = tl.arange(0, BLOCK_R)
-            v = tl.load(xa + row.to(tl.int64) * R + r, mask=r < R, other=0.0)
+            v = tl.load(xa + row.to(tl.int64) * xa_stride + r, mask=r < R, other=0.0)
             w = tl.load(
                 b + slot.to(tl.int64) * N * R + n[:, None] * R + r[None, :],
                 mask=(n[:, None] < N) & (r[None, :] < R),

@@ -18,6 +18,13 @@ cuda_graphs "off"; where attention runs the torch path (it sizes its gather from
 longest context on the host, which a graph would freeze); under tensor parallelism (the ranks
 would have to replay in lockstep; not built).
 
+With LoRA on the Triton path (lora/triton_stack.py) each bucket has a second graph holding the
+LoRA kernels, over the adapter stack's fixed slots and each row's slot in the padded step's
+buffers: a step with adapter rows replays it, a step without replays the base graph, so base rows
+pay no LoRA launches (a graph of the LoRA kernels on all slots -1 would launch ~15 empty kernels
+a layer). Both sets share the one pool (they never replay at once). On the torch grouped path a
+step with adapter rows runs eagerly (`run` returns None).
+
 cuda_graphs "eager" runs the same bookkeeping (bucket, padding, static buffers) without capturing,
 on any device: how CI checks it on the CPU, greedy tokens against the plain path.
 
@@ -43,6 +50,7 @@ from model_service.attention import cuda_attention
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import cuda_path
 from model_service.loading.loaded import LoadedModel
+from model_service.lora.triton_stack import TritonLoraStep, TritonStack
 from model_service.step.padded_step import PaddedStep, token_buckets
 
 log = structlog.get_logger(__name__)
@@ -83,9 +91,11 @@ def capture(
     max_tokens: int,
     max_seqs: int,
     max_blocks_per_seq: int,
+    lora_stack: TritonStack | None = None,
 ) -> tuple[StepGraphs | None, str]:
     """The model's step graphs over `kv_cache` (captured now; with "eager", the padded path
-    run without graphs) and the path Describe reports, or None and why."""
+    run without graphs) and the path Describe reports, or None and why. `lora_stack`: the
+    adapters' device stack, whose kernels every graph then holds."""
     device = kv_cache.k.device
     reason = unsupported_reason(requested, device, kv_cache, loaded.tensor_parallel_size)
     if reason is not None:
@@ -99,14 +109,17 @@ def capture(
         cuda_attention.rows_per_tile(arch.num_attention_heads // arch.num_key_value_heads),
         device,
     )
+    lora = "" if lora_stack is None else ", adapter rows included"
     if requested == "eager":
-        graphs = StepGraphs(loaded.model, kv_cache, step, captured=False)
-        return graphs, f"eager padded steps, {len(graphs.sizes)} buckets up to {max_tokens} tokens"
+        graphs = StepGraphs(loaded.model, kv_cache, step, captured=False, lora_stack=lora_stack)
+        count = len(graphs.sizes)
+        return graphs, f"eager padded steps, {count} buckets up to {max_tokens} tokens{lora}"
     before = torch.cuda.memory_reserved(device)
-    graphs = StepGraphs(loaded.model, kv_cache, step, captured=True)
+    graphs = StepGraphs(loaded.model, kv_cache, step, captured=True, lora_stack=lora_stack)
     held = torch.cuda.memory_reserved(device) - before
     log.info("step_graphs_captured", sizes=len(graphs.sizes), bytes=held)
-    return graphs, f"every step, {len(graphs.sizes)} buckets up to {max_tokens} tokens"
+    lora += " (graphs of their own)" if lora else ""
+    return graphs, f"every step, {len(graphs.sizes)} buckets up to {max_tokens} tokens{lora}"
 
 
 class StepGraphs:
@@ -114,31 +127,47 @@ class StepGraphs:
     the same padded step run eagerly)."""
 
     def __init__(
-        self, model, kv_cache: KVCache, step: PaddedStep, captured: bool, sizes=None
+        self,
+        model,
+        kv_cache: KVCache,
+        step: PaddedStep,
+        captured: bool,
+        sizes=None,
+        lora_stack: TritonStack | None = None,
     ) -> None:
         """`sizes`: the buckets (default: token_buckets up to the step's max_tokens; a bench
-        captures only the one it times)."""
+        captures only the one it times). `lora_stack`: the LoRA kernels' stack (module
+        docstring), None where the graphs hold no adapters."""
         self.model, self.kv_cache, self.step = model, kv_cache, step
+        self.lora_stack = lora_stack
         self.sizes = sorted(sizes or token_buckets(step.max_tokens))
         self.captured = captured
         self.replays = 0  # steps served padded (tests, and the note's figures)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # (bucket, with the LoRA kernels) -> its graph
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits = torch.empty(0)  # [max_seqs, vocab] once the first (largest) warm-up ran
         if captured:
             pool = torch.cuda.graph_pool_handle()
             for size in reversed(self.sizes):  # largest first: the smaller reuse its memory
-                self._capture(size, pool)
+                self._capture(size, pool, adapters=False)
+                if lora_stack is not None:
+                    self._capture(size, pool, adapters=True)
 
-    def _forward(self, size: int, eager_step=None) -> torch.Tensor:
+    def _forward(self, size: int, eager_step=None, adapters: bool = False) -> torch.Tensor:
+        """The model over a bucket's views; with `adapters` (and the LoRA stack), its kernels
+        over the rows' slots; without, exactly the base path."""
         ids, positions, meta, logits_indices = self.step.args(size, eager_step)
-        return self.model(ids, positions, meta, self.kv_cache, logits_indices)
+        if self.lora_stack is None or not adapters:
+            return self.model(ids, positions, meta, self.kv_cache, logits_indices)
+        lora = TritonLoraStep(self.lora_stack, self.step.lora_slots(size))
+        return self.model(ids, positions, meta, self.kv_cache, logits_indices, lora=lora)
 
-    def _capture(self, size: int, pool) -> None:
+    def _capture(self, size: int, pool, adapters: bool) -> None:
         self.step.clear()  # warm-up and capture run on all-padding inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(side):
-            warm = self._forward(size)  # Triton compiles, cuBLAS chooses, nothing recorded
+            warm = self._forward(size, adapters=adapters)  # compiles and chooses, records nothing
         torch.cuda.current_stream().wait_stream(side)
         if self.logits.numel() == 0:
             self.logits = torch.empty((self.step.max_seqs, warm.shape[1]), dtype=warm.dtype,
@@ -146,23 +175,29 @@ class StepGraphs:
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            self.logits[: self.step.seqs_of(size)].copy_(self._forward(size))
-        self.graphs[size] = graph
+            self.logits[: self.step.seqs_of(size)].copy_(self._forward(size, adapters=adapters))
+        self.graphs[(size, adapters)] = graph
 
     def bucket(self, num_tokens: int) -> int | None:
         """The smallest bucket holding num_tokens rows, or None past the largest."""
         index = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[index] if index < len(self.sizes) else None
 
-    def run(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray) -> torch.Tensor | None:
-        """The step's logits [R, vocab] from its bucket, or None where it must run unpadded."""
+    def run(
+        self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray, lora=None
+    ) -> torch.Tensor | None:
+        """The step's logits [R, vocab] from its bucket, or None where it must run unpadded
+        (`lora`, the step's adapter rows, on a path the graphs do not hold included)."""
+        if lora is not None and (self.lora_stack is None or not isinstance(lora, TritonLoraStep)):
+            return None
         size = self.bucket(int(x.num_tokens))
         if size is None or not self.step.fits(x, num_scheduled, logits_indices, size):
             return None
-        self.step.fill(x, num_scheduled, logits_indices, size)
+        slots = None if lora is None else lora.row_slot_host
+        self.step.fill(x, num_scheduled, logits_indices, size, slots)
         self.replays += 1
         count = logits_indices.size
         if not self.captured:
-            return self._forward(size, x)[:count]
-        self.graphs[size].replay()
+            return self._forward(size, x, adapters=lora is not None)[:count]
+        self.graphs[(size, lora is not None)].replay()
         return self.logits[:count]

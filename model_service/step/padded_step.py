@@ -13,7 +13,10 @@ Padding is inert by construction:
     sequences B .. Sb      0 rows scheduled, context 0: no tile reads them
     logits rows R .. Sb    row 0 again (their logits are computed and never read)
     tiles past the step's  first row PAD_ROW: the kernel's program returns at once
+    LoRA slots T .. Tb     -1 (no adapter: the LoRA kernels' programs return at once)
 Every op of the forward is row-wise or a GEMM, so a padding row never touches a live row.
+With the LoRA kernels in the graphs (lora/triton_stack.py), each row's adapter slot is one more
+token section, filled from the step's rows (-1 for base-model rows and padding).
 
 On CUDA the host writes a pinned staging copy of the buffer and one copy moves it (plus the
 block tables' used rows and columns) to the device before the replay.
@@ -41,6 +44,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 _TOKEN_SECTIONS = ("input_ids", "positions", "slot_mapping")
 _SEQ_SECTIONS = ("query_start", "num_scheduled", "context_lens", "logits_indices")
+_NAMES = (*_TOKEN_SECTIONS, "lora_slot", *_SEQ_SECTIONS, "tiles")
 
 
 class PaddedStep:
@@ -59,7 +63,7 @@ class PaddedStep:
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.tile_rows, self.device = tile_rows, device
         self.max_tiles = cuda_attention.max_tiles(max_tokens, max_seqs, tile_rows)
-        sizes = [max_tokens] * len(_TOKEN_SECTIONS) + [max_seqs] * len(_SEQ_SECTIONS)
+        sizes = [max_tokens] * (len(_TOKEN_SECTIONS) + 1) + [max_seqs] * len(_SEQ_SECTIONS)
         sizes.append(2 * self.max_tiles)
         self._offsets = np.concatenate(([0], np.cumsum(sizes)))
         pinned = device.type == "cuda"
@@ -70,15 +74,15 @@ class PaddedStep:
         # On the CPU the host buffers are the device's: nothing to copy.
         self.buffer = self.host.to(device) if pinned else self.host
         self.tables = self.host_tables.to(device) if pinned else self.host_tables
-        names = (*_TOKEN_SECTIONS, *_SEQ_SECTIONS, "tiles")
-        self._host_np = {n: self._section(self.host, i).numpy() for i, n in enumerate(names)}
+        self._host_np = {n: self._section(self.host, i).numpy() for i, n in enumerate(_NAMES)}
         self._host_np["tiles"] = self._host_np["tiles"].reshape(2, self.max_tiles)
-        self._device = {n: self._section(self.buffer, i) for i, n in enumerate(names)}
+        self._device = {n: self._section(self.buffer, i) for i, n in enumerate(_NAMES)}
         self._device["tiles"] = self._device["tiles"].view(2, self.max_tiles)
 
     def clear(self) -> None:
         """Every row padding (a graph's warm-up and capture run on this), copied to the device."""
         self.host.zero_()
+        self._host_np["lora_slot"][:] = -1
         cuda_attention.attention_tiles(np.zeros(0, dtype=np.int64), 1, self._host_np["tiles"])
         if self.buffer is not self.host:
             self.buffer.copy_(self.host)
@@ -104,14 +108,28 @@ class PaddedStep:
             and x.block_tables.shape[1] <= self.tables.shape[1]
         )
 
-    def fill(self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray, bucket: int) -> None:
+    def lora_slots(self, bucket: int) -> torch.Tensor:
+        """Each token row's LoRA slot on the device (-1: none), a bucket's view."""
+        return self._device["lora_slot"][:bucket]
+
+    def fill(
+        self,
+        x,
+        num_scheduled: np.ndarray,
+        logits_indices: np.ndarray,
+        bucket: int,
+        lora_slot: np.ndarray | None = None,
+    ) -> None:
         """The step's rows into the host buffers, the bucket's padding after them, then (CUDA)
-        the copy to the device, on the current stream."""
+        the copy to the device, on the current stream. `lora_slot`: each row's adapter slot
+        (None: every row the base model's)."""
         h, tokens, count = self._host_np, int(x.num_tokens), num_scheduled.size
         seqs = self.seqs_of(bucket)
         for name in _TOKEN_SECTIONS:
             h[name][:tokens] = getattr(x, name)[:tokens]
             h[name][tokens:bucket] = 0
+        h["lora_slot"][:tokens] = -1 if lora_slot is None else lora_slot[:tokens]
+        h["lora_slot"][tokens:bucket] = -1
         h["query_start"][:count] = x.query_start[:count]
         h["num_scheduled"][:count] = num_scheduled
         h["context_lens"][:count] = x.context_lens[:count]
