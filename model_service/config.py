@@ -235,6 +235,12 @@ class ModelServiceConfig:
     runs the graphs' padded steps without capturing them, on any device (checks of the padding
     on the CPU). Alias PLANSERVE_CUDA_GRAPHS (0 = off)."""
 
+    lora_kernel: str = setting("auto", choices=("auto", "triton", "torch"))
+    """--enable-lora: the adapters' products. "auto": the Triton grouped kernels on CUDA (in the
+    captured steps too; model_service/lora/triton_stack.py), the torch and native paths
+    elsewhere; "triton" (on the CPU only under Triton's interpreter, for checks); "torch". Alias
+    PLANSERVE_LORA_KERNEL."""
+
     tls_cert: str = ""
     """PEM certificate: serve gRPC over TLS (with tls_key) instead of plaintext."""
 
@@ -328,6 +334,7 @@ COMPUTE_ENV_ALIASES = {
     "gemm_isa": "PLANSERVE_GEMM_ISA",
     "decoder_loop": "PLANSERVE_DECODER_LOOP",
     "cuda_graphs": "PLANSERVE_CUDA_GRAPHS",
+    "lora_kernel": "PLANSERVE_LORA_KERNEL",
 }
 
 

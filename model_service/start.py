@@ -14,7 +14,6 @@ Each part receives what it reads; the runner receives the parts.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import structlog
@@ -60,7 +59,7 @@ def build_runner(
     # LoRA before sizing: on the Triton path the store's device stack is allocated now, so the
     # KV budget counts it like the weights (lora/triton_stack.py).
     kernel, kernel_why = (
-        triton_stack.kernel_path(device, os.environ.get(triton_stack.KERNEL_ENV) or "auto")
+        triton_stack.kernel_path(device, config.lora_kernel)
         if config.enable_lora
         else ("torch", "")
     )

@@ -2,10 +2,10 @@
 the loaded adapters, called from the layers' LoRA hook, eagerly and inside the captured steps.
 
 Which path a step with adapter rows runs is decided once, at start (`kernel_path`, the one
-decider): the Triton kernels on CUDA where Triton is importable, unless PLANSERVE_LORA_KERNEL=torch
-forces the torch grouped path (lora/grouping.py); PLANSERVE_LORA_KERNEL=triton forces the kernels
-on any device (on the CPU under Triton's interpreter, TRITON_INTERPRET=1: how CI checks the
-forward through them).
+decider): the Triton kernels on CUDA where Triton is importable, unless the config's lora_kernel
+"torch" forces the torch grouped path (lora/grouping.py); "triton" forces the kernels on any
+device (on the CPU under Triton's interpreter, TRITON_INTERPRET=1: how CI checks the forward
+through them).
 
 The stack (`TritonStack`) is allocated once, at start, before the KV cache is sized (so the budget
 counts it like the weights): max_cpu_loras slots, each adapter's factors copied into its slot on
@@ -43,29 +43,26 @@ from model_service.lora import triton_lora
 from model_service.lora.peft_folder import Adapter, _weight
 from model_service.lora.targets import FUSED_MODULES, TARGET_MODULES, ModelTargets
 
-KERNEL_ENV = "PLANSERVE_LORA_KERNEL"
-KERNEL_CHOICES = ("auto", "triton", "torch")
+FIELD = "lora_kernel (PLANSERVE_LORA_KERNEL)"
 
 
 def kernel_path(device: torch.device, requested: str) -> tuple[str, str]:
     """("triton" or "torch", why): the LoRA path of a model on `device`; `requested` is
-    PLANSERVE_LORA_KERNEL's value ("auto" when unset). ValueError names the variable when a
-    forced path cannot run."""
-    if requested not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_ENV}: {requested!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    the config's lora_kernel ("auto", "triton" or "torch": the config checks the choice).
+    ValueError names the field when a forced path cannot run."""
     if requested == "torch":
-        return "torch", f"{KERNEL_ENV}=torch"
+        return "torch", "lora_kernel=torch"
     if triton_lora.triton is None:
         if requested == "triton":
-            raise ValueError(f"{KERNEL_ENV}: 'triton' needs Triton, which is not installed")
+            raise ValueError(f"{FIELD}: 'triton' needs Triton, which is not installed")
         return "torch", "Triton is not installed"
     if requested == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
-                f"{KERNEL_ENV}: 'triton' on device {device.type} needs Triton's interpreter "
+                f"{FIELD}: 'triton' on device {device.type} needs Triton's interpreter "
                 "(TRITON_INTERPRET=1)"
             )
-        return "triton", f"{KERNEL_ENV}=triton"
+        return "triton", "lora_kernel=triton"
     if device.type != "cuda":
         return "torch", f"device {device.type}"
     return "triton", "CUDA"
@@ -138,6 +135,11 @@ class TritonStack:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    def hook(self, row_slot: torch.Tensor) -> "TritonLoraStep":
+        """The layers' LoRA hook over this stack for rows whose slots `row_slot` holds (what a
+        captured step builds over its static buffer)."""
+        return TritonLoraStep(self, row_slot)
 
 
 def _per_target(

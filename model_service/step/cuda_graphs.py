@@ -41,6 +41,7 @@ batch invariant eagerly: on CUDA, batch invariance holds for the attention kerne
 from __future__ import annotations
 
 import bisect
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
@@ -50,10 +51,16 @@ from model_service.attention import cuda_attention
 from model_service.attention.kv_cache import KVCache
 from model_service.attention.paged import cuda_path
 from model_service.loading.loaded import LoadedModel
-from model_service.lora.triton_stack import TritonLoraStep, TritonStack
 from model_service.step.padded_step import PaddedStep, token_buckets
 
 log = structlog.get_logger(__name__)
+
+
+class LoraKernels(Protocol):
+    """The LoRA kernels' device stack (lora/triton_stack.py TritonStack), as the graphs use it:
+    passed in by start-up, so that this room does not import the LoRA room (which reads plans)."""
+
+    def hook(self, row_slot: torch.Tensor) -> Any: ...
 
 
 def unsupported_reason(
@@ -91,7 +98,7 @@ def capture(
     max_tokens: int,
     max_seqs: int,
     max_blocks_per_seq: int,
-    lora_stack: TritonStack | None = None,
+    lora_stack: LoraKernels | None = None,
 ) -> tuple[StepGraphs | None, str]:
     """The model's step graphs over `kv_cache` (captured now; with "eager", the padded path
     run without graphs) and the path Describe reports, or None and why. `lora_stack`: the
@@ -133,7 +140,7 @@ class StepGraphs:
         step: PaddedStep,
         captured: bool,
         sizes=None,
-        lora_stack: TritonStack | None = None,
+        lora_stack: LoraKernels | None = None,
     ) -> None:
         """`sizes`: the buckets (default: token_buckets up to the step's max_tokens; a bench
         captures only the one it times). `lora_stack`: the LoRA kernels' stack (module
@@ -159,7 +166,7 @@ class StepGraphs:
         ids, positions, meta, logits_indices = self.step.args(size, eager_step)
         if self.lora_stack is None or not adapters:
             return self.model(ids, positions, meta, self.kv_cache, logits_indices)
-        lora = TritonLoraStep(self.lora_stack, self.step.lora_slots(size))
+        lora = self.lora_stack.hook(self.step.lora_slots(size))
         return self.model(ids, positions, meta, self.kv_cache, logits_indices, lora=lora)
 
     def _capture(self, size: int, pool, adapters: bool) -> None:
@@ -188,8 +195,10 @@ class StepGraphs:
     ) -> torch.Tensor | None:
         """The step's logits [R, vocab] from its bucket, or None where it must run unpadded
         (`lora`, the step's adapter rows, on a path the graphs do not hold included)."""
-        if lora is not None and (self.lora_stack is None or not isinstance(lora, TritonLoraStep)):
-            return None
+        if lora is not None and (
+            self.lora_stack is None or getattr(lora, "stack", None) is not self.lora_stack
+        ):
+            return None  # adapter rows on a path the graphs do not hold
         size = self.bucket(int(x.num_tokens))
         if size is None or not self.step.fits(x, num_scheduled, logits_indices, size):
             return None

@@ -2,7 +2,7 @@
 from the forward, over a device stack of fixed slots, eagerly and inside the captured steps.
 
 On the CPU (CI) the forward runs the kernels under Triton's interpreter, forced with
-PLANSERVE_LORA_KERNEL=triton, in a child process (Triton reads TRITON_INTERPRET at import, as in
+lora_kernel="triton", in a child process (Triton reads TRITON_INTERPRET at import, as in
 test_ms_triton_ops.py): the tiny model in float32 (parity with the torch grouped path needs it)
 with three peft adapters (ranks 4, 16 and 7; all linear, attention only, and q/v/down) and a
 base-model row, chunked prefills and decodes:
@@ -31,10 +31,11 @@ from conftest import tiny_config
 from lora_adapters import ALL_LINEAR, ATTENTION, save_adapter
 from ms_driver import Driver
 
+from model_service.config import compute_env_defaults
 from model_service.lora import triton_lora
 from model_service.lora.store import AdapterStore
 from model_service.lora.targets import model_targets
-from model_service.lora.triton_stack import KERNEL_ENV, kernel_path
+from model_service.lora.triton_stack import kernel_path
 from model_service.start import build_runner
 from model_service.step.padded_step import PaddedStep
 
@@ -60,8 +61,9 @@ def folders(tiny_hf, tmp_path_factory):
 
 
 def _runner(loaded, folders, kernel, monkeypatch, **overrides):
-    monkeypatch.setenv(KERNEL_ENV, kernel)
-    config = tiny_config(enable_lora=True, max_loras=3, profile_step_tokens=48, **overrides)
+    config = tiny_config(
+        enable_lora=True, max_loras=3, profile_step_tokens=48, lora_kernel=kernel, **overrides
+    )
     runner = build_runner(loaded, config)
     for lora_id, folder in enumerate(folders, start=1):
         runner.load_adapter(lora_id, f"adapter{lora_id}", folder)
@@ -77,14 +79,15 @@ def _run(runner, slots=tuple(PROMPTS), lora_of_slot=LORA_OF_SLOT):
 
 def test_the_decider_takes_triton_on_cuda_only_unless_forced(tiny_runner, monkeypatch):
     assert kernel_path(torch.device("cpu"), "auto") == ("torch", "device cpu")
-    assert kernel_path(torch.device("cuda"), "torch") == ("torch", f"{KERNEL_ENV}=torch")
+    assert kernel_path(torch.device("cuda"), "torch") == ("torch", "lora_kernel=torch")
     if triton_lora.triton is not None:
         assert kernel_path(torch.device("cuda"), "auto") == ("triton", "CUDA")
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        with pytest.raises(ValueError, match=f"{KERNEL_ENV}: 'triton' on device cpu needs"):
+        with pytest.raises(ValueError, match=r"lora_kernel \(PLANSERVE_LORA_KERNEL\): 'triton' on"):
             kernel_path(torch.device("cpu"), "triton")
-    with pytest.raises(ValueError, match=f"{KERNEL_ENV}: 'fast' is not one of auto, triton"):
-        kernel_path(torch.device("cpu"), "fast")
+    with pytest.raises(ValueError, match="lora_kernel"):
+        tiny_config(lora_kernel="fast").validate()
+    assert compute_env_defaults({"PLANSERVE_LORA_KERNEL": "torch"}) == {"lora_kernel": "torch"}
 
 
 def test_the_stack_keeps_its_addresses_and_puts_each_adapter_in_its_slot(tiny_loaded, folders):
@@ -194,7 +197,6 @@ def test_replayed_steps_with_adapter_rows_give_the_eager_steps_tokens(folders, m
     before and after an evict and a load into the freed slot."""
     from model_service.loading.loader import load_model
 
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
     config = tiny_config(device="cuda", enable_lora=True, max_loras=3, profile_step_tokens=48)
     loaded = load_model(config)
     runs = {}
