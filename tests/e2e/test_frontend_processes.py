@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -249,3 +250,28 @@ async def test_sigterm_drains_through_the_frontends_and_exits_0():
 def _is_zombie(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.fixture
+def held_port():
+    """A port another process (this test) listens on."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_a_taken_door_port_is_one_line_naming_its_flag(held_port, flag):
+    """The doors' ports are resolved and held by the core before anything starts: another
+    listener is refused, never silently shared."""
+    ports = {"--port": "0", "--engine-port": "0", "--http-port": "0", "--metrics-port": "-1",
+             flag: str(held_port)}
+    result = subprocess.run(
+        [sys.executable, "-m", "tools", "serve", "--model", "null", "--frontend-processes", "2",
+         *[a for pair in ports.items() for a in pair]],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"planserve: {flag} {held_port}: "), lines
