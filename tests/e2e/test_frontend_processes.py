@@ -19,7 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from api import greedy_ids_request
+from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
+from conftest import start_scheduler
 from model_service.models.null import null_continuation
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -275,3 +276,32 @@ def test_a_taken_door_port_is_one_line_naming_its_flag(held_port, flag):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"planserve: {flag} {held_port}: "), lines
+
+
+async def test_structured_output_and_parallel_samples_through_frontends(tiny_engine):
+    """The grammar is compiled in the frontend (admission's bound) and again in the core, which
+    makes the guide from the request's spec; parallel samples fork in the core and come back
+    on one frontend's stream."""
+    server = await start_scheduler(tiny_engine, frontend_processes=2)
+    try:
+        stub = stub_for(server)
+        email = r"[a-z]{3,8}@example\.(com|org)"
+        for seed in range(2):
+            request = greedy_ids_request([1, 17, 300, 4000, 22, 9], 64)
+            request.sampling.temperature, request.sampling.seed = 1.0, seed
+            request.structured_output.regex = email
+            out = await complete(stub, request)
+            assert re.fullmatch(email, out.text), out.text
+            assert out.finish_reason == generate_pb2.FINISH_REASON_EOS
+        choices = ["red", "green", "blue", "no colour at all"]
+        request = greedy_ids_request([1, 17, 300], 16)
+        request.n, request.sampling.temperature, request.sampling.seed = 4, 1.0, 11
+        request.structured_output.choice.choices.extend(choices)
+        texts: dict[int, str] = {}
+        async for chunk in stub.Generate(request):
+            texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
+        assert sorted(texts) == [0, 1, 2, 3] and set(texts.values()) <= set(choices), texts
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+    finally:
+        await server.stop(grace_s=1)
