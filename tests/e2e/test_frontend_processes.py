@@ -305,3 +305,40 @@ async def test_structured_output_and_parallel_samples_through_frontends(tiny_eng
         assert_no_leaked_blocks(server)
     finally:
         await server.stop(grace_s=1)
+
+
+def _model_service_pid(root: int) -> int:
+    for task in os.listdir(f"/proc/{root}/task"):
+        with open(f"/proc/{root}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                with open(f"/proc/{child}/cmdline") as cmd:
+                    if "model_service" in cmd.read():
+                        return child
+    raise AssertionError("no model service child")
+
+
+async def test_the_frontends_end_their_streams_and_exit_when_the_core_dies():
+    served = Served(delay_ms=10)
+    model_service = _model_service_pid(served.process.pid)
+    try:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = generate_pb2_grpc.GenerationServiceStub(channel)
+            running = stub.Generate(greedy_ids_request(_prompt(1), 1000, request_id="orphan"))
+            assert (await running.read()).token_ids
+            served.process.kill()
+            last = None
+            try:
+                while (chunk := await running.read()) is not grpc.aio.EOF:
+                    last = chunk
+                ended_with = last.finish_reason if last is not None else None
+            except grpc.aio.AioRpcError:
+                ended_with = "rpc error"
+            assert ended_with in (generate_pb2.FINISH_REASON_ERROR, "rpc error")
+        deadline = asyncio.get_running_loop().time() + 30
+        while any(os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
+                  for pid in served.frontends):
+            assert asyncio.get_running_loop().time() < deadline, "a frontend outlived the core"
+            await asyncio.sleep(0.05)
+    finally:
+        os.kill(model_service, signal.SIGKILL)
+        served.stop()
