@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
-from conftest import start_scheduler
+from conftest import EngineProcess, start_scheduler
 from model_service.models.null import null_continuation
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -342,3 +342,25 @@ async def test_the_frontends_end_their_streams_and_exit_when_the_core_dies():
     finally:
         os.kill(model_service, signal.SIGKILL)
         served.stop()
+
+
+async def test_replicas_behind_the_frontends():
+    """The core's engine side may be a ReplicaSet: the frontends do not care."""
+    engines = [EngineProcess("--model", "null"), EngineProcess("--model", "null")]
+    try:
+        server = await start_scheduler(",".join(e.address for e in engines),
+                                       frontend_processes=2)
+        try:
+            stub = stub_for(server)
+            prompts = [[5 + i, 6, 7] for i in range(32)]
+            outs = await asyncio.gather(*(complete(stub, greedy_ids_request(p, 20))
+                                          for p in prompts))
+            for prompt, out in zip(prompts, outs):
+                assert out.token_ids == null_continuation(prompt, 20)
+            status = await stub.GetServerStatus(generate_pb2.GetServerStatusRequest())
+            assert len(status.replicas) == 2
+        finally:
+            await server.stop(grace_s=1)
+    finally:
+        for engine in engines:
+            engine.stop()
