@@ -364,3 +364,27 @@ async def test_replicas_behind_the_frontends():
     finally:
         for engine in engines:
             engine.stop()
+
+
+async def test_the_bearer_token_is_checked_by_the_frontends(tmp_path):
+    """The config (auth, TLS, tenants) is the core's, sent to the frontends at start."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    engine = EngineProcess("--model", "null")
+    try:
+        server = await start_scheduler(engine.address, frontend_processes=2,
+                                       auth_token_file=str(token_file))
+        try:
+            stub = stub_for(server)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await complete(stub, greedy_ids_request([1, 2, 3], 5))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ids = []
+            async for chunk in stub.Generate(greedy_ids_request([1, 2, 3], 5),
+                                             metadata=(("authorization", "Bearer s3cret"),)):
+                ids.extend(chunk.token_ids)
+            assert ids == null_continuation([1, 2, 3], 5)
+        finally:
+            await server.stop(grace_s=1)
+    finally:
+        engine.stop()
