@@ -249,6 +249,8 @@ class FrontendHub:
         """The rare operations a door asks of the core."""
         if op == "reset_prefix_cache":
             return self.engine.scheduler.kv.reset_prefix_cache()
+        if op == "abort":  # the Abort RPC, for a request of whichever frontend
+            return self.engine.abort_request(args[0])
         if op == "metrics_text":
             return TextRenderer(self.metrics.registry).render()
         raise ValueError(f"unknown frontend call {op!r}")

@@ -135,6 +135,15 @@ class RemoteEngine:
         self.link.send(("abort", request_id))
         return True
 
+    def abort_anywhere(self, request_id: str) -> asyncio.Future:
+        """The Abort RPC: a request of any frontend (a client may abort on another connection
+        than the one its stream runs on); a future of whether it was in flight."""
+        if self.abort_request(request_id):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(True)
+            return future
+        return self.call("abort", request_id)
+
     def call(self, op: str, *args: Any) -> asyncio.Future:
         """A rare operation run by the core (reset the prefix cache, render /metrics): a future
         of its answer."""

@@ -388,3 +388,28 @@ async def test_the_bearer_token_is_checked_by_the_frontends(tmp_path):
             await server.stop(grace_s=1)
     finally:
         engine.stop()
+
+
+async def test_abort_on_any_connection_finds_a_request_of_either_frontend(served):
+    """Fifteen streams on one connection, each aborted on another connection: the kernel puts
+    some of those on the other frontend, whose Abort the core answers."""
+    channels = served.channels()
+    try:
+        stubs = [generate_pb2_grpc.GenerationServiceStub(c) for c in channels]
+        calls = [stubs[0].Generate(greedy_ids_request(_prompt(i), 5000, request_id=f"ab-{i}"))
+                 for i in range(1, NUM_CHANNELS)]
+        for call in calls:
+            assert (await call.read()).token_ids
+        for i in range(1, NUM_CHANNELS):
+            await stubs[i].Abort(generate_pb2.AbortRequest(request_id=f"ab-{i}"), timeout=10)
+        for call in calls:
+            reason = None
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                reason = chunk.finish_reason or reason
+            assert reason == generate_pb2.FINISH_REASON_CANCELLED
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stubs[1].Abort(generate_pb2.AbortRequest(request_id="ab-none"), timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+    await _until_idle_and_all_blocks_free(served.address)
