@@ -2,7 +2,9 @@
 ports, the scheduler loop alone in the engine core. Real processes on 127.0.0.1, the null model
 (its tokens depend on each prompt, so a token crossing streams would show): every stream gets
 exactly its own tokens through either frontend, HTTP SSE through the same port, a cancel frees
-its request, a frontend killed ends only its own streams, SIGTERM drains; no KV block leaks."""
+its request, Abort finds a request of either frontend, a frontend killed ends only its own
+streams, the core killed ends the frontends, SIGTERM drains; no KV block leaks. The cases with
+the core in this process are in test_frontend_processes_doors.py."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
-from conftest import EngineProcess, start_scheduler
+from api import greedy_ids_request
 from model_service.models.null import null_continuation
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -278,34 +279,6 @@ def test_a_taken_door_port_is_one_line_naming_its_flag(held_port, flag):
     assert len(lines) == 1 and lines[0].startswith(f"planserve: {flag} {held_port}: "), lines
 
 
-async def test_structured_output_and_parallel_samples_through_frontends(tiny_engine):
-    """The grammar is compiled in the frontend (admission's bound) and again in the core, which
-    makes the guide from the request's spec; parallel samples fork in the core and come back
-    on one frontend's stream."""
-    server = await start_scheduler(tiny_engine, frontend_processes=2)
-    try:
-        stub = stub_for(server)
-        email = r"[a-z]{3,8}@example\.(com|org)"
-        for seed in range(2):
-            request = greedy_ids_request([1, 17, 300, 4000, 22, 9], 64)
-            request.sampling.temperature, request.sampling.seed = 1.0, seed
-            request.structured_output.regex = email
-            out = await complete(stub, request)
-            assert re.fullmatch(email, out.text), out.text
-            assert out.finish_reason == generate_pb2.FINISH_REASON_EOS
-        choices = ["red", "green", "blue", "no colour at all"]
-        request = greedy_ids_request([1, 17, 300], 16)
-        request.n, request.sampling.temperature, request.sampling.seed = 4, 1.0, 11
-        request.structured_output.choice.choices.extend(choices)
-        texts: dict[int, str] = {}
-        async for chunk in stub.Generate(request):
-            texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
-        assert sorted(texts) == [0, 1, 2, 3] and set(texts.values()) <= set(choices), texts
-        await wait_until_idle(server)
-        assert_no_leaked_blocks(server)
-    finally:
-        await server.stop(grace_s=1)
-
 
 def _model_service_pid(root: int) -> int:
     for task in os.listdir(f"/proc/{root}/task"):
@@ -344,50 +317,6 @@ async def test_the_frontends_end_their_streams_and_exit_when_the_core_dies():
         served.stop()
 
 
-async def test_replicas_behind_the_frontends():
-    """The core's engine side may be a ReplicaSet: the frontends do not care."""
-    engines = [EngineProcess("--model", "null"), EngineProcess("--model", "null")]
-    try:
-        server = await start_scheduler(",".join(e.address for e in engines),
-                                       frontend_processes=2)
-        try:
-            stub = stub_for(server)
-            prompts = [[5 + i, 6, 7] for i in range(32)]
-            outs = await asyncio.gather(*(complete(stub, greedy_ids_request(p, 20))
-                                          for p in prompts))
-            for prompt, out in zip(prompts, outs):
-                assert out.token_ids == null_continuation(prompt, 20)
-            status = await stub.GetServerStatus(generate_pb2.GetServerStatusRequest())
-            assert len(status.replicas) == 2
-        finally:
-            await server.stop(grace_s=1)
-    finally:
-        for engine in engines:
-            engine.stop()
-
-
-async def test_the_bearer_token_is_checked_by_the_frontends(tmp_path):
-    """The config (auth, TLS, tenants) is the core's, sent to the frontends at start."""
-    token_file = tmp_path / "token"
-    token_file.write_text("s3cret\n")
-    engine = EngineProcess("--model", "null")
-    try:
-        server = await start_scheduler(engine.address, frontend_processes=2,
-                                       auth_token_file=str(token_file))
-        try:
-            stub = stub_for(server)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await complete(stub, greedy_ids_request([1, 2, 3], 5))
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            ids = []
-            async for chunk in stub.Generate(greedy_ids_request([1, 2, 3], 5),
-                                             metadata=(("authorization", "Bearer s3cret"),)):
-                ids.extend(chunk.token_ids)
-            assert ids == null_continuation([1, 2, 3], 5)
-        finally:
-            await server.stop(grace_s=1)
-    finally:
-        engine.stop()
 
 
 async def test_abort_on_any_connection_finds_a_request_of_either_frontend(served):
