@@ -1,10 +1,12 @@
 """Frontend processes (`--frontend-processes 2`) of a scheduler core in this process, against
 real model services: structured output and parallel samples (the core makes the guide again),
-replicas behind the core, and the bearer token checked by the frontends (the core's config)."""
+replicas behind the core, the bearer token and TLS applied by the frontends (the core's config)."""
 from __future__ import annotations
 
 import asyncio
 import re
+import ssl
+import urllib.request
 
 import grpc
 import pytest
@@ -12,7 +14,8 @@ import pytest
 from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
 from conftest import EngineProcess, start_scheduler
 from model_service.models.null import null_continuation
-from planserve.v1 import generate_pb2
+from planserve.v1 import generate_pb2, generate_pb2_grpc
+from test_security import Pki
 
 
 async def test_structured_output_and_parallel_samples_through_frontends(tiny_engine):
@@ -82,6 +85,30 @@ async def test_the_bearer_token_is_checked_by_the_frontends(tmp_path):
                                              metadata=(("authorization", "Bearer s3cret"),)):
                 ids.extend(chunk.token_ids)
             assert ids == null_continuation([1, 2, 3], 5)
+        finally:
+            await server.stop(grace_s=1)
+    finally:
+        engine.stop()
+
+
+async def test_tls_doors_in_the_frontends(tmp_path):
+    """TLS on both doors of the frontends (the core's certificate files, read there)."""
+    pki = Pki(str(tmp_path), "planserve")
+    engine = EngineProcess("--model", "null")
+    try:
+        server = await start_scheduler(engine.address, frontend_processes=2, http_port=0,
+                                       tls_cert=pki.server_cert, tls_key=pki.server_key)
+        try:
+            credentials = grpc.ssl_channel_credentials(root_certificates=pki.read("ca"))
+            async with grpc.aio.secure_channel(f"127.0.0.1:{server.port}", credentials) as channel:
+                out = await complete(generate_pb2_grpc.GenerationServiceStub(channel),
+                                     greedy_ids_request([4, 5, 6], 7))
+            assert out.token_ids == null_continuation([4, 5, 6], 7)
+            context = ssl.create_default_context(cafile=pki.ca)
+            url = f"https://127.0.0.1:{server.http_port}/v1/models"
+            body = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: urllib.request.urlopen(url, context=context, timeout=10).read())
+            assert b'"null"' in body
         finally:
             await server.stop(grace_s=1)
     finally:
