@@ -23,6 +23,7 @@ from typing import Any, Callable
 import structlog
 from prometheus_client import Counter
 
+from scheduler_service import logs
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, compile_grammar
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
@@ -155,7 +156,13 @@ class FrontendHub:
 
     async def _start_one(self, index: int, grpc_port: int, http_port: int) -> _Peer:
         ours, theirs = socket.socketpair()
-        command = [sys.executable, "-m", "scheduler_service.frontends", str(theirs.fileno())]
+        command = [
+            sys.executable,
+            "-m",
+            "scheduler_service.frontends",
+            str(theirs.fileno()),
+            logs.configured_level,
+        ]
         try:
             process = subprocess.Popen(command, pass_fds=(theirs.fileno(),))
         finally:
