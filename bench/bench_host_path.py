@@ -3,8 +3,9 @@ null model standing in for a GPU whose step takes D ms), N concurrent streams of
 read by clients in this process (or, with --client-procs, in child processes), and per step:
 
   cpu_ms_per_step   CPU time (user + system, all threads) of every server process: the
-                    scheduler process (`planserve serve` itself: doors + scheduler loop) and the
-                    model service child, measured from /proc over the timed run
+                    scheduler process (`planserve serve` itself: doors + scheduler loop; with
+                    --frontend-processes N the scheduler loop alone, each frontend process its
+                    own row) and the model service child, measured from /proc over the timed run
   step_ms           wall time per step (the client's inter-chunk time per token, median)
   tokens/s          output tokens of the timed run over its wall time
 
@@ -68,12 +69,20 @@ def _cmdline(pid: int) -> str:
 
 
 def _server_processes(root: int) -> dict[str, int]:
-    """Name -> pid of the server's process tree (the model service child named by its module)."""
+    """Name -> pid of the server's process tree: the model service child named by its module,
+    each frontend process (--frontend-processes) as frontend_0, frontend_1, ..."""
     processes = {"scheduler_process": root}
     pending = [root]
+    num_frontends = 0
     while pending:
         for child in _children(pending.pop()):
-            name = "model_service" if "model_service" in _cmdline(child) else f"child_{child}"
+            cmdline = _cmdline(child)
+            if "model_service" in cmdline:
+                name = "model_service"
+            elif "scheduler_service.frontends" in cmdline:
+                name, num_frontends = f"frontend_{num_frontends}", num_frontends + 1
+            else:
+                name = f"child_{child}"
             processes[name] = child
             pending.append(child)
     return processes
@@ -95,6 +104,7 @@ class Server:
             "--max-stream-buffer-chunks", str(args.stream_buffer),
             "--max-queue-len", str(4 * args.streams),
             "--max-num-batched-tokens", str(max(8192, PROMPT_LEN * args.streams)),
+            "--frontend-processes", str(args.frontend_processes),
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         text=True, env=env)
@@ -111,6 +121,8 @@ class Server:
         threading.Thread(target=self.process.stdout.read, daemon=True).start()
         self.grpc_port, self.http_port = ports["grpc"], ports["http"]
         self.pids = _server_processes(self.process.pid)
+        if len([n for n in self.pids if n.startswith("frontend_")]) != args.frontend_processes:
+            raise RuntimeError(f"expected {args.frontend_processes} frontends: {self.pids}")
 
     def cpu(self) -> dict[str, float]:
         return {name: _cpu_s(pid) for name, pid in self.pids.items()}
@@ -131,19 +143,29 @@ def _request(i: int, tokens: int, interval: int, tag: str) -> generate_pb2.Gener
     return request
 
 
+# gRPC connections the Generate streams are spread over (--channels): the kernel hands each
+# connection to one frontend process (SO_REUSEPORT), so one connection would load only one.
+NUM_CHANNELS = [1]
+
+
 async def run_generate(port: int, n: int, tokens: int, interval: int, tag: str) -> list:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                          options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(NUM_CHANNELS[0])]
+    stubs = [generate_pb2_grpc.GenerationServiceStub(c) for c in channels]
 
-        async def one(i: int):
-            times, counts = [], []
-            async for chunk in stub.Generate(_request(i, tokens, interval, tag)):
-                if chunk.token_ids:
-                    times.append(time.perf_counter())
-                    counts.append(len(chunk.token_ids))
-            return times, counts
+    async def one(i: int):
+        times, counts = [], []
+        async for chunk in stubs[i % len(stubs)].Generate(_request(i, tokens, interval, tag)):
+            if chunk.token_ids:
+                times.append(time.perf_counter())
+                counts.append(len(chunk.token_ids))
+        return times, counts
 
+    try:
         return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
 
 
 async def run_session(port: int, n: int, tokens: int, interval: int, tag: str) -> list:
@@ -249,6 +271,8 @@ async def measure(server: Server, api: str, args, interval: int) -> dict:
         "stream_interval": interval,
         "tokens_each": args.tokens,
         "delay_ms": args.delay_ms,
+        "frontend_processes": args.frontend_processes,
+        "grpc_channels": NUM_CHANNELS[0],
         "output_tokens_per_s": round(args.streams * args.tokens / wall, 1),
         "step_ms": round(statistics.median(gaps) * 1000, 3) if gaps else None,
         "chunks_per_stream": statistics.median(len(t) for t, _ in runs),
@@ -281,6 +305,11 @@ def main() -> None:
     parser.add_argument("--stream-buffer", type=int, default=1 << 20,
                         help="--max-stream-buffer-chunks (main cba8162 counted a Session's "
                         "chunks of all its requests together)")
+    parser.add_argument("--frontend-processes", type=int, default=0,
+                        help="serve with --frontend-processes N (each one's CPU is its own row)")
+    parser.add_argument("--channels", type=int, default=None,
+                        help="gRPC connections the Generate streams use (default: 1, or 16 "
+                        "with frontend processes, so that the kernel spreads them)")
     parser.add_argument("--profile", default=None, help="cProfile the scheduler process here")
     parser.add_argument("--label", default="", help="what this run measures (before/after ...)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_path.json"))
@@ -288,6 +317,7 @@ def main() -> None:
     parser.add_argument("--grpc-floor", action="store_true",
                         help="only the floor: a bare grpc.aio server's CPU per streamed message")
     args = parser.parse_args()
+    NUM_CHANNELS[0] = args.channels or (16 if args.frontend_processes else 1)
     load_before = os.getloadavg()
     if args.grpc_floor:
         print(json.dumps(grpc_floor(args)))

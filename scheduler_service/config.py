@@ -39,6 +39,13 @@ class SchedulerConfig:
     /health) on `host`; 0 picks a free one, -1 (the library default) serves none.
     `planserve serve` and `planserve scheduler` default to 8000."""
 
+    frontend_processes: int = setting(0, low=0, high=64)
+    """Processes that serve the public doors (gRPC GenerationService, health, reflection, the
+    OpenAI HTTP API) on `port` and `http_port`, sharing each port (SO_REUSEPORT), so that client
+    I/O never runs on the scheduler loop's thread (scheduler_service/frontends). This process
+    keeps the scheduler, the engine loop(s), /metrics and KV events. 0: the doors run in this
+    process, beside the scheduler loop."""
+
     engine_address: str = setting("127.0.0.1:50052", cli=False)  # --engine, or serve's own
     """host:port of the model service's EngineService; several replicas as a comma list
     ("h1:p1,h2:p2"), or `dns:///name:port` (a headless Service: one replica per address,
@@ -289,6 +296,13 @@ class SchedulerConfig:
             raise ValueError("enable_runtime_lora needs lora_root (the folder adapters load from)")
         if self.lora_root and not os.path.isdir(self.lora_root):
             raise ValueError(f"lora_root: {self.lora_root!r} is not a folder")
+        if self.frontend_processes and self.enable_runtime_lora:
+            raise ValueError(
+                "enable_runtime_lora is not served with frontend_processes > 0 yet: "
+                "load adapters at start (lora_modules) or set frontend_processes to 0"
+            )
+        if self.frontend_processes and self.host.startswith("unix:"):
+            raise ValueError("frontend_processes > 0 needs a TCP host (ports are shared)")
         return self
 
 

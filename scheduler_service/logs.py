@@ -40,7 +40,13 @@ def redact_content(logger: WrappedLogger, method_name: str, event_dict: EventDic
     return event_dict
 
 
+# The level configure() was last called with (frontend processes start with the same).
+configured_level = "info"
+
+
 def configure(level: str = "info") -> None:
+    global configured_level
+    configured_level = level
     json_logs = os.environ.get("PLANSERVE_LOG_JSON") == "1" or not sys.stderr.isatty()
     renderer = (
         structlog.processors.JSONRenderer()

@@ -31,3 +31,22 @@ def check_port_free(flag: str, host: str, port: int) -> None:
                 f"{flag} {port}: cannot listen on {host}:{port} ({error.strerror or error}); "
                 "stop what holds it or choose another port (0 picks a free one)"
             ) from None
+
+
+def reserve_shared_port(flag: str, host: str, port: int) -> socket.socket:
+    """A socket bound (never listening) to `port` with SO_REUSEPORT: it resolves port 0 to one
+    number and holds it while the frontend processes bind theirs (--frontend-processes: they
+    share the port; connections only go to the listening ones). StartupError names `flag`."""
+    check_port_free(flag, host, port)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    holder = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind((host, port))
+    except OSError as error:
+        holder.close()
+        raise StartupError(
+            f"{flag} {port}: cannot listen on {host}:{port} ({error.strerror or error})"
+        ) from None
+    return holder

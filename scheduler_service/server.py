@@ -8,6 +8,7 @@ the engine side is one EngineLoop, or a ReplicaSet of them (engine/), behind Eng
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Optional
 
@@ -31,8 +32,9 @@ from scheduler_service.engine.frontend import EngineFrontend
 from scheduler_service.engine.kv_events import KVEventPublisher, KVEventStream
 from scheduler_service.engine.loop import EngineLoop
 from scheduler_service.engine.replicas import ReplicaSet
+from scheduler_service.frontends.hub import FrontendHub
 from scheduler_service.metrics import Metrics
-from scheduler_service.ports import StartupError, check_port_free
+from scheduler_service.ports import StartupError, check_port_free, reserve_shared_port
 from scheduler_service.text import structured
 from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
@@ -68,6 +70,10 @@ class SchedulerServer:
         self.http: HttpServer | None = None
         self.http_port: int | None = None  # the OpenAI-compatible API's bound port, if served
         self.kv_publisher: KVEventPublisher | None = None  # with --kv-events-config
+        # --frontend-processes N: the doors run in N processes (scheduler_service/frontends);
+        # this process holds their ports (bound, not listening) and serves their links.
+        self.hub: FrontendHub | None = None
+        self._port_holders: list[socket.socket] = []
         # Health SERVING: the model service computed a real step and the server is not draining.
         self.ready = False
 
@@ -89,6 +95,8 @@ class SchedulerServer:
         """Starts listening (health NOT_SERVING) and returns the bound port; StartupError
         naming the flag of a port that is taken (then nothing is left listening)."""
         check_ports(self.config)
+        if self.config.frontend_processes:
+            return await self._start_for_frontends()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         generate_pb2_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
         reflection.enable_server_reflection(
@@ -114,7 +122,29 @@ class SchedulerServer:
             raise
         return self.port
 
-    async def _open_http_doors(self) -> None:
+    async def _start_for_frontends(self) -> int:
+        """--frontend-processes: resolves and holds the doors' ports (the frontends open them
+        once the model service described itself) and serves /metrics here."""
+        config = self.config
+        holders = self._port_holders
+        holders.append(reserve_shared_port("--port", config.host, config.port))
+        self.port = holders[0].getsockname()[1]
+        if config.http_port >= 0:
+            holders.append(reserve_shared_port("--http-port", config.host, config.http_port))
+            self.http_port = holders[1].getsockname()[1]
+        try:
+            await self._open_http_doors(api=False)
+        except BaseException:
+            self._close_port_holders()
+            raise
+        return self.port
+
+    def _close_port_holders(self) -> None:
+        for holder in self._port_holders:
+            holder.close()
+        self._port_holders = []
+
+    async def _open_http_doors(self, api: bool = True) -> None:
         """/metrics and the OpenAI HTTP API, each when its port is not -1."""
         if self.config.metrics_port >= 0:
             try:
@@ -124,7 +154,7 @@ class SchedulerServer:
                     f"--metrics-port {self.config.metrics_port}: cannot listen on "
                     f"{self.config.host}:{self.config.metrics_port} ({error.strerror or error})"
                 ) from None
-        if self.config.http_port >= 0:
+        if self.config.http_port >= 0 and api:
             # Answers 503 (and /health "starting") until the engine answered Describe.
             self.http = HttpServer(
                 self.admission,
@@ -168,6 +198,15 @@ class SchedulerServer:
             if not is_replicated(self.config.engine_address):
                 self.metrics.on_engine_ready()  # a replica set keeps the gauge itself
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.config.frontend_processes:
+            self.hub = FrontendHub(self.admission, self.metrics, lambda: self.ready)
+            try:
+                await self.hub.start(
+                    self.config.frontend_processes, self.port, self.http_port or -1
+                )
+            except BaseException:
+                await self.stop(grace_s=0)
+                raise
         log.info(
             "scheduler serving" if engine_down is None else "scheduler waiting for engine",
             port=self.port,
@@ -255,6 +294,8 @@ class SchedulerServer:
         flight run to their end for up to grace_s. True when all of them finished in time."""
         self.admission.draining = True
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.hub is not None:
+            self.hub.send_status()  # the frontends refuse new requests from now on
         loop = self.loop
         num_in_flight = len(loop.scheduler.requests) if loop else 0
         log.info("draining", num_in_flight=num_in_flight, grace_s=grace_s)
@@ -272,6 +313,10 @@ class SchedulerServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.hub is not None:
+            await self.hub.stop(grace_s)
+            self.hub = None
+        self._close_port_holders()
         if self.http is not None:
             await asyncio.gather(self.server.stop(grace_s), self.http.stop(grace_s))
             self.http = None

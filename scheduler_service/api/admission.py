@@ -44,6 +44,18 @@ def _compiled(
     return grammar
 
 
+def compile_grammar(
+    grammars: structured.GrammarCompiler, spec: structured.StructuredSpec, opens: bytes
+) -> asyncio.Future:
+    """A future of the request's grammar compiled off the event loop (cached by the compiler):
+    admission waits for it within its bound; the engine core (scheduler_service/frontends)
+    makes a frontend's request's guide again from it, with the markers the frontend sent."""
+    compiling = asyncio.get_running_loop().run_in_executor(None, _compiled, grammars, spec, opens)
+    # Whoever waited, the outcome is read, so that a late failure is not reported unread.
+    compiling.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return compiling
+
+
 class Rejected(Exception):
     """A request that is not accepted, with the status it gets. A bad field (INVALID_ARGUMENT)
     also carries `field`, its path in the public request ("sampling.top_p",
@@ -209,11 +221,7 @@ class Admission:
         grammars = self._ready().grammars
         assert grammars is not None  # set with the serving state
         after, opens = self._think_markers(request, reasoning_parser)
-        compiling = asyncio.get_running_loop().run_in_executor(
-            None, _compiled, grammars, spec, opens
-        )
-        # Whoever waited, the outcome is read, so that a late failure is not reported unread.
-        compiling.add_done_callback(lambda done: done.cancelled() or done.exception())
+        compiling = compile_grammar(grammars, spec, opens)
         bound = self.config.max_grammar_compile_s
         try:
             grammar = await asyncio.wait_for(asyncio.shield(compiling), bound)

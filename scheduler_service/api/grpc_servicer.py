@@ -219,7 +219,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.AbortResponse:
         serving = await self._serving(context)
-        if not serving.frontend.abort_request(request.request_id):
+        # In a frontend process (scheduler_service/frontends) the request may be another
+        # frontend's: the engine core answers.
+        abort_anywhere = getattr(serving.frontend, "abort_anywhere", None)
+        if abort_anywhere is not None:
+            found = await abort_anywhere(request.request_id)
+        else:
+            found = serving.frontend.abort_request(request.request_id)
+        if not found:
             await _abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import structlog
 import uvicorn
@@ -67,18 +67,23 @@ class HttpServer:
         config: Optional[SchedulerConfig] = None,
         registry: Optional[CollectorRegistry] = None,
         is_ready: Callable[[], bool] = lambda: False,
+        reuse_port: bool = False,
+        metrics_text: Optional[Callable[[], Awaitable[bytes]]] = None,
     ):
         """ssl_options: uvicorn's ssl_* settings (security.http_ssl_options), empty for HTTP;
         config: the doors' settings (tool parser, gateway headers) when not the admission's;
-        registry: what /metrics serves (none: no /metrics); is_ready: /health/ready's answer."""
+        registry: what /metrics serves (none: no /metrics); is_ready: /health/ready's answer;
+        reuse_port: share the port with the other frontend processes (SO_REUSEPORT);
+        metrics_text: /metrics rendered elsewhere (a frontend process asks the engine core)."""
         door = OpenAIApp(admission, config)
         MessagesDoor(door)  # POST /v1/messages over the same path
         ResponsesDoor(door)  # POST /v1/responses too
         add_render_routes(door)
         self.app = door.app
-        add_ops_routes(self.app, admission, registry, is_ready)
+        add_ops_routes(self.app, admission, registry, is_ready, metrics_text)
         self.app.add_middleware(EchoRequestId)
         self._host, self._requested_port = host, port
+        self._reuse_port = reuse_port
         self._ssl_options = ssl_options or {}
         self.port: Optional[int] = None
         self._server: Optional[_Uvicorn] = None
@@ -94,6 +99,8 @@ class HttpServer:
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((self._host, self._requested_port))
         except OSError as error:
             sock.close()

@@ -10,7 +10,8 @@ computed a real step, and not while it is down or the server drains). Behind the
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Callable
+import inspect
+from typing import Awaitable, Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -31,13 +32,26 @@ class ServeMetrics:
     """ASGI middleware answering GET /metrics itself: a gateway scrapes it every 50 ms, so it
     skips the framework's routing and exception layers (docs/benchmarks.md, the scrape cost)."""
 
-    def __init__(self, app, registry: CollectorRegistry):
-        self.app, self.text = app, TextRenderer(registry)
+    def __init__(
+        self,
+        app,
+        registry: Optional[CollectorRegistry] = None,
+        render: Optional[Callable[[], Awaitable[bytes]]] = None,
+    ):
+        """registry: rendered here; render: /metrics rendered elsewhere (a frontend process
+        asks the engine core, whose registry is the one set of metrics)."""
+        self.app = app
+        self.text = TextRenderer(registry) if registry is not None else None
+        self.render = render
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/metrics" or scope["method"] != "GET":
             return await self.app(scope, receive, send)
-        body = self.text.render()
+        if self.text is not None:
+            body = self.text.render()
+        else:
+            assert self.render is not None  # one of the two is given
+            body = await self.render()
         headers = [
             (b"content-type", CONTENT_TYPE_LATEST.encode()),
             (b"content-length", str(len(body)).encode()),
@@ -51,12 +65,14 @@ def add_ops_routes(
     admission: Admission,
     registry: CollectorRegistry | None,
     is_ready: Callable[[], bool],
+    metrics_text: Optional[Callable[[], Awaitable[bytes]]] = None,
 ) -> None:
-    """Adds the routes above to `app`; /metrics only when there is a registry."""
+    """Adds the routes above to `app`; /metrics only when there is a registry (or
+    metrics_text, which renders it elsewhere)."""
     version = _version()
 
-    if registry is not None:
-        app.add_middleware(ServeMetrics, registry=registry)
+    if registry is not None or metrics_text is not None:
+        app.add_middleware(ServeMetrics, registry=registry, render=metrics_text)
 
     @app.get("/version")
     async def version_route() -> dict:
@@ -93,7 +109,10 @@ def _reset_prefix_cache(admission: Admission):
         if serving is None:
             return JSONResponse(status_code=503, content={"status": "starting"})
         scheduler = serving.frontend.scheduler
-        if scheduler.kv.reset_prefix_cache():
+        reset = scheduler.kv.reset_prefix_cache()
+        if inspect.isawaitable(reset):  # a frontend process asks the engine core
+            reset = await reset
+        if reset:
             return JSONResponse(content={"reset": True})
         message = (
             f"reset_prefix_cache: {len(scheduler.requests)} requests in flight hold KV blocks; "

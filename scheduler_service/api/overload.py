@@ -45,7 +45,11 @@ def retry_trailing_metadata(code, message: str, retry_after_ms: int) -> tuple:
 
 
 def num_waiting_tokens(scheduler) -> int:
-    """Tokens the waiting requests (fresh and preempted) still have to compute to be admitted."""
+    """Tokens the waiting requests (fresh and preempted) still have to compute to be admitted
+    (a frontend process's view has the engine core's count)."""
+    counted = getattr(scheduler, "num_waiting_tokens", None)
+    if counted is not None:
+        return counted
     return sum(
         r.num_tokens_to_compute
         for r in scheduler.requests.values()

@@ -180,6 +180,24 @@ class Request:
     structured: Optional[Any] = dataclasses.field(default=None, repr=False)
     guide: Optional[Any] = dataclasses.field(default=None, repr=False)
 
+    def __getstate__(self) -> dict:
+        """What a frontend process sends the engine core (scheduler_service/frontends): the
+        request without its outputs sink, guide and slot view (this process's objects); the
+        guide's reasoning markers travel instead, and the core makes the guide again from
+        `structured` (admission.compile_grammar)."""
+        state = dict(self.__dict__)
+        guide = state.pop("guide", None)
+        state.pop("outputs", None)
+        state.pop("slot_view", None)
+        state["guide_markers"] = guide.markers if guide is not None else None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.guide = None
+        self.slot_view = None
+        self.outputs = _output_queue()
+
     @property
     def num_computed_tokens(self) -> int:
         """Tokens with their KV computed: the StepCore's count while the request holds a slot."""

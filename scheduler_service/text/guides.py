@@ -145,6 +145,11 @@ class GuideState:
         self._waiting_for = b"" if self._prefix is not None else after  # thinking until this
         self._tail = b""  # the last bytes seen while thinking (a marker may span tokens)
 
+    @property
+    def markers(self) -> tuple[bytes, bytes]:
+        """(after, opens): what a guide for another process is made with (Grammar.new_guide)."""
+        return self._after, self._opens
+
     def fork(self) -> "GuideState":
         """A fresh guide for a parallel sample: it draws its own first token."""
         return GuideState(self.grammar, self._after, self._opens)

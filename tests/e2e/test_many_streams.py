@@ -29,10 +29,12 @@ def engine():
     process.stop()
 
 
-@pytest_asyncio.fixture
-async def server(engine):
+@pytest_asyncio.fixture(params=[0, 2], ids=["doors_in_process", "two_frontend_processes"])
+async def server(engine, request):
+    """The default layout, and the doors in two frontend processes (scheduler_service/frontends):
+    the core's scheduler is this process's either way (what the block checks read)."""
     server = await start_scheduler(engine, max_num_seqs=NUM_STREAMS, max_queue_len=4 * NUM_STREAMS,
-                                   max_num_batched_tokens=4096)
+                                   max_num_batched_tokens=4096, frontend_processes=request.param)
     yield server
     await server.stop(grace_s=1)
 

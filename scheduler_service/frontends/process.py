@@ -1,0 +1,175 @@
+"""A frontend process: the public doors (gRPC GenerationService, health, reflection, the OpenAI
+HTTP API) over a RemoteEngine, on the ports the engine core resolved, shared with the other
+frontends (SO_REUSEPORT: the kernel spreads new connections over them).
+
+Started by the core (frontends/hub.py) as `python -m scheduler_service.frontends FD`, FD being
+its end of the socketpair. The core says hello (the config, the model's facts, the LoRA
+registry, the ports, a first snapshot); the doors open; "ready" goes back (or "failed" with one
+line). It follows the core: the snapshot's draining flag turns health NOT_SERVING and refuses new
+requests; "stop" closes the doors within its grace; the link's end (the core is gone) fails every
+request in flight and exits. Signals are the core's to handle: a Ctrl-C reaching the whole
+process group does not cut the doors from under the core's drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from typing import Optional
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from planserve.v1 import generate_pb2_grpc
+from scheduler_service.api import security
+from scheduler_service.api.admission import Admission, Serving
+from scheduler_service.api.grpc_servicer import GenerationServicer
+from scheduler_service.api.http_server import HttpServer
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.frontends.link import Link, LinkClosed
+from scheduler_service.frontends.remote import RemoteEngine, Status
+from scheduler_service.ports import StartupError
+from scheduler_service.server import SERVICE_NAME
+from scheduler_service.text import structured
+from scheduler_service.text.tokenizer import Tokenizer
+
+log = structlog.get_logger("planserve.frontend")
+
+
+class FrontendProcess:
+    """The doors of one frontend process over its link."""
+
+    def __init__(self, link: Link, hello: tuple):
+        _, self.index, config, facts, loras, self.grpc_port, self.http_port, status = hello
+        self.config: SchedulerConfig = config
+        self.engine = RemoteEngine(link, status)
+        self.admission = Admission(config)
+        self.admission.loras.registry = loras
+        self.admission.serving = Serving(
+            facts=facts,
+            tokenizer=Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens),
+            frontend=self.engine,
+            grammars=structured.GrammarCompiler(
+                facts.tokenizer_json,
+                facts.eos_token_ids,
+                facts.vocab_size,
+                engine=config.grammar_engine,
+            ),
+        )
+        options = [o for o in security.server_options(config) if o[0] != "grpc.so_reuseport"]
+        self.server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 1), *options],
+            interceptors=security.interceptors(config),
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.http: Optional[HttpServer] = None
+        self.ready = False
+        self._serving_status: Optional[int] = None
+
+    async def open_doors(self) -> None:
+        """The gRPC doors and the HTTP API on the core's ports; StartupError naming the flag."""
+        config = self.config
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        generate_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.admission), self.server
+        )
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.apply(self.engine.status)
+        address = f"{config.host}:{self.grpc_port}"
+        credentials = security.server_credentials(config)
+        try:
+            if credentials:
+                self.server.add_secure_port(address, credentials)
+            else:
+                self.server.add_insecure_port(address)
+        except RuntimeError:
+            raise StartupError(f"--port {config.port}: cannot listen on {address}") from None
+        await self.server.start()
+        if self.http_port >= 0:
+            self.http = HttpServer(
+                self.admission,
+                config.host,
+                self.http_port,
+                security.http_ssl_options(config),
+                is_ready=lambda: self.ready,
+                reuse_port=True,
+                metrics_text=lambda: self.engine.call("metrics_text"),
+            )
+            if config.auth_token_file:
+                security.add_http_bearer_auth(
+                    self.http.app, security.read_token(config.auth_token_file)
+                )
+            await self.http.start()
+
+    def apply(self, status: Status) -> None:
+        """A snapshot: health and admission follow the core's engine and drain."""
+        self.engine.status = status
+        if status.draining:
+            self.admission.draining = True
+        serving = status.engine_up and not self.admission.draining
+        self.ready = serving
+        code = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        if code != self._serving_status:
+            self._serving_status = code
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, code)
+
+    async def follow(self) -> float:
+        """Serves the link until the core says stop (its grace) or goes away (0)."""
+        link, engine = self.engine.link, self.engine
+        try:
+            while True:
+                message = await link.receive()
+                kind = message[0]
+                if kind == "step":
+                    engine.on_step(message[1], message[2])
+                    self.apply(message[2])
+                elif kind == "status":
+                    self.apply(message[1])
+                elif kind == "reply":
+                    engine.on_reply(message[1], message[2])
+                elif kind == "stop":
+                    return float(message[1])
+        except LinkClosed:
+            log.warning("engine_core_gone", frontend=self.index)
+            engine.fail_all()
+            return 0.0
+
+    async def close(self, grace_s: float) -> None:
+        self.apply(Status(draining=True))
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(grace_s), self.http.stop(grace_s))
+        else:
+            await self.server.stop(grace_s)
+
+
+async def run(fd: int) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: None)
+    link = await Link.open(socket.socket(fileno=fd))
+    try:
+        hello = await link.receive()
+    except LinkClosed:
+        return 1
+    frontend = FrontendProcess(link, hello)
+    try:
+        await frontend.open_doors()
+    except StartupError as error:
+        link.send(("failed", str(error)))
+        await link.drain()
+        return 2
+    link.send(("ready", os.getpid()))
+    grace_s = await frontend.follow()
+    await frontend.close(grace_s)
+    return 0

@@ -1,0 +1,192 @@
+"""The engine side as a frontend process sees it: `RemoteEngine`, an EngineFrontend
+(engine/frontend.py) over the link to the engine core.
+
+Adding and aborting send a message; what the doors read of the scheduler (queue depth, KV
+figures, the rate, replica statuses) comes from the last status snapshot the core sent with its
+step message; `find` and `requests` are this frontend's own requests in flight. Each step
+message carries every output of this frontend's requests, delivered to their sinks here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from typing import Any, Optional
+
+from scheduler_service.core.request import FinishReason, Request, RequestOutput
+from scheduler_service.frontends.link import Link
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """The core's state the doors read, sent with every step (and while idle)."""
+
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
+    num_running: int = 0
+    num_requests: int = 0
+    capacity_tokens: int = 0
+    num_usable_blocks: int = 1
+    num_free_blocks: int = 1
+    tokens_per_s: float = 0.0
+    engine_up: bool = False
+    draining: bool = False
+    statuses: tuple = ()
+
+
+class RemoteKV:
+    """KVView over the snapshot; reset_prefix_cache is a call to the core (awaited by the
+    door: ops_http accepts an awaitable answer)."""
+
+    def __init__(self, engine: "RemoteEngine"):
+        self._engine = engine
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._engine.status.capacity_tokens
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self._engine.status.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._engine.status.num_free_blocks
+
+    def reset_prefix_cache(self) -> Any:
+        return self._engine.call("reset_prefix_cache")
+
+
+class RemoteScheduler:
+    """SchedulerView: the snapshot's figures and this frontend's requests."""
+
+    def __init__(self, engine: "RemoteEngine"):
+        self._engine = engine
+        self.kv = RemoteKV(engine)
+
+    def find(self, request_id: str) -> Optional[Request]:
+        return self._engine.requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._engine.status.num_waiting
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """What api/overload.num_waiting_tokens reads instead of walking the requests."""
+        return self._engine.status.num_waiting_tokens
+
+    @property
+    def running(self) -> list:
+        """As long as the core's running list (the doors only count it)."""
+        return [None] * self._engine.status.num_running
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self._engine.requests
+
+
+class _Rejections:
+    """EngineMetrics as far as the doors use it: refusals are counted in the core (one set of
+    metrics for every frontend); the rest is reported there by the engine loop."""
+
+    def __init__(self, engine: "RemoteEngine"):
+        self._engine = engine
+
+    def on_rejected(self, reason: str) -> None:
+        self._engine.link.send(("rejected", reason))
+
+    def __getattr__(self, name: str):
+        if name.startswith("on_") and name != "on_lora_request":
+            return lambda *args: None
+        raise AttributeError(name)
+
+
+class RemoteEngine:
+    """EngineFrontend backed by the link (scheduler_service/frontends/process.py runs it)."""
+
+    def __init__(self, link: Link, status: Status):
+        self.link = link
+        self.status = status
+        self.requests: dict[str, Request] = {}
+        self._samples_left: dict[str, int] = {}
+        self.scheduler = RemoteScheduler(self)
+        self.metrics = _Rejections(self)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self.num_outputs = 0  # outputs delivered here (the tests see both frontends served)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.status.tokens_per_s
+
+    def statuses(self) -> list[dict]:
+        return list(self.status.statuses)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._samples_left[request.request_id] = request.n
+        self.link.send(("add", request))
+
+    def abort_request(self, request_id: str) -> bool:
+        if request_id not in self.requests:
+            return False
+        self.link.send(("abort", request_id))
+        return True
+
+    def abort_anywhere(self, request_id: str) -> asyncio.Future:
+        """The Abort RPC: a request of any frontend (a client may abort on another connection
+        than the one its stream runs on); a future of whether it was in flight."""
+        if self.abort_request(request_id):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(True)
+            return future
+        return self.call("abort", request_id)
+
+    def call(self, op: str, *args: Any) -> asyncio.Future:
+        """A rare operation run by the core (reset the prefix cache, render /metrics): a future
+        of its answer."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self.link.send(("call", call_id, op, args))
+        return future
+
+    def on_step(self, outputs: list[tuple[str, RequestOutput]], status: Status) -> None:
+        """A step message: outputs to their requests' sinks, then the new snapshot."""
+        self.status = status
+        self.num_outputs += len(outputs)
+        for request_id, output in outputs:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # ended here already (aborted and its final delivered)
+            request.outputs.put_nowait(output)
+            if output.finish_reason is not None:
+                self._samples_left[request_id] -= 1
+                if not self._samples_left[request_id]:
+                    del self._samples_left[request_id], self.requests[request_id]
+
+    def on_reply(self, call_id: int, result: Any) -> None:
+        future = self._calls.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def fail_all(self) -> None:
+        """The core is gone: every request ends with an error, every call with none."""
+        for request in list(self.requests.values()):
+            for index in range(request.n):
+                request.outputs.put_nowait(
+                    RequestOutput(
+                        token_ids=[], text="", finish_reason=FinishReason.ERROR, index=index
+                    )
+                )
+        self.requests.clear()
+        self._samples_left.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(ConnectionError("the engine core is gone"))
+        self._calls.clear()
+
+    async def stop(self) -> None:
+        return None
