@@ -14,7 +14,7 @@ Each server owns its registry, so several servers in one process (tests) do not 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -208,15 +208,23 @@ class Metrics:
         self.draft_tokens.inc(num_draft_tokens)
         self.accepted_tokens.inc(num_accepted_tokens)
 
-    def on_output(self, request: Request, output: RequestOutput) -> None:
+    def on_outputs(self, outputs: Sequence[tuple[Request, RequestOutput]]) -> None:
+        """A step's outputs, counted at once: the tokens, each chunk's gap since its request's
+        previous chunk, and each finished sample."""
         now = time.monotonic()
-        key = id(request)
-        if output.token_ids:
-            last = self._last_token_time.get(key)
-            self.vllm.on_tokens(len(output.token_ids), None if last is None else now - last)
-            self._last_token_time[key] = now
-        if output.finish_reason is None:
-            return
-        self._last_token_time.pop(key, None)
-        self.vllm.on_finished(request, output, now)
-        self.finished.labels(FinishReason(output.finish_reason).name.lower()).inc()
+        last_token_time = self._last_token_time
+        num_tokens = 0
+        gaps: list[float] = []
+        for request, output in outputs:
+            key = id(request)
+            if output.token_ids:
+                num_tokens += len(output.token_ids)
+                last = last_token_time.get(key)
+                if last is not None:
+                    gaps.append(now - last)
+                last_token_time[key] = now
+            if output.finish_reason is not None:
+                last_token_time.pop(key, None)
+                self.vllm.on_finished(request, output, now)
+                self.finished.labels(FinishReason(output.finish_reason).name.lower()).inc()
+        self.vllm.on_tokens(num_tokens, gaps)

@@ -13,11 +13,12 @@ finish reasons eos and stop are vLLM's `stop`, cancelled and deadline its `abort
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
+from scheduler_service.metrics_batch import StepHistogram
 
 # vLLM's `finished_reason` label values.
 VLLM_FINISH_REASON = {
@@ -49,11 +50,11 @@ class VllmMetrics:
             key: Histogram(name, text, buckets=buckets, registry=registry)
             for key, name, text in _REQUEST_HISTOGRAMS
         }
-        self.inter_token = Histogram(
+        self.inter_token = StepHistogram(
             "vllm:inter_token_latency_seconds",
             "Time between a request's consecutive token chunks.",
-            buckets=buckets,
-            registry=registry,
+            buckets,
+            registry,
         )
 
     def _add_gauges(self, registry: CollectorRegistry) -> None:
@@ -139,10 +140,11 @@ class VllmMetrics:
         if num_preemptions:
             self.preemptions.inc(num_preemptions)
 
-    def on_tokens(self, num_tokens: int, since_last_s: Optional[float]) -> None:
-        self.generation_tokens.inc(num_tokens)
-        if since_last_s is not None:
-            self.inter_token.observe(since_last_s)
+    def on_tokens(self, num_tokens: int, gaps_s: Sequence[float]) -> None:
+        """A step's output tokens, and the time since each chunk's previous one."""
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+        self.inter_token.observe_many(gaps_s)
 
     def on_finished(self, request: Request, output: RequestOutput, now: float) -> None:
         """A sample finished: its reason, its tokens and its request-level times."""

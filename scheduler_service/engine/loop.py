@@ -313,8 +313,8 @@ class EngineLoop:
                     completion_tokens=len(request.output_token_ids),
                     preemptions=request.num_preemptions,
                 )
-            if self.metrics is not None:
-                self.metrics.on_output(request, output)
+        if self.metrics is not None and outputs:
+            self.metrics.on_outputs(outputs)
 
     def _fail_all(self) -> None:
         for request in list(self.scheduler.requests.values()):

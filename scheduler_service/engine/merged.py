@@ -5,7 +5,7 @@ itself."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from scheduler_service.core.loras import LoraState
 from scheduler_service.core.request import Request, RequestOutput
@@ -44,11 +44,12 @@ class ReplicaMetrics:
             num_preemptions,
         )
 
-    def on_output(self, request: Request, output: RequestOutput) -> None:
-        if output.finish_reason is not None and output.usage is not None:
-            self._series.prompt_tokens.labels(self._name).inc(output.usage.prompt_tokens)
-            self._series.cached_tokens.labels(self._name).inc(output.usage.cached_tokens)
-        self._metrics.on_output(request, output)
+    def on_outputs(self, outputs: Sequence[tuple[Request, RequestOutput]]) -> None:
+        for _, output in outputs:
+            if output.finish_reason is not None and output.usage is not None:
+                self._series.prompt_tokens.labels(self._name).inc(output.usage.prompt_tokens)
+                self._series.cached_tokens.labels(self._name).inc(output.usage.cached_tokens)
+        self._metrics.on_outputs(outputs)
 
     def on_engine_up(self, up: bool) -> None:
         # The unlabelled engine-up gauge means "some replica serves" (ReplicaSet sets it); a
