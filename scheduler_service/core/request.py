@@ -175,6 +175,9 @@ class Request:
     outputs: OutputSink = dataclasses.field(default_factory=_output_queue, repr=False)
     # Tokens per chunk the client gets (GenerateRequest.stream_interval); 1 = every step.
     stream_interval: int = 1
+    # False: the text of its outputs is made where they go (a frontend process,
+    # scheduler_service/frontends/text.py); this process sends token ids and leaves text empty.
+    detokenize: bool = True
     # Structured output: the grammar (a structured.StructuredSpec, set by intake) and this
     # sequence's walk through it (a guides.GuideState, set once compiled, before admission).
     structured: Optional[Any] = dataclasses.field(default=None, repr=False)
@@ -255,6 +258,7 @@ class Request:
             outputs=self.outputs,
             logprobs=self.logprobs,
             stream_interval=self.stream_interval,
+            detokenize=self.detokenize,
             structured=self.structured,
             guide=self.guide.fork() if self.guide is not None else None,
         )

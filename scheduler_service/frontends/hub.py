@@ -29,6 +29,7 @@ from scheduler_service.api.admission import Admission, compile_grammar
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.frontends.link import Link, LinkClosed
 from scheduler_service.frontends.remote import Status
+from scheduler_service.frontends.text import made_by_frontend
 from scheduler_service.metrics import Metrics
 from scheduler_service.metrics_text import TextRenderer
 from scheduler_service.ports import StartupError
@@ -229,6 +230,7 @@ class FrontendHub:
             peer.link.send(("step", [(request.request_id, _failed())], self.status()))
             return
         peer.track(request)
+        request.detokenize = not made_by_frontend(request)
         self.added.labels(str(peer.index)).inc()
         if request.structured is not None and markers is not None:
             asyncio.ensure_future(self._add_guided(peer, request, markers))

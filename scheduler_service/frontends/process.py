@@ -46,12 +46,13 @@ class FrontendProcess:
     def __init__(self, link: Link, hello: tuple):
         _, self.index, config, facts, loras, self.grpc_port, self.http_port, status = hello
         self.config: SchedulerConfig = config
-        self.engine = RemoteEngine(link, status)
+        tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
+        self.engine = RemoteEngine(link, status, tokenizer)
         self.admission = Admission(config)
         self.admission.loras.registry = loras
         self.admission.serving = Serving(
             facts=facts,
-            tokenizer=Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens),
+            tokenizer=tokenizer,
             frontend=self.engine,
             grammars=structured.GrammarCompiler(
                 facts.tokenizer_json,

@@ -4,7 +4,8 @@
 Adding and aborting send a message; what the doors read of the scheduler (queue depth, KV
 figures, the rate, replica statuses) comes from the last status snapshot the core sent with its
 step message; `find` and `requests` are this frontend's own requests in flight. Each step
-message carries every output of this frontend's requests, delivered to their sinks here.
+message carries every output of this frontend's requests, delivered to their sinks here, with
+its text made here first where the frontend makes it (frontends/text.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any, Optional
 
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.frontends.link import Link
+from scheduler_service.frontends.text import FrontendText, made_by_frontend
+from scheduler_service.text.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +109,10 @@ class _Rejections:
 class RemoteEngine:
     """EngineFrontend backed by the link (scheduler_service/frontends/process.py runs it)."""
 
-    def __init__(self, link: Link, status: Status):
+    def __init__(self, link: Link, status: Status, tokenizer: Tokenizer):
         self.link = link
         self.status = status
+        self.text = FrontendText(tokenizer)
         self.requests: dict[str, Request] = {}
         self._samples_left: dict[str, int] = {}
         self.scheduler = RemoteScheduler(self)
@@ -161,6 +165,8 @@ class RemoteEngine:
             request = self.requests.get(request_id)
             if request is None:
                 continue  # ended here already (aborted and its final delivered)
+            if made_by_frontend(request):
+                self.text.fill(request, output)
             request.outputs.put_nowait(output)
             if output.finish_reason is not None:
                 self._samples_left[request_id] -= 1
@@ -183,6 +189,7 @@ class RemoteEngine:
                 )
         self.requests.clear()
         self._samples_left.clear()
+        self.text.clear()
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(ConnectionError("the engine core is gone"))

@@ -71,3 +71,17 @@ class IncrementalDetokenizer:
         chunk = self.text[self._num_chars_sent : end]
         self._num_chars_sent = end
         return chunk
+
+
+class NoText:
+    """The detokenizer of a request whose text is made elsewhere (Request.detokenize False):
+    every token adds no text here."""
+
+    def add_token(self, token_id: int) -> Optional[str]:
+        return None
+
+    def take_text(self, final: bool = False) -> str:
+        return ""
+
+
+NO_TEXT = NoText()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from planserve.v1 import common_pb2, generate_pb2
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
-from scheduler_service.text.detokenizer import IncrementalDetokenizer
+from scheduler_service.text.detokenizer import NO_TEXT, IncrementalDetokenizer, NoText
 from scheduler_service.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -23,14 +23,18 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
         self._max_model_len = max_model_len
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer | NoText] = {}
         # stream_interval: outputs held back until enough tokens are ready, by request id (their
         # text not taken yet).
         self._held: dict[str, RequestOutput] = {}
 
     def start(self, request: Request) -> None:
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self._tokenizer, request.prompt_token_ids, request.stopping.stop_strings
+        self._detokenizers[request.request_id] = (
+            IncrementalDetokenizer(
+                self._tokenizer, request.prompt_token_ids, request.stopping.stop_strings
+            )
+            if request.detokenize
+            else NO_TEXT
         )
 
     def take_tokens(

@@ -155,19 +155,22 @@ async def test_256_streams_through_two_frontends_each_get_exactly_their_own_toke
     await _until_idle_and_all_blocks_free(served.address)
 
 
-def _sse_text(port: int, prompt: list[int], max_tokens: int) -> tuple[str, str]:
+def _sse_text(port: int, prompt: list[int], max_tokens: int, **extra) -> tuple[str, str]:
+    """The streamed text of a completion (sample 0's when n > 1) and its finish reason."""
     body = json.dumps({"model": "null", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0.0, "ignore_eos": True, "stream": True}).encode()
+                       "temperature": 0.0, "ignore_eos": True, "stream": True, **extra}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-    text, reason = [], ""
+    text: dict[int, list[str]] = {}
+    reason = ""
     with urllib.request.urlopen(request, timeout=30) as response:
         for line in response:
             if line.startswith(b"data: {"):
                 choice = json.loads(line[6:])["choices"][0]
-                text.append(choice["text"])
+                text.setdefault(choice["index"], []).append(choice["text"])
                 reason = choice["finish_reason"] or reason
-    return "".join(text), reason
+    assert sorted(text) == list(range(extra.get("n", 1)))
+    return "".join(text[0]), reason
 
 
 async def test_http_sse_streams_through_the_same_ports(served):
@@ -177,6 +180,27 @@ async def test_http_sse_streams_through_the_same_ports(served):
     for i, (text, reason) in enumerate(results):
         assert text == bytes(null_continuation(_prompt(i), 20)).decode()
         assert reason == "length"
+    await _until_idle_and_all_blocks_free(served.address)
+
+
+async def test_text_made_by_a_frontend_or_by_the_core_is_the_tokens_text(served):
+    """Without stop strings a request's text is made by its frontend (the core sends ids); with
+    them, by the core (frontends/text.py): either way it is the tokens' text, cut before a stop;
+    n=2 samples each get theirs."""
+    loop = asyncio.get_running_loop()
+    full = [bytes(null_continuation(_prompt(i), 20)).decode() for i in range(6)]
+    stops = [text[8:10] for text in full]
+    plain, stopped, two = await asyncio.gather(
+        asyncio.gather(*(loop.run_in_executor(None, _sse_text, served.http_port, _prompt(i), 20)
+                         for i in range(6))),
+        asyncio.gather(*(loop.run_in_executor(None, lambda i=i: _sse_text(
+            served.http_port, _prompt(i), 20, stop=[stops[i]])) for i in range(6))),
+        loop.run_in_executor(None, lambda: _sse_text(served.http_port, _prompt(0), 20, n=2)),
+    )
+    for i in range(6):
+        assert plain[i] == (full[i], "length"), i
+        assert stopped[i] == (full[i][: full[i].find(stops[i])], "stop"), i
+    assert two == (full[0], "length")  # and sample 1 streamed too (the helper checks)
     await _until_idle_and_all_blocks_free(served.address)
 
 

@@ -77,3 +77,26 @@ def test_text_ends_before_the_first_stop(tokenizer, stops):
     index, first = min((full.find(s), s) for s in stops if s in full)
     assert stop == first
     assert text == full[:index]
+
+
+def test_a_request_whose_text_is_made_elsewhere_gets_ids_and_no_text(tokenizer):
+    """Request.detokenize False (its frontend makes the text): outputs carry the tokens, stops by
+    id still apply, and this side makes no text; the same request detokenized here reads the
+    tokens' text."""
+    from factories import make_request
+
+    from scheduler_service.text.outputs import OutputProcessor
+
+    generated = tokenizer.encode(MIXED, add_special_tokens=False)
+    texts = {}
+    for detokenize in (False, True):
+        outputs = OutputProcessor(tokenizer, frozenset({2}), 4096)
+        request = make_request(prompt_token_ids=[5, 6, 7], max_new_tokens=len(generated) - 3)
+        request.detokenize = detokenize
+        outputs.start(request)
+        shown = [outputs.take_tokens(request, [token_id])[1] for token_id in generated[:-3]]
+        assert [t for output in shown for t in output.token_ids] == generated[:-3]
+        assert shown[-1].finish_reason is not None and shown[-1].finish_reason.name == "LENGTH"
+        texts[detokenize] = "".join(output.text for output in shown)
+    assert texts[False] == ""
+    assert texts[True] == _full(tokenizer, [5, 6, 7], generated[:-3])
