@@ -29,6 +29,7 @@ from model_service.loading.loader import load_model
 from model_service.lora.peft_folder import AdapterError
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
+from model_service.step import decode_fast
 from model_service.step.plan import PlanError
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
@@ -160,9 +161,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def _step(
         self, request: engine_pb2.ExecuteRequest, received_ns: int
     ) -> engine_pb2.ExecuteResponse:
-        """One step: decode and check the plan, run it, encode."""
-        output = self.runner.execute(from_pb(request, self.runner.limits))
-        return result_to_pb(output, total_ns=time.perf_counter_ns() - received_ns)
+        """One step: decode and check the plan, run it, encode. A plain plan and a result
+        without logprobs take step/decode_fast.py's C loops; any other, or a plain plan the C
+        checks refuse, batch.py's message code (which names the field of an error)."""
+        limits = self.runner.limits
+        plan = decode_fast.parse_plan(request.plan.SerializeToString(), limits)
+        output = self.runner.execute(plan if plan is not None else from_pb(request, limits))
+        total_ns = time.perf_counter_ns() - received_ns
+        wire = decode_fast.encode_result(output, total_ns)
+        if wire is None:
+            return result_to_pb(output, total_ns=total_ns)
+        return engine_pb2.ExecuteResponse.FromString(wire)
 
 
 def warm_up(runner: Runner) -> None:
