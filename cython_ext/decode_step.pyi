@@ -19,6 +19,14 @@ def parse_decode_plan(
     new_block_ids) when the plan holds nothing else (but `extension`), schedules at least one slot
     and passes batch.from_pb's checks of those fields; else None."""
 
+def parse_decode_request(
+    wire: bytes, max_num_slots: int, num_kv_blocks: int
+) -> (
+    tuple[int, npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
+    | None
+):
+    """parse_decode_plan of an ExecuteRequest's wire bytes: None unless they hold the plan alone."""
+
 def check_decode(
     table: object,
     slots: npt.NDArray[np.int64],

@@ -3,8 +3,9 @@
 A plain decode plan (slots, token counts and new blocks only) is read, checked and applied here,
 and its result written, without a Python operation per row:
 
-    parse_decode_plan    BatchPlan wire bytes -> step_id and four int64 arrays, with batch.py's
-                         stateless checks (lengths, id ranges, >= 1 token, no slot twice)
+    parse_decode_request ExecuteRequest (or parse_decode_plan: BatchPlan) wire bytes -> step_id
+                         and four int64 arrays, with batch.py's stateless checks (lengths, id
+                         ranges, >= 1 token, no slot twice)
     check_decode         slot_checks.py's checks against the slot table, then the new block ids
                          appended to the block tables (runner._apply_diff's block part)
     advance              after the forward: computed counts, the sampled tokens appended
@@ -130,7 +131,26 @@ def parse_decode_plan(bytes wire, int64_t max_num_slots, int64_t num_kv_blocks):
     new_block_ids), int64 arrays, when the plan holds nothing but those (and `extension`),
     schedules at least one slot and passes batch.from_pb's checks of them; else None."""
     cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(wire)
+    return _parse(p, p + len(wire), max_num_slots, num_kv_blocks)
+
+
+def parse_decode_request(bytes wire, int64_t max_num_slots, int64_t num_kv_blocks):
+    """parse_decode_plan of an ExecuteRequest's wire bytes: None unless they hold the plan alone
+    (field 1, once)."""
+    cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(wire)
     cdef const uint8_t* end = p + len(wire)
+    cdef uint64_t key, length
+    p = _varint(p, end, &key)
+    if p == NULL or key != ((1 << 3) | 2):
+        return None
+    p = _varint(p, end, &length)
+    if p == NULL or length != <uint64_t>(end - p):  # anything after the plan: Python's to read
+        return None
+    return _parse(p, end, max_num_slots, num_kv_blocks)
+
+
+cdef object _parse(const uint8_t* p, const uint8_t* end, int64_t max_num_slots,
+                   int64_t num_kv_blocks):
     cdef uint64_t step_id = 0
     cdef Py_ssize_t counts[4]
     cdef int64_t* outs[4]

@@ -2,7 +2,7 @@
 decode steps, and prefill chunks of sequences already registered) is read, checked and applied,
 and its result written, by C loops (cython_ext/decode_step.pyx) instead of array code per field.
 
-    server    parse_plan(plan bytes)      -> PlanArrays(plain=True), or None: batch.from_pb
+    server    parse_request(wire bytes)   -> PlanArrays(plain=True), or None: batch.from_pb
     runner    check_and_append(plan)      -> the plan's new blocks appended; True when every
                                              scheduled slot samples by a plain argmax
     server    encode_result(output)       -> ExecuteResponse bytes, or None: batch.result_to_pb
@@ -26,10 +26,25 @@ _NONE = np.zeros(0, dtype=np.int64)
 _NO_MASKS: dict[int, np.ndarray] = {}
 
 
+def parse_request(request_wire: bytes, limits: PlanLimits) -> PlanArrays | None:
+    """A serialized ExecuteRequest's plan as PlanArrays when it is plain and passes
+    batch.from_pb's checks, else None (from_pb then decodes it, and names the field of any
+    error)."""
+    return _plan_arrays(
+        decode_step.parse_decode_request(request_wire, limits.max_num_slots, limits.num_kv_blocks),
+        limits,
+    )
+
+
 def parse_plan(plan_wire: bytes, limits: PlanLimits) -> PlanArrays | None:
-    """A serialized BatchPlan as PlanArrays when it is plain and passes batch.from_pb's checks,
-    else None (from_pb then decodes it, and names the field of any error)."""
-    parsed = decode_step.parse_decode_plan(plan_wire, limits.max_num_slots, limits.num_kv_blocks)
+    """parse_request of a serialized BatchPlan."""
+    return _plan_arrays(
+        decode_step.parse_decode_plan(plan_wire, limits.max_num_slots, limits.num_kv_blocks),
+        limits,
+    )
+
+
+def _plan_arrays(parsed, limits: PlanLimits) -> PlanArrays | None:
     if parsed is None:
         return None
     step_id, slots, num_scheduled, num_new_blocks, new_block_ids = parsed

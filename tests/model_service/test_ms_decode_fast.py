@@ -304,3 +304,18 @@ def test_beyond_max_model_len_same_error(tiny_loaded):
                                                               new_block_ids=[len(blocks) + 1]))
     a, b = _run(reference, nxt, fast=False), _run(fast, nxt, fast=True)
     assert a == b and a[0] == "error" and a[1] in ("num_scheduled_tokens", "num_new_blocks")
+
+
+def test_request_parse_is_the_plan_parse(tiny_runner):
+    """The server hands parse_request the ExecuteRequest's bytes: the plan alone is read as
+    parse_plan reads it; no plan, an empty one or any other field leaves it to from_pb."""
+    limits = tiny_runner.limits
+    plan = engine_pb2.BatchPlan(step_id=4, slots=[1, 3], num_scheduled_tokens=[1, 1], num_new_blocks=[1, 0], new_block_ids=[7])
+    wire = engine_pb2.ExecuteRequest(plan=plan).SerializeToString()
+    parsed, expected = decode_fast.parse_request(wire, limits), decode_fast.parse_plan(plan.SerializeToString(), limits)
+    assert parsed is not None and expected is not None and parsed.step_id == expected.step_id == 4
+    for name in PLAN:
+        np.testing.assert_array_equal(getattr(parsed, name), getattr(expected, name))
+    for other in (b"", engine_pb2.ExecuteRequest(plan=engine_pb2.BatchPlan()).SerializeToString(),
+                  wire + b"\x10\x01", wire[:-1]):
+        assert decode_fast.parse_request(other, limits) is None
