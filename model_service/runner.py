@@ -34,6 +34,7 @@ import numpy as np
 import structlog
 import torch
 
+from cython_ext import decode_step
 from cython_ext.mapping import StepInputBuilder, StepInputs
 from model_service.attention.kv_cache import KVCache
 from model_service.config import ModelServiceConfig
@@ -44,12 +45,13 @@ from model_service.lora.stacked import LoadedStack
 from model_service.lora.store import AdapterStore
 from model_service.lora.triton_stack import TritonView
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
-from model_service.step import step_shape
+from model_service.step import decode_fast, step_shape
 from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import StepClock, run_forward, to_device
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
+from model_service.step.sampler import argmax_rows
 from model_service.step.slot_checks import check_plan
 from model_service.step.slot_table import SlotTable
 
@@ -153,6 +155,9 @@ class ModelRunner:
         self.adapters = adapters
         self._step_adapters: dict[int, Adapter] = {}
         self._step_stack: LoadedStack | TritonView | None = None
+        # Plain plans (PlanArrays.plain) checked and applied by step/decode_fast.py; its checks
+        # know neither drafts nor adapters. False: every plan takes the general path.
+        self.fast_path = drafter is None and adapters is None
 
     def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
@@ -245,6 +250,14 @@ class ModelRunner:
         return to_device(array, self.device)
 
     def _execute(self, plan: PlanArrays) -> ComputedStep:
+        if plan.plain and self.fast_path:
+            greedy = decode_fast.check_and_append(
+                plan, self.slot_table, self.limits, self.block_size
+            )
+            c = self.slot_table
+            return self._step(
+                plan, plan.num_scheduled_tokens, c.num_tokens, _no_drafts, greedy
+            ).output
         check_plan(plan, self.slot_table, self.limits, self.block_size, self.num_speculative_tokens)
         store = self.adapters
         self._step_adapters, self._step_stack = (
@@ -272,14 +285,19 @@ class ModelRunner:
         n: np.ndarray,
         num_tokens: np.ndarray,
         draft_rows: Callable[[np.ndarray], np.ndarray],
+        greedy: bool = False,
     ) -> StepRun:
         """Computes n[b] tokens of each scheduled slot (num_tokens: the known tokens per slot,
-        drafts included), samples, and advances the slot table by the plain samples."""
+        drafts included), samples, and advances the slot table by the plain samples. `greedy`:
+        every slot samples by a plain argmax (decode_fast.check_and_append said so)."""
         c, slots = self.slot_table, plan.slots
         x = self.inputs.build(
             c.tokens, c.block_table, c.num_computed, num_tokens, slots, n
         )  # views, valid this step
-        rows = self._logits_rows(x, slots, n, draft_rows(x.query_start))
+        if greedy:  # no prompt logprobs, no drafts: the sample rows alone
+            rows = _LogitsRows(x.sample_slots.size, _NONE, _NONE, _NONE, _NONE, x.logits_indices)
+        else:
+            rows = self._logits_rows(x, slots, n, draft_rows(x.query_start))
 
         clock = StepClock(self.device)
         lora = None
@@ -291,12 +309,14 @@ class ModelRunner:
         output = ComputedStep(
             plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), 0, 0
         )
-        self._sample(logits, x, plan, rows, output)
+        if not greedy:
+            self._sample(logits, x, plan, rows, output)
+        elif rows.num_sample:  # what sample_rows returns for such rows
+            output.sampled_token_ids = argmax_rows(logits).cpu().numpy().astype(np.int64)
         output.forward_ns, output.sample_ns = clock.finish()
 
-        c.num_computed[slots] = x.context_lens
-        c.tokens[x.sample_slots, c.num_tokens[x.sample_slots]] = output.sampled_token_ids
-        c.num_tokens[x.sample_slots] += 1
+        # computed advances; each sample slot's token appended (one C loop, no array per field)
+        decode_step.advance(c, slots, x.context_lens, x.sample_slots, output.sampled_token_ids)
         num_sample, num_draft = rows.num_sample, rows.draft.size
         return StepRun(
             output,
@@ -350,6 +370,13 @@ class ModelRunner:
             output.prompt_logprobs, output.prompt_logprob_token_ids = gather_logprobs(
                 logits[num_sample + num_draft :], rows.prompt_targets, rows.prompt_counts
             )
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def _no_drafts(query_start: np.ndarray) -> np.ndarray:
+    return _NONE
 
 
 def _lora_off() -> AdapterError:

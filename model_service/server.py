@@ -29,7 +29,8 @@ from model_service.loading.loader import load_model
 from model_service.lora.peft_folder import AdapterError
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
-from model_service.step.plan import PlanError
+from model_service.step import decode_fast
+from model_service.step.plan import PlanArrays, PlanError
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -92,7 +93,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def Execute(self, request_iterator, context):
         """A generator on the stream's handler thread: each `next` of the request iterator
-        blocks for the next plan, each `yield` blocks until the result is written. A client
+        blocks for the next plan, each `yield` blocks until the result is written (wire bytes
+        both ways: add_engine_service). A client
         that goes away raises out of either (or ends the generator), and `finally` drops the
         slots."""
         generation = self._open(context)
@@ -100,35 +102,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             with self._cleanup:
                 self.runner.reset()  # waits for a step still running for an older stream
             last_step_id = None  # steps run in order: each step_id above the previous one
-            for request in request_iterator:
+            for wire in request_iterator:
                 received = time.perf_counter_ns()
+                step_id = None
                 try:
-                    if last_step_id is not None and request.plan.step_id <= last_step_id:
+                    plan, request = self._decode(wire)
+                    step_id = plan.step_id if plan is not None else request.plan.step_id
+                    if last_step_id is not None and step_id <= last_step_id:
                         raise PlanError(
-                            "step_id",
-                            f"{request.plan.step_id} is not after the previous step {last_step_id}",
+                            "step_id", f"{step_id} is not after the previous step {last_step_id}"
                         )
-                    last_step_id = request.plan.step_id
-                    response = self._step(request, received)
+                    last_step_id = step_id
+                    response = self._step(plan, request, received)
                 except PlanError as error:
-                    log.warning(
-                        "bad_plan",
-                        step_id=request.plan.step_id,
-                        field=error.field,
-                        error=error.message,
-                    )
+                    log.warning("bad_plan", step_id=step_id, field=error.field, error=error.message)
                     self._ending(generation)
                     context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
                     )
-                except (
-                    Exception
-                ) as error:  # a bug or a device failure: end the stream with a status
-                    log.exception("step_failed", step_id=request.plan.step_id)
+                except Exception as error:  # a bug, a device failure, bytes that are no message
+                    log.exception("step_failed", step_id=step_id)
                     self._ending(generation)
-                    context.abort(
-                        grpc.StatusCode.INTERNAL, f"step {request.plan.step_id} failed: {error!r}"
-                    )
+                    context.abort(grpc.StatusCode.INTERNAL, f"step {step_id} failed: {error!r}")
                 yield response
         finally:
             self._ending(generation)
@@ -157,12 +152,54 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             if self._generation == generation:
                 self._stream_open = False
 
+    def _decode(self, wire: bytes) -> tuple[PlanArrays | None, engine_pb2.ExecuteRequest | None]:
+        """(the plan, None) when step/decode_fast.py's C loops read it (a plain plan that passes
+        the stateless checks), else (None, the request message) for batch.from_pb."""
+        plan = decode_fast.parse_request(wire, self.runner.limits)
+        if plan is not None:
+            return plan, None
+        return None, engine_pb2.ExecuteRequest.FromString(wire)
+
     def _step(
-        self, request: engine_pb2.ExecuteRequest, received_ns: int
-    ) -> engine_pb2.ExecuteResponse:
-        """One step: decode and check the plan, run it, encode."""
-        output = self.runner.execute(from_pb(request, self.runner.limits))
-        return result_to_pb(output, total_ns=time.perf_counter_ns() - received_ns)
+        self,
+        plan: PlanArrays | None,
+        request: engine_pb2.ExecuteRequest | None,
+        received_ns: int,
+    ) -> bytes:
+        """One step: the plan checked (from_pb first for a message), run, its result encoded
+        (a result without logprobs by decode_fast's C loop, else by batch.result_to_pb)."""
+        if plan is None:
+            assert request is not None
+            plan = from_pb(request, self.runner.limits)
+        output = self.runner.execute(plan)
+        total_ns = time.perf_counter_ns() - received_ns
+        wire = decode_fast.encode_result(output, total_ns)
+        if wire is None:
+            return result_to_pb(output, total_ns=total_ns).SerializeToString()
+        return wire
+
+
+def add_engine_service(servicer: EngineServicer, server: grpc.Server) -> None:
+    """The generated engine_pb2_grpc.add_EngineServiceServicer_to_server, with Execute reading
+    and writing wire bytes: the servicer parses a plain plan and encodes a result itself (C
+    loops, step/decode_fast.py), and parses or serializes the other messages with protobuf.
+    Every other RPC is registered as generated."""
+
+    class Handlers:  # takes what the generated function registers
+        handlers: dict = {}
+
+        def add_generic_rpc_handlers(self, generic) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            self.handlers = dict(handlers)
+
+    taken = Handlers()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, taken)
+    handlers = taken.handlers
+    handlers["Execute"] = grpc.stream_stream_rpc_method_handler(servicer.Execute)  # bytes
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def warm_up(runner: Runner) -> None:
@@ -275,7 +312,7 @@ async def serve(
             ("grpc.max_send_message_length", 64 << 20),
         ],
     )
-    engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(runner), server)
+    add_engine_service(EngineServicer(runner), server)
     health_servicer = health.HealthServicer(
         experimental_non_blocking=True, experimental_thread_pool=pool
     )

@@ -108,6 +108,9 @@ class PlanArrays:
     swap_out_dst: np.ndarray = _empty(np.int64)
     swap_in_src: np.ndarray = _empty(np.int64)
     swap_in_dst: np.ndarray = _empty(np.int64)
+    # Only slots, their token counts and new blocks (step/decode_fast.py parsed it): the runner
+    # may check and apply it by the fast path.
+    plain: bool = False
 
 
 @dataclasses.dataclass
