@@ -59,19 +59,29 @@ async def _held_stream(stub, gate: asyncio.Event):
 
 async def _fresh_stream_steps(server) -> list[int]:
     """Registers slot 0 on a new stream, from a new channel; retries while the server has not yet
-    seen the previous stream end (FAILED_PRECONDITION), at most 100 times."""
+    seen the previous stream end (FAILED_PRECONDITION), at most 100 times. Each plan is written
+    after the previous result is read, so a refusal is the call's status, never the client's
+    failed write of a plan after it."""
     async with _channel(server) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         for _ in range(100):
-            call = stub.Execute(iter([_register(0), _decode(1)]))
+            call = stub.Execute()
+            steps = []
             try:
-                return [r.result.step_id async for r in call]
+                for plan in (_register(0), _decode(1)):
+                    await call.write(plan)
+                    response = await call.read()
+                    if response is grpc.aio.EOF:
+                        break
+                    steps.append(response.result.step_id)
+                else:
+                    await call.done_writing()
+                    return steps
             except grpc.aio.AioRpcError:
-                # The call's status, not the error raised: a refusal can also surface as the
-                # client's failed write of the second plan.
-                if await call.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise
-                await asyncio.sleep(0.05)
+                pass
+            if await call.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise AssertionError(f"stream ended with {await call.code()}: {steps}")
+            await asyncio.sleep(0.05)
     raise AssertionError("the previous stream never ended on the server")
 
 
