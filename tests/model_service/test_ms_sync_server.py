@@ -80,7 +80,9 @@ async def _fresh_stream_steps(server) -> list[int]:
             except grpc.aio.AioRpcError:
                 pass
             if await call.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise AssertionError(f"stream ended with {await call.code()}: {steps}")
+                raise AssertionError(
+                    f"stream ended with {await call.code()} {await call.details()!r}: {steps}"
+                )
             await asyncio.sleep(0.05)
     raise AssertionError("the previous stream never ended on the server")
 
