@@ -21,12 +21,14 @@ namespace LR_NS {
 
 constexpr int MR = LR_MR, NR = LR_NR;
 constexpr int64_t LINE = 2 * GM_PANEL;  // bfloat16 values of one pair of one panel
-constexpr int64_t SHRINK_ROWS = 4 * LR_MR;  // rows of a group per shrink item
+constexpr int64_t SHRINK_ROWS = 4 * LR_MR;  // rows of a group per shrink item, at most
 
 using Out = float[NR * GM_PANEL];
 using TileFn = void (*)(const uint16_t* const*, const uint16_t* const*, int64_t, int64_t, int64_t, Out*);
-// The shrink's prefetch distance in pairs of a panel's stream (as the GEMM's for few rows).
-constexpr int64_t SHRINK_AHEAD = 16;
+// Prefetch distances: the shrink's in pairs of a panel's stream, the expand's in panels. A tile
+// spends a few cycles on a pair: these ask a few hundred cycles (DRAM's latency) ahead.
+constexpr int64_t SHRINK_AHEAD = 64;
+constexpr int64_t EXPAND_AHEAD = 4 * LR_NR;
 
 template <int M, int N>
 static inline TileFn tile_for(int m, int n) {
@@ -46,10 +48,11 @@ static inline const lr_block* block_of(const lr_target* target, int64_t lora_id)
     return nullptr;
 }
 
-// A shrink item: rows [r0, r1) of group g's rows. An expand item: group g, target t, output
-// panels [p0, p0 + np) of that target.
+// A shrink item: group g, its rows [a, b), the panels of A it reads [t, t + n) (counted in the
+// group's own panels, panels_of below). An expand item: group g, target t, output panels
+// [a, a + n) of that target.
 struct Item {
-    int64_t g, t, a, b;
+    int64_t g, t, a, b, n;
 };
 
 struct Call {
@@ -61,9 +64,30 @@ struct Call {
     int64_t ldy;
 };
 
-// NR panels of A at index[0..n) through rows [r0, r1) of the group: u of those panels' columns.
-static void shrink_panels(const Call& c, const int64_t* group, const Item& item, const int64_t* index, int n) {
+// The panels of A holding adapter lora_id's blocks, in order, each once (a small rank's blocks of
+// two targets can share one): the ones numbered [first, first + max) into index; their count.
+static int64_t panels_of(const lr_module* mod, int64_t lora_id, int64_t first, int64_t max, int64_t* index) {
+    int64_t count = 0, last = -1;
+    for (int64_t t = 0; t < mod->num_targets; ++t) {
+        const lr_block* block = block_of(&mod->targets[t], lora_id);
+        if (block == nullptr) continue;
+        for (int64_t p = block->k0 / GM_PANEL; p <= (block->k1 - 1) / GM_PANEL; ++p) {
+            if (p <= last) continue;
+            if (count >= first && count < first + max) index[count - first] = p;
+            ++count;
+            last = p;
+        }
+    }
+    return count;
+}
+
+// Rows [a, b) of group g through its panels [t, t + n) of A: u of those panels' columns.
+static void shrink(const Call& c, const Item& item) {
+    const int64_t* group = c.step->groups + 3 * item.g;
+    int64_t index[NR];
+    panels_of(c.mod, group[0], item.t, item.n, index);
     const uint16_t* panels[NR];
+    const int n = (int)item.n;
     for (int j = 0; j < n; ++j) panels[j] = c.mod->packed_a + index[j] * c.pairs_in * LINE;
     for (int64_t r = item.a; r < item.b; r += MR) {
         const int m = (int)lesser(MR, item.b - r);
@@ -81,27 +105,6 @@ static void shrink_panels(const Call& c, const int64_t* group, const Item& item,
     }
 }
 
-// Rows [r0, r1) of group g: u of every panel of A that holds one of the adapter's blocks (each
-// panel once: a small rank's blocks of two targets can share one), NR panels at a time.
-static void shrink(const Call& c, const Item& item) {
-    const int64_t* group = c.step->groups + 3 * item.g;
-    int64_t index[NR], last = -1;
-    int n = 0;
-    for (int64_t t = 0; t < c.mod->num_targets; ++t) {
-        const lr_block* block = block_of(&c.mod->targets[t], group[0]);
-        if (block == nullptr) continue;
-        for (int64_t p = block->k0 / GM_PANEL; p <= (block->k1 - 1) / GM_PANEL; ++p) {
-            if (p <= last) continue;
-            index[n++] = last = p;
-            if (n == NR) {
-                shrink_panels(c, group, item, index, n);
-                n = 0;
-            }
-        }
-    }
-    if (n > 0) shrink_panels(c, group, item, index, n);
-}
-
 // Group g's rows through target t's B, output panels [p0, p0 + np): y += d * scale.
 static void expand(const Call& c, const Item& item) {
     const int64_t* group = c.step->groups + 3 * item.g;
@@ -110,20 +113,21 @@ static void expand(const Call& c, const Item& item) {
     const int64_t width = target->end - target->start, pairs = (block->k1 - block->k0) / 2;
     const int64_t stride = (target->k1 - target->k0) / 2 * LINE;
     const uint16_t* first = target->packed_b + (block->k0 - target->k0) / 2 * LINE;
-    const int np = (int)item.b;
+    const int np = (int)item.n;
     const uint16_t* panels[NR];
     for (int j = 0; j < np; ++j) panels[j] = first + (item.a + j) * stride;
     // The block's chunk of a panel is a few lines, the next panel's a stride away (the other
-    // adapters' chunks between, never to be read): prefetched, the next item's chunks, which
-    // a static schedule mostly gives the same thread.
+    // adapters' chunks between, never to be read: no hardware prefetcher follows that), so the
+    // chunks of the items EXPAND_AHEAD panels on are prefetched (a static schedule gives the
+    // following items mostly to the same thread).
     const int64_t panels_of_target = (width + GM_PANEL - 1) / GM_PANEL;
-    const int64_t until = item.a + NR < panels_of_target ? pairs : 0;
+    const int64_t until = item.a + EXPAND_AHEAD + np <= panels_of_target ? pairs : 0;
     for (int64_t r = group[1]; r < group[2]; r += MR) {
         const int m = (int)lesser(MR, group[2] - r);
         const uint16_t* rows[MR];
         for (int i = 0; i < m; ++i) rows[i] = c.step->u + c.step->order[r + i] * c.step->ldu + block->k0;
         Out out[MR];
-        tile_for<MR, NR>(m, np)(rows, panels, pairs, NR * stride, r == group[1] ? until : 0, out);
+        tile_for<MR, NR>(m, np)(rows, panels, pairs, EXPAND_AHEAD * stride, r == group[1] ? until : 0, out);
         for (int i = 0; i < m; ++i) {
             const int64_t row = c.step->order[r + i];
             const float scale = c.step->row_scale[row];
@@ -136,14 +140,20 @@ static void expand(const Call& c, const Item& item) {
     }
 }
 
-// The module's shrink and expand items; *macs: their multiply-adds (whether to fork).
-static int64_t plan(const Call& c, Item* items, int64_t* shrinks, int64_t* macs) {
+// The module's shrink and expand items; *macs: their multiply-adds (whether to fork). A shrink
+// item takes NR panels of its group's, or one where there are few groups (a group of 8 rows on
+// one adapter: its 3 qkv panels are then 3 items for the threads, not one).
+static int64_t plan(const Call& c, int num_threads, Item* items, int64_t* shrinks, int64_t* macs) {
     const lr_step* s = c.step;
+    const int64_t batch = s->num_groups >= 2 * num_threads ? NR : 1;
     int64_t count = 0;
     *macs = 0;
     for (int64_t g = 0; g < s->num_groups; ++g) {
         const int64_t rows = s->groups[3 * g + 2] - s->groups[3 * g + 1];
-        for (int64_t r = 0; r < rows; r += SHRINK_ROWS) items[count++] = {g, -1, r, lesser(rows, r + SHRINK_ROWS)};
+        const int64_t panels = panels_of(c.mod, s->groups[3 * g], 0, 0, nullptr);
+        for (int64_t p = 0; p < panels; p += batch)
+            for (int64_t r = 0; r < rows; r += SHRINK_ROWS)
+                items[count++] = {g, p, r, lesser(rows, r + SHRINK_ROWS), lesser(batch, panels - p)};
     }
     *shrinks = count;
     for (int64_t g = 0; g < s->num_groups; ++g) {
@@ -154,18 +164,19 @@ static int64_t plan(const Call& c, Item* items, int64_t* shrinks, int64_t* macs)
             if (block == nullptr) continue;
             const int64_t width = target->end - target->start, panels = (width + GM_PANEL - 1) / GM_PANEL;
             *macs += rows * (block->k1 - block->k0) * (c.pairs_in * 2 + width);
-            for (int64_t p = 0; p < panels; p += NR) items[count++] = {g, t, p, lesser(NR, panels - p)};
+            for (int64_t p = 0; p < panels; p += NR) items[count++] = {g, t, p, 0, lesser(NR, panels - p)};
         }
     }
     return count;
 }
 
-// Items for `plan`: shrink items per group, expand items per group and target.
+// An upper bound on `plan`'s items.
 static int64_t max_items(const Call& c) {
     int64_t total = 0;
     for (int64_t g = 0; g < c.step->num_groups; ++g) {
         const int64_t rows = c.step->groups[3 * g + 2] - c.step->groups[3 * g + 1];
-        total += (rows + SHRINK_ROWS - 1) / SHRINK_ROWS;
+        const int64_t panels = panels_of(c.mod, c.step->groups[3 * g], 0, 0, nullptr);
+        total += panels * ((rows + SHRINK_ROWS - 1) / SHRINK_ROWS);
         for (int64_t t = 0; t < c.mod->num_targets; ++t) {
             const lr_target* target = &c.mod->targets[t];
             total += (target->end - target->start + NR * GM_PANEL - 1) / (NR * GM_PANEL);
@@ -179,7 +190,7 @@ static int add(const Call& c, int num_threads) {
     Item* items = (Item*)malloc(sizeof(Item) * max_items(c));
     if (items == nullptr) return GM_BAD_SHAPE;
     int64_t shrinks, macs;
-    const int64_t count = plan(c, items, &shrinks, &macs);
+    const int64_t count = plan(c, num_threads, items, &shrinks, &macs);
     // A small module's products run on the calling thread: a parallel region costs microseconds.
     const bool parallel = num_threads > 1 && count > 1 && macs >= ((int64_t)1 << 16);
 #pragma omp parallel num_threads(num_threads) if (parallel)
