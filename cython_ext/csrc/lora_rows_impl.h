@@ -49,8 +49,8 @@ static inline const lr_block* block_of(const lr_target* target, int64_t lora_id)
 }
 
 // A shrink item: group g, its rows [a, b), the panels of A it reads [t, t + n) (counted in the
-// group's own panels, panels_of below). An expand item: group g, target t, output panels
-// [a, a + n) of that target.
+// group's own panels, panels_of below). An expand item (g -1): target t's output panels
+// [a, a + n), for every group.
 struct Item {
     int64_t g, t, a, b, n;
 };
@@ -106,20 +106,18 @@ static void shrink(const Call& c, const Item& item) {
 }
 
 // Group g's rows through target t's B, output panels [p0, p0 + np): y += d * scale.
-static void expand(const Call& c, const Item& item) {
-    const int64_t* group = c.step->groups + 3 * item.g;
-    const lr_target* target = &c.mod->targets[item.t];
+static void expand_group(const Call& c, const int64_t* group, const lr_target* target, const Item& item) {
     const lr_block* block = block_of(target, group[0]);
+    if (block == nullptr) return;
     const int64_t width = target->end - target->start, pairs = (block->k1 - block->k0) / 2;
     const int64_t stride = (target->k1 - target->k0) / 2 * LINE;
     const uint16_t* first = target->packed_b + (block->k0 - target->k0) / 2 * LINE;
     const int np = (int)item.n;
     const uint16_t* panels[NR];
     for (int j = 0; j < np; ++j) panels[j] = first + (item.a + j) * stride;
-    // The block's chunk of a panel is a few lines, the next panel's a stride away (the other
-    // adapters' chunks between, never to be read: no hardware prefetcher follows that), so the
-    // chunks of the items EXPAND_AHEAD panels on are prefetched (a static schedule gives the
-    // following items mostly to the same thread).
+    // Prefetched: the block's chunks EXPAND_AHEAD panels on, which the same thread mostly reads
+    // next (a static schedule), a stride away each (no hardware prefetcher follows strides
+    // across pages).
     const int64_t panels_of_target = (width + GM_PANEL - 1) / GM_PANEL;
     const int64_t until = item.a + EXPAND_AHEAD + np <= panels_of_target ? pairs : 0;
     for (int64_t r = group[1]; r < group[2]; r += MR) {
@@ -140,6 +138,14 @@ static void expand(const Call& c, const Item& item) {
     }
 }
 
+// Target t's output panels [a, a + n) for every group: panel by panel, B is read in address
+// order (a panel holds every adapter's chunk of those columns side by side: the groups' chunks
+// of one panel share its pages), not adapter by adapter at a stride.
+static void expand(const Call& c, const Item& item) {
+    const lr_target* target = &c.mod->targets[item.t];
+    for (int64_t g = 0; g < c.step->num_groups; ++g) expand_group(c, c.step->groups + 3 * g, target, item);
+}
+
 // The module's shrink and expand items; *macs: their multiply-adds (whether to fork). A shrink
 // item takes NR panels of its group's, or one where there are few groups (a group of 8 rows on
 // one adapter: its 3 qkv panels are then 3 items for the threads, not one).
@@ -156,16 +162,18 @@ static int64_t plan(const Call& c, int num_threads, Item* items, int64_t* shrink
                 items[count++] = {g, p, r, lesser(rows, r + SHRINK_ROWS), lesser(batch, panels - p)};
     }
     *shrinks = count;
-    for (int64_t g = 0; g < s->num_groups; ++g) {
-        const int64_t rows = s->groups[3 * g + 2] - s->groups[3 * g + 1];
-        for (int64_t t = 0; t < c.mod->num_targets; ++t) {
-            const lr_target* target = &c.mod->targets[t];
+    for (int64_t t = 0; t < c.mod->num_targets; ++t) {
+        const lr_target* target = &c.mod->targets[t];
+        const int64_t width = target->end - target->start;
+        bool used = false;
+        for (int64_t g = 0; g < s->num_groups; ++g) {
             const lr_block* block = block_of(target, s->groups[3 * g]);
             if (block == nullptr) continue;
-            const int64_t width = target->end - target->start, panels = (width + GM_PANEL - 1) / GM_PANEL;
-            *macs += rows * (block->k1 - block->k0) * (c.pairs_in * 2 + width);
-            for (int64_t p = 0; p < panels; p += NR) items[count++] = {g, t, p, 0, lesser(NR, panels - p)};
+            used = true;
+            *macs += (s->groups[3 * g + 2] - s->groups[3 * g + 1]) * (block->k1 - block->k0) * (c.pairs_in * 2 + width);
         }
+        const int64_t panels = (width + GM_PANEL - 1) / GM_PANEL;
+        for (int64_t p = 0; used && p < panels; p += NR) items[count++] = {-1, t, p, 0, lesser(NR, panels - p)};
     }
     return count;
 }
@@ -177,10 +185,10 @@ static int64_t max_items(const Call& c) {
         const int64_t rows = c.step->groups[3 * g + 2] - c.step->groups[3 * g + 1];
         const int64_t panels = panels_of(c.mod, c.step->groups[3 * g], 0, 0, nullptr);
         total += panels * ((rows + SHRINK_ROWS - 1) / SHRINK_ROWS);
-        for (int64_t t = 0; t < c.mod->num_targets; ++t) {
-            const lr_target* target = &c.mod->targets[t];
-            total += (target->end - target->start + NR * GM_PANEL - 1) / (NR * GM_PANEL);
-        }
+    }
+    for (int64_t t = 0; t < c.mod->num_targets; ++t) {
+        const lr_target* target = &c.mod->targets[t];
+        total += (target->end - target->start + NR * GM_PANEL - 1) / (NR * GM_PANEL);
     }
     return total;
 }
