@@ -189,14 +189,17 @@ def _drafter(
 
 def lora_path(device: torch.device, stacked: bool, native_loop: bool) -> str:
     """How a step with adapter rows runs (Describe's compute["lora"]). Stacked (packed factors:
-    a bf16 model on the CPU): every loaded adapter in one shrink and one expand per module
-    (lora/stacked.py), inside the native decoder loop where the model runs it. Otherwise the
+    a bf16 model on the CPU): the native decoder loop, where the model runs it, runs each row
+    against its own adapter's blocks of the stack (csrc/lora_rows.h); the Python layers run every
+    loaded adapter in one shrink and one expand per module (lora/stacked.py). Otherwise the
     Python layers run such a step eagerly, with torch GEMMs grouped by adapter: the captured CUDA
     graphs hold no adapters."""
+    if stacked and native_loop:
+        products = "each row against its own adapter's blocks of the stacked factors"
+        return f"native decoder loop for steps with adapter rows, {products}"
     if stacked:
-        where = "native decoder loop" if native_loop else "python layers"
         products = "the loaded adapters stacked in one packed GEMM pair per module"
-        return f"{where} for steps with adapter rows, {products}"
+        return f"python layers for steps with adapter rows, {products}"
     graphs = "; CUDA graphs skipped" if device.type == "cuda" else ""
     return f"python layers for steps with adapter rows, torch GEMMs grouped by adapter{graphs}"
 
