@@ -52,6 +52,13 @@ GEMM_ISA_SOURCES = {
     f"{CSRC}/gemm_avx512.cpp": AVX512_FLAGS + ["-ffp-contract=off"],
     f"{CSRC}/gemm_avx2.cpp": ["-mavx2", "-mfma", "-ffp-contract=off"],
 } if X86_64 else {}
+# Vector paths of the decoder loop's per-row LoRA products (csrc/lora_rows.h): the GEMM paths' ISA
+# flags; -ffp-contract=off on all, as the scaled add rounds its product before the sum.
+LORA_ISA_SOURCES = {
+    f"{CSRC}/lora_rows_avx512_bf16.cpp": AVX512_FLAGS + ["-mavx512bf16", "-ffp-contract=off"],
+    f"{CSRC}/lora_rows_avx512.cpp": AVX512_FLAGS + ["-ffp-contract=off"],
+    f"{CSRC}/lora_rows_avx2.cpp": ["-mavx2", "-mfma", "-ffp-contract=off"],
+} if X86_64 else {}
 # SHA-NI path of the prefix cache's block hash (block_pool.pyx, csrc/sha256.h picks it by CPUID).
 BLOCK_POOL_ISA_SOURCES = {f"{CSRC}/sha256_shani.c": ["-msha", "-msse4.1"]} if X86_64 else {}
 # -fno-trapping-math lets the compiler vectorize the selects of the portable exp (no result
@@ -104,19 +111,24 @@ attention = native_kernel("paged_attention", CXX_FLAGS)
 layer_ops = native_kernel("layer_ops", CXX_FLAGS_LAYER_OPS)
 gemm = native_kernel("gemm", CXX_FLAGS)
 # The decoder loop calls the three kernels above through the addresses their modules hand out: it
-# compiles none of them again (csrc/decoder.h).
+# compiles none of them again (csrc/decoder.h). Its own kernel is the per-row LoRA products
+# (csrc/lora_rows.h), with vector paths of its own (LORA_ISA_SOURCES).
 decoder = Extension(
     "cython_ext.decoder",
-    ["cython_ext/decoder.pyx", f"{CSRC}/decoder.cpp"],
+    ["cython_ext/decoder.pyx", f"{CSRC}/decoder.cpp", f"{CSRC}/lora_rows_dispatch.cpp",
+     f"{CSRC}/lora_rows_portable.cpp"],
     language="c++",
     include_dirs=["cython_ext"],
-    # -ffp-contract=off: the LoRA add rounds its product before the sum (csrc/decoder.h).
+    define_macros=[("PLANSERVE_PA_X86", "1")] if X86_64 else [],
+    # -ffp-contract=off: the LoRA add rounds its product before the sum (csrc/lora_rows.h).
     extra_compile_args=CXX_FLAGS + ["-ffp-contract=off"],
-    depends=sorted(glob.glob(f"{CSRC}/*.h")),
+    extra_link_args=["-fopenmp"],
+    depends=sorted(glob.glob(f"{CSRC}/*")),
 )
 extensions += [attention, layer_ops, gemm, decoder]
 # cythonize() copies Extensions: found by name
 ISA_SOURCES_OF = {attention.name: ATTENTION_ISA_SOURCES, layer_ops.name: LAYER_OPS_ISA_SOURCES,
-                  gemm.name: GEMM_ISA_SOURCES, "cython_ext.block_pool": BLOCK_POOL_ISA_SOURCES}
+                  gemm.name: GEMM_ISA_SOURCES, decoder.name: LORA_ISA_SOURCES,
+                  "cython_ext.block_pool": BLOCK_POOL_ISA_SOURCES}
 
 setup(ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES), cmdclass={"build_ext": BuildExt})

@@ -4,13 +4,14 @@
 
 SmolLM2 (the default dtype: bf16 on the CPU), 8 sequences of 64 prompt tokens (--seqs), rank-16
 adapters on all 7 targets, one adapter per sequence (8 at most); five runners stepped in turn:
-the base model (native decoder loop); the sequences on 8 adapters with the stacked products
-(model_service/lora/stacked.py) inside the native decoder loop; the same in the Python layers
-(a second copy of the model with decoder_loop=python: the path before the native loop took
-adapters); the per-adapter loop (lora/grouping.py, the path before the stacks: the store's stack
-withheld); one adapter on every row, stacked, native loop. Prints each one's median ms per step
-(the first two steps dropped), its tokens/s and its ratio to the base, then the time to build the
-8 adapters' stack (what each load and evict pays).
+the base model (native decoder loop); the sequences on 8 adapters inside the native decoder
+loop (each row against its own adapter's blocks of the stack, cython_ext/csrc/lora_rows.h); the
+stacked products (model_service/lora/stacked.py: every row through every loaded adapter, masked)
+in the Python layers (a second copy of the model with decoder_loop=python: the path before the
+native loop took adapters); the per-adapter loop (lora/grouping.py, the path before the stacks:
+the store's stack withheld); one adapter on every row, native loop. Prints each one's median
+ms per step (the first two steps dropped), its tokens/s and its ratio to the base, then the time
+to build the 8 adapters' stack (what each load and evict pays).
 """
 
 from __future__ import annotations
@@ -92,9 +93,7 @@ def main() -> None:
             write_adapter(folder, loaded.arch, 16, seed=i)
         runners = {
             "base (native loop)": prefilled(loaded, base, [0] * seqs, prompts, folders, args.steps),
-            "8 adapters, stacked, native loop": prefilled(
-                loaded, lora, eight, prompts, folders, args.steps
-            ),
+            "8 adapters, native loop": prefilled(loaded, lora, eight, prompts, folders, args.steps),
             "8 adapters, stacked, python layers": prefilled(
                 load_model(python), python, eight, prompts, folders, args.steps
             ),
@@ -127,7 +126,7 @@ def main() -> None:
         print(
             f"  {name:36s} {ms:7.1f} ms/step {seqs / ms * 1e3:7.1f} tok/s ({reference / ms:.2f}x)"
         )
-    store = runners["8 adapters, stacked, native loop"].adapters
+    store = runners["8 adapters, native loop"].adapters
     adapters = tuple(store.snapshot()[i] for i in range(1, ADAPTERS + 1))
     start = time.perf_counter()
     LoadedStack(adapters, store._stack_isa, store._targets.slices)

@@ -4,6 +4,40 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t
 from cython_ext.paged_attention cimport pa_args
 
 
+cdef extern from "csrc/lora_rows.h" nogil:
+    ctypedef struct lr_block:
+        int64_t lora_id
+        int64_t k0
+        int64_t k1
+
+    ctypedef struct lr_target:
+        const uint16_t* packed_b
+        int64_t k0
+        int64_t k1
+        int64_t start
+        int64_t end
+        int64_t num_blocks
+        const lr_block* blocks
+
+    ctypedef struct lr_module:
+        const uint16_t* packed_a
+        int64_t rank
+        int64_t num_targets
+        const lr_target* targets
+
+    ctypedef struct lr_step:
+        const int64_t* order
+        const int64_t* groups
+        int64_t num_groups
+        const float* row_scale
+        uint16_t* u
+        int64_t ldu
+
+    int lr_add(const lr_module* mod, const lr_step* step, const uint16_t* x, int64_t ldx, int64_t in_features,
+               uint16_t* y, int64_t ldy, int isa, int num_threads)
+    int lr_isa_supported(int isa)
+
+
 cdef extern from "csrc/decoder.h" nogil:
     ctypedef int (*dl_linear_bf16_fn)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                                       const uint16_t*, void*, int64_t, int, int, int)
@@ -32,26 +66,9 @@ cdef extern from "csrc/decoder.h" nogil:
         int64_t k
         int int8
 
-    ctypedef struct dl_lora_target:
-        const uint16_t* packed_b
-        int64_t k0
-        int64_t k1
-        int64_t start
-        int64_t end
-
-    ctypedef struct dl_lora_module:
-        const uint16_t* packed_a
-        int64_t rank
-        const int64_t* owner
-        int64_t num_targets
-        const dl_lora_target* targets
-
     ctypedef struct dl_lora:
-        const dl_lora_module* modules
-        const int64_t* row_owner
-        const float* row_scale
-        uint16_t* u
-        float* delta
+        const lr_module* modules
+        lr_step step
 
     ctypedef struct dl_layer:
         const uint16_t* input_norm

@@ -1,13 +1,19 @@
 OPS: tuple[str, ...]
 LORA_MODULES: tuple[str, ...]
 
+def lora_isa_supported(isa: int) -> bool: ...
+
 class LoraTable:
     max_rank: int
-    max_columns: int
     def __init__(self, num_layers: int, num_targets: int) -> None: ...
     def set_module(
-        self, layer: int, fused: str, packed_a: int, rank: int, owner: int,
-        targets: list[tuple[int, int, int, int, int]],
+        self, layer: int, fused: str, packed_a: int, rank: int,
+        targets: list[tuple[int, int, int, int, int, int, int]],
+    ) -> None: ...
+    def add(
+        self, layer: int, fused: str, x: int, ldx: int, in_features: int, y: int, ldy: int,
+        order: int, groups: int, num_groups: int, row_scale: int, u: int, ldu: int, isa: int,
+        num_threads: int,
     ) -> None: ...
 
 class DecoderLayers:
@@ -25,6 +31,6 @@ class DecoderLayers:
     def run(
         self, step_args: int, block_size: int, num_blocks: int, split_positions: int, rows: int,
         positions: int, residual: int, delta: int, x: int, qkv: int, attn: int, gate_up: int,
-        act: int, num_threads: int, lora: LoraTable | None = None, row_owner: int = 0,
-        row_scale: int = 0, lora_u: int = 0, lora_delta: int = 0,
+        act: int, num_threads: int, lora: LoraTable | None = None, order: int = 0,
+        groups: int = 0, num_groups: int = 0, row_scale: int = 0, lora_u: int = 0,
     ) -> None: ...

@@ -35,15 +35,15 @@ cdef dl_linear _linear(tuple spec):
 cdef class LoraTable:
     """The loaded adapters' stacked factors (model_service/lora/stacked.py's LoadedStack) as the
     native loop reads them: `set_module` once per adapted module of a layer. Holds addresses only:
-    its owner keeps the packed tensors and owner arrays alive."""
-    cdef dl_lora_module* modules
-    cdef dl_lora_target* targets
+    its owner keeps the packed tensors and block arrays alive."""
+    cdef lr_module* modules
+    cdef lr_target* targets
     cdef int64_t num_layers, capacity, used
-    cdef readonly int64_t max_rank, max_columns
+    cdef readonly int64_t max_rank
 
     def __cinit__(self, int64_t num_layers, int64_t num_targets):
-        self.modules = <dl_lora_module*>calloc(max(num_layers * 4, 1), sizeof(dl_lora_module))
-        self.targets = <dl_lora_target*>calloc(max(num_targets, 1), sizeof(dl_lora_target))
+        self.modules = <lr_module*>calloc(max(num_layers * 4, 1), sizeof(lr_module))
+        self.targets = <lr_target*>calloc(max(num_targets, 1), sizeof(lr_target))
         if self.modules == NULL or self.targets == NULL:
             raise MemoryError()
         self.num_layers, self.capacity = num_layers, num_targets
@@ -52,25 +52,49 @@ cdef class LoraTable:
         free(self.modules)
         free(self.targets)
 
-    def set_module(self, int64_t layer, str fused, uintptr_t packed_a, int64_t rank, uintptr_t owner,
-                   list targets):
-        """Layer `layer`'s fused module (one of LORA_MODULES): A packed [rank, in], owner [rank]
-        int64, and per target (packed B [columns, k1 - k0], k0, k1, first column, end column)."""
+    def set_module(self, int64_t layer, str fused, uintptr_t packed_a, int64_t rank, list targets):
+        """Layer `layer`'s fused module (one of LORA_MODULES): A packed [rank, in], and per target
+        (packed B [columns, k1 - k0], k0, k1, first column, end column, blocks address, blocks):
+        its blocks int64 [blocks, 3] of (lora_id, first rank, end rank), csrc/lora_rows.h."""
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
         if self.used + len(targets) > self.capacity:
             raise IndexError(f"more than the {self.capacity} targets this table was made for")
-        cdef dl_lora_module* mod = &self.modules[layer * 4 + LORA_MODULES.index(fused)]
-        mod.packed_a, mod.rank, mod.owner = <const uint16_t*>packed_a, rank, <const int64_t*>owner
+        cdef lr_module* mod = &self.modules[layer * 4 + LORA_MODULES.index(fused)]
+        mod.packed_a, mod.rank = <const uint16_t*>packed_a, rank
         mod.targets, mod.num_targets = &self.targets[self.used], len(targets)
-        cdef dl_lora_target* target
-        for packed_b, k0, k1, start, end in targets:
+        cdef lr_target* target
+        for packed_b, k0, k1, start, end, blocks, num_blocks in targets:
             target = &self.targets[self.used]
             target.packed_b = <const uint16_t*><uintptr_t>packed_b
             target.k0, target.k1, target.start, target.end = k0, k1, start, end
-            self.max_columns = max(self.max_columns, end - start)
+            target.blocks, target.num_blocks = <const lr_block*><uintptr_t>blocks, num_blocks
             self.used += 1
         self.max_rank = max(self.max_rank, rank)
+
+    def add(self, int64_t layer, str fused, uintptr_t x, int64_t ldx, int64_t in_features, uintptr_t y,
+            int64_t ldy, uintptr_t order, uintptr_t groups, int64_t num_groups, uintptr_t row_scale,
+            uintptr_t u, int64_t ldu, int isa, int num_threads):
+        """One module's products outside the loop (tests: each ISA path against a reference):
+        y [*, ldy] += those of x [*, ldx] bfloat16, rows grouped as csrc/lora_rows.h's lr_step."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        cdef lr_module* mod = &self.modules[layer * 4 + LORA_MODULES.index(fused)]
+        if mod.packed_a == NULL:
+            raise ValueError(f"layer {layer} {fused}: no adapter adapts it")
+        cdef lr_step step
+        step.order, step.groups, step.num_groups = <const int64_t*>order, <const int64_t*>groups, num_groups
+        step.row_scale, step.u, step.ldu = <const float*>row_scale, <uint16_t*>u, ldu
+        cdef int code
+        with nogil:
+            code = lr_add(mod, &step, <const uint16_t*>x, ldx, in_features, <uint16_t*>y, ldy, isa, num_threads)
+        if code != 0:
+            raise ValueError(f"LoRA products, layer {layer} {fused}: {gemm.error_message(code)}")
+
+
+def lora_isa_supported(int isa):
+    """Whether this CPU runs the per-row LoRA products' path `isa` (an index into gemm.ISAS)."""
+    return lr_isa_supported(isa) != 0
 
 
 cdef class DecoderLayers:
@@ -134,20 +158,21 @@ cdef class DecoderLayers:
     def run(self, uintptr_t step_args, int64_t block_size, int64_t num_blocks, int64_t split_positions,
             int64_t rows, uintptr_t positions, uintptr_t residual, uintptr_t delta, uintptr_t x, uintptr_t qkv,
             uintptr_t attn, uintptr_t gate_up, uintptr_t act, int num_threads, LoraTable lora=None,
-            uintptr_t row_owner=0, uintptr_t row_scale=0, uintptr_t lora_u=0, uintptr_t lora_delta=0):
+            uintptr_t order=0, uintptr_t groups=0, int64_t num_groups=0, uintptr_t row_scale=0, uintptr_t lora_u=0):
         """Every layer over `rows` token rows: step_args is the step's AttentionStep.args_address;
         the buffers' addresses as csrc/decoder.h lays them out. On return `delta` holds the last
-        layer's MLP output, not yet added into `residual`. With `lora`, each row's adapter
-        (row_owner int64 [rows], row_scale float32 [rows]) and the scratch buffers u (bfloat16
-        [rows, lora.max_rank]) and delta (float32 [rows, lora.max_columns])."""
+        layer's MLP output, not yet added into `residual`. With `lora`, the rows by adapter (order
+        int64 [rows], groups int64 [num_groups, 3], csrc/lora_rows.h), each row's scale (float32
+        [rows]) and the scratch buffer u (bfloat16 [rows, lora.max_rank])."""
         cdef pa_args step = (<pa_args*>step_args)[0]
         cdef dl_buffers b
         cdef dl_lora adapters
         b.lora = NULL
         if lora is not None:
             adapters.modules = lora.modules
-            adapters.row_owner, adapters.row_scale = <const int64_t*>row_owner, <const float*>row_scale
-            adapters.u, adapters.delta = <uint16_t*>lora_u, <float*>lora_delta
+            adapters.step.order, adapters.step.groups = <const int64_t*>order, <const int64_t*>groups
+            adapters.step.num_groups, adapters.step.row_scale = num_groups, <const float*>row_scale
+            adapters.step.u, adapters.step.ldu = <uint16_t*>lora_u, lora.max_rank
             b.lora = &adapters
         cdef int code, op
         cdef int64_t layer

@@ -199,16 +199,19 @@ def _drafter(
 def lora_path(device: torch.device, store: AdapterStore, native_loop: bool, why: str) -> str:
     """How a step with adapter rows runs (Describe's compute["lora"]). The Triton kernels
     (lora/triton_stack.py; `why`: the decider's reason), in the captured steps too. Stacked
-    (packed factors: a bf16 model on the CPU): every loaded adapter in one shrink and one expand
-    per module (lora/stacked.py), inside the native decoder loop where the model runs it.
+    (packed factors: a bf16 model on the CPU): the native decoder loop, where the model runs it,
+    runs each row against its own adapter's blocks of the stack (csrc/lora_rows.h); the Python
+    layers run every loaded adapter in one shrink and one expand per module (lora/stacked.py).
     Otherwise the Python layers run such a step eagerly, with torch GEMMs grouped by adapter."""
     if store.triton is not None:
         slots = f"{store.triton.slots} slots of rank {store.triton.rank}"
         return f"triton grouped kernels ({why}), the adapters in a device stack of {slots}"
+    if store.stacked and native_loop:
+        products = "each row against its own adapter's blocks of the stacked factors"
+        return f"native decoder loop for steps with adapter rows, {products}"
     if store.stacked:
-        where = "native decoder loop" if native_loop else "python layers"
         products = "the loaded adapters stacked in one packed GEMM pair per module"
-        return f"{where} for steps with adapter rows, {products}"
+        return f"python layers for steps with adapter rows, {products}"
     graphs = "; CUDA graphs skipped" if device.type == "cuda" else ""
     return (
         f"python layers for steps with adapter rows, torch GEMMs grouped by adapter ({why}){graphs}"

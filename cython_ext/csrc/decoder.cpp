@@ -2,8 +2,6 @@
 // (decoder.h says why and what the buffers hold).
 #include "decoder.h"
 
-#include "bf16.h"
-
 namespace {
 
 enum { DL_QKV = 0, DL_O, DL_GATE_UP, DL_DOWN, DL_MODULES };
@@ -16,44 +14,10 @@ int linear(const dl_kernels* k, const dl_linear* w, const void* x, int64_t rows,
                           isa, threads);
 }
 
-// y [T, ldy] += the LoRA products of x [T, in_features] (decoder.h's LoRA paragraph). The factors'
-// GEMMs run on the step's threads: between back-to-back calls the team is awake, so the small
-// GEMMs gain from the second thread here, unlike from Python (lora/stacked.py's ONE_THREAD_MACS).
-int lora_add(const dl_kernels* k, const dl_lora* lora, const dl_lora_module* mod, const void* x, int64_t in_features,
-             int64_t rows, uint16_t* y, int64_t ldy, int isa, int threads) {
-    const int64_t rank = mod->rank;
-    uint16_t* u = lora->u;
-    int code = k->linear_bf16((const uint16_t*)x, rows, in_features, mod->packed_a, rank, in_features, nullptr, u,
-                              rank, 0, isa, threads);
-    if (code != 0) return code;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t owner = lora->row_owner[r];
-        for (int64_t c = 0; c < rank; ++c)
-            if (mod->owner[c] != owner) u[r * rank + c] = 0;
-    }
-    for (int64_t t = 0; t < mod->num_targets; ++t) {
-        const dl_lora_target* target = &mod->targets[t];
-        const int64_t cols = target->end - target->start, width = target->k1 - target->k0;
-        code = k->linear_bf16(u + target->k0, rows, rank, target->packed_b, cols, width, nullptr, lora->delta, cols,
-                              1, isa, threads);
-        if (code != 0) return code;
-        for (int64_t r = 0; r < rows; ++r) {
-            const float scale = lora->row_scale[r];
-            const float* d = lora->delta + r * cols;
-            uint16_t* out = y + r * ldy + target->start;
-            for (int64_t c = 0; c < cols; ++c) {
-                const float product = d[c] * scale;
-                out[c] = f32_to_bf16(bf16_to_f32(out[c]) + product);
-            }
-        }
-    }
-    return 0;
-}
-
 // The layer's LoRA module `which`, or NULL where this step has no adapter or none adapts it.
-const dl_lora_module* lora_module(const dl_buffers* b, int64_t layer, int which) {
+const lr_module* lora_module(const dl_buffers* b, int64_t layer, int which) {
     if (b->lora == nullptr) return nullptr;
-    const dl_lora_module* mod = &b->lora->modules[layer * DL_MODULES + which];
+    const lr_module* mod = &b->lora->modules[layer * DL_MODULES + which];
     return mod->packed_a ? mod : nullptr;
 }
 
@@ -72,9 +36,9 @@ int run_layer(const dl_kernels* k, const dl_model* m, int64_t index, pa_args* at
     }
 // The fused linear `which`'s LoRA products, where this step has some for it.
 #define DL_LORA(which, x, in_features, y, width)                                                            \
-    if (const dl_lora_module* mod = lora_module(b, index, (which)))                                         \
-        DL_CALL(DL_OP_LORA, lora_add(k, b->lora, mod, (x), (in_features), T, (uint16_t*)(y), (width), m->gemm_isa, \
-                                     threads));
+    if (const lr_module* mod = lora_module(b, index, (which)))                                             \
+        DL_CALL(DL_OP_LORA, lr_add(mod, &b->lora->step, (const uint16_t*)(x), (in_features), (in_features),       \
+                                   (uint16_t*)(y), (width), m->gemm_isa, threads));
     DL_CALL(DL_OP_INPUT_NORM, k->add_rms_norm(b->residual, delta_in, layer->input_norm, b->x, T, m->hidden, m->eps,
                                               bf16, m->layer_ops_isa, threads));
     DL_CALL(DL_OP_QKV, linear(k, &layer->qkv, b->x, T, b->qkv, m->gemm_isa, threads));

@@ -18,18 +18,16 @@
 //   x        [T, hidden]  a normed row, the GEMMs' input
 //   qkv      [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I]
 //
-// LoRA adapters (optional, dl_buffers.lora): the stacked products of model_service/lora/stacked.py,
-// call for call, after each fused linear (before RoPE for qkv), on the same packed GEMM:
-//   u = x @ A_all^T (bfloat16 [T, K]); u[r, c] = 0 where c's adapter is not row r's;
-//   per target: d = u[:, k0:k1] @ B^T (float32 sums); y[:, start:end] = bf16(y + d * scale[r]).
-// The mask writes the zeros that stacked.py's multiply by a 0/1 mask gives, and the add rounds the
-// product to float32 before the sum (no FMA, which a baseline x86-64 CPU lacks), as stacked.py
-// does: the same bits as the Python loop.
+// LoRA adapters (optional, dl_buffers.lora): after each fused linear (before RoPE for qkv), each
+// row's own adapter's products added into its output (csrc/lora_rows.h: rows grouped by adapter,
+// base rows skipped), in the bits of the packed GEMM over the stack of model_service/lora/stacked.py
+// that the Python loop calls: the same bits as the Python loop.
 #pragma once
 #include <stdint.h>
 
 #include "gemm.h"
 #include "layer_ops.h"
+#include "lora_rows.h"
 #include "paged_attention.h"
 
 #ifdef __cplusplus
@@ -70,31 +68,11 @@ typedef struct dl_linear {
     int int8;  // packed by gm_pack_int8 (else gm_pack_bf16)
 } dl_linear;
 
-// One target of a fused module's LoRA: its ranks [k0, k1) of u, its B packed [end - start, k1 - k0],
-// the output columns [start, end) it adds into.
-typedef struct dl_lora_target {
-    const uint16_t* packed_b;
-    int64_t k0, k1, start, end;
-} dl_lora_target;
-
-// A fused module's stacked adapters: A packed [rank, in features], owner[rank] = the lora_id of
-// each stacked rank (-2: padding). packed_a NULL: no loaded adapter adapts this module.
-typedef struct dl_lora_module {
-    const uint16_t* packed_a;
-    int64_t rank;
-    const int64_t* owner;
-    int64_t num_targets;
-    const dl_lora_target* targets;
-} dl_lora_module;
-
-// A step's adapters: the modules of every layer ([num_layers][4]: qkv, o, gate_up, down), each
-// row's lora_id (0: the base model, which owns no rank) and scale, and the scratch buffers.
+// A step's adapters: the modules of every layer ([num_layers][4]: qkv, o, gate_up, down) and the
+// step's rows by adapter (with the u scratch buffer).
 typedef struct dl_lora {
-    const dl_lora_module* modules;
-    const int64_t* row_owner;  // [T]
-    const float* row_scale;    // [T]
-    uint16_t* u;               // [T, max rank] bfloat16
-    float* delta;              // [T, max target columns]
+    const lr_module* modules;
+    lr_step step;
 } dl_lora;
 
 typedef struct dl_layer {

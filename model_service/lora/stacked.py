@@ -49,6 +49,10 @@ class ModuleStack:
         self.owner = owner  # [K]: the lora_id of each stacked rank, -2 padding
         # per target: its K slice [k0, k1), its B [columns, k1 - k0] packed, its columns
         self.parts = [(k0, k1, _pack(b, isa), start, end) for k0, k1, b, start, end in parts]
+        # per target: int64 [adapters, 3] of (lora_id, first, end) K columns of each adapter's
+        # block, its padding included: where the native loop's per-row products read
+        # (cython_ext/csrc/lora_rows.h)
+        self.blocks = [_blocks(owner, k0, k1) for k0, k1, *_ in parts]
         self._masks: dict[bytes, torch.Tensor] = {}
 
     def add_(self, x: torch.Tensor, y: torch.Tensor, row_owner: np.ndarray, scale: torch.Tensor):
@@ -71,6 +75,16 @@ class ModuleStack:
             mask = torch.from_numpy(dense).to(torch.bfloat16)
             self._masks[key] = mask
         return mask
+
+
+def _blocks(owner: np.ndarray, k0: int, k1: int) -> np.ndarray:
+    """Each adapter's run of K columns in [k0, k1): from its first rank to the next adapter's
+    (its padding, owner -2, included), so every block is even-sized at an even offset."""
+    real = np.flatnonzero(owner[k0:k1] != -2)
+    firsts = real[np.r_[True, owner[k0 + real[1:]] != owner[k0 + real[:-1]]]] if len(real) else real
+    ends = np.r_[firsts[1:], k1 - k0]
+    blocks = np.stack([owner[k0 + firsts], k0 + firsts, k0 + ends], axis=1)
+    return np.ascontiguousarray(blocks, dtype=np.int64)
 
 
 class LoadedStack:

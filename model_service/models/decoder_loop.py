@@ -9,9 +9,11 @@ invariance holds as it does there (tests/model_service/test_ms_decoder_loop.py c
 bit for bit).
 
 A step with LoRA adapters runs here too where their factors are stacked and packed
-(model_service/lora/stacked.py, a bf16 model on the CPU): the C loop makes stacked.py's calls
-after each fused linear (csrc/decoder.h), from a `LoraTable` of the stack's addresses built once per
-stack (a stack is replaced, never changed, when an adapter is loaded or evicted).
+(model_service/lora/stacked.py, a bf16 model on the CPU): after each fused linear the C loop runs
+each row against its own adapter's blocks of the stack only (csrc/lora_rows.h, rows grouped by
+adapter, base rows skipped), in the bits of stacked.py's packed GEMMs, from a `LoraTable` of the
+stack's addresses built once per stack (a stack is replaced, never changed, when an adapter is
+loaded or evicted).
 
 It applies where every kernel of a layer is native: a bfloat16 model on the CPU with its linears
 packed (model_service/kernels/gemm.py), the native attention and layer-op paths, and no per-head
@@ -177,18 +179,14 @@ class NativeLayers:
             len(self.model.model.layers), sum(len(m.parts) for *_, m in modules)
         )
         for index, fused, module in modules:
-            targets = [
-                (b.packed.data_ptr(), k0, k1, start, end) for k0, k1, b, start, end in module.parts
-            ]
-            owner = module.owner
-            assert owner.dtype == np.int64 and owner.flags.c_contiguous
+            targets = []
+            for (k0, k1, b, start, end), blocks in zip(module.parts, module.blocks):
+                assert blocks.dtype == np.int64 and blocks.flags.c_contiguous
+                targets.append(
+                    (b.packed.data_ptr(), k0, k1, start, end, blocks.ctypes.data, len(blocks))
+                )
             table.set_module(
-                index,
-                fused,
-                module.a.packed.data_ptr(),
-                module.a.out_features,
-                owner.ctypes.data,
-                targets,
+                index, fused, module.a.packed.data_ptr(), module.a.out_features, targets
             )
         self._lora = (stack, table)
         return table
@@ -243,24 +241,36 @@ class NativeLayers:
         return delta
 
     def _lora_arguments(self, lora: StackedStep | None, rows: int) -> tuple[dict, tuple]:
-        """run()'s keyword arguments for the step's adapters (the table, each row's owner and
-        scale, the scratch buffers), and the arrays their addresses point into, which the caller
-        holds until the call returns."""
+        """run()'s keyword arguments for the step's adapters (the table, the rows by adapter,
+        each row's scale, the u scratch buffer), and the arrays their addresses point into, which
+        the caller holds until the call returns."""
         if lora is None:
             return {}, ()
         stack, row_owner, scale = lora
         table = self._lora_table(stack)
         if row_owner.dtype != np.int64 or row_owner.shape != (rows,):
             raise ValueError(f"native decoder loop: LoRA row owners must be int64 [{rows}]")
+        order, groups = rows_by_adapter(row_owner)
         scale = scale.reshape(rows).to(torch.float32).contiguous()
-        owner = np.ascontiguousarray(row_owner)
         u = torch.empty((rows, table.max_rank), dtype=torch.bfloat16)
-        delta = torch.empty((rows, table.max_columns), dtype=torch.float32)
         arguments = {
             "lora": table,
-            "row_owner": owner.ctypes.data,
+            "order": order.ctypes.data,
+            "groups": groups.ctypes.data,
+            "num_groups": len(groups),
             "row_scale": scale.data_ptr(),
             "lora_u": u.data_ptr(),
-            "lora_delta": delta.data_ptr(),
         }
-        return arguments, (owner, scale, u, delta)
+        return arguments, (order, groups, scale, u)
+
+
+def rows_by_adapter(row_owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows grouped by adapter as csrc/lora_rows.h takes them: order int64 [rows] (each
+    group's rows ascending) and groups int64 [groups, 3] of (lora_id, begin, end) into order,
+    base rows (lora_id 0) in none."""
+    order = np.argsort(row_owner, kind="stable").astype(np.int64)
+    owners = row_owner[order]
+    starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])[: len(owners)]
+    ends = np.r_[starts[1:], len(order)][: len(starts)]
+    groups = np.stack([owners[starts], starts, ends], axis=1).astype(np.int64)
+    return order, np.ascontiguousarray(groups[groups[:, 0] != 0])

@@ -1,5 +1,6 @@
 """LoRA adapters inside the native decoder loop (csrc/decoder.cpp, a bf16 model on the CPU: the
-default dtype here). The loop makes lora/stacked.py's calls on the same kernels, so the claim is
+default dtype here). The loop runs each row against its own adapter's blocks only
+(csrc/lora_rows.h) in the arithmetic of the packed GEMMs lora/stacked.py calls, so the claim is
 exact equality: a mixed batch of sequences on three adapters (ranks 4, 16 and an odd 7;
 all-linear and attention-only targets) and on the base model, chunked prefills and decodes, gives
 bit for bit the Python loop's tokens and logprobs, on the tiny model and on SmolLM2; and a step
