@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import vector_registers
+
 from cython_ext import gemm as native
 from model_service.kernels import gemm
 from model_service.kernels import layer_ops
@@ -282,26 +284,13 @@ def test_vector_registers_only_in_their_paths():
     """zmm registers only in AVX-512 code, ymm only in AVX2 or AVX-512 code (setup.py builds each path
     with its own flags; gemm_driver.h keeps std:: templates out, whose one kept copy could carry
     another path's instructions): so the dispatcher and the portable path run on any x86-64 CPU."""
-    import re
-    import shutil
-    import subprocess
-
-    if shutil.which("objdump") is None or "avx2" not in native.ISAS or not native.isa_supported("portable"):
+    if (
+        not vector_registers.objdump_available()
+        or "avx2" not in native.ISAS
+        or not native.isa_supported("portable")
+    ):
         pytest.skip("objdump or an x86-64 build needed")
-    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", native.__file__], capture_output=True,
-                             text=True, check=True).stdout
-    owners: dict[str, set[str]] = {"zmm": set(), "ymm": set()}
-    function = ""
-    for line in listing.splitlines():
-        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
-        if head:
-            function = head.group(1)
-        for register in owners:
-            if "%" + register in line:
-                owners[register].add(function)
-    allowed = {"zmm": ("avx512",), "ymm": ("avx2", "avx512")}
-    for register, functions in owners.items():
-        stray = sorted(f for f in functions if not any(name in f for name in allowed[register]))
-        assert not stray, (register, stray[:5])
+    owners = vector_registers.owners(native.__file__)
+    vector_registers.assert_only_in_their_paths(owners)
     assert any("planserve_gm_avx2" in f for f in owners["ymm"]), "the AVX2 path's code not found"
     assert not any("planserve_gm_avx2" in f for f in owners["zmm"])

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+import vector_registers
+
 from cython_ext import decoder as native
 from cython_ext import gemm as native_gemm
 from model_service.lora.stacked import _module_stack
@@ -217,31 +219,10 @@ def test_vector_registers_only_in_their_paths():
     """zmm registers only in the AVX-512 paths' code, ymm only in AVX2 or AVX-512 code (setup.py
     builds each lora_rows path with its own flags; the loop nest keeps std:: templates out): so the
     decoder loop, the dispatcher and the portable path run on any x86-64 CPU."""
-    import re
-    import shutil
-    import subprocess
-
-    if shutil.which("objdump") is None or "avx2" not in native_gemm.ISAS:
+    if not vector_registers.objdump_available() or "avx2" not in native_gemm.ISAS:
         pytest.skip("objdump or an x86-64 build needed")
-    listing = subprocess.run(
-        ["objdump", "-d", "-C", "--no-show-raw-insn", native.__file__],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    owners: dict[str, set[str]] = {"zmm": set(), "ymm": set()}
-    function = ""
-    for line in listing.splitlines():
-        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
-        if head:
-            function = head.group(1)
-        for register in owners:
-            if "%" + register in line:
-                owners[register].add(function)
-    allowed = {"zmm": ("avx512",), "ymm": ("avx2", "avx512")}
-    for register, functions in owners.items():
-        stray = sorted(f for f in functions if not any(name in f for name in allowed[register]))
-        assert not stray, (register, stray[:5])
+    owners = vector_registers.owners(native.__file__)
+    vector_registers.assert_only_in_their_paths(owners)
     assert any("planserve_lr_avx2" in f for f in owners["ymm"]), "the AVX2 path's code not found"
     assert any("planserve_lr_avx512_bf16" in f for f in owners["zmm"])
     assert not any("planserve_lr_avx2" in f for f in owners["zmm"])
