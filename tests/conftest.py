@@ -2,6 +2,10 @@
 
 The model service runs as its own process (as in production); the scheduler runs inside the
 test's event loop so that tests can look at its block pool after the traffic ends.
+
+PLANSERVE_TEST_FRONTEND_PROCESSES=N runs every scheduler the tests start with N frontend processes
+serving its doors (`--frontend-processes`; the engine core stays in the test's loop): the e2e
+suites' second layout, run apart from `make test` (docs/benchmarks.md says which suites pass).
 """
 from __future__ import annotations
 
@@ -44,7 +48,12 @@ class EngineProcess:
             self.process.kill()
 
 
+FRONTEND_PROCESSES = int(os.environ.get("PLANSERVE_TEST_FRONTEND_PROCESSES", "0"))
+
+
 async def start_scheduler(engine_address: str, **overrides) -> SchedulerServer:
+    if FRONTEND_PROCESSES and not overrides.get("host", "").startswith("unix:"):
+        overrides.setdefault("frontend_processes", FRONTEND_PROCESSES)
     config = SchedulerConfig(port=0, engine_address=engine_address, **overrides)
     server = SchedulerServer(config)
     await server.start()
