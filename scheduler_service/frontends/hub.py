@@ -112,6 +112,7 @@ class FrontendHub:
             registry=metrics.registry,
         )
         self._tasks: list[asyncio.Task] = []
+        self._guided: set[asyncio.Task] = set()  # structured requests whose guide compiles
 
     @property
     def engine(self) -> Any:
@@ -233,7 +234,11 @@ class FrontendHub:
         request.detokenize = not made_by_frontend(request)
         self.added.labels(str(peer.index)).inc()
         if request.structured is not None and markers is not None:
-            asyncio.ensure_future(self._add_guided(peer, request, markers))
+            # The loop holds tasks weakly: a compile in flight must be held here, or the task
+            # can be collected while it waits and the request is never queued.
+            task = asyncio.ensure_future(self._add_guided(peer, request, markers))
+            self._guided.add(task)
+            task.add_done_callback(self._guided.discard)
             return
         self.engine.add_request(request)
 

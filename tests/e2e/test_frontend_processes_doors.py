@@ -18,11 +18,20 @@ from planserve.v1 import generate_pb2, generate_pb2_grpc
 from test_security import Pki
 
 
-async def test_structured_output_and_parallel_samples_through_frontends(tiny_engine):
+@pytest.fixture(scope="module")
+def own_tiny_engine():
+    """A tiny model service of this file's own: the session's is held by the session's scheduler
+    (a model service takes one Execute stream at a time)."""
+    engine = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
+    yield engine.address
+    engine.stop()
+
+
+async def test_structured_output_and_parallel_samples_through_frontends(own_tiny_engine):
     """The grammar is compiled in the frontend (admission's bound) and again in the core, which
     makes the guide from the request's spec; parallel samples fork in the core and come back
     on one frontend's stream."""
-    server = await start_scheduler(tiny_engine, frontend_processes=2)
+    server = await start_scheduler(own_tiny_engine, frontend_processes=2)
     try:
         stub = stub_for(server)
         email = r"[a-z]{3,8}@example\.(com|org)"
