@@ -5,7 +5,8 @@ test's event loop so that tests can look at its block pool after the traffic end
 
 PLANSERVE_TEST_FRONTEND_PROCESSES=N runs every scheduler the tests start with N frontend processes
 serving its doors (`--frontend-processes`; the engine core stays in the test's loop): the e2e
-suites' second layout, run apart from `make test` (docs/benchmarks.md says which suites pass).
+suites' second layout, run apart from `make test` (docs/design-notes.md, "Frontend processes",
+says which suites pass).
 """
 from __future__ import annotations
 
