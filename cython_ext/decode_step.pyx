@@ -23,6 +23,8 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free as c_free, malloc
 from libc.string cimport memcpy
 
+from cython_ext.wire cimport put_varint
+
 import numpy as np
 
 cdef enum:
@@ -262,20 +264,11 @@ def advance(table, const int64_t[::1] slots, const int64_t[::1] context_lens,
         num_tokens[s] += 1
 
 
-cdef inline uint8_t* _put_varint(uint8_t* p, uint64_t v) noexcept nogil:
-    while v >= 0x80:
-        p[0] = <uint8_t>((v & 0x7F) | 0x80)
-        p += 1
-        v >>= 7
-    p[0] = <uint8_t>v
-    return p + 1
-
-
 cdef inline uint8_t* _put_scalar(uint8_t* p, uint32_t field, uint64_t v) noexcept nogil:
     if v == 0:  # proto3 writes no default
         return p
-    p = _put_varint(p, field << 3)
-    return _put_varint(p, v)
+    p = put_varint(p, field << 3)
+    return put_varint(p, v)
 
 
 cdef uint8_t* _put_packed(uint8_t* p, uint32_t field, const int64_t[::1] values) noexcept nogil:
@@ -289,10 +282,10 @@ cdef uint8_t* _put_packed(uint8_t* p, uint32_t field, const int64_t[::1] values)
         while v >= 0x80:
             size += 1
             v >>= 7
-    p = _put_varint(p, (field << 3) | 2)
-    p = _put_varint(p, size)
+    p = put_varint(p, (field << 3) | 2)
+    p = put_varint(p, size)
     for i in range(n):
-        p = _put_varint(p, <uint64_t>values[i])
+        p = put_varint(p, <uint64_t>values[i])
     return p
 
 
@@ -330,8 +323,8 @@ def encode_result(uint64_t step_id, const int64_t[::1] num_sampled_tokens,
         p = _put_scalar(p, 8, total_ns)
         p = _put_scalar(p, 11, num_draft_tokens)
         p = _put_scalar(p, 12, num_accepted_draft_tokens)
-        h = _put_varint(header, (1 << 3) | 2)  # ExecuteResponse.result
-        h = _put_varint(h, <uint64_t>(p - inner))
+        h = put_varint(header, (1 << 3) | 2)  # ExecuteResponse.result
+        h = put_varint(h, <uint64_t>(p - inner))
         head = h - header
         out = PyBytes_FromStringAndSize(NULL, head + (p - inner))
         dst = <uint8_t*>PyBytes_AS_STRING(out)

@@ -34,6 +34,7 @@ from libc.stdlib cimport calloc, free as c_free, malloc, realloc
 from libc.string cimport memcpy, memmove
 
 from cython_ext.block_pool cimport BlockPool, Digest, digest_from_int, digest_to_int, hash_block
+from cython_ext.wire cimport put_varint
 
 PHASE_ALL = 0        # every running sequence (interleaved)
 PHASE_PREFILLS = 1   # only those with more than one token to compute
@@ -47,15 +48,6 @@ cdef inline int64_t _cdiv(int64_t a, int64_t b) noexcept nogil:
 
 cdef inline int64_t _min(int64_t a, int64_t b) noexcept nogil:
     return a if a < b else b
-
-
-cdef inline uint8_t* _put_varint(uint8_t* p, uint64_t v) noexcept nogil:
-    while v >= 0x80:
-        p[0] = <uint8_t>((v & 0x7F) | 0x80)
-        p += 1
-        v >>= 7
-    p[0] = <uint8_t>v
-    return p + 1
 
 
 cdef inline uint8_t* _put_packed(uint8_t* p, uint32_t field, const uint32_t* values,
@@ -72,10 +64,10 @@ cdef inline uint8_t* _put_packed(uint8_t* p, uint32_t field, const uint32_t* val
         while v >= 0x80:
             size += 1
             v >>= 7
-    p = _put_varint(p, (field << 3) | 2)
-    p = _put_varint(p, size)
+    p = put_varint(p, (field << 3) | 2)
+    p = put_varint(p, size)
     for i in range(n):
-        p = _put_varint(p, values[i])
+        p = put_varint(p, values[i])
     return p
 
 
