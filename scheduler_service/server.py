@@ -35,7 +35,6 @@ from scheduler_service.engine.replicas import ReplicaSet
 from scheduler_service.frontends.hub import FrontendHub
 from scheduler_service.metrics import Metrics
 from scheduler_service.ports import StartupError, check_port_free, reserve_shared_port
-from scheduler_service.text import structured
 from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
 
@@ -182,17 +181,7 @@ class SchedulerServer:
             await frontend.stop()
             await self.stop(grace_s=0)  # nothing left listening behind the start-up error
             raise
-        self.admission.serving = Serving(
-            facts=facts,
-            tokenizer=tokenizer,
-            frontend=frontend,
-            grammars=structured.GrammarCompiler(
-                facts.tokenizer_json,
-                facts.eos_token_ids,
-                facts.vocab_size,
-                engine=self.config.grammar_engine,
-            ),
-        )
+        self.admission.serving = Serving.of(facts, tokenizer, frontend, self.config.grammar_engine)
         self.metrics.on_engine_facts(facts.block_size, facts.num_kv_blocks)
         if engine_down is None:
             if not is_replicated(self.config.engine_address):

@@ -100,6 +100,21 @@ class Serving:
     # Structured output's grammars over the served vocabulary (compiled on demand, cached).
     grammars: Optional[structured.GrammarCompiler] = None
 
+    @classmethod
+    def of(
+        cls, facts: EngineFacts, tokenizer: Tokenizer, frontend: EngineFrontend, grammar_engine: str
+    ) -> "Serving":
+        """The doors' state over a described model, with grammars over its vocabulary compiled
+        by `grammar_engine` (the scheduler process's doors and a frontend process's alike)."""
+        return cls(
+            facts=facts,
+            tokenizer=tokenizer,
+            frontend=frontend,
+            grammars=structured.GrammarCompiler(
+                facts.tokenizer_json, facts.eos_token_ids, facts.vocab_size, engine=grammar_engine
+            ),
+        )
+
 
 class Admission:
     """Checks and prepares requests for every door; the server sets `serving` once the engine

@@ -5,8 +5,8 @@ each, and serves their links: requests in (added to the engine frontend: an Engi
 ReplicaSet, which it cannot tell from the doors), their outputs back in ONE message per step per
 frontend (every output of that frontend's requests the step produced, and the status snapshot
 its doors read). A request's `outputs` sink here is a `_Sink` that appends to its frontend's
-batch; the batch is flushed by a callback scheduled on the first output of a step, which runs
-once the engine loop delivered the whole step.
+batch; every frontend's batch is flushed, with one status, by a callback scheduled on the step's
+first output, which runs once the engine loop delivered the whole step.
 
 A frontend process that dies: its link ends, its requests are aborted (their blocks return
 next step), the others go on; it is not restarted (its port is still served by the others).
@@ -70,8 +70,7 @@ class _Peer:
         request.outputs = _Sink(self, request.request_id)
 
     def put(self, request_id: str, output: RequestOutput) -> None:
-        if not self._batch:
-            asyncio.get_running_loop().call_soon(self.flush)
+        self.hub.flush_soon()
         self._batch.append((request_id, output))
         if output.finish_reason is not None and request_id in self._samples_left:
             self._samples_left[request_id] -= 1
@@ -87,9 +86,11 @@ class _Peer:
         self._samples_left.clear()
         return request_ids
 
-    def flush(self) -> None:
-        batch, self._batch = self._batch, []
-        self.link.send(("step", batch, self.hub.status()))
+    def flush(self, status: "Status") -> None:
+        """The step's message, when the step gave this frontend's requests any output."""
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.link.send(("step", batch, status))
 
 
 class FrontendHub:
@@ -113,6 +114,8 @@ class FrontendHub:
         )
         self._tasks: list[asyncio.Task] = []
         self._guided: set[asyncio.Task] = set()  # structured requests whose guide compiles
+        self._flush_scheduled = False
+        self._metrics_text = TextRenderer(metrics.registry)  # keeps its formats between scrapes
 
     @property
     def engine(self) -> Any:
@@ -138,6 +141,18 @@ class FrontendHub:
             draining=admission.draining,
             statuses=tuple(engine.statuses()),
         )
+
+    def flush_soon(self) -> None:
+        """A step's first output: every frontend's batch goes out once the step is delivered."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        status = self.status()  # once a step, whatever the number of frontends
+        for peer in self.peers:
+            peer.flush(status)
 
     async def start(self, num: int, grpc_port: int, http_port: int) -> None:
         """Starts `num` frontend processes on the resolved ports and waits until each serves;
@@ -266,7 +281,7 @@ class FrontendHub:
         if op == "abort":  # the Abort RPC, for a request of whichever frontend
             return self.engine.abort_request(args[0])
         if op == "metrics_text":
-            return TextRenderer(self.metrics.registry).render()
+            return self._metrics_text.render()
         raise ValueError(f"unknown frontend call {op!r}")
 
     async def _tick(self) -> None:

@@ -34,7 +34,6 @@ from scheduler_service.frontends.link import Link, LinkClosed
 from scheduler_service.frontends.remote import RemoteEngine, Status
 from scheduler_service.ports import StartupError
 from scheduler_service.server import SERVICE_NAME
-from scheduler_service.text import structured
 from scheduler_service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("planserve.frontend")
@@ -50,17 +49,7 @@ class FrontendProcess:
         self.engine = RemoteEngine(link, status, tokenizer)
         self.admission = Admission(config)
         self.admission.loras.registry = loras
-        self.admission.serving = Serving(
-            facts=facts,
-            tokenizer=tokenizer,
-            frontend=self.engine,
-            grammars=structured.GrammarCompiler(
-                facts.tokenizer_json,
-                facts.eos_token_ids,
-                facts.vocab_size,
-                engine=config.grammar_engine,
-            ),
-        )
+        self.admission.serving = Serving.of(facts, tokenizer, self.engine, config.grammar_engine)
         options = [o for o in security.server_options(config) if o[0] != "grpc.so_reuseport"]
         self.server = grpc.aio.server(
             options=[("grpc.so_reuseport", 1), *options],

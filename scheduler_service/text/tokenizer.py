@@ -29,7 +29,6 @@ def _raise_exception(message: str):
 class Tokenizer:
     def __init__(self, tokenizer_json: str, chat_template: str, special_tokens: dict[str, str]):
         self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
-        self._single_token_texts: dict[int, str] = {}
         self._special_tokens = dict(special_tokens)
         self._chat_template = None
         # A template that mentions `tools` renders them (transformers' convention); others get
@@ -75,8 +74,6 @@ class Tokenizer:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        if len(token_ids) == 1 and skip_special_tokens:
-            return self.decode_one(token_ids[0])
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def decode_stream(self, prompt_token_ids: Sequence[int]) -> Callable[[int], Optional[str]]:
@@ -88,16 +85,6 @@ class Tokenizer:
             ids=list(prompt_token_ids[-_STREAM_CONTEXT_TOKENS:]), skip_special_tokens=True
         )
         return functools.partial(stream.step, self._tokenizer)
-
-    def decode_one(self, token_id: int) -> str:
-        """decode([token_id]), remembered: the incremental detokenizer decodes the previous token
-        alone once per generated token (at most one entry per vocabulary id)."""
-        text = self._single_token_texts.get(token_id)
-        if text is None:
-            text = self._single_token_texts[token_id] = self._tokenizer.decode(
-                [token_id], skip_special_tokens=True
-            )
-        return text
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tokenizer.token_to_id(token)
