@@ -5,14 +5,10 @@ among the others. As in test_ms_triton_ops.py, the interpreter runs in a child p
 reads TRITON_INTERPRET at import); the compiled kernels need a GPU (not run here)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreted_tests import INTERPRETED, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter's child process (module docstring)")
 
 
@@ -62,15 +58,4 @@ def test_interpreted_grouped_lora_matches_float64_and_is_batch_invariant(dtype):
 
 
 def test_the_lora_kernels_under_tritons_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter's process")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU compiles the kernels instead")
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([here, os.path.join(root, "protos"), root]))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-                           os.path.abspath(__file__)], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert "2 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+    run_interpreted(__file__, "2 passed", 600)

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from interpreted_tests import INTERPRETED, run_interpreted
 from conftest import tiny_config
 from lora_adapters import ALL_LINEAR, ATTENTION, save_adapter
 from ms_driver import Driver
@@ -39,7 +38,6 @@ from model_service.lora.triton_stack import kernel_path
 from model_service.start import build_runner
 from model_service.step.padded_step import PaddedStep
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the interpreter's child process (module docstring)"
 )
@@ -174,20 +172,7 @@ def test_interpreted_rows_alone_and_padded_steps_give_the_same_bits(
 
 @pytest.mark.slow(reason="Triton's interpreter runs the LoRA kernels in Python: ~45 s at load 5")
 def test_the_lora_forward_under_tritons_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter's process")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU compiles the kernels instead")
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    path = os.pathsep.join([here, os.path.join(root, "tests"), os.path.join(root, "protos"), root])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted"]
-    done = subprocess.run([*command, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert "2 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+    run_interpreted(__file__, "2 passed", 900)
 
 
 @pytest.mark.gpu

@@ -22,19 +22,16 @@ test_ms_triton_dispatch.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from interpreted_tests import INTERPRETED, run_interpreted
 
 from model_service.attention import paged
 from model_service.kernels import layer_ops, triton_ops
 from model_service.models.rope import rope_table
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 interpreted = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the interpreter's child process (see the module docstring)"
@@ -264,21 +261,7 @@ def test_layer_ops_dispatches_to_the_kernels_interpreted(monkeypatch):
 
 
 def test_the_kernels_under_tritons_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this is the interpreter's process")
-    if HAS_CUDA:
-        pytest.skip("a GPU runs the compiled kernels (the gpu tests)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.join(root, "protos"), root]))
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-         "-k", "interpreted", os.path.abspath(__file__)],
-        env=env, cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+    run_interpreted(__file__, " passed", 600, "-m", "not gpu")
 
 
 # On a GPU: the compiled kernels.
