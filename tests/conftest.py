@@ -11,6 +11,7 @@ says which suites pass).
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -126,3 +127,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def held_port():
+    """A port another process (this test) listens on."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -276,16 +275,6 @@ async def test_sigterm_drains_through_the_frontends_and_exits_0():
 def _is_zombie(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-
-@pytest.fixture
-def held_port():
-    """A port another process (this test) listens on."""
-    with socket.socket() as holder:
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])

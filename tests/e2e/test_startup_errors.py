@@ -7,23 +7,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
 ALL_FREE = {"--port": "0", "--engine-port": "0", "--http-port": "0", "--metrics-port": "0"}
-
-
-@pytest.fixture
-def held_port():
-    """A port another process (this test) listens on."""
-    with socket.socket() as holder:
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
