@@ -14,11 +14,9 @@ from typing import Optional
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
-from planserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_service.api import security
+from scheduler_service.api import doors, security
 from scheduler_service.api.admission import Admission, Serving
 from scheduler_service.api.grpc_servicer import GenerationServicer
 from scheduler_service.api.http_server import HttpServer
@@ -39,8 +37,6 @@ from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("planserve.scheduler")
-
-SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 def check_ports(config: SchedulerConfig) -> None:
@@ -96,22 +92,9 @@ class SchedulerServer:
         check_ports(self.config)
         if self.config.frontend_processes:
             return await self._start_for_frontends()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        generate_pb2_grpc.add_GenerationServiceServicer_to_server(self.servicer, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        doors.add_grpc_services(self.server, self.health, self.servicer)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
-        credentials = security.server_credentials(self.config)
-        try:
-            self.port = (
-                self.server.add_secure_port(address, credentials)
-                if credentials
-                else self.server.add_insecure_port(address)
-            )
-        except RuntimeError:  # taken between the check and now
-            raise StartupError(f"--port {self.config.port}: cannot listen on {address}") from None
+        self.port = doors.bind_grpc_port(self.server, self.config, self.config.port)
         await self.server.start()
         try:
             await self._open_http_doors()
@@ -155,18 +138,13 @@ class SchedulerServer:
                 ) from None
         if self.config.http_port >= 0 and api:
             # Answers 503 (and /health "starting") until the engine answered Describe.
-            self.http = HttpServer(
+            self.http = doors.http_api(
                 self.admission,
-                self.config.host,
+                self.config,
                 self.config.http_port,
-                security.http_ssl_options(self.config),
                 registry=self.metrics.registry,
                 is_ready=lambda: self.ready,
             )
-            if self.config.auth_token_file:
-                security.add_http_bearer_auth(
-                    self.http.app, security.read_token(self.config.auth_token_file)
-                )
             self.http_port = await self.http.start()
 
     async def connect_engine(self) -> None:
@@ -297,8 +275,7 @@ class SchedulerServer:
 
     def _set_health(self, status) -> None:
         self.ready = status == health_pb2.HealthCheckResponse.SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        doors.set_health(self.health, self.ready)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -21,11 +21,9 @@ from typing import Optional
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
-from planserve.v1 import generate_pb2_grpc
-from scheduler_service.api import security
+from scheduler_service.api import doors, security
 from scheduler_service.api.admission import Admission, Serving
 from scheduler_service.api.grpc_servicer import GenerationServicer
 from scheduler_service.api.http_server import HttpServer
@@ -33,7 +31,6 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.frontends.link import Link, LinkClosed
 from scheduler_service.frontends.remote import RemoteEngine, Status
 from scheduler_service.ports import StartupError
-from scheduler_service.server import SERVICE_NAME
 from scheduler_service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("planserve.frontend")
@@ -58,43 +55,23 @@ class FrontendProcess:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.http: Optional[HttpServer] = None
         self.ready = False
-        self._serving_status: Optional[int] = None
+        self._serving: Optional[bool] = None  # what health last said
 
     async def open_doors(self) -> None:
         """The gRPC doors and the HTTP API on the core's ports; StartupError naming the flag."""
-        config = self.config
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        generate_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.admission), self.server
-        )
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        doors.add_grpc_services(self.server, self.health, GenerationServicer(self.admission))
         self.apply(self.engine.status)
-        address = f"{config.host}:{self.grpc_port}"
-        credentials = security.server_credentials(config)
-        try:
-            if credentials:
-                self.server.add_secure_port(address, credentials)
-            else:
-                self.server.add_insecure_port(address)
-        except RuntimeError:
-            raise StartupError(f"--port {config.port}: cannot listen on {address}") from None
+        doors.bind_grpc_port(self.server, self.config, self.grpc_port)
         await self.server.start()
         if self.http_port >= 0:
-            self.http = HttpServer(
+            self.http = doors.http_api(
                 self.admission,
-                config.host,
+                self.config,
                 self.http_port,
-                security.http_ssl_options(config),
                 is_ready=lambda: self.ready,
                 reuse_port=True,
                 metrics_text=lambda: self.engine.call("metrics_text"),
             )
-            if config.auth_token_file:
-                security.add_http_bearer_auth(
-                    self.http.app, security.read_token(config.auth_token_file)
-                )
             await self.http.start()
 
     def apply(self, status: Status) -> None:
@@ -104,15 +81,9 @@ class FrontendProcess:
             self.admission.draining = True
         serving = status.engine_up and not self.admission.draining
         self.ready = serving
-        code = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        if code != self._serving_status:
-            self._serving_status = code
-            for name in ("", SERVICE_NAME):
-                self.health.set(name, code)
+        if serving != self._serving:
+            self._serving = serving
+            doors.set_health(self.health, serving)
 
     async def follow(self) -> float:
         """Serves the link until the core says stop (its grace) or goes away (0)."""

@@ -50,7 +50,7 @@ def matches(selector: dict, labels: dict) -> bool:
 
 def test_the_health_service_names_are_the_codes():
     from model_service.server import SERVICE_NAME as engine_name
-    from scheduler_service.server import SERVICE_NAME as scheduler_name
+    from scheduler_service.api.doors import SERVICE_NAME as scheduler_name
     assert (scheduler_name, engine_name) == (GENERATION_SERVICE, ENGINE_SERVICE)
 
 
