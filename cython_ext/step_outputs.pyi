@@ -46,3 +46,10 @@ class BatchSink:
         on_final: Callable[[Any], None],
     ) -> None: ...
     def put_nowait(self, output: Any) -> None: ...
+
+def compact_outputs(batch: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """(key, output) pairs with an output of token ids only as (key, token_ids); the rest as
+    they are (expand_outputs undoes it)."""
+
+def expand_outputs(compact: list[tuple[Any, Any]], output_type: Callable[..., Any]) -> list[tuple[Any, Any]]:
+    """(key, token_ids) as (key, output_type(token_ids, "")); the rest as they are."""

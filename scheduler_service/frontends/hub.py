@@ -23,7 +23,7 @@ from typing import Any, Callable
 import structlog
 from prometheus_client import Counter
 
-from cython_ext.step_outputs import BatchSink
+from cython_ext.step_outputs import BatchSink, compact_outputs
 from scheduler_service import logs
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, compile_grammar
@@ -79,7 +79,7 @@ class _Peer:
     def flush(self, status: "Status") -> None:
         """The step's message, when the step gave this frontend's requests any output."""
         if self._batch:
-            self.link.send(("step", self._batch, status))
+            self.link.send(("step", compact_outputs(self._batch), status))
             self._batch.clear()  # in place: the sinks hold it (send pickled it already)
 
 

@@ -325,3 +325,28 @@ def test_batch_sink_appends_to_the_shared_batch():
     assert firsts == [0, 0] and batch == [("b", plain)]
     with pytest.raises(TypeError):
         step_outputs.BatchSink("c", None, None, None)
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_compact_outputs_round_trip(seed):
+    """A step message's batch, compacted, pickled and expanded, is the batch (field by field,
+    dataclass equality); only outputs of token ids alone travel as their list."""
+    import pickle
+
+    from scheduler_service.core.request import TokenLogprob, Usage
+    rng = random.Random(seed)
+    batch = []
+    for i in range(rng.randrange(0, 40)):
+        fields = dict(token_ids=[rng.randrange(100) for _ in range(rng.randrange(0, 3))], text="")
+        for name, value in [("text", "é"), ("finish_reason", FinishReason.LENGTH), ("stop_match", 5),
+                            ("stop_match", "x"), ("usage", Usage(1, 2, 0, 3, 4)), ("index", 1),
+                            ("logprobs", [TokenLogprob(3, -0.5)]), ("prompt_logprobs", [])]:
+            if rng.random() < 0.08:
+                fields[name] = value
+        batch.append((f"r{i}", RequestOutput(**fields)))
+    compact = step_outputs.compact_outputs(batch)
+    plain = [p for p in batch if p[1] == RequestOutput(p[1].token_ids, "")]
+    assert sum(type(value) is list for _, value in compact) == len(plain)
+    expanded = step_outputs.expand_outputs(pickle.loads(pickle.dumps(compact, protocol=5)), RequestOutput)
+    assert expanded == batch
+    assert all(type(output) is RequestOutput for _, output in expanded)
