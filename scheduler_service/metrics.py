@@ -25,6 +25,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from cython_ext.step_outputs import note_token_times
 from scheduler_service.core.loras import LoraState
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.metrics_vllm import VllmMetrics
@@ -212,19 +213,14 @@ class Metrics:
         """A step's outputs, counted at once: the tokens, each chunk's gap since its request's
         previous chunk, and each finished sample."""
         now = time.monotonic()
-        last_token_time = self._last_token_time
-        num_tokens = 0
         gaps: list[float] = []
-        for request, output in outputs:
-            key = id(request)
-            if output.token_ids:
-                num_tokens += len(output.token_ids)
-                last = last_token_time.get(key)
-                if last is not None:
-                    gaps.append(now - last)
-                last_token_time[key] = now
-            if output.finish_reason is not None:
-                last_token_time.pop(key, None)
-                self.vllm.on_finished(request, output, now)
-                self.finished.labels(FinishReason(output.finish_reason).name.lower()).inc()
+        num_tokens, finished = note_token_times(
+            outputs if isinstance(outputs, list) else list(outputs),
+            self._last_token_time,
+            now,
+            gaps,
+        )
+        for request, output in finished:
+            self.vllm.on_finished(request, output, now)
+            self.finished.labels(FinishReason(output.finish_reason).name.lower()).inc()
         self.vllm.on_tokens(num_tokens, gaps)

@@ -66,31 +66,39 @@ class Overlap(SchedulerPart):
         if packed is None:
             raise ValueError("reconcile needs a plan built by schedule()")
         self.loras.completed_step = plan.step_id  # its released slots are gone on the model side
-        outputs: list[tuple[Request, RequestOutput]] = []
         if result.prompt_logprobs:
             self._take_prompt_logprobs(plan, result, plan.prompt_starts)
         live = set(self.core.live_entries(packed))
         now = time.monotonic()
         logprobs = LogprobReader(result.logprobs, result.logprob_token_ids)
-        offset = 0
-        for index, count in enumerate(result.num_sampled_tokens):
-            if not count:
-                continue
+        sampled = result.sampled_token_ids
+
+        def take_entry(index: int, offset: int, count: int) -> Optional[RequestOutput]:
             request = plan.requests[index]
-            token_ids = result.sampled_token_ids[offset : offset + count]
-            offset += count
+            token_ids = sampled[offset : offset + count]
             entries = None
             if request.logprobs is not None:
                 entries = logprobs.take(token_ids, request.logprobs)
             if index not in live or index not in plan.placeholders:
-                continue
+                return None
             placeholder = plan.placeholders[index]
             if placeholder is None:  # a constrained sequence: every token it holds is real
                 slot = plan.slots[index]
                 self.core.cache_finished_blocks(slot, self.core.num_tokens(slot))
-            output = self._take_tokens(request, token_ids, entries, now, placeholder=placeholder)
-            if output is not None:
-                outputs.append((request, output))
+            return self._take_tokens(request, token_ids, entries, now, placeholder=placeholder)
+
+        # The common entry (one token, nothing to stop or fork) is taken in C, in entry order;
+        # take_entry takes every other one.
+        outputs = self.outputs.take_step(
+            plan.requests,
+            sampled,
+            result.num_sampled_tokens,
+            live,
+            plan.placeholders,
+            self.core,
+            now,
+            take_entry,
+        )
         self.core.cache_blocks(packed)
         return outputs
 

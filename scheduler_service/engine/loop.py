@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import structlog
 
+from cython_ext.step_outputs import put_outputs
 from scheduler_service.core.lora_registry import LoraRegistry
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.core.scheduler import Scheduler
@@ -302,17 +303,15 @@ class EngineLoop:
         )
 
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
-        for request, output in outputs:
-            request.outputs.put_nowait(output)
-            if output.finish_reason is not None:  # ids and counts only: never the content
-                log.info(
-                    "request_finished",
-                    request_id=request.request_id,
-                    finish_reason=output.finish_reason.name,
-                    prompt_tokens=len(request.prompt_token_ids),
-                    completion_tokens=len(request.output_token_ids),
-                    preemptions=request.num_preemptions,
-                )
+        for request, output in put_outputs(outputs):  # the finished: ids and counts, never content
+            log.info(
+                "request_finished",
+                request_id=request.request_id,
+                finish_reason=output.finish_reason.name,
+                prompt_tokens=len(request.prompt_token_ids),
+                completion_tokens=len(request.output_token_ids),
+                preemptions=request.num_preemptions,
+            )
         if self.metrics is not None and outputs:
             self.metrics.on_outputs(outputs)
 

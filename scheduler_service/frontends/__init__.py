@@ -8,7 +8,8 @@ process, so that client I/O (gRPC and HTTP streaming, request intake) never runs
 
 Messages on a link (frontends/link.py frames them), core -> frontend:
   ("hello", index, config, facts, lora registry, grpc port, http port, status)
-  ("step", [(request_id, RequestOutput), ...], status)   one per step with outputs for it
+  ("step", [(request_id, RequestOutput or token ids), ...], status)   one per step with outputs
+                        for it (an output of token ids only travels as its list)
   ("status", status)                                     while no step goes out
   ("reply", call_id, result)                             a call's answer
   ("stop", grace_s)                                      close the doors and exit

@@ -4,7 +4,7 @@ The hub starts N frontend processes once the model service described itself, one
 each, and serves their links: requests in (added to the engine frontend: an EngineLoop or a
 ReplicaSet, which it cannot tell from the doors), their outputs back in ONE message per step per
 frontend (every output of that frontend's requests the step produced, and the status snapshot
-its doors read). A request's `outputs` sink here is a `_Sink` that appends to its frontend's
+its doors read). A request's `outputs` sink here is a `BatchSink` that appends to its frontend's
 batch; every frontend's batch is flushed, with one status, by a callback scheduled on the step's
 first output, which runs once the engine loop delivered the whole step.
 
@@ -23,6 +23,7 @@ from typing import Any, Callable
 import structlog
 from prometheus_client import Counter
 
+from cython_ext.step_outputs import BatchSink, compact_outputs
 from scheduler_service import logs
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, compile_grammar
@@ -41,19 +42,6 @@ STATUS_INTERVAL_S = 0.2
 START_TIMEOUT_S = 60.0
 
 
-class _Sink:
-    """A request's outputs sink in the core: its frontend's per-step batch."""
-
-    __slots__ = ("_peer", "_request_id")
-
-    def __init__(self, peer: "_Peer", request_id: str):
-        self._peer = peer
-        self._request_id = request_id
-
-    def put_nowait(self, output: RequestOutput) -> None:
-        self._peer.put(self._request_id, output)
-
-
 class _Peer:
     """One frontend process: its link, its requests in the core, the step's batch."""
 
@@ -67,12 +55,14 @@ class _Peer:
     def track(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._samples_left[request.request_id] = request.n
-        request.outputs = _Sink(self, request.request_id)
+        # The request's outputs go to this frontend's batch of the step (one C call each).
+        request.outputs = BatchSink(
+            request.request_id, self._batch, self.hub.flush_soon, self.final
+        )
 
-    def put(self, request_id: str, output: RequestOutput) -> None:
-        self.hub.flush_soon()
-        self._batch.append((request_id, output))
-        if output.finish_reason is not None and request_id in self._samples_left:
+    def final(self, request_id: str) -> None:
+        """A sample's last output went out: the request is forgotten after its last sample's."""
+        if request_id in self._samples_left:
             self._samples_left[request_id] -= 1
             if not self._samples_left[request_id]:
                 del self._samples_left[request_id]
@@ -89,8 +79,8 @@ class _Peer:
     def flush(self, status: "Status") -> None:
         """The step's message, when the step gave this frontend's requests any output."""
         if self._batch:
-            batch, self._batch = self._batch, []
-            self.link.send(("step", batch, status))
+            self.link.send(("step", compact_outputs(self._batch), status))
+            self._batch.clear()  # in place: the sinks hold it (send pickled it already)
 
 
 class FrontendHub:

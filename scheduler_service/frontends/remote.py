@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 from typing import Any, Optional
 
+from cython_ext.step_outputs import expand_outputs
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.frontends.link import Link
 from scheduler_service.frontends.text import FrontendText, made_by_frontend
@@ -157,9 +158,11 @@ class RemoteEngine:
         self.link.send(("call", call_id, op, args))
         return future
 
-    def on_step(self, outputs: list[tuple[str, RequestOutput]], status: Status) -> None:
-        """A step message: outputs to their requests' sinks, then the new snapshot."""
+    def on_step(self, compact: list[tuple[str, Any]], status: Status) -> None:
+        """A step message: outputs to their requests' sinks, then the new snapshot. (An output
+        of token ids only travels as its list: cython_ext/step_outputs.pyx compact_outputs.)"""
         self.status = status
+        outputs = expand_outputs(compact, RequestOutput)
         self.num_outputs += len(outputs)
         for request_id, output in outputs:
             request = self.requests.get(request_id)

@@ -7,8 +7,9 @@ model's length. `to_pb` is the only place a public-API response chunk is built.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional
 
+from cython_ext.step_outputs import take_plain_tokens
 from planserve.v1 import common_pb2, generate_pb2
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
 from scheduler_service.text.detokenizer import NO_TEXT, IncrementalDetokenizer, NoText
@@ -69,6 +70,42 @@ class OutputProcessor:
         output.stop_match = stop_match
         output.usage = request.usage() if final else None
         return accepted, output
+
+    def take_step(
+        self,
+        requests: list[Request],
+        sampled: list[int],
+        counts: list[int],
+        live: Collection[int],
+        placeholders: dict[int, Optional[int]],
+        core: Any,
+        now: float,
+        slow: Callable[[int, int, int], Optional[RequestOutput]],
+    ) -> list[tuple[Request, RequestOutput]]:
+        """A committed step's tokens (overlap's reconcile): each plain entry (one token that
+        stops nothing, no logprobs, grammar, stop strings or samples to fork) as take_tokens
+        would take it, in C (cython_ext/step_outputs.pyx); every other entry by
+        `slow(index, offset, count)`, which returns its output (None: none now). Outputs in
+        entry order."""
+        outputs: list[tuple[Request, RequestOutput]] = []
+        take_plain_tokens(
+            requests,
+            sampled,
+            counts,
+            live,
+            placeholders,
+            core,
+            self._held,
+            self._detokenizers,
+            NO_TEXT,
+            RequestOutput,
+            self._max_model_len,
+            self._eos_token_ids,
+            now,
+            slow,
+            outputs,
+        )
+        return outputs
 
     def _accept(
         self, request: Request, token_ids: list[int]

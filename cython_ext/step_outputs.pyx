@@ -1,0 +1,194 @@
+"""A step's sampled tokens taken into their requests, the common case in C (core/overlap.py
+reconcile): one token for a sequence that it does not stop, with no logprobs, no grammar, no stop
+strings and no samples left to fork. At 256 running sequences that is nearly every entry of
+every decode step, and the interpreted path (reconcile -> Scheduler._take_tokens ->
+OutputProcessor.take_tokens -> _accept -> _check_stop) was a dozen Python calls a sequence.
+
+Any other entry goes to `slow(index, offset, count)`, the interpreted path, in its turn (it
+returns the entry's output, or None): the
+entries are taken in plan order either way, so the step's outputs come out in the same order and
+a logprob reader (read by the slow entries only: a plain entry has no logprobs) stays in step.
+A token that would stop its sequence (eos, a stop id, max_new_tokens, the model's length) is
+seen before anything is changed and goes to `slow` whole, so finishing, its release and its
+final output stay in one place.
+
+tests/scheduler/test_step_outputs.py holds the pure-Python statement of the same rule and checks
+this against it and against the interpreted path on random steps.
+"""
+
+
+def take_plain_tokens(list requests, list sampled, list counts, live, dict placeholders,
+                      core, dict held, dict detokenizers, no_text, output_type,
+                      Py_ssize_t max_model_len, eos_token_ids, double now, slow, list outputs):
+    """Takes every plain entry of a step's result (see the module doc) and hands each other one
+    to `slow`.
+
+    requests, counts: parallel to the plan's entries; sampled: the flat token ids, `counts[i]`
+    of them for entry i. live: the entries whose sequence still holds the slot it was planned
+    in; placeholders: entry -> the index overlap's commit reserved for its token (None: a
+    constrained sequence's). core: the StepCore (set_token). held, detokenizers:
+    the OutputProcessor's, by request id (`no_text`: the detokenizer of a request whose text is
+    made elsewhere). output_type: RequestOutput. slow(index, offset, count) returns an entry's
+    output or None. Outputs, (request, output), go to `outputs`.
+    """
+    cdef Py_ssize_t index, count, offset = 0, num_out, n = len(counts)
+    cdef object request, token, placeholder, stopping, out_ids, request_id, output, detokenizer
+    if n > len(requests):
+        raise ValueError(f"{n} counts for {len(requests)} entries")
+    for index in range(n):
+        count = counts[index]
+        if count == 0:
+            continue
+        if count < 0 or offset + count > len(sampled):
+            raise ValueError(f"entry {index}: {count} tokens at {offset} of {len(sampled)}")
+        request = requests[index]
+        placeholder = placeholders.get(index) if index in live else None
+        if count != 1 or placeholder is None or not _is_plain(request):
+            _take_slow(slow, request, index, offset, count, outputs)
+            offset += count
+            continue
+        token = sampled[offset]
+        stopping = request.stopping
+        out_ids = request.output_token_ids
+        num_out = len(out_ids) + 1
+        if (token in stopping.stop_token_ids
+                or (not stopping.ignore_eos and token in eos_token_ids)
+                or num_out >= stopping.max_new_tokens
+                or len(request.prompt_token_ids) + num_out >= max_model_len):
+            _take_slow(slow, request, index, offset, 1, outputs)  # it stops here
+            offset += 1
+            continue
+        offset += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        out_ids.append(token)
+        request_id = request.request_id
+        detokenizer = detokenizers[request_id]
+        if detokenizer is not no_text:
+            detokenizer.add_token(token)
+        core.set_token(request.slot, placeholder, token)
+        output = held.pop(request_id, None)
+        if output is None:
+            output = output_type([token], "", None, None, None, request.index)
+        else:
+            output.token_ids.append(token)
+        if len(output.token_ids) < request.stream_interval:
+            held[request_id] = output
+            continue
+        if detokenizer is not no_text:
+            output.text = detokenizer.take_text(False)
+        outputs.append((request, output))
+
+
+cdef inline int _take_slow(object slow, object request, Py_ssize_t index, Py_ssize_t offset,
+                           Py_ssize_t count, list outputs) except -1:
+    output = slow(index, offset, count)
+    if output is not None:
+        outputs.append((request, output))
+    return 0
+
+
+cdef inline bint _is_plain(object request) except -1:
+    """Nothing but its token to take: no logprobs (of its tokens, or of its prompt with the
+    first), no grammar, no stop strings (they need the text), not ended, its samples forked."""
+    return (request.logprobs is None
+            and request.prompt_logprobs is None
+            and request.guide is None
+            and request.finish_reason is None
+            and request.slot is not None
+            and (request.forked or request.n == 1)
+            and not request.stopping.stop_strings)
+
+
+def put_outputs(list outputs):
+    """Each (request, output) of a step into its request's sink (`request.outputs.put_nowait`),
+    in order; returns the pairs whose output is its sample's last (finish_reason set)."""
+    cdef list finished = []
+    cdef object pair, output
+    for pair in outputs:
+        output = (<tuple>pair)[1]
+        (<tuple>pair)[0].outputs.put_nowait(output)
+        if output.finish_reason is not None:
+            finished.append(pair)
+    return finished
+
+
+def note_token_times(list outputs, dict last_token_time, double now, list gaps):
+    """A step's outputs as the inter-token histogram sees them: for each output with tokens,
+    the gap since its request's previous one (appended to `gaps`; none for its first) and
+    `now` as its request's time (keyed by id(request)); a finished output's request is
+    forgotten. Returns (number of tokens, the finished pairs)."""
+    cdef Py_ssize_t num_tokens = 0, num
+    cdef list finished = []
+    cdef object pair, output, key, last
+    for pair in outputs:
+        output = (<tuple>pair)[1]
+        key = id((<tuple>pair)[0])
+        num = len(output.token_ids)
+        if num:
+            num_tokens += num
+            last = last_token_time.get(key)
+            if last is not None:
+                gaps.append(now - <double>last)
+            last_token_time[key] = now
+        if output.finish_reason is not None:
+            last_token_time.pop(key, None)
+            finished.append(pair)
+    return num_tokens, finished
+
+
+cdef class BatchSink:
+    """A request's outputs sink that appends `(key, output)` to a batch it shares with other
+    requests (a frontend's step message, frontends/hub.py): a C call an output where a Python
+    sink was a frame or two. `on_first()` runs when an output finds the batch empty (the step's
+    first: the owner schedules the batch's flush, and clears the batch in place once sent);
+    `on_final(key)` after an output that is its sample's last."""
+
+    cdef readonly object key
+    cdef list batch
+    cdef object on_first
+    cdef object on_final
+
+    def __init__(self, key, list batch not None, on_first, on_final):
+        self.key = key
+        self.batch = batch
+        self.on_first = on_first
+        self.on_final = on_final
+
+    def put_nowait(self, output):
+        if not self.batch:
+            self.on_first()
+        self.batch.append((self.key, output))
+        if output.finish_reason is not None:
+            self.on_final(self.key)
+
+
+def compact_outputs(list batch):
+    """A frontend's step batch for its message: each `(key, output)` whose output is token ids
+    and nothing else (no text, no end, sample 0, no logprobs: most outputs of most steps) as
+    `(key, output.token_ids)`, the others as they are. A tuple of a string and a list pickles in
+    a tenth of a RequestOutput's time. expand_outputs undoes it."""
+    cdef list compact = []
+    cdef object pair, output
+    for pair in batch:
+        output = (<tuple>pair)[1]
+        if (output.finish_reason is None and output.index == 0 and not output.text
+                and output.logprobs is None and output.prompt_logprobs is None
+                and output.stop_match is None and output.usage is None):
+            compact.append(((<tuple>pair)[0], output.token_ids))
+        else:
+            compact.append(pair)
+    return compact
+
+
+def expand_outputs(list compact, output_type):
+    """compact_outputs undone: `(key, token_ids)` becomes `(key, output_type(token_ids, ""))`."""
+    cdef list batch = []
+    cdef object pair, value
+    for pair in compact:
+        value = (<tuple>pair)[1]
+        if type(value) is list:
+            batch.append(((<tuple>pair)[0], output_type(value, "")))
+        else:
+            batch.append(pair)
+    return batch
