@@ -10,11 +10,14 @@ Messages on a link (frontends/link.py frames them), core -> frontend:
   ("hello", index, config, facts, lora registry, grpc port, http port, status)
   ("step", [(request_id, RequestOutput), ...], status)   one per step with outputs for it
   ("status", status)                                     while no step goes out
+  ("refused", request_id, Rejected)                      an add over the queue's bounds, or a
+                                                         duplicate id: the door's refusal
   ("reply", call_id, result)                             a call's answer
   ("stop", grace_s)                                      close the doors and exit
 frontend -> core:
   ("ready", pid) or ("failed", one line)                 after hello
   ("add", Request)        the request without its sink and guide (Request.__getstate__)
   ("abort", request_id)   ("rejected", reason)           counted in the core's one registry
-  ("call", call_id, op, args)                            reset_prefix_cache, metrics_text
+  ("call", call_id, op, args)                            reset_prefix_cache, metrics_text,
+                                                         abort, status, barrier
 """

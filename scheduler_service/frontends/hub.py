@@ -25,7 +25,7 @@ from prometheus_client import Counter
 
 from scheduler_service import logs
 from scheduler_service.api import overload
-from scheduler_service.api.admission import Admission, compile_grammar
+from scheduler_service.api.admission import Admission, Rejected, compile_grammar
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.frontends.link import Link, LinkClosed
 from scheduler_service.frontends.remote import Status
@@ -241,9 +241,12 @@ class FrontendHub:
 
     def _add(self, peer: _Peer, request: Request) -> None:
         markers = request.__dict__.pop("guide_markers", None)
-        if self.engine.scheduler.find(request.request_id) is not None:
-            # Another frontend's request has this id: only one process can hold it.
-            peer.link.send(("step", [(request.request_id, _failed())], self.status()))
+        try:
+            # Here, not only in the frontend: this queue is the one its bounds are about (the
+            # frontend's snapshot lags), and another frontend may hold the same id.
+            self.admission.check_room(request)
+        except Rejected as rejected:
+            peer.link.send(("refused", request.request_id, rejected))
             return
         peer.track(request)
         request.detokenize = not made_by_frontend(request)
@@ -282,6 +285,10 @@ class FrontendHub:
             return self.engine.abort_request(args[0])
         if op == "metrics_text":
             return self._metrics_text.render()
+        if op == "status":  # /load and GetServerStatus: now, not the last step's snapshot
+            return self.status()
+        if op == "barrier":  # answered after every message sent before it (an add's refusal)
+            return None
         raise ValueError(f"unknown frontend call {op!r}")
 
     async def _tick(self) -> None:

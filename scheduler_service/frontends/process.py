@@ -97,6 +97,8 @@ class FrontendProcess:
                     self.apply(message[2])
                 elif kind == "status":
                     self.apply(message[1])
+                elif kind == "refused":
+                    engine.on_refused(message[1], message[2])
                 elif kind == "reply":
                     engine.on_reply(message[1], message[2])
                 elif kind == "stop":
