@@ -316,7 +316,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         """FAILED_PRECONDITION while requests use the adapter."""
         serving = await self._serving(context)
         try:
-            self.admission.loras.unload(serving.frontend, request.lora_name)
+            await self.admission.loras.unload(serving.frontend, request.lora_name)
         except LoraError as error:
             code = _LORA_STATUS[error.kind]
             if error.kind == "conflict":

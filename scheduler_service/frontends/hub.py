@@ -27,6 +27,7 @@ from scheduler_service import logs
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, Rejected, compile_grammar
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
+from scheduler_service.frontends import loras
 from scheduler_service.frontends.link import Link, LinkClosed
 from scheduler_service.frontends.remote import Status
 from scheduler_service.frontends.text import made_by_frontend
@@ -114,6 +115,7 @@ class FrontendHub:
         )
         self._tasks: list[asyncio.Task] = []
         self._guided: set[asyncio.Task] = set()  # structured requests whose guide compiles
+        self._lora_calls: set[asyncio.Task] = set()  # frontends' run-time LoRA loads
         self._flush_scheduled = False
         self._metrics_text = TextRenderer(metrics.registry)  # keeps its formats between scrapes
 
@@ -237,7 +239,12 @@ class FrontendHub:
             self.metrics.on_rejected(message[1])
         elif kind == "call":
             _, call_id, op, args = message
-            peer.link.send(("reply", call_id, self._call(op, args)))
+            if op in ("lora_load", "lora_unload"):
+                task = asyncio.ensure_future(self._lora_call(peer, call_id, op, args))
+                self._lora_calls.add(task)  # held: the loop holds tasks weakly
+                task.add_done_callback(self._lora_calls.discard)
+            else:
+                peer.link.send(("reply", call_id, self._call(op, args)))
 
     def _add(self, peer: _Peer, request: Request) -> None:
         markers = request.__dict__.pop("guide_markers", None)
@@ -259,6 +266,16 @@ class FrontendHub:
             task.add_done_callback(self._guided.discard)
             return
         self.engine.add_request(request)
+
+    async def _lora_call(self, peer: _Peer, call_id: int, op: str, args: tuple) -> None:
+        """A frontend's run-time LoRA load or unload (frontends/loras.py): run here, then every
+        frontend gets the registry, then the caller its answer."""
+        serving = self.admission.serving
+        assert serving is not None
+        answer = await loras.run_in_core(self.admission.loras, self.engine, serving.facts, op, args)
+        for each in self.peers:
+            each.link.send(("loras", self.admission.loras.registry))
+        peer.link.send(("reply", call_id, answer))
 
     async def _add_guided(self, peer: _Peer, request: Request, markers: tuple) -> None:
         """The guide made again here (the grammar compiles off the loop; the frontend already
