@@ -116,6 +116,7 @@ class FrontendHub:
         self._tasks: list[asyncio.Task] = []
         self._guided: set[asyncio.Task] = set()  # structured requests whose guide compiles
         self._lora_calls: set[asyncio.Task] = set()  # frontends' run-time LoRA loads
+        self._registry = loras.RegistrySync()
         self._flush_scheduled = False
         self._metrics_text = TextRenderer(metrics.registry)  # keeps its formats between scrapes
 
@@ -237,6 +238,8 @@ class FrontendHub:
                 self.engine.abort_request(message[1])
         elif kind == "rejected":
             self.metrics.on_rejected(message[1])
+        elif kind == "loras_applied":
+            self._registry.applied(peer.index, message[1])
         elif kind == "call":
             _, call_id, op, args = message
             if op in ("lora_load", "lora_unload"):
@@ -258,6 +261,8 @@ class FrontendHub:
         peer.track(request)
         request.detokenize = not made_by_frontend(request)
         self.added.labels(str(peer.index)).inc()
+        if request.lora_name:  # counted here, in the one registry (the frontend's skip it)
+            self.metrics.on_lora_request(request.lora_name)
         if request.structured is not None and markers is not None:
             # The loop holds tasks weakly: a compile in flight must be held here, or the task
             # can be collected while it waits and the request is never queued.
@@ -269,12 +274,11 @@ class FrontendHub:
 
     async def _lora_call(self, peer: _Peer, call_id: int, op: str, args: tuple) -> None:
         """A frontend's run-time LoRA load or unload (frontends/loras.py): run here, then every
-        frontend gets the registry, then the caller its answer."""
+        frontend applies the registry, then the caller gets its answer."""
         serving = self.admission.serving
         assert serving is not None
         answer = await loras.run_in_core(self.admission.loras, self.engine, serving.facts, op, args)
-        for each in self.peers:
-            each.link.send(("loras", self.admission.loras.registry))
+        await self._registry.push(self.peers, self.admission.loras.registry)
         peer.link.send(("reply", call_id, answer))
 
     async def _add_guided(self, peer: _Peer, request: Request, markers: tuple) -> None:

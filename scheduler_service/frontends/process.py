@@ -100,6 +100,7 @@ class FrontendProcess:
                     self.apply(message[1])
                 elif kind == "loras":  # an adapter loaded or unloaded at run time
                     self.admission.loras.registry = message[1]
+                    link.send(("loras_applied", message[2]))
                 elif kind == "refused":
                     engine.on_refused(message[1], message[2])
                 elif kind == "reply":
