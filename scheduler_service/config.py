@@ -296,11 +296,6 @@ class SchedulerConfig:
             raise ValueError("enable_runtime_lora needs lora_root (the folder adapters load from)")
         if self.lora_root and not os.path.isdir(self.lora_root):
             raise ValueError(f"lora_root: {self.lora_root!r} is not a folder")
-        if self.frontend_processes and self.enable_runtime_lora:
-            raise ValueError(
-                "enable_runtime_lora is not served with frontend_processes > 0 yet: "
-                "load adapters at start (lora_modules) or set frontend_processes to 0"
-            )
         if self.frontend_processes and self.host.startswith("unix:"):
             raise ValueError("frontend_processes > 0 needs a TCP host (ports are shared)")
         return self

@@ -77,6 +77,10 @@ class Rejected(Exception):
         self.field = field
         self.detail = detail
 
+    def __reduce__(self):
+        """Pickled whole: the engine core sends a frontend process the refusal of an add."""
+        return Rejected, (self.code, self.message, self.retry_after_ms, self.field, self.detail)
+
     @classmethod
     def invalid(cls, field: str, detail: str) -> "Rejected":
         return cls(
@@ -164,18 +168,28 @@ class Admission:
             raise Rejected.invalid(error.field, error.detail) from None
         if pb.lora_name:
             self._select_adapter(request, pb.lora_name, serving)
+        # A frontend process's engine (frontends/remote.py) knows its own requests but only a
+        # snapshot of the queue: the engine core checks the room on each add instead.
+        self.check_room(request, queue=not getattr(serving.frontend, "checks_room_on_add", False))
+        metrics = serving.frontend.metrics
+        if request.lora_name and metrics is not None and hasattr(metrics, "on_lora_request"):
+            metrics.on_lora_request(request.lora_name)
+        return request
+
+    def check_room(self, request: Request, queue: bool = True) -> None:
+        """The checks against the engine's live state: an id already in flight (ALREADY_EXISTS)
+        and, with `queue`, room in the waiting queue. check() runs them; behind frontend
+        processes the engine core runs them again on each add (frontends/hub.py), its queue
+        being the one the bounds are about, and the frontend's door gets the same Rejected."""
+        scheduler = self._ready().frontend.scheduler
         if scheduler.find(request.request_id) is not None:
             raise Rejected(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id: {request.request_id!r} is already in flight",
                 field="request_id",
             )
-        if scheduler.num_waiting:
+        if queue and scheduler.num_waiting:
             self._check_queue_room(request)
-        metrics = serving.frontend.metrics
-        if request.lora_name and metrics is not None and hasattr(metrics, "on_lora_request"):
-            metrics.on_lora_request(request.lora_name)
-        return request
 
     def _select_adapter(self, request: Request, name: str, serving: Serving) -> None:
         """The request's LoRA adapter by name (the base model's name or "": none); NOT_FOUND

@@ -16,7 +16,13 @@ from planserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, Rejected, Serving
 from scheduler_service.api.grpc_chat import ChatChunks, ChatDoor
-from scheduler_service.api.streams import Outstanding, StreamCut, outputs_of, take_waiting
+from scheduler_service.api.streams import (
+    Outstanding,
+    StreamCut,
+    outputs_of,
+    refreshed,
+    take_waiting,
+)
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core.lora_registry import LoraError
 from scheduler_service.core.request import Request, RequestOutput
@@ -54,13 +60,22 @@ class _Tagged:
 
 def _sample_of(item: object) -> Optional[tuple[int, int]]:
     """A Session's merge key: the (request, sample) of a tagged output; None for the rest."""
-    if isinstance(item, tuple):
+    if isinstance(item, tuple) and isinstance(item[1], RequestOutput):
         return id(item[0]), item[1].index
-    return None
+    return None  # a marker, an error, a request's refusal
 
 
 def _merge_tagged(first: tuple, then: tuple) -> tuple:
     return first[0], outputs.merge(first[1], then[1]), first[2]
+
+
+def _session_error(
+    request_id: str, code: grpc.StatusCode, message: str
+) -> generate_pb2.SessionResponse:
+    """A request's refusal on a Session: the stream goes on."""
+    return generate_pb2.SessionResponse(
+        error=generate_pb2.SessionError(request_id=request_id, code=code.value[0], message=message)
+    )
 
 
 # LoraError kinds (core/lora_registry.py) as gRPC status codes.
@@ -131,6 +146,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     yield _chunk(req, output, chat)
         except StreamCut as cut:
             await self._overflowed(context, cut.message)
+        except Rejected as rejected:  # the engine core's, behind frontend processes
+            await _abort(context, rejected.code, rejected.message, rejected.trailing_metadata)
 
     async def Session(
         self, request_iterator, context: grpc.aio.ServicerContext
@@ -157,6 +174,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                         await self._overflowed(context, item.message)
                     elif isinstance(item, generate_pb2.SessionResponse):
                         yield item
+                    elif isinstance(item[1], Rejected):  # the engine core's (frontends)
+                        outstanding.forget(item[0])
+                        yield _session_error(item[0].request_id, item[1].code, item[1].message)
                     else:
                         req, output, chat = item
                         yield generate_pb2.SessionResponse(chunk=_chunk(req, output, chat))
@@ -177,13 +197,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         goes on) and applies its aborts; puts `done` in the sink when the client is done."""
 
         def error(request_id: str, code: grpc.StatusCode, message: str) -> None:
-            sink.put_nowait(
-                generate_pb2.SessionResponse(
-                    error=generate_pb2.SessionError(
-                        request_id=request_id, code=code.value[0], message=message
-                    )
-                )
-            )
+            sink.put_nowait(_session_error(request_id, code, message))
 
         try:
             async for message in request_iterator:
@@ -236,6 +250,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
 
     async def GetServerStatus(self, request, context) -> generate_pb2.GetServerStatusResponse:
         frontend = (await self._serving(context)).frontend
+        await refreshed(frontend)
         scheduler = frontend.scheduler
         usable, free = scheduler.kv.num_usable_blocks, scheduler.kv.num_free_blocks
         return generate_pb2.GetServerStatusResponse(
@@ -301,7 +316,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         """FAILED_PRECONDITION while requests use the adapter."""
         serving = await self._serving(context)
         try:
-            self.admission.loras.unload(serving.frontend, request.lora_name)
+            await self.admission.loras.unload(serving.frontend, request.lora_name)
         except LoraError as error:
             code = _LORA_STATUS[error.kind]
             if error.kind == "conflict":

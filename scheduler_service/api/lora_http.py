@@ -96,7 +96,7 @@ def add_routes(app: FastAPI, admission: Admission) -> None:
     async def unload(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
         current = serving()
         try:
-            admission.loras.unload(current.frontend, body.lora_name)
+            await admission.loras.unload(current.frontend, body.lora_name)
         except LoraError as error:
             raise api_error(error) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

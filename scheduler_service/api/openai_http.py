@@ -43,7 +43,7 @@ from scheduler_service.api.openai_requests import (
     rejected_error,
     to_pb,
 )
-from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of
+from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of, placed
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.config import SchedulerConfig, parse_objective_priorities
 from scheduler_service.core.request import Request, RequestOutput
@@ -251,7 +251,10 @@ class OpenAIApp:
         pb.request_id = gateway.request_id(headers, pb.request_id)
         gateway.apply(pb, body.priority, body.cache_salt, headers, self._gateway_objectives)
         try:
-            return serving, await self.admission.admit(pb, reasoning), plan
+            request = await self.admission.admit(pb, reasoning)
+            # Behind frontend processes: the engine core's answer, before a response starts.
+            await placed(serving.frontend, request)
+            return serving, request, plan
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from scheduler_service.api.admission import Admission
+from scheduler_service.api.streams import refreshed
 from scheduler_service.metrics_text import TextRenderer
 
 
@@ -92,6 +93,7 @@ def add_ops_routes(
         serving = admission.serving
         if serving is None:
             return JSONResponse(status_code=503, content={"status": "starting"})
+        await refreshed(serving.frontend)
         scheduler = serving.frontend.scheduler
         usable = scheduler.kv.num_usable_blocks
         return JSONResponse(

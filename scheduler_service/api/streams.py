@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 from typing import Any, AsyncGenerator, Callable, Hashable, Optional, cast
 
+from scheduler_service.api.admission import Rejected
 from scheduler_service.api.overload import Overflowed
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
 from scheduler_service.engine.frontend import EngineFrontend
@@ -61,6 +62,10 @@ class Outstanding:
         self._samples_left[request.request_id] -= 1
         if not self._samples_left[request.request_id]:
             del self._samples_left[request.request_id]
+
+    def forget(self, request: Request) -> None:
+        """The engine side refused the request (a frontend process's core): nothing to wait on."""
+        self._samples_left.pop(request.request_id, None)
 
     def __bool__(self) -> bool:
         return bool(self._samples_left)
@@ -118,7 +123,8 @@ async def outputs_of(
 ) -> AsyncGenerator[RequestOutput, None]:
     """Queues `request` (on the first read, so a client gone before leaves nothing behind) and
     yields its outputs until every sample has ended; stopping early aborts it. A bounded buffer
-    the client stopped reading raises StreamCut."""
+    the client stopped reading raises StreamCut; the engine core's refusal of the add (behind
+    frontend processes) raises its Rejected."""
     outputs = cast(asyncio.Queue, request.outputs)  # a queue of the door's: it reads it
     outstanding = Outstanding(frontend)
     outstanding.add(request)
@@ -127,10 +133,34 @@ async def outputs_of(
             for output in take_waiting(await outputs.get(), outputs, _sample_of, merge):
                 if isinstance(output, Overflowed):
                     raise StreamCut(output.message)
+                if isinstance(output, Rejected):  # the engine core's refusal (placed())
+                    outstanding.forget(request)
+                    raise output
                 outstanding.count(request, output)
                 yield output
     finally:
         outstanding.abort_all()
+
+
+async def placed(frontend: EngineFrontend, request: Request) -> None:
+    """Behind frontend processes, adds `request` now and waits for the engine core's answer:
+    Rejected as admission words it when the core's live queue has no room for it (the door's
+    snapshot of the queue lags; the core owns its bounds). A door that must answer before it
+    reads any output (an HTTP response's status) calls it after admission; in the scheduler
+    process admission already checked the live queue and the request is added on the first read
+    (outputs_of), so nothing happens here."""
+    place = getattr(frontend, "placed", None)
+    if place is not None:
+        await place(request)
+
+
+async def refreshed(frontend: EngineFrontend) -> None:
+    """Behind frontend processes, the engine core's figures now instead of its last snapshot,
+    for the doors that report them (/load, GetServerStatus); in the scheduler process they are
+    live already."""
+    refresh = getattr(frontend, "refresh", None)
+    if refresh is not None:
+        await refresh()
 
 
 @dataclasses.dataclass

@@ -37,6 +37,10 @@ class LoraError(Exception):
         self.field = field
         self.message = message
 
+    def __reduce__(self):
+        """Pickled whole: the engine core answers a frontend process's load with it."""
+        return LoraError, (self.kind, self.field, self.message)
+
 
 def check_name(name: str, base_model: str) -> None:
     """LoraError naming lora_name unless 1 to 64 characters of [A-Za-z0-9._-], not the base

@@ -100,7 +100,7 @@ class LoraAdmin:
         log.info("lora_loaded_at_run_time", lora_name=name, lora_path=real, rank=rank)
         return loaded
 
-    def unload(self, frontend: object, name: str) -> None:
+    async def unload(self, frontend: object, name: str) -> None:
         """A run-time unload: refused (conflict) while any request, running or waiting, uses
         the adapter; then new requests no longer find it and each model service evicts it."""
         if not self.config.enable_runtime_lora:

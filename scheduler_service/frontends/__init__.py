@@ -11,11 +11,17 @@ Messages on a link (frontends/link.py frames them), core -> frontend:
   ("step", [(request_id, RequestOutput or token ids), ...], status)   one per step with outputs
                         for it (an output of token ids only travels as its list)
   ("status", status)                                     while no step goes out
+  ("refused", request_id, Rejected)                      an add over the queue's bounds, or a
+                                                         duplicate id: the door's refusal
+  ("loras", LoraRegistry, version)                       after a run-time load or unload
   ("reply", call_id, result)                             a call's answer
   ("stop", grace_s)                                      close the doors and exit
 frontend -> core:
   ("ready", pid) or ("failed", one line)                 after hello
   ("add", Request)        the request without its sink and guide (Request.__getstate__)
   ("abort", request_id)   ("rejected", reason)           counted in the core's one registry
-  ("call", call_id, op, args)                            reset_prefix_cache, metrics_text
+  ("loras_applied", version)                             the registry is in use (loras.py)
+  ("call", call_id, op, args)                            reset_prefix_cache, metrics_text,
+                                                         abort, status, barrier,
+                                                         lora_load, lora_unload (loras.py)
 """

@@ -26,8 +26,9 @@ from prometheus_client import Counter
 from cython_ext.step_outputs import BatchSink, compact_outputs
 from scheduler_service import logs
 from scheduler_service.api import overload
-from scheduler_service.api.admission import Admission, compile_grammar
+from scheduler_service.api.admission import Admission, Rejected, compile_grammar
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
+from scheduler_service.frontends import loras
 from scheduler_service.frontends.link import Link, LinkClosed
 from scheduler_service.frontends.remote import Status
 from scheduler_service.frontends.text import made_by_frontend
@@ -104,6 +105,8 @@ class FrontendHub:
         )
         self._tasks: list[asyncio.Task] = []
         self._guided: set[asyncio.Task] = set()  # structured requests whose guide compiles
+        self._lora_calls: set[asyncio.Task] = set()  # frontends' run-time LoRA loads
+        self._registry = loras.RegistrySync()
         self._flush_scheduled = False
         self._metrics_text = TextRenderer(metrics.registry)  # keeps its formats between scrapes
 
@@ -225,19 +228,31 @@ class FrontendHub:
                 self.engine.abort_request(message[1])
         elif kind == "rejected":
             self.metrics.on_rejected(message[1])
+        elif kind == "loras_applied":
+            self._registry.applied(peer.index, message[1])
         elif kind == "call":
             _, call_id, op, args = message
-            peer.link.send(("reply", call_id, self._call(op, args)))
+            if op in ("lora_load", "lora_unload"):
+                task = asyncio.ensure_future(self._lora_call(peer, call_id, op, args))
+                self._lora_calls.add(task)  # held: the loop holds tasks weakly
+                task.add_done_callback(self._lora_calls.discard)
+            else:
+                peer.link.send(("reply", call_id, self._call(op, args)))
 
     def _add(self, peer: _Peer, request: Request) -> None:
         markers = request.__dict__.pop("guide_markers", None)
-        if self.engine.scheduler.find(request.request_id) is not None:
-            # Another frontend's request has this id: only one process can hold it.
-            peer.link.send(("step", [(request.request_id, _failed())], self.status()))
+        try:
+            # Here, not only in the frontend: this queue is the one its bounds are about (the
+            # frontend's snapshot lags), and another frontend may hold the same id.
+            self.admission.check_room(request)
+        except Rejected as rejected:
+            peer.link.send(("refused", request.request_id, rejected))
             return
         peer.track(request)
         request.detokenize = not made_by_frontend(request)
         self.added.labels(str(peer.index)).inc()
+        if request.lora_name:  # counted here, in the one registry (the frontend's skip it)
+            self.metrics.on_lora_request(request.lora_name)
         if request.structured is not None and markers is not None:
             # The loop holds tasks weakly: a compile in flight must be held here, or the task
             # can be collected while it waits and the request is never queued.
@@ -246,6 +261,15 @@ class FrontendHub:
             task.add_done_callback(self._guided.discard)
             return
         self.engine.add_request(request)
+
+    async def _lora_call(self, peer: _Peer, call_id: int, op: str, args: tuple) -> None:
+        """A frontend's run-time LoRA load or unload (frontends/loras.py): run here, then every
+        frontend applies the registry, then the caller gets its answer."""
+        serving = self.admission.serving
+        assert serving is not None
+        answer = await loras.run_in_core(self.admission.loras, self.engine, serving.facts, op, args)
+        await self._registry.push(self.peers, self.admission.loras.registry)
+        peer.link.send(("reply", call_id, answer))
 
     async def _add_guided(self, peer: _Peer, request: Request, markers: tuple) -> None:
         """The guide made again here (the grammar compiles off the loop; the frontend already
@@ -272,6 +296,10 @@ class FrontendHub:
             return self.engine.abort_request(args[0])
         if op == "metrics_text":
             return self._metrics_text.render()
+        if op == "status":  # /load and GetServerStatus: now, not the last step's snapshot
+            return self.status()
+        if op == "barrier":  # answered after every message sent before it (an add's refusal)
+            return None
         raise ValueError(f"unknown frontend call {op!r}")
 
     async def _tick(self) -> None:

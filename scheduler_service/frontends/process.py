@@ -29,6 +29,7 @@ from scheduler_service.api.grpc_servicer import GenerationServicer
 from scheduler_service.api.http_server import HttpServer
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.frontends.link import Link, LinkClosed
+from scheduler_service.frontends.loras import RemoteLoraAdmin
 from scheduler_service.frontends.remote import RemoteEngine, Status
 from scheduler_service.ports import StartupError
 from scheduler_service.text.tokenizer import Tokenizer
@@ -45,7 +46,7 @@ class FrontendProcess:
         tokenizer = Tokenizer(facts.tokenizer_json, facts.chat_template, facts.special_tokens)
         self.engine = RemoteEngine(link, status, tokenizer)
         self.admission = Admission(config)
-        self.admission.loras.registry = loras
+        self.admission.loras = RemoteLoraAdmin(config, loras, self.engine)
         self.admission.serving = Serving.of(facts, tokenizer, self.engine, config.grammar_engine)
         options = [o for o in security.server_options(config) if o[0] != "grpc.so_reuseport"]
         self.server = grpc.aio.server(
@@ -97,6 +98,11 @@ class FrontendProcess:
                     self.apply(message[2])
                 elif kind == "status":
                     self.apply(message[1])
+                elif kind == "loras":  # an adapter loaded or unloaded at run time
+                    self.admission.loras.registry = message[1]
+                    link.send(("loras_applied", message[2]))
+                elif kind == "refused":
+                    engine.on_refused(message[1], message[2])
                 elif kind == "reply":
                     engine.on_reply(message[1], message[2])
                 elif kind == "stop":

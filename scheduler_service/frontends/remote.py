@@ -1,11 +1,13 @@
 """The engine side as a frontend process sees it: `RemoteEngine`, an EngineFrontend
 (engine/frontend.py) over the link to the engine core.
 
-Adding and aborting send a message; what the doors read of the scheduler (queue depth, KV
-figures, the rate, replica statuses) comes from the last status snapshot the core sent with its
-step message; `find` and `requests` are this frontend's own requests in flight. Each step
-message carries every output of this frontend's requests, delivered to their sinks here, with
-its text made here first where the frontend makes it (frontends/text.py).
+Adding and aborting send a message (the core answers an add over the queue's bounds with its
+refusal: on_refused); what the doors read of the scheduler (queue depth, KV figures, the rate,
+replica statuses) comes from the last status snapshot the core sent with its step message (or,
+for /load and GetServerStatus, from the core when asked: refresh); `find` and `requests` are
+this frontend's own requests in flight. Each step message carries every output of this
+frontend's requests, delivered to their sinks here, with its text made here first where the
+frontend makes it (frontends/text.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from cython_ext.step_outputs import expand_outputs
+from scheduler_service.api.admission import Rejected
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.frontends.link import Link
 from scheduler_service.frontends.text import FrontendText, made_by_frontend
@@ -110,6 +113,10 @@ class _Rejections:
 class RemoteEngine:
     """EngineFrontend backed by the link (scheduler_service/frontends/process.py runs it)."""
 
+    # Admission leaves the queue's bounds to the core: it checks each add against its live
+    # queue and answers an add over them with the refusal (on_refused).
+    checks_room_on_add = True
+
     def __init__(self, link: Link, status: Status, tokenizer: Tokenizer):
         self.link = link
         self.status = status
@@ -120,6 +127,8 @@ class RemoteEngine:
         self.metrics = _Rejections(self)
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
+        # Requests being placed (placed()): their refusal, once the core sent one.
+        self._placing: dict[str, Optional[Rejected]] = {}
         self.num_outputs = 0  # outputs delivered here (the tests see both frontends served)
 
     @property
@@ -130,9 +139,45 @@ class RemoteEngine:
         return list(self.status.statuses)
 
     def add_request(self, request: Request) -> None:
+        if self.requests.get(request.request_id) is request:
+            return  # placed already (placed())
         self.requests[request.request_id] = request
         self._samples_left[request.request_id] = request.n
         self.link.send(("add", request))
+
+    async def placed(self, request: Request) -> None:
+        """Adds `request` now and returns once the core took it; Rejected as the core refused it
+        (the HTTP doors need the answer before their response starts; the gRPC doors read a
+        refusal from the request's sink instead)."""
+        self.add_request(request)
+        self._placing[request.request_id] = None
+        try:
+            await self.call("barrier")  # its reply follows the add's refusal, if any, on the link
+        except ConnectionError:
+            pass  # the core is gone: the request's sink has its error ending (fail_all)
+        finally:
+            rejected = self._placing.pop(request.request_id)
+        if rejected is not None:
+            raise rejected
+
+    def on_refused(self, request_id: str, rejected: Rejected) -> None:
+        """The core refused an add: the request is forgotten here and its door gets `rejected`
+        as admission would have raised it (placed() raises it; the gRPC doors find it in the
+        request's sink, streams.outputs_of and the Session raise or send it)."""
+        request = self.requests.pop(request_id, None)
+        self._samples_left.pop(request_id, None)
+        if request is None:
+            return
+        if request_id in self._placing:
+            self._placing[request_id] = rejected
+        else:
+            # Every door's sink is a queue, which takes it beside the outputs.
+            cast(Any, request.outputs).put_nowait(rejected)
+
+    async def refresh(self) -> None:
+        """The core's figures now, for the doors that report them (/load, GetServerStatus): the
+        snapshot is as old as this frontend's last step message or the idle tick."""
+        self.status = await self.call("status")
 
     def abort_request(self, request_id: str) -> bool:
         if request_id not in self.requests:

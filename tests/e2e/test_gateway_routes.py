@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import http.client
 import json
+import os
 import socket
 import urllib.error
 import urllib.request
@@ -188,12 +191,47 @@ async def test_keep_alive_connections_send_without_delay(tiny_server):
         response = await asyncio.to_thread(connection.getresponse)
         assert response.status == 200 and await asyncio.to_thread(response.read)
         client_port = connection.sock.getsockname()[1]
-        # uvicorn's open connections: the one whose peer is this client.
-        [server_side] = [
-            protocol.transport.get_extra_info("socket")
-            for protocol in tiny_server.http._server.server_state.connections
-            if protocol.transport.get_extra_info("peername")[1] == client_port
-        ]
-        assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        with _server_side(tiny_server, tiny_server.http_port, client_port) as server_side:
+            assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
     finally:
         connection.close()
+
+
+def _server_side(server, port: int, client_port: int) -> socket.socket:
+    """The server's end of the connection from `client_port` to `port`, whichever process holds
+    it (this one, or a frontend process behind --frontend-processes): found by its inode in
+    /proc and copied into this process (pidfd_getfd, Linux 5.6; the frontends are this
+    process's children, which ptrace's rules let it reach)."""
+    inode = _established_inode(port, client_port)
+    pids = [os.getpid(), *(server.hub.pids() if server.hub is not None else [])]
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(FileNotFoundError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return socket.socket(fileno=_pidfd_getfd(pid, int(fd)))
+    raise AssertionError(f"no process of the server holds socket {inode}")
+
+
+def _established_inode(port: int, client_port: int) -> str:
+    """/proc/net/tcp's row (hex local and remote address:port, state 01 ESTABLISHED, inode in
+    column 9) of the server's side of the connection."""
+    with open("/proc/net/tcp") as table:
+        for row in table.readlines()[1:]:
+            fields = row.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            ends = int(local.split(":")[1], 16), int(remote.split(":")[1], 16)
+            if ends == (port, client_port) and state == "01":
+                return inode
+    raise AssertionError(f"no connection from {client_port} to {port}")
+
+
+def _pidfd_getfd(pid: int, fd: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        copied = libc.syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd on x86-64 and arm64
+    finally:
+        os.close(pidfd)
+    if copied < 0:
+        raise OSError(ctypes.get_errno(), f"pidfd_getfd({pid}, {fd})")
+    return copied
