@@ -18,6 +18,7 @@ cdef extern from "csrc/lora_rows.h" nogil:
         int64_t end
         int64_t num_blocks
         const lr_block* blocks
+        const uint16_t* by_block
 
     ctypedef struct lr_module:
         const uint16_t* packed_a
@@ -36,6 +37,8 @@ cdef extern from "csrc/lora_rows.h" nogil:
     int lr_add(const lr_module* mod, const lr_step* step, const uint16_t* x, int64_t ldx, int64_t in_features,
                uint16_t* y, int64_t ldy, int isa, int num_threads)
     int lr_isa_supported(int isa)
+    int64_t lr_by_block_size(const lr_target* target)
+    int lr_regroup_b(const lr_target* target, uint16_t* out)
 
 
 cdef extern from "csrc/decoder.h" nogil:

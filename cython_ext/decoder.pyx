@@ -8,7 +8,7 @@ keeps the tensors alive). The kernels come from their own extensions by address.
 """
 from libc.stdint cimport int64_t, uint16_t, uintptr_t
 from libc.math cimport pow
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
 
 from cython_ext.paged_attention cimport pa_args
 
@@ -34,8 +34,9 @@ cdef dl_linear _linear(tuple spec):
 
 cdef class LoraTable:
     """The loaded adapters' stacked factors (model_service/lora/stacked.py's LoadedStack) as the
-    native loop reads them: `set_module` once per adapted module of a layer. Holds addresses only:
-    its owner keeps the packed tensors and block arrays alive."""
+    native loop reads them: `set_module` once per adapted module of a layer. Holds addresses, and
+    each target's B regrouped by adapter (a copy: csrc/lora_rows.h lr_target.by_block): its
+    owner keeps the packed tensors and block arrays alive."""
     cdef lr_module* modules
     cdef lr_target* targets
     cdef int64_t num_layers, capacity, used
@@ -49,6 +50,10 @@ cdef class LoraTable:
         self.num_layers, self.capacity = num_layers, num_targets
 
     def __dealloc__(self):
+        cdef int64_t t
+        if self.targets != NULL:
+            for t in range(self.used):
+                free(<void*><uintptr_t>self.targets[t].by_block)
         free(self.modules)
         free(self.targets)
 
@@ -64,12 +69,25 @@ cdef class LoraTable:
         mod.packed_a, mod.rank = <const uint16_t*>packed_a, rank
         mod.targets, mod.num_targets = &self.targets[self.used], len(targets)
         cdef lr_target* target
+        cdef int64_t size
+        cdef uint16_t* by_block
         for packed_b, k0, k1, start, end, blocks, num_blocks in targets:
             target = &self.targets[self.used]
             target.packed_b = <const uint16_t*><uintptr_t>packed_b
             target.k0, target.k1, target.start, target.end = k0, k1, start, end
             target.blocks, target.num_blocks = <const lr_block*><uintptr_t>blocks, num_blocks
+            target.by_block = NULL
             self.used += 1
+            size = lr_by_block_size(target)
+            if num_blocks > 0:
+                by_block = <uint16_t*>malloc(max(size, 1) * sizeof(uint16_t))
+                if by_block == NULL:
+                    raise MemoryError()
+                target.by_block = by_block
+                if size == 0 or lr_regroup_b(target, by_block) != 0:
+                    raise ValueError(
+                        f"layer {layer} {fused}: a block outside its target's ranks [{k0}, {k1}) "
+                        "or at an odd offset")
         self.max_rank = max(self.max_rank, rank)
 
     def add(self, int64_t layer, str fused, uintptr_t x, int64_t ldx, int64_t in_features, uintptr_t y,

@@ -10,8 +10,11 @@
 //   expand  d[col] = sum over the block's pairs of u[r, block] . B[col, block]   (float32)
 //           y[r, col] = bf16(y[r, col] + d[col] * scale[r])  (the product rounded, then the sum)
 // Rows are grouped by adapter (lr_step: the order and the groups, base rows in none), so a group
-// reads its adapter's blocks once for all its rows; shrink and expand run in one OpenMP parallel
-// region per module.
+// reads its adapter's blocks once for all its rows (a long group, split among the threads, again
+// from cache). A group's rows run their shrink and then their expand on one thread, reading B
+// regrouped by adapter (lr_target.by_block: one adapter's chunks contiguous): a module is one
+// OpenMP parallel region with no barrier inside (on shared cores a barrier waits for the other
+// core whenever another process holds it).
 //
 // Same bits as the packed GEMM over the stack (gemm.h), ISA path for ISA path: each u element is
 // the GEMM's sum for that column (from zero, over the input's pairs in order, in the path's order
@@ -32,12 +35,16 @@ typedef struct lr_block {
 } lr_block;
 
 // One target of a fused module: its K columns [k0, k1), its B packed [end - start, k1 - k0], the
-// output columns [start, end) it adds into, and where each adapter sits in its K.
+// output columns [start, end) it adds into, and where each adapter sits in its K. by_block: the
+// same B regrouped by block (lr_regroup_b), which the products read: packed_b's panels hold every
+// adapter's chunk side by side, so one adapter's chunks lie a panel's stride apart; regrouped,
+// each block's chunks of every panel follow one another (block after block, in blocks' order).
 typedef struct lr_target {
     const uint16_t* packed_b;
     int64_t k0, k1, start, end;
     int64_t num_blocks;
     const lr_block* blocks;
+    const uint16_t* by_block;
 } lr_target;
 
 // A fused module's stacked adapters: A packed [rank, in features]. packed_a NULL: no loaded
@@ -67,6 +74,11 @@ int lr_add(const lr_module* mod, const lr_step* step, const uint16_t* x, int64_t
            int64_t ldy, int isa, int num_threads);
 
 int lr_isa_supported(int isa);
+
+// The bfloat16 values of target's B regrouped by block (0 where a block lies outside the target's
+// K or at an odd offset), and the copy itself into out (that many values); sets nothing.
+int64_t lr_by_block_size(const lr_target* target);
+int lr_regroup_b(const lr_target* target, uint16_t* out);
 
 #ifdef __cplusplus
 }

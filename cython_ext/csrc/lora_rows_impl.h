@@ -21,7 +21,6 @@ namespace LR_NS {
 
 constexpr int MR = LR_MR, NR = LR_NR;
 constexpr int64_t LINE = 2 * GM_PANEL;  // bfloat16 values of one pair of one panel
-constexpr int64_t SHRINK_ROWS = 4 * LR_MR;  // rows of a group per shrink item, at most
 
 using Out = float[NR * GM_PANEL];
 using TileFn = void (*)(const uint16_t* const*, const uint16_t* const*, int64_t, int64_t, int64_t, Out*);
@@ -41,18 +40,32 @@ static inline TileFn tile_for(int m, int n) {
 
 static inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// The block of `target` that adapter lora_id owns, or NULL where it does not adapt the target.
-static inline const lr_block* block_of(const lr_target* target, int64_t lora_id) {
-    for (int64_t b = 0; b < target->num_blocks; ++b)
-        if (target->blocks[b].lora_id == lora_id) return &target->blocks[b];
+// Every cache line of `count` bfloat16 values from `from`, toward L1.
+static inline void prefetch_chunk(const uint16_t* from, int64_t count) {
+    for (int64_t e = 0; e < count; e += 32) __builtin_prefetch(from + e);
+}
+
+// The block of `target` that adapter lora_id owns, or NULL where it does not adapt the target;
+// *at: where its chunks start in the target's B regrouped by block (by_block, lora_rows.h).
+static inline const lr_block* block_of(const lr_target* target, int64_t lora_id, int64_t* at = nullptr) {
+    const int64_t panels = (target->end - target->start + GM_PANEL - 1) / GM_PANEL;
+    int64_t offset = 0;
+    for (int64_t b = 0; b < target->num_blocks; ++b) {
+        const lr_block* block = &target->blocks[b];
+        if (block->lora_id == lora_id) {
+            if (at != nullptr) *at = offset;
+            return block;
+        }
+        offset += (block->k1 - block->k0) * GM_PANEL * panels;
+    }
     return nullptr;
 }
 
-// A shrink item: group g, its rows [a, b), the panels of A it reads [t, t + n) (counted in the
-// group's own panels, panels_of below). An expand item (g -1): target t's output panels
-// [a, a + n), for every group.
+// An item: rows [a, b) of group g (offsets into its run of `order`), through the module's
+// shrink and then its expand. Items share nothing (each writes its own rows of u and y), so a
+// module needs no barrier between its shrink and its expand: one parallel region, one join.
 struct Item {
-    int64_t g, t, a, b, n;
+    int64_t g, a, b;
 };
 
 struct Call {
@@ -81,133 +94,122 @@ static int64_t panels_of(const lr_module* mod, int64_t lora_id, int64_t first, i
     return count;
 }
 
-// Rows [a, b) of group g through its panels [t, t + n) of A: u of those panels' columns.
-static void shrink(const Call& c, const Item& item) {
-    const int64_t* group = c.step->groups + 3 * item.g;
-    int64_t index[NR];
-    panels_of(c.mod, group[0], item.t, item.n, index);
-    const uint16_t* panels[NR];
-    const int n = (int)item.n;
-    for (int j = 0; j < n; ++j) panels[j] = c.mod->packed_a + index[j] * c.pairs_in * LINE;
-    for (int64_t r = item.a; r < item.b; r += MR) {
-        const int m = (int)lesser(MR, item.b - r);
-        const uint16_t* rows[MR];
-        for (int i = 0; i < m; ++i) rows[i] = c.x + c.step->order[group[1] + r + i] * c.ldx;
-        Out out[MR];
-        tile_for<MR, NR>(m, n)(rows, panels, c.pairs_in, SHRINK_AHEAD * LINE, c.pairs_in - SHRINK_AHEAD, out);
-        for (int i = 0; i < m; ++i) {
-            uint16_t* u = c.step->u + c.step->order[group[1] + r + i] * c.step->ldu;
-            for (int j = 0; j < n; ++j) {
-                const int64_t col = index[j] * GM_PANEL;
-                round_u(out[i] + j * GM_PANEL, u + col, (int)lesser(GM_PANEL, c.mod->rank - col));
+// The item's rows through their adapter's panels of A: u of those panels' columns.
+static void shrink(const Call& c, const int64_t* group, const Item& item) {
+    const int64_t panels = panels_of(c.mod, group[0], 0, 0, nullptr);
+    for (int64_t first = 0; first < panels; first += NR) {
+        int64_t index[NR];
+        panels_of(c.mod, group[0], first, NR, index);
+        const int np = (int)lesser(NR, panels - first);
+        const uint16_t* w[NR];
+        for (int j = 0; j < np; ++j) w[j] = c.mod->packed_a + index[j] * c.pairs_in * LINE;
+        for (int64_t r = item.a; r < item.b; r += MR) {
+            const int m = (int)lesser(MR, item.b - r);
+            const uint16_t* rows[MR];
+            for (int i = 0; i < m; ++i) rows[i] = c.x + c.step->order[group[1] + r + i] * c.ldx;
+            Out out[MR];
+            tile_for<MR, NR>(m, np)(rows, w, c.pairs_in, SHRINK_AHEAD * LINE, c.pairs_in - SHRINK_AHEAD, out);
+            for (int i = 0; i < m; ++i) {
+                uint16_t* u = c.step->u + c.step->order[group[1] + r + i] * c.step->ldu;
+                for (int j = 0; j < np; ++j) {
+                    const int64_t col = index[j] * GM_PANEL;
+                    round_u(out[i] + j * GM_PANEL, u + col, (int)lesser(GM_PANEL, c.mod->rank - col));
+                }
             }
         }
     }
 }
 
-// Group g's rows through target t's B, output panels [p0, p0 + np): y += d * scale.
-static void expand_group(const Call& c, const int64_t* group, const lr_target* target, const Item& item) {
-    const lr_block* block = block_of(target, group[0]);
+// The item's rows through target t's B: y += d * scale, NR output panels at a time (the B
+// chunk of those panels stays in L1 across the item's rows).
+static void expand(const Call& c, const int64_t* group, const lr_target* target, const Item& item) {
+    int64_t at;
+    const lr_block* block = block_of(target, group[0], &at);
     if (block == nullptr) return;
     const int64_t width = target->end - target->start, pairs = (block->k1 - block->k0) / 2;
-    const int64_t stride = (target->k1 - target->k0) / 2 * LINE;
-    const uint16_t* first = target->packed_b + (block->k0 - target->k0) / 2 * LINE;
-    const int np = (int)item.n;
-    const uint16_t* panels[NR];
-    for (int j = 0; j < np; ++j) panels[j] = first + (item.a + j) * stride;
-    // Prefetched: the block's chunks EXPAND_AHEAD panels on, which the same thread mostly reads
-    // next (a static schedule), a stride away each (no hardware prefetcher follows strides
-    // across pages).
-    const int64_t panels_of_target = (width + GM_PANEL - 1) / GM_PANEL;
-    const int64_t until = item.a + EXPAND_AHEAD + np <= panels_of_target ? pairs : 0;
-    for (int64_t r = group[1]; r < group[2]; r += MR) {
-        const int m = (int)lesser(MR, group[2] - r);
-        const uint16_t* rows[MR];
-        for (int i = 0; i < m; ++i) rows[i] = c.step->u + c.step->order[r + i] * c.step->ldu + block->k0;
-        Out out[MR];
-        tile_for<MR, NR>(m, np)(rows, panels, pairs, EXPAND_AHEAD * stride, r == group[1] ? until : 0, out);
-        for (int i = 0; i < m; ++i) {
-            const int64_t row = c.step->order[r + i];
-            const float scale = c.step->row_scale[row];
-            uint16_t* y = c.y + row * c.ldy + target->start;
-            for (int j = 0; j < np; ++j) {
-                const int64_t col = (item.a + j) * GM_PANEL;
-                add_scaled(out[i] + j * GM_PANEL, scale, y + col, (int)lesser(GM_PANEL, width - col));
+    const int64_t stride = pairs * LINE;  // regrouped: the block's chunks one after another
+    const uint16_t* first = target->by_block + at;
+    const int64_t panels = (width + GM_PANEL - 1) / GM_PANEL;
+    // Prefetched EXPAND_AHEAD panels on (a block's B is a few KB: the hardware's stream starts late).
+    const int64_t chunk = pairs * LINE;
+    for (int64_t q = 0; q < lesser(EXPAND_AHEAD, panels); ++q) prefetch_chunk(first + q * stride, chunk);
+    for (int64_t p0 = 0; p0 < panels; p0 += NR) {
+        const int np = (int)lesser(NR, panels - p0);
+        const uint16_t* w[NR];
+        for (int j = 0; j < np; ++j) w[j] = first + (p0 + j) * stride;
+        for (int64_t q = p0 + EXPAND_AHEAD; q < lesser(p0 + EXPAND_AHEAD + np, panels); ++q)
+            prefetch_chunk(first + q * stride, chunk);
+        for (int64_t r = item.a; r < item.b; r += MR) {
+            const int m = (int)lesser(MR, item.b - r);
+            const uint16_t* rows[MR];
+            for (int i = 0; i < m; ++i)
+                rows[i] = c.step->u + c.step->order[group[1] + r + i] * c.step->ldu + block->k0;
+            Out out[MR];
+            tile_for<MR, NR>(m, np)(rows, w, pairs, 0, 0, out);
+            for (int i = 0; i < m; ++i) {
+                const int64_t row = c.step->order[group[1] + r + i];
+                const float scale = c.step->row_scale[row];
+                uint16_t* y = c.y + row * c.ldy + target->start;
+                for (int j = 0; j < np; ++j) {
+                    const int64_t col = (p0 + j) * GM_PANEL;
+                    add_scaled(out[i] + j * GM_PANEL, scale, y + col, (int)lesser(GM_PANEL, width - col));
+                }
             }
         }
     }
 }
 
-// Target t's output panels [a, a + n) for every group: panel by panel, B is read in address
-// order (a panel holds every adapter's chunk of those columns side by side: the groups' chunks
-// of one panel share its pages), not adapter by adapter at a stride.
-static void expand(const Call& c, const Item& item) {
-    const lr_target* target = &c.mod->targets[item.t];
-    for (int64_t g = 0; g < c.step->num_groups; ++g) expand_group(c, c.step->groups + 3 * g, target, item);
+static void run_item(const Call& c, const Item& item) {
+    const int64_t* group = c.step->groups + 3 * item.g;
+    shrink(c, group, item);
+    for (int64_t t = 0; t < c.mod->num_targets; ++t) expand(c, group, &c.mod->targets[t], item);
 }
 
-// The module's shrink and expand items; *macs: their multiply-adds (whether to fork). A shrink
-// item takes NR panels of its group's, or one where there are few groups (a group of 8 rows on
-// one adapter: its 3 qkv panels are then 3 items for the threads, not one).
-static int64_t plan(const Call& c, int num_threads, Item* items, int64_t* shrinks, int64_t* macs) {
+// The step's rows per item: enough items for the threads to share (a group of a few rows is one
+// item; a lone group's rows are split), at most ITEM_ROWS (an item re-reads its adapter's factors
+// of the module, from cache: prefill's long groups). A multiple of MR, so tiles stay full.
+constexpr int64_t ITEM_ROWS = 16 * LR_MR;
+
+static int64_t rows_per_item(const lr_step* s, int num_threads) {
+    int64_t rows = 0;
+    for (int64_t g = 0; g < s->num_groups; ++g) rows += s->groups[3 * g + 2] - s->groups[3 * g + 1];
+    const int64_t share = (rows + num_threads - 1) / num_threads;
+    return lesser(ITEM_ROWS, (share + MR - 1) / MR * MR);
+}
+
+// The module's items; *macs: their multiply-adds (whether to fork).
+static int64_t plan(const Call& c, int64_t chunk, Item* items, int64_t* macs) {
     const lr_step* s = c.step;
-    const int64_t batch = s->num_groups >= 2 * num_threads ? NR : 1;
     int64_t count = 0;
     *macs = 0;
     for (int64_t g = 0; g < s->num_groups; ++g) {
         const int64_t rows = s->groups[3 * g + 2] - s->groups[3 * g + 1];
-        const int64_t panels = panels_of(c.mod, s->groups[3 * g], 0, 0, nullptr);
-        for (int64_t p = 0; p < panels; p += batch)
-            for (int64_t r = 0; r < rows; r += SHRINK_ROWS)
-                items[count++] = {g, p, r, lesser(rows, r + SHRINK_ROWS), lesser(batch, panels - p)};
-    }
-    *shrinks = count;
-    for (int64_t t = 0; t < c.mod->num_targets; ++t) {
-        const lr_target* target = &c.mod->targets[t];
-        const int64_t width = target->end - target->start;
-        bool used = false;
-        for (int64_t g = 0; g < s->num_groups; ++g) {
+        for (int64_t r = 0; r < rows; r += chunk) items[count++] = {g, r, lesser(rows, r + chunk)};
+        for (int64_t t = 0; t < c.mod->num_targets; ++t) {
+            const lr_target* target = &c.mod->targets[t];
             const lr_block* block = block_of(target, s->groups[3 * g]);
-            if (block == nullptr) continue;
-            used = true;
-            *macs += (s->groups[3 * g + 2] - s->groups[3 * g + 1]) * (block->k1 - block->k0) * (c.pairs_in * 2 + width);
+            if (block != nullptr)
+                *macs += rows * (block->k1 - block->k0) * (c.pairs_in * 2 + target->end - target->start);
         }
-        const int64_t panels = (width + GM_PANEL - 1) / GM_PANEL;
-        for (int64_t p = 0; used && p < panels; p += NR) items[count++] = {-1, t, p, 0, lesser(NR, panels - p)};
     }
     return count;
 }
 
-// An upper bound on `plan`'s items.
-static int64_t max_items(const Call& c) {
-    int64_t total = 0;
-    for (int64_t g = 0; g < c.step->num_groups; ++g) {
-        const int64_t rows = c.step->groups[3 * g + 2] - c.step->groups[3 * g + 1];
-        const int64_t panels = panels_of(c.mod, c.step->groups[3 * g], 0, 0, nullptr);
-        total += panels * ((rows + SHRINK_ROWS - 1) / SHRINK_ROWS);
-    }
-    for (int64_t t = 0; t < c.mod->num_targets; ++t) {
-        const lr_target* target = &c.mod->targets[t];
-        total += (target->end - target->start + NR * GM_PANEL - 1) / (NR * GM_PANEL);
-    }
-    return total;
-}
-
 static int add(const Call& c, int num_threads) {
-    if (c.step->num_groups == 0) return GM_OK;
-    Item* items = (Item*)malloc(sizeof(Item) * max_items(c));
+    const lr_step* s = c.step;
+    if (s->num_groups == 0) return GM_OK;
+    const int64_t chunk = rows_per_item(s, num_threads);
+    int64_t bound = 0;
+    for (int64_t g = 0; g < s->num_groups; ++g) bound += (s->groups[3 * g + 2] - s->groups[3 * g + 1] + chunk - 1) / chunk;
+    Item* items = (Item*)malloc(sizeof(Item) * (bound > 0 ? bound : 1));
     if (items == nullptr) return GM_BAD_SHAPE;
-    int64_t shrinks, macs;
-    const int64_t count = plan(c, num_threads, items, &shrinks, &macs);
+    int64_t macs;
+    const int64_t count = plan(c, chunk, items, &macs);
     // A small module's products run on the calling thread: a parallel region costs microseconds.
+    // Dynamic: a thread that starts late (its core held by another process) takes fewer items.
     const bool parallel = num_threads > 1 && count > 1 && macs >= ((int64_t)1 << 16);
-#pragma omp parallel num_threads(num_threads) if (parallel)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < shrinks; ++i) shrink(c, items[i]);
-#pragma omp for schedule(static)
-        for (int64_t i = shrinks; i < count; ++i) expand(c, items[i]);
-    }
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic) if (parallel)
+    for (int64_t i = 0; i < count; ++i) run_item(c, items[i]);
     free(items);
     return GM_OK;
 }

@@ -160,6 +160,29 @@ def test_each_row_is_itself_alone_at_any_thread_count(factors, isa):
         assert torch.equal(together[r], alone[0]), r
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_long_group_split_among_threads_keeps_its_bits(factors, isa):
+    """150 rows on one adapter (a prefill chunk): the group's rows split into items that each
+    re-read the adapter's factors; the bits are those of one thread and of the stacked GEMMs."""
+    stack, table = _stack(factors, isa)
+    rows = [3] * 150
+    x, y = _randn(len(rows), IN, seed=9), _randn(len(rows), WIDTH, seed=10)
+    together = _native(table, isa, x, y, rows)
+    assert torch.equal(together, _native(table, isa, x, y, rows, threads=1))
+    assert torch.equal(together, _stacked(stack, x, y, rows))
+
+
+def test_a_block_outside_its_target_is_refused_when_the_table_is_made(factors):
+    stack = _module_stack(tuple(factors), 0, "qkv_proj", "portable", SLICES)
+    k0, k1, b, start, end = stack.parts[0]
+    odd = stack.blocks[0].copy()
+    odd[0, 1] += 1  # an odd offset from the target's first rank
+    table = native.LoraTable(1, 1)
+    target = (b.packed.data_ptr(), k0, k1, start, end, odd.ctypes.data, len(odd))
+    with pytest.raises(ValueError, match="layer 0 qkv_proj: a block outside its target's ranks"):
+        table.set_module(0, "qkv_proj", stack.a.packed.data_ptr(), stack.a.out_features, [target])
+
+
 def test_another_adapter_in_the_stack_changes_no_bits(factors):
     isa = ISAS[-1]
     kept, with_all = _stack(factors, isa)  # a table holds addresses: its stack stays alive
