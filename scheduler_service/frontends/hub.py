@@ -18,7 +18,7 @@ import asyncio
 import socket
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine
 
 import structlog
 from prometheus_client import Counter
@@ -104,8 +104,9 @@ class FrontendHub:
             registry=metrics.registry,
         )
         self._tasks: list[asyncio.Task] = []
-        self._guided: set[asyncio.Task] = set()  # structured requests whose guide compiles
-        self._lora_calls: set[asyncio.Task] = set()  # frontends' run-time LoRA loads
+        # Work started off a message (a guide's compile, a run-time LoRA call), held until it
+        # ends: the loop holds tasks weakly, and one collected while it waits never answers.
+        self._held: set[asyncio.Task] = set()
         self._registry = loras.RegistrySync()
         self._flush_scheduled = False
         self._metrics_text = TextRenderer(metrics.registry)  # keeps its formats between scrapes
@@ -233,9 +234,7 @@ class FrontendHub:
         elif kind == "call":
             _, call_id, op, args = message
             if op in ("lora_load", "lora_unload"):
-                task = asyncio.ensure_future(self._lora_call(peer, call_id, op, args))
-                self._lora_calls.add(task)  # held: the loop holds tasks weakly
-                task.add_done_callback(self._lora_calls.discard)
+                self._spawn(self._lora_call(peer, call_id, op, args))
             else:
                 peer.link.send(("reply", call_id, self._call(op, args)))
 
@@ -254,13 +253,14 @@ class FrontendHub:
         if request.lora_name:  # counted here, in the one registry (the frontend's skip it)
             self.metrics.on_lora_request(request.lora_name)
         if request.structured is not None and markers is not None:
-            # The loop holds tasks weakly: a compile in flight must be held here, or the task
-            # can be collected while it waits and the request is never queued.
-            task = asyncio.ensure_future(self._add_guided(peer, request, markers))
-            self._guided.add(task)
-            task.add_done_callback(self._guided.discard)
+            self._spawn(self._add_guided(peer, request, markers))
             return
         self.engine.add_request(request)
+
+    def _spawn(self, work: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._held.add(task)
+        task.add_done_callback(self._held.discard)
 
     async def _lora_call(self, peer: _Peer, call_id: int, op: str, args: tuple) -> None:
         """A frontend's run-time LoRA load or unload (frontends/loras.py): run here, then every
