@@ -18,7 +18,7 @@ from typing import Any, Callable, Hashable, Optional
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from scheduler_service.core.request import RequestOutput, RequestStatus
+from scheduler_service.core.request import RequestOutput
 from scheduler_service.text.outputs import merge
 
 # Trailing metadata key of the retry hint on RESOURCE_EXHAUSTED (milliseconds, decimal).
@@ -45,16 +45,9 @@ def retry_trailing_metadata(code, message: str, retry_after_ms: int) -> tuple:
 
 
 def num_waiting_tokens(scheduler) -> int:
-    """Tokens the waiting requests (fresh and preempted) still have to compute to be admitted
-    (a frontend process's view has the engine core's count)."""
-    counted = getattr(scheduler, "num_waiting_tokens", None)
-    if counted is not None:
-        return counted
-    return sum(
-        r.num_tokens_to_compute
-        for r in scheduler.requests.values()
-        if r.status is RequestStatus.WAITING
-    )
+    """Tokens the waiting requests (fresh and preempted) still have to compute to be admitted:
+    the scheduler's count (core/scheduler.py), or in a frontend process the engine core's."""
+    return scheduler.num_waiting_tokens
 
 
 def retry_after_ms(num_waiting_tokens: int, tokens_per_s: float) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import sys
 import time
 from typing import Any, Optional, Protocol
 
@@ -196,7 +197,10 @@ class Request:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        # The names interned, as pickle's own restore does: an unpickled name is a new string,
+        # and each lookup of it in this instance's dict would compare characters, not pointers
+        # (the engine core reads these attributes per sequence per step).
+        self.__dict__.update({sys.intern(name): value for name, value in state.items()})
         self.guide = None
         self.slot_view = None
         self.outputs = _output_queue()

@@ -126,6 +126,9 @@ class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, Paralle
         self._plan: Optional[StepPlan] = None
         # Requests in flight with structured output: only then are the plans' masks filled.
         self._num_constrained = 0
+        # The waiting queue's tokens to compute, and when they were summed (the next step id,
+        # the queue's length): core/waiting.py, num_waiting_tokens.
+        self._waiting_tokens: tuple[tuple[int, int], int] = ((0, 0), 0)
 
     def _new_core(self) -> StepCore:
         return StepCore(
@@ -186,7 +189,7 @@ class Scheduler(Departures, WaitingAdmission, LoraAdmission, Preemption, Paralle
         if request.request_id in self.requests:
             raise KeyError(request.request_id)
         self.outputs.start(request)
-        self._enqueue(request)
+        self._enqueue_counted(request)
 
     def _enqueue(self, request: Request) -> None:
         self.requests[request.request_id] = request

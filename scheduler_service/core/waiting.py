@@ -1,6 +1,7 @@
 """Step 2 of the step rule: waiting requests admitted in the policy's order, chunked to what is
 left of the budget, a prefix-cache hit starting them at the cached length; and how the model
-service learns of a sequence (its registration, at admission, resume or fork).
+service learns of a sequence (its registration, at admission, resume or fork); the queue's
+token count, which the queue bound reads on every add.
 
 A part of the Scheduler (core/scheduler.py), split off by lifecycle: it reads and writes
 the scheduler's state as the scheduler's own methods do."""
@@ -20,6 +21,32 @@ from scheduler_service.core.request import Request, RequestStatus
 
 class WaitingAdmission(SchedulerPart):
     """Admitting waiting requests into a step (a part of Scheduler)."""
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests (fresh and preempted) still have to compute. The queue's
+        token bound reads it on every add, and a burst of adds between two steps would walk the
+        queue once each (quadratic in the burst): the sum is taken once and add_request keeps it
+        up until anything else changes the queue (a step, or the queue's length moving without
+        an add)."""
+        counted_at = (self._next_step_id, len(self.policy))
+        if self._waiting_tokens[0] != counted_at:
+            self._waiting_tokens = (
+                counted_at,
+                sum(request.num_tokens_to_compute for request in self.policy),
+            )
+        return self._waiting_tokens[1]
+
+    def _enqueue_counted(self, request: Request) -> None:
+        """A new request queued; num_waiting_tokens' sum kept up when it was current."""
+        counted_at, num_tokens = self._waiting_tokens
+        current = counted_at == (self._next_step_id, len(self.policy))
+        self._enqueue(request)
+        if current:
+            self._waiting_tokens = (
+                (self._next_step_id, len(self.policy)),
+                num_tokens + request.num_tokens_to_compute,
+            )
 
     def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
         core, policy = self.core, self.policy

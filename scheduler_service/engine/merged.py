@@ -127,6 +127,10 @@ class MergedScheduler:
         return sum(s.num_waiting for s in self._schedulers())
 
     @property
+    def num_waiting_tokens(self) -> int:
+        return sum(s.num_waiting_tokens for s in self._schedulers())
+
+    @property
     def running(self) -> list[Request]:
         return [request for s in self._schedulers() for request in s.running]
 

@@ -81,7 +81,7 @@ class RemoteScheduler:
 
     @property
     def num_waiting_tokens(self) -> int:
-        """What api/overload.num_waiting_tokens reads instead of walking the requests."""
+        """The engine core's count, as of its last step message."""
         return self._engine.status.num_waiting_tokens
 
     @property

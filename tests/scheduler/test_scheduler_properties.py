@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from factories import EOS, make_request, make_scheduler, run_step
 
-from scheduler_service.core.request import FinishReason
+from scheduler_service.core.request import FinishReason, RequestStatus
 
 POLICIES = ["fcfs", "priority", "sjf", "edf", "fair", "lpm"]
 MODES = ["interleaved", "prefill-first", "decode-priority"]
@@ -21,6 +21,7 @@ events = st.lists(st.one_of(
     st.tuples(st.just("add"), request_specs),
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("step"), st.integers(0, 9)),
+    st.tuples(st.just("check"), st.just(0)),
 ), min_size=5, max_size=60)
 
 
@@ -33,6 +34,15 @@ def _check_invariants(scheduler, plan):
     for block, count in holders.items():
         assert pool.ref_count(block) == count  # never negative, never leaked
     assert pool.num_free == pool.num_usable - len(holders)
+
+
+def _check_waiting_tokens(scheduler):
+    """The queue's token count is what walking the waiting requests gives. It is kept up
+    between reads, so it is read only at the history's "check" events: a read after every
+    event would refresh it each time."""
+    walked = sum(r.num_tokens_to_compute for r in scheduler.requests.values()
+                 if r.status is RequestStatus.WAITING)
+    assert scheduler.num_waiting_tokens == walked
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -65,6 +75,8 @@ def test_budget_blocks_and_completion_hold_for_any_history(policy, mode, events,
             added.append(request)
         elif kind == "abort" and added:
             scheduler.abort_request(added[value % len(added)].request_id)
+        elif kind == "check":
+            _check_waiting_tokens(scheduler)
         elif kind == "step":
             for _ in range(value):
                 step()
