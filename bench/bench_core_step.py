@@ -55,6 +55,8 @@ def run(streams: int, steps: int, interval: int) -> list[float]:
     for i in range(streams):
         request = make_request(64, 1 << 30, ignore_eos=True, request_id=f"r{i}",
                                stream_interval=interval)
+        # As the frontend's link delivers it (frontends/link.py pickles it).
+        request = pickle.loads(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
         request.detokenize = False
         peers[i % NUM_FRONTENDS].track(request)
         scheduler.add_request(request)

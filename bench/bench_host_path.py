@@ -8,10 +8,15 @@ read by clients in this process (or, with --client-procs, in child processes), a
                     own row) and the model service child, measured from /proc over the timed run
   step_ms           wall time per step (the client's inter-chunk time per token, median)
   tokens/s          output tokens of the timed run over its wall time
+  engine_steps      the steps the model service ran (planserve_steps_total on /metrics, before
+                    and after), and the sequences they carried on average: the streams start
+                    over many steps while their requests arrive, so a run of T tokens takes
+                    more than T steps of fewer than N sequences each
+  cpu_ms_per_engine_step  each process's CPU over those steps (the figures above count T)
 
 for each API (gRPC Generate, gRPC Session, the OpenAI HTTP API with SSE) and stream_interval.
-A step is one decode step: a run of T tokens takes T decode steps (its prefill step gives the
-first token), so figures are divided by T. The load average is recorded beside them: CPU per
+The goal's "step" is a token's step: figures are divided by T (a stream of T tokens takes T
+decode steps; its prefill step gives the first token). The load average is recorded beside them: CPU per
 step is what a loaded machine disturbs least.
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_host_path.py \\
@@ -36,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "protos")]
@@ -257,14 +263,20 @@ async def measure(server: Server, api: str, args, interval: int) -> dict:
     port = server.http_port if api == "http" else server.grpc_port
     run = RUNNERS[api]
     await run(port, args.streams, 4, interval, f"warm-{api}-{interval}")
+    counts0 = await asyncio.to_thread(_engine_counts, server.http_port)
     before, client0, start = server.cpu(), time.process_time(), time.perf_counter()
     runs = await run(port, args.streams, args.tokens, interval, f"{api}-{interval}")
     wall = time.perf_counter() - start
     after, client = server.cpu(), time.process_time() - client0
+    counts = await asyncio.to_thread(_engine_counts, server.http_port)
+    engine_steps = counts[0] - counts0[0]
     steps = args.tokens
     gaps = [(t[-1] - t[0]) / max(len(t) - 1, 1) / interval for t, _ in runs if len(t) > 1]
     cpu = {name: round((after[name] - before[name]) * 1000 / steps, 3) for name in before}
     cpu["client_process"] = round(client * 1000 / steps, 3)
+    per_engine_step = {
+        name: round(value * steps / engine_steps, 3) for name, value in cpu.items()
+    } if engine_steps else {}
     return {
         "api": api,
         "streams": args.streams,
@@ -277,8 +289,25 @@ async def measure(server: Server, api: str, args, interval: int) -> dict:
         "step_ms": round(statistics.median(gaps) * 1000, 3) if gaps else None,
         "chunks_per_stream": statistics.median(len(t) for t, _ in runs),
         "cpu_ms_per_step": cpu,
+        "engine_steps": engine_steps,
+        "sequences_per_engine_step": round((counts[1] - counts0[1]) / engine_steps, 1)
+        if engine_steps else None,
+        "cpu_ms_per_engine_step": per_engine_step,
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def _engine_counts(http_port: int) -> tuple[float, float]:
+    """(steps the model service ran, output tokens) so far, from the serving port's /metrics
+    (a decode step gives each of its sequences one token)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    found = {"planserve_steps_total": 0.0, "vllm:generation_tokens_total": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in found:
+            found[name] = float(value)
+    return found["planserve_steps_total"], found["vllm:generation_tokens_total"]
 
 
 async def main_async(args) -> list[dict]:

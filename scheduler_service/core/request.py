@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import sys
 import time
 from typing import Any, Optional, Protocol
 
@@ -120,7 +119,7 @@ def _output_queue() -> asyncio.Queue[RequestOutput]:
     return asyncio.Queue()
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -184,23 +183,26 @@ class Request:
     structured: Optional[Any] = dataclasses.field(default=None, repr=False)
     guide: Optional[Any] = dataclasses.field(default=None, repr=False)
 
+    # In transit from a frontend process only: the guide's reasoning markers, from which the
+    # engine core makes the guide again (frontends/hub.py takes them).
+    guide_markers: Optional[tuple] = dataclasses.field(default=None, init=False, repr=False)
+
+    # Slots, not an instance dict: the engine core reads a dozen of these per sequence per step,
+    # and a dict of this many names is a table of its own in every request (shared-key dicts
+    # stop at 30 names), missed in the cache at each read.
+
     def __getstate__(self) -> dict:
         """What a frontend process sends the engine core (scheduler_service/frontends): the
         request without its outputs sink, guide and slot view (this process's objects); the
         guide's reasoning markers travel instead, and the core makes the guide again from
         `structured` (admission.compile_grammar)."""
-        state = dict(self.__dict__)
-        guide = state.pop("guide", None)
-        state.pop("outputs", None)
-        state.pop("slot_view", None)
-        state["guide_markers"] = guide.markers if guide is not None else None
+        state = {name: getattr(self, name) for name in _SENT_FIELDS}
+        state["guide_markers"] = self.guide.markers if self.guide is not None else None
         return state
 
     def __setstate__(self, state: dict) -> None:
-        # The names interned, as pickle's own restore does: an unpickled name is a new string,
-        # and each lookup of it in this instance's dict would compare characters, not pointers
-        # (the engine core reads these attributes per sequence per step).
-        self.__dict__.update({sys.intern(name): value for name, value in state.items()})
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
         self.guide = None
         self.slot_view = None
         self.outputs = _output_queue()
@@ -311,3 +313,11 @@ class Request:
             queue_time_us=micros(self.first_scheduled_time),
             time_to_first_token_us=micros(self.first_token_time),
         )
+
+
+# What Request.__getstate__ sends: every field but this process's own objects.
+_SENT_FIELDS = tuple(
+    field.name
+    for field in dataclasses.fields(Request)
+    if field.name not in ("outputs", "guide", "slot_view", "guide_markers")
+)

@@ -239,7 +239,7 @@ class FrontendHub:
                 peer.link.send(("reply", call_id, self._call(op, args)))
 
     def _add(self, peer: _Peer, request: Request) -> None:
-        markers = request.__dict__.pop("guide_markers", None)
+        markers, request.guide_markers = request.guide_markers, None
         try:
             # Here, not only in the frontend: this queue is the one its bounds are about (the
             # frontend's snapshot lags), and another frontend may hold the same id.
