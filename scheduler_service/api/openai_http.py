@@ -72,8 +72,12 @@ class _Totals:
         }
 
 
+# One encoder for every chunk: json.dumps with options builds an encoder a call.
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(payload)}\n\n"
 
 
 async def _disconnected(http: HttpRequest) -> None:
