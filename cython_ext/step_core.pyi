@@ -1,5 +1,5 @@
 """Python view of cython_ext/step_core.pyx (the C contract is step_core.pxd)."""
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Optional
 
 from cython_ext.block_pool import BlockPool
@@ -110,6 +110,10 @@ class StepCore:
         """0/1 per entry: whether it samples (for a plan not yet advanced)."""
     def live_entries(self, packed: PackedPlan) -> list[int]:
         """Indices of the entries whose sequence still holds its slot."""
+    def add_placeholders(
+        self, packed: PackedPlan, expected: Sequence[int], held: Optional[Collection[int]]
+    ) -> dict[int, Optional[int]]:
+        """A placeholder token for each live sampling entry not held: entry -> its index."""
     def set_token(self, slot: int, index: int, token_id: int) -> None:
         """Overwrites a placeholder token with its real id."""
     def cache_blocks(self, packed: PackedPlan) -> None:

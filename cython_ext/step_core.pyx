@@ -686,6 +686,30 @@ cdef class StepCore:
         cdef Py_ssize_t i
         return [i for i in range(packed.num_entries) if self._is_live(packed, i)]
 
+    def add_placeholders(self, PackedPlan packed not None, expected, held):
+        """Overlap's commit: each live entry that samples (`expected[i]`, from
+        sampling_entries) gets a placeholder token 0 appended to its sequence, for set_token to
+        overwrite once the real id is known. Returns {entry index: the placeholder's token
+        index}, in entry order; an entry in `held` (a set of indices, or None: a constrained
+        sequence, whose next mask needs the real token) maps to None and gets no placeholder."""
+        cdef Py_ssize_t i, n = packed.num_entries
+        cdef SlotState* s
+        cdef dict placeholders = {}
+        if len(expected) != n:
+            raise ValueError(f"{len(expected)} sampling flags for a plan of {n} sequences")
+        for i in range(n):
+            if not expected[i] or not self._is_live(packed, i):
+                continue
+            if held is not None and i in held:
+                placeholders[i] = None
+                continue
+            s = &self._slots[packed.slots[i]]
+            self._reserve_slot_buffers(s, 0, s.num_tokens + 1)
+            placeholders[i] = s.num_tokens
+            s.token_ids[s.num_tokens] = 0
+            s.num_tokens += 1
+        return placeholders
+
     def set_token(self, int32_t slot, int64_t index, uint32_t token_id):
         """Overwrites token `index` of the slot's sequence (a placeholder appended by overlap's
         commit, once the real id is known)."""

@@ -44,17 +44,10 @@ class Overlap(SchedulerPart):
         }
         expected = self.core.sampling_entries(plan.packed)
         self.core.advance(plan.packed, expected, cache_blocks=False)
-        placeholders: dict[int, Optional[int]] = {}
-        for index in self.core.live_entries(plan.packed):
-            if not expected[index]:
-                continue
-            slot = plan.slots[index]
-            if plan.requests[index].guide is not None:
-                placeholders[index] = None  # held back: appended when it comes
-                continue
-            placeholders[index] = self.core.num_tokens(slot)
-            self.core.append_tokens(slot, [0])
-        plan.placeholders = placeholders
+        held = None  # constrained sequences: their tokens are appended when they come
+        if self._num_constrained:
+            held = {i for i, request in enumerate(plan.requests) if request.guide is not None}
+        plan.placeholders = self.core.add_placeholders(plan.packed, expected, held)
 
     def reconcile(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, RequestOutput]]:
         """The result of a committed plan: real token ids replace the placeholders, stops are

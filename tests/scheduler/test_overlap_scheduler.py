@@ -268,3 +268,22 @@ def test_a_request_that_ends_in_its_first_step_leaves_its_prompt_blocks_cached(o
     assert not lost and [e[:2] for e in events] == [(1, hashes[0]), (1, hashes[1])]
     assert [e[3] for e in events] == [prompt[:4], prompt[4:8]]
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_usable_blocks
+
+
+def test_commit_adds_a_placeholder_for_each_sampling_entry_not_held():
+    """StepCore.add_placeholders, commit's loop: a sampling entry gets token 0 appended and its
+    index in the map; a held (constrained) one maps to None and gets nothing; a prompt chunk
+    that does not reach its end samples nothing and is left out."""
+    scheduler = make_scheduler(max_num_batched_tokens=32, num_blocks=64)
+    for i, num_prompt_tokens in enumerate([4, 4, 40]):
+        scheduler.add_request(make_request(num_prompt_tokens, 4, request_id=f"r{i}"))
+    plan = scheduler.schedule()
+    core = scheduler.core
+    expected = core.sampling_entries(plan.packed)
+    assert expected == [1, 1, 0]
+    before = [core.num_tokens(slot) for slot in plan.slots]
+    core.advance(plan.packed, expected, cache_blocks=False)
+    assert core.add_placeholders(plan.packed, expected, {1}) == {0: before[0], 1: None}
+    assert [core.num_tokens(slot) for slot in plan.slots] == [before[0] + 1, before[1], before[2]]
+    with pytest.raises(ValueError, match="2 sampling flags for a plan of 3"):
+        core.add_placeholders(plan.packed, expected[:2], None)
