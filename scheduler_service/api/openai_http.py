@@ -72,12 +72,8 @@ class _Totals:
         }
 
 
-# One encoder for every chunk: json.dumps with options builds an encoder a call.
+# One encoder for every SSE chunk: json.dumps with options builds an encoder a call.
 _JSON = json.JSONEncoder(separators=(",", ":"))
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {_JSON.encode(payload)}\n\n"
 
 
 async def _disconnected(http: HttpRequest) -> None:
@@ -341,7 +337,7 @@ class _Response:
         }
         if with_usage:
             payload["usage"] = usage
-        return _sse(payload)
+        return f"data: {_JSON.encode(payload)}\n\n"
 
     def _split_chunks(self, output: RequestOutput, include_usage: bool) -> list[str]:
         """One output of a split chat sample as chunks: its deltas (chat_outputs.py), the first
