@@ -47,9 +47,9 @@ class BatchSink:
     ) -> None: ...
     def put_nowait(self, output: Any) -> None: ...
 
-def compact_outputs(batch: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    """(key, output) pairs with an output of token ids only as (key, token_ids); the rest as
-    they are (expand_outputs undoes it)."""
+def compact_outputs(batch: list[tuple[Any, Any]]) -> list[Any]:
+    """(key, output) pairs flat: key, then the one token id, the token ids, or the output (only
+    an output of token ids alone travels as its ids); expand_outputs undoes it."""
 
-def expand_outputs(compact: list[tuple[Any, Any]], output_type: Callable[..., Any]) -> list[tuple[Any, Any]]:
-    """(key, token_ids) as (key, output_type(token_ids, "")); the rest as they are."""
+def expand_outputs(compact: list[Any], output_type: Callable[..., Any]) -> list[tuple[Any, Any]]:
+    """key, token id(s) as (key, output_type(token_ids, "")); key, output as (key, output)."""

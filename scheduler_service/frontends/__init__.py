@@ -8,8 +8,8 @@ process, so that client I/O (gRPC and HTTP streaming, request intake) never runs
 
 Messages on a link (frontends/link.py frames them), core -> frontend:
   ("hello", index, config, facts, lora registry, grpc port, http port, status)
-  ("step", [(request_id, RequestOutput or token ids), ...], status)   one per step with outputs
-                        for it (an output of token ids only travels as its list)
+  ("step", [request_id, RequestOutput or token id(s), ...], status)  one per step with outputs
+                        for it, flat (an output of token ids only travels as its id or ids)
   ("status", status)                                     while no step goes out
   ("refused", request_id, Rejected)                      an add over the queue's bounds, or a
                                                          duplicate id: the door's refusal

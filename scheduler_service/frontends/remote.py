@@ -203,9 +203,10 @@ class RemoteEngine:
         self.link.send(("call", call_id, op, args))
         return future
 
-    def on_step(self, compact: list[tuple[str, Any]], status: Status) -> None:
-        """A step message: outputs to their requests' sinks, then the new snapshot. (An output
-        of token ids only travels as its list: cython_ext/step_outputs.pyx compact_outputs.)"""
+    def on_step(self, compact: list[Any], status: Status) -> None:
+        """A step message: outputs to their requests' sinks, then the new snapshot. (The outputs
+        travel flat, an output of token ids alone as its ids: cython_ext/step_outputs.pyx
+        compact_outputs.)"""
         self.status = status
         outputs = expand_outputs(compact, RequestOutput)
         self.num_outputs += len(outputs)

@@ -330,7 +330,7 @@ def test_batch_sink_appends_to_the_shared_batch():
 @pytest.mark.parametrize("seed", range(50))
 def test_compact_outputs_round_trip(seed):
     """A step message's batch, compacted, pickled and expanded, is the batch (field by field,
-    dataclass equality); only outputs of token ids alone travel as their list."""
+    dataclass equality); only outputs of token ids alone travel as their id or ids."""
     import pickle
 
     from scheduler_service.core.request import TokenLogprob, Usage
@@ -346,7 +346,14 @@ def test_compact_outputs_round_trip(seed):
         batch.append((f"r{i}", RequestOutput(**fields)))
     compact = step_outputs.compact_outputs(batch)
     plain = [p for p in batch if p[1] == RequestOutput(p[1].token_ids, "")]
-    assert sum(type(value) is list for _, value in compact) == len(plain)
+    assert compact[::2] == [key for key, _ in batch]  # flat: key, value, key, value ...
+    values = compact[1::2]
+    assert sum(type(value) in (int, list) for value in values) == len(plain)
+    assert [v for v in values if type(v) is int] == [
+        p[1].token_ids[0] for p in plain if len(p[1].token_ids) == 1]
     expanded = step_outputs.expand_outputs(pickle.loads(pickle.dumps(compact, protocol=5)), RequestOutput)
     assert expanded == batch
     assert all(type(output) is RequestOutput for _, output in expanded)
+    if compact:
+        with pytest.raises(ValueError, match="keys and values come in pairs"):
+            step_outputs.expand_outputs(compact[:-1], RequestOutput)
