@@ -217,7 +217,7 @@ class Admission:
         tokens (a request arriving at an empty queue is always taken)."""
         frontend, config = self._ready().frontend, self.config
         scheduler = frontend.scheduler
-        waiting_tokens = overload.num_waiting_tokens(scheduler)
+        waiting_tokens = scheduler.num_waiting_tokens
         if scheduler.num_waiting >= config.max_queue_len:
             why = (
                 f"queue full: {scheduler.num_waiting} requests waiting "

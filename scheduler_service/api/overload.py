@@ -44,12 +44,6 @@ def retry_trailing_metadata(code, message: str, retry_after_ms: int) -> tuple:
     )
 
 
-def num_waiting_tokens(scheduler) -> int:
-    """Tokens the waiting requests (fresh and preempted) still have to compute to be admitted:
-    the scheduler's count (core/scheduler.py), or in a frontend process the engine core's."""
-    return scheduler.num_waiting_tokens
-
-
 def retry_after_ms(num_waiting_tokens: int, tokens_per_s: float) -> int:
     """When a rejected request might get in: the time the engine needs to compute what waits, at
     the recent rate, clamped to [MIN_RETRY_AFTER_MS, MAX_RETRY_AFTER_MS]."""

@@ -57,6 +57,9 @@ class SchedulerView(Protocol):
     def num_waiting(self) -> int: ...
 
     @property
+    def num_waiting_tokens(self) -> int: ...
+
+    @property
     def running(self) -> list[Request]: ...
 
     @property

@@ -25,7 +25,6 @@ from prometheus_client import Counter
 
 from cython_ext.step_outputs import BatchSink, compact_outputs
 from scheduler_service import logs
-from scheduler_service.api import overload
 from scheduler_service.api.admission import Admission, Rejected, compile_grammar
 from scheduler_service.core.request import FinishReason, Request, RequestOutput
 from scheduler_service.frontends import loras
@@ -121,10 +120,9 @@ class FrontendHub:
         engine, admission = self.engine, self.admission
         scheduler = engine.scheduler
         kv = scheduler.kv
-        num_waiting = scheduler.num_waiting
         return Status(
-            num_waiting=num_waiting,
-            num_waiting_tokens=overload.num_waiting_tokens(scheduler) if num_waiting else 0,
+            num_waiting=scheduler.num_waiting,
+            num_waiting_tokens=scheduler.num_waiting_tokens,
             num_running=len(scheduler.running),
             num_requests=len(scheduler.requests),
             capacity_tokens=kv.capacity_tokens,
