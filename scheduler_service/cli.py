@@ -21,7 +21,7 @@ import structlog
 
 from config_fields import add_flags, from_args
 from planserve.v1 import generate_pb2
-from scheduler_service import logs
+from scheduler_service import heap, logs
 from scheduler_service.api.client import build_request, stream_generate
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core import policies
@@ -55,6 +55,7 @@ def scheduler_config(args: argparse.Namespace, engine_address: str) -> Scheduler
 
 
 async def run_until_signal(server: SchedulerServer, sample_prompt: Optional[str]) -> None:
+    log.info("startup_heap_frozen", process="scheduler", objects=heap.freeze_startup_heap())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

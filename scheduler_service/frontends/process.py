@@ -23,6 +23,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health
 
+from scheduler_service import heap
 from scheduler_service.api import doors, security
 from scheduler_service.api.admission import Admission, Serving
 from scheduler_service.api.grpc_servicer import GenerationServicer
@@ -136,6 +137,8 @@ async def run(fd: int) -> int:
         link.send(("failed", str(error)))
         await link.drain()
         return 2
+    frozen = heap.freeze_startup_heap()
+    log.info("startup_heap_frozen", process="frontend", frontend=frontend.index, objects=frozen)
     link.send(("ready", os.getpid()))
     grace_s = await frontend.follow()
     await frontend.close(grace_s)

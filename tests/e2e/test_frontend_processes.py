@@ -14,6 +14,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import urllib.request
 
 import grpc
@@ -40,6 +42,7 @@ class Served:
     """`python -m tools serve --model null --frontend-processes 2` and its frontend pids."""
 
     def __init__(self, delay_ms: int = 2, drain_grace_s: float = 30.0):
+        self.log = tempfile.TemporaryFile(mode="w+")  # every process's stderr (JSON lines)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tools", "serve", "--model", "null",
              "--null-step-delay-ms", str(delay_ms), "--frontend-processes", "2",
@@ -47,7 +50,8 @@ class Served:
              "--max-num-seqs", str(NUM_STREAMS), "--max-num-slots", str(NUM_STREAMS),
              "--max-queue-len", str(4 * NUM_STREAMS), "--max-num-batched-tokens", "4096",
              "--drain-grace-seconds", str(drain_grace_s)],
-            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
         ports = {}
         for line in self.process.stdout:
             key, _, value = line.strip().partition("=")
@@ -67,6 +71,11 @@ class Served:
         return [grpc.aio.insecure_channel(self.address,
                                           options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(n)]
+
+    def log_events(self, event: str) -> list[dict]:
+        """The log lines of `event` every process of the server wrote so far."""
+        self.log.seek(0)
+        return [json.loads(line) for line in self.log if f'"event": "{event}"' in line]
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as r:
@@ -129,6 +138,20 @@ def served():
     served = Served()
     yield served
     served.stop()
+
+
+def test_every_process_froze_its_start_up_heap(served):
+    """The engine core, each frontend and the model service froze what start-up made once
+    serving (scheduler_service/heap.py): a full collection no longer walks it."""
+    deadline = time.monotonic() + 30  # the core freezes after it printed its ports
+    frozen = served.log_events("startup_heap_frozen")
+    while len(frozen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        frozen = served.log_events("startup_heap_frozen")
+    by_process = sorted((e["process"], e.get("frontend")) for e in frozen)
+    assert by_process == [("frontend", 0), ("frontend", 1), ("model_service", None),
+                          ("scheduler", None)], frozen
+    assert all(e["objects"] > 0 for e in frozen), frozen
 
 
 def _added_per_frontend(metrics: str) -> dict[str, float]:
