@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -167,10 +166,12 @@ async def test_smollm2_tp3_greedy_equals_tp1(smollm2_server):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model_service.loading.loader import smollm2_path
+    from hf_folders import smollm2_hf_folder
 
-    path = pathlib.Path(smollm2_path())
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # Transformers' own float32 weights of the GGUF, saved once as a folder (hf_folders.py): they
+    # load in a second, where dequantizing the GGUF again takes transformers a quarter of a minute.
+    folder = smollm2_hf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = []
     for text in ("What is the capital of France?", "Write a haiku about the sea.",
                  "Summarise in two sentences: " + "The printing press changed how knowledge spread. " * 8):
@@ -179,6 +180,6 @@ async def test_smollm2_tp3_greedy_equals_tp1(smollm2_server):
     assert len(prompts[2]) > 64  # prefilled in several chunks
     tp1 = await _concurrent_with_a_join(smollm2_server, prompts)
     tp3 = await _tp_outputs(["--model", "smollm2", "--dtype", "float32", "--tensor-parallel-size", "3"], prompts)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     references = [greedy_reference(model, p, NEW_TOKENS) for p in prompts]
     _check_equal_to_tp1(tp3, tp1, references, "SmolLM2 tp=3")
