@@ -73,9 +73,11 @@ class Served:
                 for _ in range(n)]
 
     def log_events(self, event: str) -> list[dict]:
-        """The log lines of `event` every process of the server wrote so far."""
+        """The log lines of `event` every process of the server wrote so far (whole lines: a
+        process may be writing one as this reads)."""
         self.log.seek(0)
-        return [json.loads(line) for line in self.log if f'"event": "{event}"' in line]
+        return [json.loads(line) for line in self.log
+                if f'"event": "{event}"' in line and line.endswith("\n")]
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as r:
