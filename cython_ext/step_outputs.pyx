@@ -12,9 +12,26 @@ A token that would stop its sequence (eos, a stop id, max_new_tokens, the model'
 seen before anything is changed and goes to `slow` whole, so finishing, its release and its
 final output stay in one place.
 
+What a request's entry is checked against that never changes once it runs (its logprobs, grammar,
+stop rules, prompt length, sample index and chunk size; Request.plain_facts says why they do not)
+is read once and kept on the request as a tuple (`_plain_facts`): at a thousand running sequences
+the twenty-odd attribute reads a sequence a step, each a cache miss, were a third of the engine
+core's thread. Each step reads the tuple and what does change (finish_reason, slot, forked).
+
 tests/scheduler/test_step_outputs.py holds the pure-Python statement of the same rule and checks
 this against it and against the interpreted path on random steps.
 """
+
+# The tuple's items (_plain_facts).
+cdef enum:
+    F_EOS = 0           # the eos ids it was made with (a replica of another model makes it again)
+    F_MAX_LEN = 1       # the max_model_len it was made with
+    F_PLAIN = 2         # no logprobs of either kind, no grammar, no stop strings
+    F_STOP_IDS = 3      # ids that end it: its stop ids, and eos unless it ignores eos
+    F_MAX_OUT = 4       # the output length it ends at: max_new_tokens, or the model's length
+    F_INTERVAL = 5      # stream_interval
+    F_INDEX = 6         # its sample's index
+    F_REQUEST_ID = 7
 
 
 def take_plain_tokens(list requests, list sampled, list counts, live, dict placeholders,
@@ -32,7 +49,8 @@ def take_plain_tokens(list requests, list sampled, list counts, live, dict place
     output or None. Outputs, (request, output), go to `outputs`.
     """
     cdef Py_ssize_t index, count, offset = 0, num_out, n = len(counts)
-    cdef object request, token, placeholder, stopping, out_ids, request_id, output, detokenizer
+    cdef object request, token, placeholder, out_ids, request_id, output, detokenizer, slot
+    cdef tuple facts
     if n > len(requests):
         raise ValueError(f"{n} counts for {len(requests)} entries")
     for index in range(n):
@@ -43,18 +61,25 @@ def take_plain_tokens(list requests, list sampled, list counts, live, dict place
             raise ValueError(f"entry {index}: {count} tokens at {offset} of {len(sampled)}")
         request = requests[index]
         placeholder = placeholders.get(index) if index in live else None
-        if count != 1 or placeholder is None or not _is_plain(request):
+        if count != 1 or placeholder is None:
+            _take_slow(slow, request, index, offset, count, outputs)
+            offset += count
+            continue
+        facts = request.plain_facts
+        if (facts is None or facts[F_EOS] is not eos_token_ids
+                or <Py_ssize_t>facts[F_MAX_LEN] != max_model_len):
+            facts = _plain_facts(request, eos_token_ids, max_model_len)
+            request.plain_facts = facts
+        slot = request.slot
+        if (not facts[F_PLAIN] or request.finish_reason is not None or slot is None
+                or not (request.forked or request.n == 1)):
             _take_slow(slow, request, index, offset, count, outputs)
             offset += count
             continue
         token = sampled[offset]
-        stopping = request.stopping
         out_ids = request.output_token_ids
         num_out = len(out_ids) + 1
-        if (token in stopping.stop_token_ids
-                or (not stopping.ignore_eos and token in eos_token_ids)
-                or num_out >= stopping.max_new_tokens
-                or len(request.prompt_token_ids) + num_out >= max_model_len):
+        if token in facts[F_STOP_IDS] or num_out >= <Py_ssize_t>facts[F_MAX_OUT]:
             _take_slow(slow, request, index, offset, 1, outputs)  # it stops here
             offset += 1
             continue
@@ -62,17 +87,17 @@ def take_plain_tokens(list requests, list sampled, list counts, live, dict place
         if request.first_token_time is None:
             request.first_token_time = now
         out_ids.append(token)
-        request_id = request.request_id
+        request_id = facts[F_REQUEST_ID]
         detokenizer = detokenizers[request_id]
         if detokenizer is not no_text:
             detokenizer.add_token(token)
-        core.set_token(request.slot, placeholder, token)
+        core.set_token(slot, placeholder, token)
         output = held.pop(request_id, None)
         if output is None:
-            output = output_type([token], "", None, None, None, request.index)
+            output = output_type([token], "", None, None, None, facts[F_INDEX])
         else:
             output.token_ids.append(token)
-        if len(output.token_ids) < request.stream_interval:
+        if len(output.token_ids) < <Py_ssize_t>facts[F_INTERVAL]:
             held[request_id] = output
             continue
         if detokenizer is not no_text:
@@ -88,16 +113,23 @@ cdef inline int _take_slow(object slow, object request, Py_ssize_t index, Py_ssi
     return 0
 
 
-cdef inline bint _is_plain(object request) except -1:
-    """Nothing but its token to take: no logprobs (of its tokens, or of its prompt with the
-    first), no grammar, no stop strings (they need the text), not ended, its samples forked."""
-    return (request.logprobs is None
-            and request.prompt_logprobs is None
-            and request.guide is None
-            and request.finish_reason is None
-            and request.slot is not None
-            and (request.forked or request.n == 1)
-            and not request.stopping.stop_strings)
+cdef tuple _plain_facts(object request, object eos_token_ids, Py_ssize_t max_model_len):
+    """What take_plain_tokens checks a request's entries against that stays as it is while the
+    request runs (the F_* items). Plain: no logprobs (of its tokens, or of its prompt with the
+    first), no grammar, no stop strings (they need the text); whether it has ended, holds its
+    slot and has its samples forked is read each step."""
+    stopping = request.stopping
+    plain = (request.logprobs is None
+             and request.prompt_logprobs is None
+             and request.guide is None
+             and not stopping.stop_strings)
+    stop_ids = stopping.stop_token_ids
+    if not stopping.ignore_eos:
+        stop_ids = frozenset(stop_ids).union(eos_token_ids) if stop_ids else eos_token_ids
+    max_out = min(<Py_ssize_t>stopping.max_new_tokens,
+                  max_model_len - <Py_ssize_t>len(request.prompt_token_ids))
+    return (eos_token_ids, max_model_len, plain, stop_ids, max_out, request.stream_interval,
+            request.index, request.request_id)
 
 
 def put_outputs(list outputs):

@@ -186,6 +186,11 @@ class Request:
     # In transit from a frontend process only: the guide's reasoning markers, from which the
     # engine core makes the guide again (frontends/hub.py takes them).
     guide_markers: Optional[tuple] = dataclasses.field(default=None, init=False, repr=False)
+    # The step's plain path keeps here what it checks each token against (cython_ext/
+    # step_outputs.pyx, _plain_facts): the logprobs, guide, stopping, prompt, index, chunk size
+    # and id, all set before the request is first scheduled and never changed after (a parallel
+    # sample is a new Request; a recompute keeps the prompt as it is).
+    plain_facts: Optional[tuple] = dataclasses.field(default=None, init=False, repr=False)
 
     # Slots, not an instance dict: the engine core reads a dozen of these per sequence per step,
     # and a dict of this many names is a table of its own in every request (shared-key dicts
@@ -205,6 +210,7 @@ class Request:
             object.__setattr__(self, name, value)
         self.guide = None
         self.slot_view = None
+        self.plain_facts = None
         self.outputs = _output_queue()
 
     @property
@@ -319,5 +325,5 @@ class Request:
 _SENT_FIELDS = tuple(
     field.name
     for field in dataclasses.fields(Request)
-    if field.name not in ("outputs", "guide", "slot_view", "guide_markers")
+    if field.name not in ("outputs", "guide", "slot_view", "guide_markers", "plain_facts")
 )

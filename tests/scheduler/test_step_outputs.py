@@ -105,7 +105,8 @@ def _fake_step(rng: random.Random):
             stopping=types.SimpleNamespace(
                 stop_token_ids=frozenset(rng.sample(range(2, 12), rng.randrange(0, 3))),
                 ignore_eos=rng.random() < 0.3, max_new_tokens=rng.randrange(1, 40),
-                stop_strings=("x",) if rng.random() < 0.1 else ()))
+                stop_strings=("x",) if rng.random() < 0.1 else ()),
+            plain_facts=None)
         requests.append(request)
         counts.append(rng.choice([0, 1, 1, 1, 1, 2]))
         sampled += [rng.randrange(0, 12) for _ in range(counts[-1])]
@@ -144,6 +145,76 @@ def _run_take(take, seed):
 @pytest.mark.parametrize("seed", range(300))
 def test_take_plain_tokens_equals_its_python_statement(seed):
     assert _run_take(step_outputs.take_plain_tokens, seed) == _run_take(take_plain_tokens_py, seed)
+
+
+def _next_step(rng: random.Random, requests: list) -> tuple:
+    """Another step of the same requests: new tokens, and what may change between steps changed
+    (one ended, one out of its slot, samples forked)."""
+    counts, sampled, live, placeholders = [], [], set(), {}
+    for index, request in enumerate(requests):
+        if rng.random() < 0.05:
+            request.finish_reason = FinishReason.STOP
+        if rng.random() < 0.05:
+            request.slot = None if request.slot is not None else index
+        if rng.random() < 0.1:
+            request.forked = True
+        counts.append(rng.choice([0, 1, 1, 1, 1, 2]))
+        sampled += [rng.randrange(0, 12) for _ in range(counts[-1])]
+        if rng.random() < 0.9:
+            live.add(index)
+        if rng.random() < 0.95:
+            placeholders[index] = rng.randrange(0, 60)
+    return sampled, counts, live, placeholders
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_facts_kept_from_a_first_step_give_the_python_statement_in_the_next(seed):
+    """take_plain_tokens keeps each request's unchanging facts from the first step it sees it in
+    (Request.plain_facts). Over eight steps of the same requests, with what does change changed
+    between them, and a step of another replica's model length and eos ids (the facts made
+    again), it takes what the Python statement takes."""
+    import copy
+    first = _fake_step(random.Random(seed))
+    runs = {}
+    for take in (step_outputs.take_plain_tokens, take_plain_tokens_py):
+        requests, sampled, counts, live, placeholders, detokenizers, held = copy.deepcopy(
+            first, memo={id(NO_TEXT): NO_TEXT})
+        rng, snapshots = random.Random(seed + 1000), []
+        for step in range(8):
+            core, slow_calls, outputs = _Core(), [], []
+
+            def slow(index, offset, count, sampled=sampled, slow_calls=slow_calls):
+                slow_calls.append((index, offset, count))
+                return RequestOutput(sampled[offset:offset + count], "slow") if index % 3 else None
+
+            max_model_len, eos = (40, frozenset({EOS, 3})) if step == 5 else (48, frozenset({EOS}))
+            take(requests, sampled, counts, live, placeholders, core, held, detokenizers, NO_TEXT,
+                 RequestOutput, max_model_len, eos, 2.5, slow, outputs)
+            snapshots.append(_snapshot(requests, held, outputs, core, slow_calls, detokenizers))
+            sampled, counts, live, placeholders = _next_step(rng, requests)
+        runs[take] = snapshots
+    assert runs[step_outputs.take_plain_tokens] == runs[take_plain_tokens_py]
+    kept = [r.plain_facts for r in requests]  # the Python statement's run keeps none
+    assert kept == [None] * len(requests)
+
+
+def test_take_plain_tokens_keeps_a_requests_facts_and_makes_them_again_for_another_model():
+    request = make_request(num_prompt_tokens=4, max_new_tokens=10)
+    request.slot = 0
+    args = dict(live={0}, placeholders={0: 4}, core=_Core(), held={},
+                detokenizers={request.request_id: NO_TEXT}, no_text=NO_TEXT,
+                output_type=RequestOutput, now=0.0, slow=None)
+    eos = frozenset({EOS})
+    step_outputs.take_plain_tokens([request], [7], [1], max_model_len=48, eos_token_ids=eos,
+                                   outputs=[], **args)
+    facts = request.plain_facts
+    assert facts is not None and facts[0] is eos and facts[1] == 48
+    step_outputs.take_plain_tokens([request], [7], [1], max_model_len=48, eos_token_ids=eos,
+                                   outputs=[], **args)
+    assert request.plain_facts is facts  # kept, not made again
+    step_outputs.take_plain_tokens([request], [7], [1], max_model_len=40, eos_token_ids=eos,
+                                   outputs=[], **args)
+    assert request.plain_facts is not facts and request.plain_facts[1] == 40
 
 
 def test_take_plain_tokens_edge_cases():
