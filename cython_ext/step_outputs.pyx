@@ -15,8 +15,9 @@ final output stay in one place.
 What a request's entry is checked against that never changes once it runs (its logprobs, grammar,
 stop rules, prompt length, sample index and chunk size; Request.plain_facts says why they do not)
 is read once and kept on the request as a tuple (`_plain_facts`): at a thousand running sequences
-the twenty-odd attribute reads a sequence a step, each a cache miss, were a third of the engine
-core's thread. Each step reads the tuple and what does change (finish_reason, slot, forked).
+the twenty-odd attribute reads a sequence a step, each a cache miss, were most of this loop's
+time (docs/benchmarks.md). Each step reads the tuple and what does change (finish_reason, slot,
+forked).
 
 tests/scheduler/test_step_outputs.py holds the pure-Python statement of the same rule and checks
 this against it and against the interpreted path on random steps.
