@@ -29,9 +29,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "protos"), os.path.join(ROOT, "tests", 
 
 from factories import make_facts  # noqa: E402
 
+from bench.bench_host_path import generate_request  # noqa: E402
 from cython_ext.step_outputs import compact_outputs  # noqa: E402
 from model_service.models.null import NULL_VOCAB_SIZE, null_tokenizer_json  # noqa: E402
-from planserve.v1 import generate_pb2  # noqa: E402
 from scheduler_service.api.admission import Admission, Serving  # noqa: E402
 from scheduler_service.api.grpc_servicer import GenerationServicer  # noqa: E402
 from scheduler_service.config import SchedulerConfig  # noqa: E402
@@ -51,15 +51,6 @@ class _Link:
             self.added.append(message[1].request_id)
 
 
-def _request(i: int, tokens: int) -> generate_pb2.GenerateRequest:
-    request = generate_pb2.GenerateRequest(request_id=f"bench-{i}")
-    request.token_ids.ids.extend(32 + (i * 7 + j) % 90 for j in range(64))
-    request.sampling.temperature = 0.0
-    request.stopping.max_new_tokens = tokens
-    request.stopping.ignore_eos = True
-    return request
-
-
 async def run(streams: int, steps: int) -> list[float]:
     tokenizer = Tokenizer(null_tokenizer_json(), "", {})
     facts = dataclasses.replace(make_facts(max_model_len=64 + steps + 64),
@@ -74,7 +65,8 @@ async def run(streams: int, steps: int) -> list[float]:
     num_chunks = [0]
 
     async def stream(i: int) -> None:
-        async for chunk in servicer.Generate(_request(i, steps + 8), None):  # type: ignore[arg-type]
+        request = generate_request(i, steps + 8, 1, "bench")
+        async for chunk in servicer.Generate(request, None):  # type: ignore[arg-type]
             chunk.SerializeToString()
             num_chunks[0] += 1
             await asyncio.sleep(0)  # grpc's send: the stream waits a loop pass

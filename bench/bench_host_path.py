@@ -138,7 +138,8 @@ class Server:
         self.process.wait(timeout=60)
 
 
-def _request(i: int, tokens: int, interval: int, tag: str) -> generate_pb2.GenerateRequest:
+def generate_request(i: int, tokens: int, interval: int, tag: str) -> generate_pb2.GenerateRequest:
+    """Stream i's greedy Generate of `tokens` tokens (no eos) after its 64-token prompt."""
     request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}")
     request.token_ids.ids.extend(_prompt(i))
     request.sampling.temperature = 0.0
@@ -162,7 +163,8 @@ async def run_generate(port: int, n: int, tokens: int, interval: int, tag: str) 
 
     async def one(i: int):
         times, counts = [], []
-        async for chunk in stubs[i % len(stubs)].Generate(_request(i, tokens, interval, tag)):
+        request = generate_request(i, tokens, interval, tag)
+        async for chunk in stubs[i % len(stubs)].Generate(request):
             if chunk.token_ids:
                 times.append(time.perf_counter())
                 counts.append(len(chunk.token_ids))
@@ -178,7 +180,7 @@ async def run_session(port: int, n: int, tokens: int, interval: int, tag: str) -
     """All n requests on one Session stream (what a sidecar neighbour does)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = generate_pb2_grpc.GenerationServiceStub(channel)
-        messages = [generate_pb2.SessionRequest(generate=_request(i, tokens, interval, tag))
+        messages = [generate_pb2.SessionRequest(generate=generate_request(i, tokens, interval, tag))
                     for i in range(n)]
         call = stub.Session(iter(messages))
         runs = {f"{tag}-{i}": ([], []) for i in range(n)}

@@ -168,8 +168,8 @@ async def test_smollm2_tp3_greedy_equals_tp1(smollm2_server):
 
     from hf_folders import smollm2_hf_folder
 
-    # Transformers' own float32 weights of the GGUF, saved once as a folder (hf_folders.py): they
-    # load in a second, where dequantizing the GGUF again takes transformers a quarter of a minute.
+    # Transformers' own float32 weights of the GGUF, saved once as a folder (hf_folders.py): the
+    # reference loads plain weights instead of converting the GGUF again.
     folder = smollm2_hf_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = []
