@@ -5,7 +5,7 @@ command on a CUDA machine with torch and no network (dummy weights: no checkpoin
     PYTHONPATH=/tmp/planserve-deps:.:protos python3 bench/bench_gpu_serve.py
         [--shapes smollm2-135m,llama-1b,llama-8b] [--max-seconds 90] [--budget-seconds 340]
         [--no-transformers] [--no-ceiling] [--serve-flags "--max-num-seqs 256"]
-        [--out bench/results/gpu_serve.json] [--log-dir DIR]
+        [--client-processes 4] [--out bench/results/gpu_serve.json] [--log-dir DIR]
     PYTHONPATH=.:protos python bench/bench_gpu_serve.py --dry-run    # the CPU check CI runs
 
 /tmp/planserve-deps: planserve's dependencies the CUDA torch image lacks, installed there with
@@ -18,9 +18,11 @@ For each shape in turn (tiny and the others: model_service/loading/shapes.py):
                budget, sequence limit or KV size given (the model service sizes them for the
                device; Describe's reply is recorded), then the workload (default "big":
                bench/workloads/big.jsonl, 512 requests at t=0, 256 new tokens each, EOS ignored)
-               through the gRPC load generator (bench/load/loadgen.py): output tok/s, TTFT, ITL;
-               while it runs, GPU utilization and memory (nvidia-smi every 200 ms), the running
-               batch (GetServerStatus every 200 ms) and each service's CPU% (bench/gpu/monitor.py)
+               through the gRPC load generator (bench/load/loadgen.py) in --client-processes
+               processes (bench/gpu/clients.py): output tok/s, TTFT, ITL; while it runs, GPU
+               utilization and memory (nvidia-smi every 200 ms), the running batch
+               (GetServerStatus every 200 ms) and each CPU% (bench/gpu/monitor.py): the
+               scheduler, its frontend processes, the model service, the clients
   ceiling      a decode step at the mean running batch replayed from the CUDA graphs, beside its
                memory and FLOP floors (bench/gpu/ceiling.py, a child process)
   transformers static batches of 256 of the same workload on the same GPU (bench/gpu/hf_static.py,
@@ -50,6 +52,7 @@ from typing import Iterator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "protos")]
 
+from bench.gpu.clients import send_workload  # noqa: E402
 from bench.gpu.machine import machine  # noqa: E402
 from bench.gpu.monitor import CpuMeter, GpuMonitor, percentiles  # noqa: E402
 from bench.gpu.workload import workload_requests  # noqa: E402
@@ -161,21 +164,25 @@ async def sample_running(address: str, samples: list[int], stop: asyncio.Event) 
 async def measure_serving(address: str, serve_pid: int, requests, args) -> dict:
     """The workload against a serving server, with the meters running around it."""
     from bench.load import report
-    from bench.load.loadgen import GrpcBackend, run_workload
 
     gpu, cpu, stop = GpuMonitor(args.device), CpuMeter(serve_pid), asyncio.Event()
     running: list[int] = []
-    async with GrpcBackend(address) as backend:
+    sampler = None
+
+    def started() -> None:
+        nonlocal sampler
         gpu.start()
         cpu.start()
-        sampler = asyncio.create_task(sample_running(address, running, stop))
-        results, elapsed = await run_workload(
-            backend, requests, progress=False, request_timeout_s=max(1.0, phase_limit(args))
-        )
-        cpu_percent = cpu.stop()
-        stop.set()
+        sampler = asyncio.ensure_future(sample_running(address, running, stop))
+
+    results, elapsed, client_percent = await send_workload(
+        address, requests, args.client_processes, max(1.0, phase_limit(args)), started
+    )
+    cpu_percent = {**cpu.stop(), "clients": client_percent}
+    stop.set()
+    if sampler is not None:
         await sampler
-        gpu_stats = gpu.stop()
+    gpu_stats = gpu.stop()
     summary = report.summarize(results, elapsed)
     busy = [n for n in running if n > 0]
     # The client's view of the batch: streams between their first and last token, over the run.
@@ -306,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--hf-batch-size", type=int, default=256)
     parser.add_argument("--serve-flags", default="", help="more `planserve serve` flags")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="processes sending the workload (1: this one)")  # fmt: skip
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--log-dir", default=None, help="default: a new temporary folder")
     dry = "the CPU check: tiny shape, 16 requests of 8 tokens, --device cpu"

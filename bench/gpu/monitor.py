@@ -62,11 +62,17 @@ def descendants(root: int) -> list[int]:
 
 def service_trees(serve_pid: int) -> dict[str, list[int]]:
     """`planserve serve`'s processes by service: the model service child's tree (its command line
-    runs model_service), and the scheduler: the serve process with the rest of its tree."""
+    runs model_service), the frontend processes (--frontend-processes: scheduler_service.frontends)
+    and the scheduler: the serve process with the rest of its tree."""
     every = descendants(serve_pid)
-    model_roots = [p for p in every if p != serve_pid and "-m model_service" in _cmdline(p)]
-    model = sorted({p for root in model_roots for p in descendants(root)})
-    return {"scheduler": [p for p in every if p not in model], "model_service": model}
+
+    def running(module: str) -> list[int]:
+        roots = [p for p in every if p != serve_pid and f"-m {module}" in _cmdline(p)]
+        return sorted({p for root in roots for p in descendants(root)})
+
+    model, frontends = running("model_service"), running("scheduler_service.frontends")
+    rest = [p for p in every if p not in model and p not in frontends]
+    return {"scheduler": rest, "frontends": frontends, "model_service": model}
 
 
 class CpuMeter:

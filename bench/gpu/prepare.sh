@@ -26,6 +26,7 @@ PACKAGES=(
   protobuf==7.36.2 googleapis-common-protos==1.76.0
   structlog==26.1.0 prometheus-client==0.26.0 jinja2==3.1.6 markupsafe==3.0.4
   fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0 h11==0.16.0
+  httptools==0.7.1 llguidance==1.9.1
   click==8.5.1 anyio==4.16.0 sniffio==1.3.1 idna==3.20
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 opentelemetry-api==1.45.2
@@ -39,7 +40,7 @@ mkdir -p "$KIT/wheels"
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --dest "$KIT/wheels" \
   --python-version "$PYTHON_VERSION" --implementation cp --abi "$ABI" --abi abi3 --abi none \
   --platform "${PLATFORM:-manylinux_2_28_x86_64}" --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform any "${PACKAGES[@]}"
+  --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform any "${PACKAGES[@]}"
 
 PYTHONPATH="$REPO:$REPO/protos" "$PYTHON" -m bench.gpu.tokenizer_gguf "$KIT/smollm2-tokenizer.gguf"
 

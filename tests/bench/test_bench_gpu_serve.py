@@ -28,13 +28,18 @@ def test_percentiles_and_the_process_trees():
     assert percentiles([]) is None
     assert percentiles([float(v) for v in range(1, 101)]) == {
         "mean": 50.5, "p10": 11.0, "p50": 51.0, "p90": 91.0}
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    child = subprocess.Popen(sleep)
+    # A frontend process's command line (the arguments after -c's code are only its argv).
+    frontend = subprocess.Popen([*sleep, "-m", "scheduler_service.frontends"])
     try:
         trees = service_trees(os.getpid())
         assert child.pid in trees["scheduler"] and trees["model_service"] == []
+        assert trees["frontends"] == [frontend.pid] and frontend.pid not in trees["scheduler"]
     finally:
-        child.kill()
-        child.wait()
+        for process in (child, frontend):
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.slow(
@@ -64,8 +69,8 @@ def test_the_dry_run_writes_every_field_and_the_counts_add_up(tmp_path):
     assert serve["describe"]["compute"]["weights"].startswith("dummy")
     assert serve["describe"]["model_name"] == "dummy-tiny"
     assert serve["gpu"]["utilization_pct"] is None and "cpu" in serve["gpu"]["reason"]
-    assert set(serve["cpu_percent"]) == {"scheduler", "model_service"}
-    assert serve["cpu_percent"]["model_service"] > 0
+    assert set(serve["cpu_percent"]) == {"scheduler", "frontends", "model_service", "clients"}
+    assert serve["cpu_percent"]["model_service"] > 0 and serve["cpu_percent"]["clients"] > 0
     assert ceiling["error"] is None and ceiling["batch"] >= 1 and ceiling["eager_ms"] > 0
     assert ceiling["graph_ms"] is None  # no graphs on the CPU
     assert ceiling["floor_ms"] == max(ceiling["memory_floor_ms"], ceiling["flop_floor_ms"])

@@ -1,0 +1,63 @@
+"""The GPU benchmark's clients: the workload sent from one or several processes, with the CPU
+they spent. At tens of thousands of streamed tokens a second one Python gRPC client process can
+saturate its core before the server does; several processes, each sending a share of the
+requests, keep the client from being what is measured, and its CPU% says whether it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import time
+from typing import Callable
+
+
+async def _send(address: str, requests, timeout_s: float, start_at: float, started=None):
+    """Connects, waits for start_at (time.time()), sends; returns the results, the run's wall
+    seconds and this process's CPU seconds over the run (not its imports or connecting)."""
+    from bench.load.loadgen import GrpcBackend, run_workload
+
+    async with GrpcBackend(address) as backend:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        if started is not None:
+            started()
+        cpu = time.process_time()
+        results, elapsed = await run_workload(
+            backend, requests, progress=False, request_timeout_s=timeout_s
+        )
+        return results, elapsed, time.process_time() - cpu
+
+
+def _client_process(address: str, requests, timeout_s: float, start_at: float):
+    return asyncio.run(_send(address, requests, timeout_s, start_at))
+
+
+async def send_workload(
+    address: str, requests, processes: int, timeout_s: float, started: Callable[[], None]
+):
+    """Every request sent at t=0 from `processes` client processes (1: this process), request i
+    from process i % processes; `started` is called as the first requests leave (the meters'
+    window is the run's, not the clients' start-up). Returns (results in the workload's order,
+    the run's wall seconds, the clients' CPU% of one core)."""
+    if processes <= 1:
+        results, elapsed, cpu_s = await _send(address, requests, timeout_s, 0.0, started)
+        return results, elapsed, round(100.0 * cpu_s / elapsed, 1)
+    shares = [requests[i::processes] for i in range(processes)]
+    start_at = time.time() + 3.0  # every process connected before the first request leaves
+    loop = asyncio.get_running_loop()
+    loop.call_later(start_at - time.time(), started)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        done = await asyncio.gather(
+            *(
+                loop.run_in_executor(pool, _client_process, address, share, timeout_s, start_at)
+                for share in shares
+            )
+        )
+    merged: list = [None] * len(requests)
+    for index, (share_results, _, _) in enumerate(done):
+        merged[index::processes] = share_results
+    elapsed = max(share_elapsed for _, share_elapsed, _ in done)
+    cpu_s = sum(share_cpu for _, _, share_cpu in done)
+    return merged, elapsed, round(100.0 * cpu_s / elapsed, 1)
