@@ -39,12 +39,13 @@ class SchedulerConfig:
     /health) on `host`; 0 picks a free one, -1 (the library default) serves none.
     `planserve serve` and `planserve scheduler` default to 8000."""
 
-    frontend_processes: int = setting(0, low=0, high=64)
+    frontend_processes: Optional[int] = setting(None, low=0, high=64)
     """Processes that serve the public doors (gRPC GenerationService, health, reflection, the
     OpenAI HTTP API) on `port` and `http_port`, sharing each port (SO_REUSEPORT), so that client
     I/O never runs on the scheduler loop's thread (scheduler_service/frontends). This process
     keeps the scheduler, the engine loop(s), /metrics and KV events. 0: the doors run in this
-    process, beside the scheduler loop."""
+    process, beside the scheduler loop. Not given: 0, except that `planserve serve` starts one
+    per 4 host cores, at most 4, when its model service runs on a GPU (frontends/count.py)."""
 
     engine_address: str = setting("127.0.0.1:50052", cli=False)  # --engine, or serve's own
     """host:port of the model service's EngineService; several replicas as a comma list

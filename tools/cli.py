@@ -32,6 +32,7 @@ from model_service.config import ModelServiceConfig
 from scheduler_service import cli as scheduler_cli
 from scheduler_service import logs
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.frontends import count as frontend_count
 from scheduler_service.ports import StartupError, check_port_free
 from scheduler_service.server import SchedulerServer, check_ports
 from tools import conformance
@@ -167,9 +168,11 @@ async def _serve(args: argparse.Namespace) -> None:
     except RuntimeError as error:  # the child said why on stderr
         raise StartupError(str(error)) from None
     try:
-        server = SchedulerServer(
-            dataclasses.replace(config, engine_address=f"127.0.0.1:{engine_port}")
-        )
+        config = dataclasses.replace(config, engine_address=f"127.0.0.1:{engine_port}")
+        if config.frontend_processes is None:  # the model service's device decides
+            chosen = await frontend_count.for_engine(config)
+            config = dataclasses.replace(config, frontend_processes=chosen)
+        server = SchedulerServer(config)
         await server.start()
         await server.connect_engine()
         scheduler_cli.announce(server)
