@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Mapping, Optional
@@ -43,6 +42,7 @@ from scheduler_service.api.openai_requests import (
     rejected_error,
     to_pb,
 )
+from scheduler_service.api.sse_chunks import DONE, SseChunks
 from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of, placed
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.config import SchedulerConfig, parse_objective_priorities
@@ -70,10 +70,6 @@ class _Totals:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
-
-
-# One encoder for every SSE chunk: json.dumps with options builds an encoder a call.
-_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 async def _disconnected(http: HttpRequest) -> None:
@@ -325,21 +321,7 @@ class _Response:
             "usage": self.totals.as_dict(),
         }
 
-    def _chunk(
-        self, choices: list[dict], usage: Optional[dict] = None, with_usage: bool = False
-    ) -> str:
-        payload: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.req.lora_name or self.serving.facts.model_name,
-            "choices": choices,
-        }
-        if with_usage:
-            payload["usage"] = usage
-        return f"data: {_JSON.encode(payload)}\n\n"
-
-    def _split_chunks(self, output: RequestOutput, include_usage: bool) -> list[str]:
+    def _split_chunks(self, output: RequestOutput, sse: SseChunks) -> list[str]:
         """One output of a split chat sample as chunks: its deltas (chat_outputs.py), the first
         carrying the output's logprobs and token ids, then the finish reason on its own."""
         assert self.chat_outputs is not None
@@ -356,7 +338,7 @@ class _Response:
                     choice["token_ids"] = output.token_ids
             last = output.finish_reason is not None and number == len(deltas) - 1
             choice["finish_reason"] = split.finish_reason(output.finish_reason) if last else None
-            chunks.append(self._chunk([choice], with_usage=include_usage))
+            chunks.append(sse.chunk([choice]))
         return chunks
 
     async def events(self) -> AsyncIterator[str]:
@@ -365,20 +347,38 @@ class _Response:
         response task is cancelled on disconnect) aborts it."""
         req, chat = self.req, self.chat
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        sse = SseChunks(
+            self.id,
+            "chat.completion.chunk" if chat else "text_completion",
+            self.created,
+            self.req.lora_name or self.serving.facts.model_name,
+            include_usage,
+        )
+        # Most chunks: text (or a chat delta) alone, made from a template (api/sse_chunks.py).
+        plain = (
+            self.chat_outputs is None and req.logprobs is None and not self.body.return_token_ids
+        )
         completion_logprobs = [CompletionLogprobs(self.serving.tokenizer) for _ in range(req.n)]
         async with contextlib.aclosing(outputs_of(self.serving.frontend, req)) as stream:
             if chat:  # the role first, once per choice
                 for index in range(req.n):
                     delta = {"role": "assistant", "content": ""}
                     role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                    yield self._chunk([role], with_usage=include_usage)
+                    yield sse.chunk([role])
             async for output in stream:
                 if output.finish_reason is not None:
                     self.totals.add(output)
                 elif not output.text and not output.token_ids:
                     continue
+                if plain:
+                    reason = finish_reason_name(output.finish_reason)
+                    if chat:
+                        yield sse.delta(output.index, output.text, reason)
+                    else:
+                        yield sse.text(output.index, output.text, reason)
+                    continue
                 if self.chat_outputs is not None:
-                    for chunk in self._split_chunks(output, include_usage):
+                    for chunk in self._split_chunks(output, sse):
                         yield chunk
                     continue
                 choice: dict[str, Any] = {"index": output.index}
@@ -392,7 +392,7 @@ class _Response:
                 choice["finish_reason"] = finish_reason_name(output.finish_reason)
                 if self.body.return_token_ids:
                     choice["token_ids"] = output.token_ids
-                yield self._chunk([choice], with_usage=include_usage)
+                yield sse.chunk([choice])
         if include_usage:
-            yield self._chunk([], self.totals.as_dict(), with_usage=True)
-        yield "data: [DONE]\n\n"
+            yield sse.chunk([], self.totals.as_dict())
+        yield DONE
