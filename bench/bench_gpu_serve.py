@@ -22,7 +22,8 @@ For each shape in turn (tiny and the others: model_service/loading/shapes.py):
                processes (bench/gpu/clients.py): output tok/s, TTFT, ITL; while it runs, GPU
                utilization and memory (nvidia-smi every 200 ms), the running batch
                (GetServerStatus every 200 ms) and each CPU% (bench/gpu/monitor.py): the
-               scheduler, its frontend processes, the model service, the clients
+               scheduler, its frontend processes, the model service, the clients; from
+               /metrics, the forward's time a step beside the run's wall time a step
   ceiling      a decode step at the mean running batch replayed from the CUDA graphs, beside its
                memory and FLOP floors (bench/gpu/ceiling.py, a child process)
   transformers static batches of 256 of the same workload on the same GPU (bench/gpu/hf_static.py,
@@ -60,6 +61,7 @@ from bench.gpu.workload import workload_requests  # noqa: E402
 OUT = os.path.join(ROOT, "bench", "results", "gpu_serve.json")
 SHAPES = ("smollm2-135m", "llama-1b", "llama-8b")
 PORT_LINE = "PLANSERVE_PORT="
+FORWARD = "planserve_model_forward_seconds"
 _STARTED = time.perf_counter()
 
 
@@ -90,11 +92,12 @@ class Serve:
     service child end together), stopped with SIGTERM as a user stops it."""
 
     def __init__(self, shape: str, args, log_path: str) -> None:
-        self.engine_port = free_port()
+        self.engine_port, self.metrics_port = free_port(), free_port()
         self.argv = [sys.executable, "-m", "tools", "serve", "--device", args.device,
                      "--load-format", "dummy", "--model", shape, "--port", "0",
                      "--engine-port", str(self.engine_port), "--http-port", "-1",
-                     "--metrics-port", "-1", *shlex.split(args.serve_flags)]  # fmt: skip
+                     "--metrics-port", str(self.metrics_port),
+                     *shlex.split(args.serve_flags)]  # fmt: skip
         if args.dtype != "auto":
             self.argv += ["--dtype", args.dtype]
         self.log_path = log_path
@@ -161,9 +164,28 @@ async def sample_running(address: str, samples: list[int], stop: asyncio.Event) 
                 await asyncio.wait_for(stop.wait(), 0.2)
 
 
-async def measure_serving(address: str, serve_pid: int, requests, args) -> dict:
+def forward_per_step(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict:
+    """The steps the model service ran between two scrapes of /metrics, its forward time a step
+    (on CUDA timed by events around the forward alone) and the run's wall time a step: the
+    difference is the time a step the forward did not run (sampling and both services' host
+    work between one forward and the next)."""
+    count, total = (f"{FORWARD}_count", f"{FORWARD}_sum")
+    steps = after.get(count, 0.0) - before.get(count, 0.0)
+    if not steps:
+        return {"steps": 0}
+    forward_ms = 1e3 * (after.get(total, 0.0) - before.get(total, 0.0)) / steps
+    wall_ms = 1e3 * elapsed / steps
+    return {"steps": int(steps), "forward_ms_per_step": round(forward_ms, 3),
+            "wall_ms_per_step": round(wall_ms, 3),
+            "not_forward_ms_per_step": round(wall_ms - forward_ms, 3)}  # fmt: skip
+
+
+async def measure_serving(address: str, server: Serve, requests, args) -> dict:
     """The workload against a serving server, with the meters running around it."""
-    from bench.load import report
+    from bench.load import report, scrape
+
+    metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    serve_pid = server.process.pid
 
     gpu, cpu, stop = GpuMonitor(args.device), CpuMeter(serve_pid), asyncio.Event()
     running: list[int] = []
@@ -175,9 +197,11 @@ async def measure_serving(address: str, serve_pid: int, requests, args) -> dict:
         cpu.start()
         sampler = asyncio.ensure_future(sample_running(address, running, stop))
 
+    before = await asyncio.to_thread(scrape.samples, metrics_url)
     results, elapsed, client_percent = await send_workload(
         address, requests, args.client_processes, max(1.0, phase_limit(args)), started
     )
+    after = await asyncio.to_thread(scrape.samples, metrics_url)
     cpu_percent = {**cpu.stop(), "clients": client_percent}
     stop.set()
     if sampler is not None:
@@ -196,6 +220,7 @@ async def measure_serving(address: str, serve_pid: int, requests, args) -> dict:
         "expected_output_tokens": sum(r.max_new_tokens for r in requests),
         "gpu": gpu_stats,
         "cpu_percent": cpu_percent,
+        "engine": forward_per_step(before, after, elapsed),
         "running": {**(percentiles(busy) or {}), "max": max(busy, default=0), "samples": len(busy)},
     }
 
@@ -208,7 +233,7 @@ async def serve_phase(shape: str, requests, args, log_path: str) -> dict:
         started_s = round(time.perf_counter() - start, 2)
         progress(f"{shape}: serving on {address} after {started_s} s; sending the workload")
         facts = await describe(f"127.0.0.1:{server.engine_port}")
-        result = await measure_serving(address, server.process.pid, requests, args)
+        result = await measure_serving(address, server, requests, args)
         return {"startup_s": started_s, "argv": server.argv[1:], "describe": facts, **result}
     finally:
         await server.stop()

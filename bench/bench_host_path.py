@@ -41,13 +41,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "protos")]
 
 import grpc  # noqa: E402
 
+from bench.load import scrape  # noqa: E402
 from planserve.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
 
 PROMPT_LEN = 64
@@ -302,14 +302,8 @@ async def measure(server: Server, api: str, args, interval: int) -> dict:
 def _engine_counts(http_port: int) -> tuple[float, float]:
     """(steps the model service ran, output tokens) so far, from the serving port's /metrics
     (a decode step gives each of its sequences one token)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as answer:
-        text = answer.read().decode()
-    found = {"planserve_steps_total": 0.0, "vllm:generation_tokens_total": 0.0}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in found:
-            found[name] = float(value)
-    return found["planserve_steps_total"], found["vllm:generation_tokens_total"]
+    found = scrape.samples(f"http://127.0.0.1:{http_port}/metrics")
+    return found.get("planserve_steps_total", 0.0), found.get("vllm:generation_tokens_total", 0.0)
 
 
 async def main_async(args) -> list[dict]:

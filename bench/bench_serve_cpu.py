@@ -26,13 +26,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, ROOT)
 
 from bench import measure  # noqa: E402
-from bench.load import report, workloads  # noqa: E402
+from bench.load import report, scrape, workloads  # noqa: E402
 from bench.load.loadgen import GrpcBackend, RequestResult, run_workload  # noqa: E402
 
 PORT, METRICS_PORT = 18431, 18432
@@ -60,8 +59,7 @@ def _threads(pid: int) -> dict[str, float]:
 
 
 def _forward_metrics() -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics").read().decode()
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith(FORWARD)}
+    return scrape.samples(f"http://127.0.0.1:{METRICS_PORT}/metrics")
 
 
 def _serve(env_extra: dict[str, str]) -> tuple[subprocess.Popen, int]:

@@ -26,12 +26,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench import measure  # noqa: E402
-from bench.load import report, workloads  # noqa: E402
+from bench.load import report, scrape, workloads  # noqa: E402
 from bench.load.loadgen import GrpcBackend, run_workload  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -62,21 +61,9 @@ def _env(setting: dict) -> dict:
 
 def _forward_p50_ms() -> float | None:
     """Median of the forward-time histogram, interpolated inside its bucket."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith("planserve_model_forward_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    total = buckets[-1][1] if buckets else 0
-    if not total:
-        return None
-    low, below = 0.0, 0.0
-    for le, count in buckets:
-        if count >= total / 2:
-            return 1e3 * (low + (le - low) * (total / 2 - below) / max(count - below, 1e-9))
-        low, below = le, count
-    return None
+    found = scrape.samples(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout_s=10)
+    p50 = scrape.quantile(found, "planserve_model_forward_seconds", 0.5)
+    return None if p50 is None else 1e3 * p50
 
 
 async def _peer_run(setting: dict, log) -> dict:

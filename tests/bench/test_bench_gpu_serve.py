@@ -71,6 +71,9 @@ def test_the_dry_run_writes_every_field_and_the_counts_add_up(tmp_path):
     assert serve["gpu"]["utilization_pct"] is None and "cpu" in serve["gpu"]["reason"]
     assert set(serve["cpu_percent"]) == {"scheduler", "frontends", "model_service", "clients"}
     assert serve["cpu_percent"]["model_service"] > 0 and serve["cpu_percent"]["clients"] > 0
+    engine = serve["engine"]  # from the scheduler's /metrics around the run
+    assert engine["steps"] >= 8  # 8 new tokens a request
+    assert 0 < engine["forward_ms_per_step"] <= engine["wall_ms_per_step"]
     assert ceiling["error"] is None and ceiling["batch"] >= 1 and ceiling["eager_ms"] > 0
     assert ceiling["graph_ms"] is None  # no graphs on the CPU
     assert ceiling["floor_ms"] == max(ceiling["memory_floor_ms"], ceiling["flop_floor_ms"])
