@@ -248,9 +248,13 @@ def test_variant_images_devices_and_gpu_request(kustomization, tag, device):
     resources = engine["resources"]
     gpus = [resources.get(part, {}).get("nvidia.com/gpu") for part in ("requests", "limits")]
     assert gpus == ([1, 1] if device == "cuda" else [None, None])
-    scheduler = containers_by_role(pod)["scheduler"]["resources"]
+    scheduler_container = containers_by_role(pod)["scheduler"]
+    scheduler = scheduler_container["resources"]
     assert "nvidia.com/gpu" not in {**scheduler.get("requests", {}), **scheduler.get("limits", {})}, (
         "the scheduler never uses a GPU")
+    # On a GPU the doors run in frontend processes (as `planserve serve` starts them there).
+    scheduler_args = expand(scheduler_container["args"], env_of(scheduler_container, docs))
+    assert flag(scheduler_args, "--frontend-processes") == ("4" if device == "cuda" else "0")
     for container in pod["containers"]:
         assert {"cpu", "memory"} <= set(container["resources"]["requests"]), container["name"]
         assert "memory" in container["resources"]["limits"], container["name"]
