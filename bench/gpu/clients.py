@@ -1,7 +1,7 @@
 """The GPU benchmark's clients: the workload sent from one or several processes, with the CPU
-they spent. At tens of thousands of streamed tokens a second one Python gRPC client process can
-saturate its core before the server does; several processes, each sending a share of the
-requests, keep the client from being what is measured, and its CPU% says whether it was.
+they spent. At a GPU's token rates one Python gRPC client process could be what is measured;
+several processes, each sending a share of the requests, keep it from being so, and the
+clients' CPU% says how close they came.
 """
 
 from __future__ import annotations
