@@ -1,10 +1,10 @@
 """How many frontend processes serve the doors when --frontend-processes is not given.
 
-On a CPU the step takes tens of milliseconds and the cores are the model's: the doors stay in
-the scheduler process. On a GPU a step takes a few milliseconds and streaming hundreds of tokens
-a step through grpc.aio on the scheduler loop's own thread holds the GPU back, so `planserve
-serve` moves the doors out to a few processes when the host has the cores for them
-(docs/benchmarks.md, "On a GPU: served beside the ceiling and transformers").
+On a CPU a step is long and the cores are the model's: the doors stay in the scheduler process.
+On a GPU steps come fast enough that streaming every token of every stream on the scheduler
+loop's own thread holds the GPU back, so `planserve serve` moves the doors out to a few
+processes when the host has the cores for them (docs/benchmarks.md, "Served after the host
+path", has the figures).
 """
 
 from __future__ import annotations
