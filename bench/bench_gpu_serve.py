@@ -41,6 +41,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -234,9 +235,24 @@ async def serve_phase(shape: str, requests, args, log_path: str) -> dict:
         progress(f"{shape}: serving on {address} after {started_s} s; sending the workload")
         facts = await describe(f"127.0.0.1:{server.engine_port}")
         result = await measure_serving(address, server, requests, args)
-        return {"startup_s": started_s, "argv": server.argv[1:], "describe": facts, **result}
     finally:
         await server.stop()
+    result["engine"]["launched_ahead"] = launched_ahead(log_path)
+    return {"startup_s": started_s, "argv": server.argv[1:], "describe": facts, **result}
+
+
+def launched_ahead(log_path: str) -> int | None:
+    """The steps the model service launched behind a step in flight (model_service/step/
+    launch_ahead.py), as its Execute stream's closing line logged them; None if not logged."""
+    found = None
+    if not os.path.exists(log_path):
+        return None
+    with open(log_path, errors="replace") as log:
+        for line in log:
+            if "execute_stream_closed" in line:
+                match = re.search(r"launched_ahead\W+(\d+)", line)
+                found = int(match.group(1)) if match else found
+    return found
 
 
 def child_phase(module: str, argv: list[str], out: str, args, log_path: str) -> dict:

@@ -235,6 +235,13 @@ class ModelServiceConfig:
     runs the graphs' padded steps without capturing them, on any device (checks of the padding
     on the CPU). Alias PLANSERVE_CUDA_GRAPHS (0 = off)."""
 
+    launch_ahead: str = setting("auto", choices=("auto", "on", "off"))
+    """A plain greedy step queued on the device behind the step in flight, before that step's
+    tokens reach the host (model_service/step/launch_ahead.py). "auto": on CUDA where steps
+    replay from graphs; "on": wherever steps run padded (with cuda_graphs "eager" on the CPU,
+    each step then waits briefly for the next plan: how CI checks this path); "off". Alias
+    PLANSERVE_LAUNCH_AHEAD."""
+
     lora_kernel: str = setting("auto", choices=("auto", "triton", "torch"))
     """--enable-lora: the adapters' products. "auto": the Triton grouped kernels on CUDA (in the
     captured steps too; model_service/lora/triton_stack.py), the torch and native paths
@@ -334,6 +341,7 @@ COMPUTE_ENV_ALIASES = {
     "gemm_isa": "PLANSERVE_GEMM_ISA",
     "decoder_loop": "PLANSERVE_DECODER_LOOP",
     "cuda_graphs": "PLANSERVE_CUDA_GRAPHS",
+    "launch_ahead": "PLANSERVE_LAUNCH_AHEAD",
     "lora_kernel": "PLANSERVE_LORA_KERNEL",
 }
 

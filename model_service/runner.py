@@ -38,6 +38,7 @@ from cython_ext import decode_step
 from cython_ext.mapping import StepInputBuilder, StepInputs
 from model_service.attention.kv_cache import KVCache
 from model_service.config import ModelServiceConfig
+from model_service.described import DescribedFacts
 from model_service.loading.loaded import LoadedModel
 from model_service.lora import grouping
 from model_service.lora.peft_folder import Adapter, AdapterError
@@ -45,9 +46,10 @@ from model_service.lora.stacked import LoadedStack
 from model_service.lora.store import AdapterStore
 from model_service.lora.triton_stack import TritonView
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
-from model_service.step import decode_fast, step_shape
+from model_service.step import decode_fast, launch_ahead, step_shape
 from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import StepClock, run_forward, to_device
+from model_service.step.launch_ahead import Launched
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
@@ -56,37 +58,6 @@ from model_service.step.slot_checks import check_plan
 from model_service.step.slot_table import SlotTable
 
 log = structlog.get_logger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class DescribedFacts:
-    """What this model service describes about itself in Describe, as plain values (the
-    scheduler's reading of the reply is scheduler_service/engine/client.py EngineFacts)."""
-
-    model_name: str
-    architecture: str
-    dtype: str
-    device: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    max_num_slots: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    tokenizer_json: str
-    chat_template: str
-    special_tokens: dict[str, str]
-    chunked_prefill: bool = True
-    block_copy: bool = True
-    num_swap_blocks: int = 0
-    num_speculative_tokens: int = 0  # > 0: speculation on, this many drafts per decode at most
-    # The step shape chosen for the device (step/step_shape.py); 0: not reported.
-    step_token_budget: int = 0
-    step_max_seqs: int = 0
-    # threads and kernel paths (threads.py)
-    compute: dict[str, str] = dataclasses.field(default_factory=dict)
-    lora: AdapterStore | None = None  # --enable-lora: its capacity (DescribeResponse.lora)
 
 
 @dataclasses.dataclass
@@ -158,6 +129,10 @@ class ModelRunner:
         # Plain plans (PlanArrays.plain) checked and applied by step/decode_fast.py; its checks
         # know neither drafts nor adapters. False: every plan takes the general path.
         self.fast_path = drafter is None and adapters is None
+        # Plain greedy steps queued behind the one in flight (step/launch_ahead.py).
+        self.ahead, self.compute["launch_ahead"] = launch_ahead.for_runner(
+            config.launch_ahead, graphs, self, self.fast_path
+        )
 
     def describe_facts(self) -> DescribedFacts:
         lm = self.loaded
@@ -197,6 +172,36 @@ class ModelRunner:
     def execute(self, plan: PlanArrays) -> ComputedStep:
         with self._lock, torch.inference_mode():
             return self._execute(plan)
+
+    def step_ahead(
+        self, plan: PlanArrays, prior: Launched | None
+    ) -> tuple[list[ComputedStep], Launched | None]:
+        """With launch-ahead (self.ahead): `plan` launched behind `prior` where it can be, else
+        run at once after `prior` finished. Returns the steps finished, in order, and the step
+        now in flight. A PlanError leaves `prior` in flight and the table as it was."""
+        with self._lock, torch.inference_mode():
+            assert self.ahead is not None
+            greedy = False
+            if plan.plain:
+                c = self.slot_table
+                greedy = decode_fast.check_and_append(plan, c, self.limits, self.block_size)
+                launched = self.ahead.launch(plan, prior) if greedy else None
+                if launched is not None:
+                    return self._finished(prior), launched
+            done = self._finished(prior)
+            if not plan.plain:
+                return [*done, self._execute(plan)], None
+            n, num_tokens = plan.num_scheduled_tokens, self.slot_table.num_tokens
+            return [*done, self._step(plan, n, num_tokens, _no_drafts, greedy).output], None
+
+    def finish(self, step: Launched) -> ComputedStep:
+        """The launched step's result, once its ids are on the host."""
+        with self._lock:
+            return self._finished(step)[0]
+
+    def _finished(self, step: Launched | None) -> list[ComputedStep]:
+        assert self.ahead is not None
+        return [] if step is None else [self.ahead.finish(step)]
 
     def load_adapter(self, lora_id: int, name: str, path: str) -> Adapter:
         """LoadAdapter, on the caller's thread (never under the step's lock: steps go on)."""

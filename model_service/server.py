@@ -4,16 +4,21 @@ Describe returns the runner's facts; Execute runs one plan per request, in order
 handler thread: read the plan, decode and check it, run it, encode and write the result, then read
 the next, with no event loop and no hand-off between threads on the step path (the measurements
 that chose a synchronous server over grpc.aio: docs/benchmarks.md, "The model service's host CPU
-per step"). The stream's lifetime is the lifetime of the slots: when it ends, every slot is
-dropped. One stream at a time: a second concurrent Execute gets FAILED_PRECONDITION. Errors map
-to status codes here and only here. Health checks, Describe and the LoRA RPCs run on other
-threads of the pool while a stream steps. `serve` and `shutdown` stay coroutines for their
-callers (the process's signal loop, tests); the server itself needs no event loop.
+per step"). With launch-ahead (CUDA) the next plan may be read, checked and launched before the
+step in front of it is answered (model_service/step/launch_ahead.py); its plans then come from a
+thread of their own (model_service/plan_stream.py). The stream's lifetime is the lifetime of
+the slots: when it ends, every slot is dropped. One stream at a time: a second concurrent Execute
+gets FAILED_PRECONDITION. Errors map to status codes here and only here. Health checks, Describe
+and the LoRA RPCs run on other threads of the pool while a stream steps. `serve` and `shutdown`
+stay coroutines for their callers (the process's signal loop, tests); the server itself needs no
+event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -27,10 +32,12 @@ from model_service.batch import facts_to_pb, from_pb, result_to_pb
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.lora.peft_folder import AdapterError
+from model_service.plan_stream import End, PlanStream
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
 from model_service.step import decode_fast
-from model_service.step.plan import PlanArrays, PlanError
+from model_service.step.launch_ahead import Launched
+from model_service.step.plan import ComputedStep, PlanArrays, PlanError
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -50,6 +57,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self._describe = facts_to_pb(runner.describe_facts())
+        # The runner that launches steps ahead (step/launch_ahead.py), else None: each plan is
+        # run and answered before the next is read (tensor parallel too).
+        self._launcher = (
+            runner if isinstance(runner, ModelRunner) and runner.ahead is not None else None
+        )
         # One open stream at a time. The flag is cleared as soon as a stream is ending (before its
         # status reaches the client), so a reconnecting scheduler is never refused by a stream that
         # is only cleaning up. Slot drops run under `_cleanup`: every new stream drops all slots
@@ -92,45 +104,88 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.EvictAdapterResponse()
 
     def Execute(self, request_iterator, context):
-        """A generator on the stream's handler thread: each `next` of the request iterator
-        blocks for the next plan, each `yield` blocks until the result is written (wire bytes
-        both ways: add_engine_service). A client
-        that goes away raises out of either (or ends the generator), and `finally` drops the
-        slots."""
+        """A generator on the stream's handler thread: each plan read blocks until it comes,
+        each `yield` until the result is written (wire bytes both ways: add_engine_service).
+        With launch-ahead a plan may be launched before the step in front of it is answered
+        (runner.step_ahead; plans then come from a reader thread: plan_stream.py); results
+        still go out in the plans' order. A client that goes away raises out of either (or
+        ends the generator), and `finally` drops the slots."""
         generation = self._open(context)
+        launcher = self._launcher
+        plans = PlanStream(request_iterator, threaded=launcher is not None)
+        stream = _StreamState()
         try:
             with self._cleanup:
                 self.runner.reset()  # waits for a step still running for an older stream
-            last_step_id = None  # steps run in order: each step_id above the previous one
-            for wire in request_iterator:
-                received = time.perf_counter_ns()
-                step_id = None
+            ended = False
+            while not (ended and stream.in_flight is None):
+                in_flight = stream.in_flight
+                wire = None if ended else plans.next(in_flight[0].ready if in_flight else None)
+                if isinstance(wire, End):
+                    ended = True
+                    continue
+                stream.step_id = None
                 try:
-                    plan, request = self._decode(wire)
-                    step_id = plan.step_id if plan is not None else request.plan.step_id
-                    if last_step_id is not None and step_id <= last_step_id:
-                        raise PlanError(
-                            "step_id", f"{step_id} is not after the previous step {last_step_id}"
-                        )
-                    last_step_id = step_id
-                    response = self._step(plan, request, received)
+                    answers = self._answer(wire, stream)
                 except PlanError as error:
-                    log.warning("bad_plan", step_id=step_id, field=error.field, error=error.message)
+                    # A step in flight goes unanswered: the scheduler recovers the whole stream.
+                    log.warning(
+                        "bad_plan", step_id=stream.step_id, field=error.field, error=error.message
+                    )
                     self._ending(generation)
                     context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
                     )
                 except Exception as error:  # a bug, a device failure, bytes that are no message
-                    log.exception("step_failed", step_id=step_id)
+                    log.exception("step_failed", step_id=stream.step_id)
                     self._ending(generation)
-                    context.abort(grpc.StatusCode.INTERNAL, f"step {step_id} failed: {error!r}")
-                yield response
+                    context.abort(
+                        grpc.StatusCode.INTERNAL, f"step {stream.step_id} failed: {error!r}"
+                    )
+                yield from answers
         finally:
             self._ending(generation)
             with self._cleanup:
+                if launcher is not None and stream.in_flight is not None:
+                    # Its device work must end before its buffers are written again.
+                    with contextlib.suppress(Exception):  # logged where it first failed
+                        launcher.finish(stream.in_flight[0])
                 if self._generation == generation:
                     self.runner.reset()
-            log.info("execute_stream_closed", generation=generation)
+            launched = launcher.ahead.launched if launcher and launcher.ahead else 0
+            log.info("execute_stream_closed", generation=generation, launched_ahead=launched)
+
+    def _answer(self, wire: bytes | None, stream: "_StreamState") -> list[bytes]:
+        """The results a plan's arrival (or, `wire` None, the step in flight finishing first)
+        lets the stream send, in the plans' order; the stream's state moves on."""
+        launcher, in_flight = self._launcher, stream.in_flight
+        received = time.perf_counter_ns()
+        if wire is None:
+            assert launcher is not None and in_flight is not None
+            stream.in_flight = None
+            return [self._encode(launcher.finish(in_flight[0]), in_flight[1])]
+        plan, request = self._decode(wire)
+        if plan is None:
+            assert request is not None
+            step_id = stream.step_id = request.plan.step_id
+        else:
+            step_id = stream.step_id = plan.step_id
+        if stream.last_step_id is not None and step_id <= stream.last_step_id:
+            raise PlanError(
+                "step_id", f"{step_id} is not after the previous step {stream.last_step_id}"
+            )
+        stream.last_step_id = step_id
+        if plan is None:
+            assert request is not None
+            plan = from_pb(request, self.runner.limits)
+        if launcher is None:
+            return [self._encode(self.runner.execute(plan), received)]
+        done, launched = launcher.step_ahead(plan, in_flight[0] if in_flight else None)
+        stream.in_flight = None if launched is None else (launched, received)
+        # `done`: the step in flight (step_ahead always finishes it), then this one unless it
+        # was launched.
+        came = [in_flight[1], received] if in_flight is not None else [received]
+        return [self._encode(output, received_ns) for output, received_ns in zip(done, came)]
 
     def _open(self, context) -> int:
         """The new stream's generation; FAILED_PRECONDITION while another stream is open."""
@@ -160,23 +215,24 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             return plan, None
         return None, engine_pb2.ExecuteRequest.FromString(wire)
 
-    def _step(
-        self,
-        plan: PlanArrays | None,
-        request: engine_pb2.ExecuteRequest | None,
-        received_ns: int,
-    ) -> bytes:
-        """One step: the plan checked (from_pb first for a message), run, its result encoded
-        (a result without logprobs by decode_fast's C loop, else by batch.result_to_pb)."""
-        if plan is None:
-            assert request is not None
-            plan = from_pb(request, self.runner.limits)
-        output = self.runner.execute(plan)
+    def _encode(self, output: ComputedStep, received_ns: int) -> bytes:
+        """A step's result (a result without logprobs by decode_fast's C loop, else by
+        batch.result_to_pb); total_ns counts from its plan's receipt."""
         total_ns = time.perf_counter_ns() - received_ns
         wire = decode_fast.encode_result(output, total_ns)
         if wire is None:
             return result_to_pb(output, total_ns=total_ns).SerializeToString()
         return wire
+
+
+@dataclasses.dataclass
+class _StreamState:
+    """An Execute stream's place: the step launched and not yet answered (and when its plan
+    came), the last step id run (each must be above it), the step id being run."""
+
+    in_flight: tuple[Launched, int] | None = None
+    last_step_id: int | None = None
+    step_id: int | None = None
 
 
 def add_engine_service(servicer: EngineServicer, server: grpc.Server) -> None:

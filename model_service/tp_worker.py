@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model_service.config import ModelServiceConfig
+from model_service.described import DescribedFacts
 from model_service.models.parallel import RankShare
-from model_service.runner import DescribedFacts, ModelRunner
+from model_service.runner import ModelRunner
 from model_service.start import start_runner
 from model_service.step.plan import ComputedStep, PlanArrays, PlanError
 

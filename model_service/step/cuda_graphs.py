@@ -191,10 +191,11 @@ class StepGraphs:
         return self.sizes[index] if index < len(self.sizes) else None
 
     def run(
-        self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray, lora=None
+        self, x, num_scheduled: np.ndarray, logits_indices: np.ndarray, lora=None, taken=None
     ) -> torch.Tensor | None:
         """The step's logits [R, vocab] from its bucket, or None where it must run unpadded
-        (`lora`, the step's adapter rows, on a path the graphs do not hold included)."""
+        (`lora`, the step's adapter rows, on a path the graphs do not hold included), with
+        nothing queued then. `taken`: input tokens from the device (PaddedStep.fill)."""
         if lora is not None and (
             self.lora_stack is None or getattr(lora, "stack", None) is not self.lora_stack
         ):
@@ -203,7 +204,7 @@ class StepGraphs:
         if size is None or not self.step.fits(x, num_scheduled, logits_indices, size):
             return None
         slots = None if lora is None else lora.row_slot_host
-        self.step.fill(x, num_scheduled, logits_indices, size, slots)
+        self.step.fill(x, num_scheduled, logits_indices, size, slots, taken)
         self.replays += 1
         count = logits_indices.size
         if not self.captured:

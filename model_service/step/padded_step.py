@@ -19,7 +19,14 @@ With the LoRA kernels in the graphs (lora/triton_stack.py), each row's adapter s
 token section, filled from the step's rows (-1 for base-model rows and padding).
 
 On CUDA the host writes a pinned staging copy of the buffer and one copy moves it (plus the
-block tables' used rows and columns) to the device before the replay.
+block tables' used rows and columns) to the device before the replay. There are two staging
+copies, used in turn, each rewritten only once its last copy to the device is done: a step
+launched ahead (model_service/step/launch_ahead.py) fills its inputs while the step before it
+may still be waiting for its own copy.
+
+A step launched ahead may take some input tokens from the step before it on the device: the
+rows `take_rows` read their token from that step's sampled ids at `take_from` (a section of the
+same buffer, so the one copy carries them), after the copy and before the replay.
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 _TOKEN_SECTIONS = ("input_ids", "positions", "slot_mapping")
 _SEQ_SECTIONS = ("query_start", "num_scheduled", "context_lens", "logits_indices")
-_NAMES = (*_TOKEN_SECTIONS, "lora_slot", *_SEQ_SECTIONS, "tiles")
+_TAKE_SECTIONS = ("take_rows", "take_from")
+_NAMES = (*_TOKEN_SECTIONS, "lora_slot", *_SEQ_SECTIONS, *_TAKE_SECTIONS, "tiles")
 
 
 class PaddedStep:
@@ -64,28 +72,47 @@ class PaddedStep:
         self.tile_rows, self.device = tile_rows, device
         self.max_tiles = cuda_attention.max_tiles(max_tokens, max_seqs, tile_rows)
         sizes = [max_tokens] * (len(_TOKEN_SECTIONS) + 1) + [max_seqs] * len(_SEQ_SECTIONS)
+        sizes += [max_seqs] * len(_TAKE_SECTIONS)
         sizes.append(2 * self.max_tiles)
         self._offsets = np.concatenate(([0], np.cumsum(sizes)))
         pinned = device.type == "cuda"
-        host = torch.zeros(int(self._offsets[-1]), dtype=torch.int64)
-        tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int64)
-        self.host = host.pin_memory() if pinned else host
-        self.host_tables = tables.pin_memory() if pinned else tables
-        # On the CPU the host buffers are the device's: nothing to copy.
-        self.buffer = self.host.to(device) if pinned else self.host
-        self.tables = self.host_tables.to(device) if pinned else self.host_tables
-        self._host_np = {n: self._section(self.host, i).numpy() for i, n in enumerate(_NAMES)}
-        self._host_np["tiles"] = self._host_np["tiles"].reshape(2, self.max_tiles)
+        hosts = [torch.zeros(int(self._offsets[-1]), dtype=torch.int64) for _ in range(2)]
+        # A step's block tables are staged packed, [its sequences, its width] (a copy from a
+        # strided host view would go through pageable memory, which waits for the stream).
+        tables = [torch.zeros(max_seqs * max_blocks_per_seq, dtype=torch.int64) for _ in range(2)]
+        # On the CPU the host buffer is the device's: one, and nothing to copy.
+        self._hosts = [h.pin_memory() for h in hosts] if pinned else hosts[:1]
+        self._host_tables = [t.pin_memory() for t in tables] if pinned else tables[:1]
+        self._host_nps = [self._sections(h) for h in self._hosts]
+        self._copied: list = [None] * len(self._hosts)  # each staging copy's last copy done
+        self._turn = 0  # the staging copy the next fill writes
+        self.buffer = self._hosts[0].to(device) if pinned else self._hosts[0]
+        self.tables = torch.zeros((max_seqs, max_blocks_per_seq), dtype=torch.int64, device=device)
+        self._packed_tables = self._host_tables[0].to(device) if pinned else None
         self._device = {n: self._section(self.buffer, i) for i, n in enumerate(_NAMES)}
         self._device["tiles"] = self._device["tiles"].view(2, self.max_tiles)
 
+    def _sections(self, buffer: torch.Tensor) -> dict[str, np.ndarray]:
+        sections = {n: self._section(buffer, i).numpy() for i, n in enumerate(_NAMES)}
+        sections["tiles"] = sections["tiles"].reshape(2, self.max_tiles)
+        return sections
+
     def clear(self) -> None:
         """Every row padding (a graph's warm-up and capture run on this), copied to the device."""
-        self.host.zero_()
-        self._host_np["lora_slot"][:] = -1
-        cuda_attention.attention_tiles(np.zeros(0, dtype=np.int64), 1, self._host_np["tiles"])
-        if self.buffer is not self.host:
-            self.buffer.copy_(self.host)
+        host, h = self._hosts[0], self._host_nps[0]
+        self._wait_for(0)
+        host.zero_()
+        h["lora_slot"][:] = -1
+        cuda_attention.attention_tiles(np.zeros(0, dtype=np.int64), 1, h["tiles"])
+        if self.buffer is not host:
+            self.buffer.copy_(host)
+
+    def _wait_for(self, turn: int) -> None:
+        """Returns once the staging copy `turn` may be written: its last copy is done."""
+        copied = self._copied[turn]
+        if copied is not None:
+            copied.synchronize()
+            self._copied[turn] = None
 
     def _section(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         return buffer[int(self._offsets[index]) : int(self._offsets[index + 1])]
@@ -119,11 +146,16 @@ class PaddedStep:
         logits_indices: np.ndarray,
         bucket: int,
         lora_slot: np.ndarray | None = None,
+        taken=None,
     ) -> None:
-        """The step's rows into the host buffers, the bucket's padding after them, then (CUDA)
-        the copy to the device, on the current stream. `lora_slot`: each row's adapter slot
-        (None: every row the base model's)."""
-        h, tokens, count = self._host_np, int(x.num_tokens), num_scheduled.size
+        """The step's rows into a host staging copy, the bucket's padding after them, then
+        (CUDA) the copy to the device, on the current stream. `lora_slot`: each row's adapter
+        slot (None: every row the base model's). `taken`: (rows, from, sampled): the input token
+        of each of `rows` is sampled[from], ids on the device of a step launched before."""
+        turn = self._turn
+        self._wait_for(turn)
+        self._turn = (turn + 1) % len(self._hosts)
+        h, tokens, count = self._host_nps[turn], int(x.num_tokens), num_scheduled.size
         seqs = self.seqs_of(bucket)
         for name in _TOKEN_SECTIONS:
             h[name][:tokens] = getattr(x, name)[:tokens]
@@ -141,10 +173,28 @@ class PaddedStep:
             num_scheduled, self.tile_rows, h["tiles"][:, : self.tiles_of(bucket)]
         )
         width = x.block_tables.shape[1]
-        self.host_tables.numpy()[:count, :width] = x.block_tables[:count]
-        if self.buffer is not self.host:
-            self.buffer.copy_(self.host, non_blocking=True)
-            self.tables[:count, :width].copy_(self.host_tables[:count, :width], non_blocking=True)
+        host, packed = self._hosts[turn], self._host_tables[turn][: count * width]
+        packed.numpy().reshape(count, width)[:] = x.block_tables[:count]
+        num_taken = 0
+        if taken is not None:
+            rows, sources, _ = taken
+            num_taken = rows.size
+            h["take_rows"][:num_taken] = rows
+            h["take_from"][:num_taken] = sources
+        if self._packed_tables is None:
+            self.tables[:count, :width] = packed.view(count, width)
+        else:
+            self.buffer.copy_(host, non_blocking=True)
+            on_device = self._packed_tables[: count * width]
+            on_device.copy_(packed, non_blocking=True)
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+            self.tables[:count, :width].copy_(on_device.view(count, width))  # on the device
+        if num_taken:
+            d, sampled = self._device, taken[2]
+            d["input_ids"].index_copy_(
+                0, d["take_rows"][:num_taken], sampled.index_select(0, d["take_from"][:num_taken])
+            )
 
     def args(self, bucket: int, eager_step=None):
         """The model's arguments over a bucket's views: (input_ids, positions, metadata,

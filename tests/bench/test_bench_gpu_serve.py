@@ -74,6 +74,9 @@ def test_the_dry_run_writes_every_field_and_the_counts_add_up(tmp_path):
     engine = serve["engine"]  # from the scheduler's /metrics around the run
     assert engine["steps"] >= 8  # 8 new tokens a request
     assert 0 < engine["forward_ms_per_step"] <= engine["wall_ms_per_step"]
+    # The CPU's steps are not padded: none launched ahead (the model service's closing line).
+    assert serve["describe"]["compute"]["launch_ahead"] == "off (steps not padded)"
+    assert engine["launched_ahead"] == 0
     assert ceiling["error"] is None and ceiling["batch"] >= 1 and ceiling["eager_ms"] > 0
     assert ceiling["graph_ms"] is None  # no graphs on the CPU
     assert ceiling["floor_ms"] == max(ceiling["memory_floor_ms"], ceiling["flop_floor_ms"])

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from model_service.batch import facts_to_pb, from_pb
-from model_service.runner import DescribedFacts
+from model_service.described import DescribedFacts
 from model_service.step.plan import PlanError, PlanLimits
 from planserve.contract import CONTRACT_VERSION, REQUEST_BOUNDS
 from planserve.v1 import engine_pb2, generate_pb2

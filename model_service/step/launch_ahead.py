@@ -1,0 +1,181 @@
+"""Launch-ahead: a plain greedy step queued on the device before the step in front of it has
+brought its tokens to the host.
+
+Why: on CUDA the model service's host work between two forwards (waiting for a step's token ids,
+writing its result, reading, checking and building the next plan) left the GPU idle for part of
+every step (docs/benchmarks.md, "Served after the host path"). The scheduler already sends step
+N+1 while N runs (scheduler_service/engine/loop.py, overlap); with launch-ahead the model service
+also queues N+1 on the device before it finishes N on the host:
+
+    launch N      inputs copied, replayed, argmax, the ids' copy to pinned memory queued
+    launch N+1    its inputs built on the host while N runs; a row whose input is a token N
+                  samples takes it from N's ids on the device (the slot table holds a stand-in
+                  until N finishes); queued behind N on the same stream
+    finish N      wait for N's ids, write them into the slot table, answer N
+    launch N+2 ...
+
+What launches: a plain plan (step/decode_fast.py: it only schedules registered slots and hands
+them blocks) whose every slot samples by a plain argmax, replayed from a padded step (the CUDA
+graphs, or cuda_graphs "eager"). Every other plan runs at once after the step in flight has
+finished, as without launch-ahead: one that drops or registers slots (a finished slot's stand-in
+must not outlive it), sampled rows (their logits processing reads earlier tokens), drafts,
+adapters, a step no bucket holds.
+
+The server (model_service/server.py) decides when to launch: it takes the next plan if one
+comes before the step in flight is done on the device, else it finishes that step first. On a
+synchronous device (the CPU) a step is done when launched; launch_ahead "on" holds it there for
+up to HOLD_NS waiting for the next plan, which is how CI runs this path without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from cython_ext import decode_step
+from cython_ext.mapping import StepInputBuilder
+from model_service.step.cuda_graphs import StepGraphs
+from model_service.step.forward import StepClock
+from model_service.step.plan import ComputedStep, PlanArrays
+from model_service.step.sampler import argmax_rows
+from model_service.step.slot_table import SlotTable
+
+# launch_ahead "on" on a synchronous device: how long a launched step waits for the next plan
+# (a scheduler in lockstep sends none until it has the result; this bounds that wait).
+HOLD_NS = 20_000_000
+
+
+def for_runner(
+    requested: str, graphs: StepGraphs | None, runner: Any, fast_path: bool
+) -> tuple[LaunchAhead | None, str]:
+    """The runner's LaunchAhead, or None, and the path Describe reports (`requested`: the
+    config's launch_ahead: "auto" on CUDA's padded steps, "on" wherever steps run padded,
+    "off"; `fast_path`: plain plans take step/decode_fast.py, no drafts and no adapters)."""
+    device = runner.device
+    why_not = None
+    if requested == "off":
+        why_not = "launch_ahead=off"
+    elif graphs is None:
+        why_not = "steps not padded"
+    elif not fast_path:
+        why_not = "drafts or adapters"
+    elif requested == "auto" and device.type != "cuda":
+        why_not = f"device {device.type}"
+    if graphs is None or why_not is not None:
+        return None, f"off ({why_not})"
+    ahead = LaunchAhead(graphs, runner.slot_table, runner.inputs, device, requested == "on")
+    return ahead, "plain greedy steps"
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step queued on the device whose token ids have not reached the host."""
+
+    output: ComputedStep  # its step id and sample flags; its ids once finished
+    sample_slots: np.ndarray  # the slots it samples, in its rows' order
+    positions: np.ndarray  # where each sample slot's token goes in the slot table
+    sampled: torch.Tensor  # the ids on the device (a step launched after it reads them)
+    host_ids: torch.Tensor  # where they are copied (pinned on CUDA)
+    done: Any  # torch.cuda.Event after the copy; None on a synchronous device
+    clock: StepClock
+    hold_until_ns: int
+
+    def ready(self) -> bool:
+        """Whether its ids are on the host (on a synchronous device: the hold is over)."""
+        if self.done is not None:
+            return bool(self.done.query())
+        return time.perf_counter_ns() >= self.hold_until_ns
+
+
+class LaunchAhead:
+    """Launches and finishes plain greedy steps over the runner's padded step (the runner owns
+    the choice of path and the lock: model_service/runner.py step_ahead)."""
+
+    def __init__(
+        self,
+        graphs: StepGraphs,
+        table: SlotTable,
+        inputs: StepInputBuilder,
+        device: torch.device,
+        hold: bool,
+    ) -> None:
+        self.graphs, self.table, self.inputs, self.device = graphs, table, inputs, device
+        pinned = device.type == "cuda"
+        ids = [torch.zeros(table.max_num_slots, dtype=torch.int64) for _ in range(2)]
+        # Two destinations in turn: a step's copy lands while the one before it is read.
+        self._ids = [i.pin_memory() for i in ids] if pinned else ids
+        self._turn = 0
+        self._hold_ns = HOLD_NS if hold and not pinned else 0
+        self.launched = 0  # steps launched while another was in flight (the stream's log)
+
+    def launch(self, plan: PlanArrays, prior: Launched | None) -> Launched | None:
+        """Queues `plan` (checked and its blocks appended: decode_fast.check_and_append said
+        greedy) behind `prior`; None, with nothing queued or changed, where no bucket holds it.
+        The slot table advances now, each sampled token a stand-in until `finish`."""
+        c, slots, n = self.table, plan.slots, plan.num_scheduled_tokens
+        x = self.inputs.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, slots, n)
+        taken = None
+        if prior is not None:
+            rows, sources = pending_rows(prior, slots, n, x.query_start, x.positions, c)
+            if rows.size:
+                taken = (rows, sources, prior.sampled)
+        clock = StepClock(self.device)
+        logits = self.graphs.run(x, n, x.logits_indices, taken=taken)
+        if logits is None:
+            return None
+        clock.forward_launched()
+        sampled = argmax_rows(logits)
+        count = int(sampled.shape[0])
+        host_ids = self._ids[self._turn][:count]
+        self._turn ^= 1
+        host_ids.copy_(sampled, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        sample_slots = x.sample_slots.copy()
+        positions = c.num_tokens[sample_slots]
+        stand_ins = np.zeros(count, dtype=np.int64)
+        decode_step.advance(c, slots, x.context_lens, sample_slots, stand_ins)
+        if prior is not None:
+            self.launched += 1
+        output = ComputedStep(plan.step_id, x.needs_sample.copy(), stand_ins, 0, 0)
+        hold_until = time.perf_counter_ns() + self._hold_ns
+        return Launched(output, sample_slots, positions, sampled, host_ids, done, clock, hold_until)
+
+    def finish(self, step: Launched) -> ComputedStep:
+        """Waits for the step's ids, writes them over their stand-ins, returns its result."""
+        if step.done is not None:
+            step.done.synchronize()
+        ids = step.host_ids.numpy().copy()
+        self.table.tokens[step.sample_slots, step.positions] = ids
+        step.output.sampled_token_ids = ids
+        step.output.forward_ns, step.output.sample_ns = step.clock.finish()
+        return step.output
+
+
+def pending_rows(
+    prior: Launched,
+    slots: np.ndarray,
+    num_scheduled: np.ndarray,
+    query_start: np.ndarray,
+    positions: np.ndarray,
+    table: SlotTable,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a step whose input token `prior` samples, and that token's index among
+    prior's ids: a slot prior sampled whose rows include the position its token went to."""
+    index = np.full(table.max_num_slots, -1, dtype=np.int64)
+    index[prior.sample_slots] = np.arange(prior.sample_slots.size)
+    sources = index[slots]
+    mine = sources >= 0
+    if not mine.any():
+        return sources[:0], sources[:0]
+    first = query_start[: slots.size][mine]
+    sources = sources[mine]
+    offset = prior.positions[sources] - positions[first]
+    inside = (offset >= 0) & (offset < num_scheduled[mine])
+    return (first + offset)[inside], sources[inside]

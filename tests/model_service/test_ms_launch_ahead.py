@@ -1,0 +1,168 @@
+"""Launch-ahead (model_service/step/launch_ahead.py) on the CPU: cuda_graphs "eager" runs the padded
+steps a CUDA graph replays, and launch_ahead "on" queues each plain greedy plan behind the step in
+flight, its input tokens from that step's ids on the device, the slot table holding stand-ins until
+the step finishes. A run of plans recorded from a lockstep runner (sequences joining, finishing,
+chunked prefills, a seeded sampled sequence beside greedy ones) replayed this way must give every
+step's result exactly, in the CPU's default dtype and in float32: the padded path is batch invariant
+on the CPU (test_ms_cuda_graphs.py), and launching ahead moves no arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from dtypes import served_dtypes
+from ms_driver import Driver
+
+from model_service.loading.loader import load_model
+from model_service.start import build_runner
+from model_service.step.plan import PlanArrays, PlanError
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class Recorder:
+    """A runner's execute, each plan and result kept (plain plans marked as the fast path
+    would read them)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps: list[tuple[PlanArrays, object]] = []
+
+    def execute(self, plan: PlanArrays):
+        plain = not (plan.new_sequences or plan.finished_slots.size)
+        plan = dataclasses.replace(plan, plain=plain)
+        output = self.runner.execute(plan)
+        self.steps.append((plan, output))
+        return output
+
+
+def _recorded(runner) -> list[tuple[PlanArrays, object]]:
+    recorder = Recorder(runner)
+    driver = Driver(recorder)
+    driver.add(0, list(range(3, 40)))
+    driver.add(1, list(range(50, 61)))
+    driver.run_to_completion(12, chunk=16, joins={4: [(3, list(range(200, 230)))]})
+    driver.add(2, list(range(100, 103)), temperature=0.8, top_k=20, seed=7)  # sampled: at once
+    driver.add(4, list(range(300, 305)))
+    driver.run_to_completion(6, chunk=16)
+    return recorder.steps
+
+
+def _result(output) -> tuple:
+    return (output.step_id, output.num_sampled_tokens.tolist(), output.sampled_token_ids.tolist())
+
+
+def _runners(dtype: str, device: str = "cpu"):
+    """(lockstep, launching ahead) runners over one loaded model: on the CPU the padded steps
+    run eagerly and launch_ahead is "on"; on CUDA the graphs replay and it is the default."""
+    if device == "cpu":
+        config = tiny_config(dtype=dtype, cuda_graphs="eager", profile_step_tokens=48)
+    else:
+        config = tiny_config(device=device, dtype=dtype, profile_step_tokens=64)
+    loaded = load_model(config)
+    lockstep = build_runner(loaded, dataclasses.replace(config, launch_ahead="off"))
+    mode = "on" if device == "cpu" else "auto"
+    ahead = build_runner(loaded, dataclasses.replace(config, launch_ahead=mode))
+    return lockstep, ahead
+
+
+@pytest.mark.parametrize(
+    "dtype, device",
+    [(d, "cpu") for d in served_dtypes("tiny")]
+    + [pytest.param(d, "cuda", marks=[pytest.mark.gpu, needs_cuda]) for d in ("float32", "auto")],
+)
+def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
+    """On CUDA: the graphs' replays, the pinned double buffers and the device-side tokens."""
+    lockstep, ahead = _runners(dtype, device)
+    assert lockstep.ahead is None and lockstep.compute["launch_ahead"] == "off (launch_ahead=off)"
+    assert ahead.ahead is not None and ahead.compute["launch_ahead"] == "plain greedy steps"
+    steps = _recorded(lockstep)
+    plain = sum(plan.plain for plan, _ in steps)
+    assert 10 <= plain < len(steps)  # registrations and drops between runs of plain steps
+
+    results, in_flight = [], None
+    for plan, _ in steps:
+        done, in_flight = ahead.step_ahead(plan, in_flight)
+        results += done
+    if in_flight is not None:
+        results.append(ahead.finish(in_flight))
+    assert [_result(o) for o in results] == [_result(o) for _, o in steps]
+    # Plain steps of greedy slots launched behind another; the sampled slot's ran at once.
+    assert ahead.ahead.launched >= 5
+    live = lockstep.slot_table.active.nonzero()[0]
+    assert (ahead.slot_table.active.nonzero()[0] == live).all()
+
+
+def test_a_bad_plan_behind_a_launched_step_changes_nothing_and_the_step_still_finishes():
+    lockstep, ahead = _runners("float32")
+    steps = _recorded(lockstep)
+    first_plain = next(i for i, (plan, _) in enumerate(steps) if plan.plain and i > 6)
+    in_flight = None
+    for plan, _ in steps[:first_plain]:
+        _, in_flight = ahead.step_ahead(plan, in_flight)
+    plan, expected = steps[first_plain]
+    done, in_flight = ahead.step_ahead(plan, in_flight)
+    assert in_flight is not None  # launched, its tokens not on the host yet
+    tokens_before = ahead.slot_table.num_tokens.copy()
+    bad = dataclasses.replace(
+        steps[first_plain + 1][0], num_scheduled_tokens=np.full_like(plan.slots, 10_000)
+    )
+    with pytest.raises(PlanError, match="num_scheduled_tokens"):
+        ahead.step_ahead(bad, in_flight)
+    assert (ahead.slot_table.num_tokens == tokens_before).all()
+    assert _result(ahead.finish(in_flight)) == _result(expected)
+
+
+def test_the_cpus_steps_never_launch_ahead_unless_asked(tiny_loaded):
+    default = build_runner(tiny_loaded, tiny_config())
+    assert default.ahead is None
+    assert default.compute["launch_ahead"] == "off (steps not padded)"
+    padded = build_runner(tiny_loaded, tiny_config(cuda_graphs="eager", profile_step_tokens=48))
+    assert padded.ahead is None and padded.compute["launch_ahead"] == "off (device cpu)"
+
+
+async def test_a_bad_plan_ends_the_stream_with_a_step_launched_and_the_next_stream_serves(
+    tiny_loaded,
+):
+    """Over the real server: register, two decodes (the second launched behind the first), then
+    a plan for a slot never registered: the first decode is answered, the stream ends with
+    INVALID_ARGUMENT naming the field (the launched step unanswered: the scheduler recovers the
+    whole stream), and a new stream registers the same slot at once (the slots were dropped)."""
+    import grpc
+
+    from model_service.server import serve, shutdown
+    from planserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    config = tiny_config(port=0, cuda_graphs="eager", profile_step_tokens=48, launch_ahead="on")
+    runner = build_runner(tiny_loaded, config)
+    server = await serve(config, runner=runner)
+    sampling = common_pb2.SamplingParams(temperature=0.0)
+    register = engine_pb2.ExecuteRequest(plan=engine_pb2.BatchPlan(
+        step_id=0, slots=[0], num_scheduled_tokens=[10], num_new_blocks=[1], new_block_ids=[1],
+        new_sequences=[engine_pb2.NewSequence(slot=0, token_ids=list(range(10, 20)),
+                                              sampling=sampling)]))  # fmt: skip
+
+    def decode(step_id: int, slot: int = 0) -> engine_pb2.ExecuteRequest:
+        return engine_pb2.ExecuteRequest(plan=engine_pb2.BatchPlan(
+            step_id=step_id, slots=[slot], num_scheduled_tokens=[1], num_new_blocks=[0]))  # fmt: skip
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            launched = runner.ahead.launched
+            call = stub.Execute(iter([register, decode(1), decode(2), decode(3, slot=5)]))
+            answered = []
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for response in call:
+                    answered.append(response.result.step_id)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "slots" in error.value.details()
+            assert answered == [0, 1] and runner.ahead.launched == launched + 1
+            again = stub.Execute(iter([register, decode(1)]))
+            assert [r.result.step_id async for r in again] == [0, 1]
+    finally:
+        await shutdown(server, grace_s=0.5)
