@@ -176,23 +176,32 @@ class ModelRunner:
     def step_ahead(
         self, plan: PlanArrays, prior: Launched | None
     ) -> tuple[list[ComputedStep], Launched | None]:
-        """With launch-ahead (self.ahead): `plan` launched behind `prior` where it can be, else
-        run at once after `prior` finished. Returns the steps finished, in order, and the step
-        now in flight. A PlanError leaves `prior` in flight and the table as it was."""
+        """With launch-ahead (self.ahead): `plan` launched behind `prior` where it can be (its
+        diff applied first: step/launch_ahead.py says which plans), else run at once after
+        `prior` finished. Returns the steps finished, in order, and the step now in flight. A
+        PlanError leaves `prior` in flight and the table as it was."""
         with self._lock, torch.inference_mode():
             assert self.ahead is not None
-            greedy = False
+            c = self.slot_table
             if plan.plain:
-                c = self.slot_table
                 greedy = decode_fast.check_and_append(plan, c, self.limits, self.block_size)
-                launched = self.ahead.launch(plan, prior) if greedy else None
-                if launched is not None:
-                    return self._finished(prior), launched
+            elif launch_ahead.applies_on_host(plan):
+                check_plan(plan, c, self.limits, self.block_size, self.num_speculative_tokens)
+                grouping.check_plan_adapters(plan, c.lora_id, None, 0)
+                if prior is not None:  # a dropped slot's token in flight stays out of the table
+                    prior.forget(plan.finished_slots, plan.preempted_slots, plan.aborted_slots)
+                self._apply_diff(plan)
+                greedy = c.samples_greedily(plan.slots)
+            else:
+                return [*self._finished(prior), self._execute(plan)], None
+            launched = self.ahead.launch(plan, prior) if greedy and plan.slots.size else None
+            if launched is not None:
+                return self._finished(prior), launched
             done = self._finished(prior)
-            if not plan.plain:
-                return [*done, self._execute(plan)], None
-            n, num_tokens = plan.num_scheduled_tokens, self.slot_table.num_tokens
-            return [*done, self._step(plan, n, num_tokens, _no_drafts, greedy).output], None
+            if not plan.slots.size:
+                return [*done, ComputedStep(plan.step_id, _NONE, _NONE, 0, 0)], None
+            n = plan.num_scheduled_tokens
+            return [*done, self._step(plan, n, c.num_tokens, _no_drafts, greedy).output], None
 
     def finish(self, step: Launched) -> ComputedStep:
         """The launched step's result, once its ids are on the host."""

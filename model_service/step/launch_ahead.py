@@ -14,12 +14,14 @@ also queues N+1 on the device before it finishes N on the host:
     finish N      wait for N's ids, write them into the slot table, answer N
     launch N+2 ...
 
-What launches: a plain plan (step/decode_fast.py: it only schedules registered slots and hands
-them blocks) whose every slot samples by a plain argmax, replayed from a padded step (the CUDA
-graphs, or cuda_graphs "eager"). Every other plan runs at once after the step in flight has
-finished, as without launch-ahead: one that drops or registers slots (a finished slot's stand-in
-must not outlive it), sampled rows (their logits processing reads earlier tokens), drafts,
-adapters, a step no bucket holds.
+What launches: a plan whose every scheduled slot samples by a plain argmax, replayed from a
+padded step (the CUDA graphs, or cuda_graphs "eager"), whose diff the host applies alone: slots
+dropped, registered, handed blocks (`applies_on_host`). A slot dropped while its token is in
+flight is forgotten by that step (`Launched.forget`): its token never reaches the table, where
+a new sequence may already hold the slot. Every other plan runs at once after the step in flight
+has finished, as without launch-ahead: sampled rows (their logits processing and draws are host
+work over earlier tokens), block copies and swaps, grammar masks, drafts, adapters, a step no
+bucket holds.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -71,6 +73,17 @@ def for_runner(
     return ahead, "plain greedy steps"
 
 
+def applies_on_host(plan: PlanArrays) -> bool:
+    """Whether a plan's diff is the host's alone (no block copies or swaps, no masks): a plan
+    that may launch ahead once its slots sample greedily."""
+    return not (
+        plan.copy_src.size
+        or plan.swap_out_src.size
+        or plan.swap_in_src.size
+        or plan.masked_slots.size
+    )
+
+
 @dataclasses.dataclass
 class Launched:
     """A step queued on the device whose token ids have not reached the host."""
@@ -83,6 +96,14 @@ class Launched:
     done: Any  # torch.cuda.Event after the copy; None on a synchronous device
     clock: StepClock
     hold_until_ns: int
+    live: np.ndarray  # per sample slot: False once a later plan dropped the slot
+
+    def forget(self, *dropped: np.ndarray) -> None:
+        """Slots a later plan drops before this step finishes: their tokens stay out of the
+        slot table and out of the next steps' inputs (the result still carries them)."""
+        gone = np.concatenate(dropped)
+        if gone.size:
+            self.live &= ~np.isin(self.sample_slots, gone)
 
     def ready(self) -> bool:
         """Whether its ids are on the host (on a synchronous device: the hold is over)."""
@@ -145,14 +166,18 @@ class LaunchAhead:
             self.launched += 1
         output = ComputedStep(plan.step_id, x.needs_sample.copy(), stand_ins, 0, 0)
         hold_until = time.perf_counter_ns() + self._hold_ns
-        return Launched(output, sample_slots, positions, sampled, host_ids, done, clock, hold_until)
+        live = np.ones(count, dtype=bool)
+        return Launched(
+            output, sample_slots, positions, sampled, host_ids, done, clock, hold_until, live
+        )
 
     def finish(self, step: Launched) -> ComputedStep:
         """Waits for the step's ids, writes them over their stand-ins, returns its result."""
         if step.done is not None:
             step.done.synchronize()
         ids = step.host_ids.numpy().copy()
-        self.table.tokens[step.sample_slots, step.positions] = ids
+        live = step.live
+        self.table.tokens[step.sample_slots[live], step.positions[live]] = ids[live]
         step.output.sampled_token_ids = ids
         step.output.forward_ns, step.output.sample_ns = step.clock.finish()
         return step.output
@@ -167,9 +192,11 @@ def pending_rows(
     table: SlotTable,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows of a step whose input token `prior` samples, and that token's index among
-    prior's ids: a slot prior sampled whose rows include the position its token went to."""
+    prior's ids: a slot prior sampled (and no plan dropped since) whose rows include the
+    position its token went to."""
     index = np.full(table.max_num_slots, -1, dtype=np.int64)
-    index[prior.sample_slots] = np.arange(prior.sample_slots.size)
+    live = prior.live
+    index[prior.sample_slots[live]] = np.arange(prior.sample_slots.size)[live]
     sources = index[slots]
     mine = sources >= 0
     if not mine.any():

@@ -88,6 +88,17 @@ class SlotTable:
         self.num_prompt_logprobs[slot] = processing.num_prompt_logprobs
         self.active[slot] = True
 
+    def samples_greedily(self, slots: np.ndarray) -> bool:
+        """Whether every slot of `slots` samples by a plain argmax: no temperature, nothing that
+        changes its logits, no logprobs (cython_ext/decode_step.pyx check_decode's rule, for a
+        plan the C checks do not read)."""
+        return not (
+            (self.temperature[slots] > 0)
+            | self.changes_logits[slots]
+            | (self.num_logprobs[slots] >= 0)
+            | (self.num_prompt_logprobs[slots] >= 0)
+        ).any()
+
     def drop(self, slots: np.ndarray) -> None:
         self.active[slots] = False
 
