@@ -236,11 +236,11 @@ class ModelServiceConfig:
     on the CPU). Alias PLANSERVE_CUDA_GRAPHS (0 = off)."""
 
     launch_ahead: str = setting("auto", choices=("auto", "on", "off"))
-    """A plain greedy step queued on the device behind the step in flight, before that step's
-    tokens reach the host (model_service/step/launch_ahead.py). "auto": on CUDA where steps
-    replay from graphs; "on": wherever steps run padded (with cuda_graphs "eager" on the CPU,
-    each step then waits briefly for the next plan: how CI checks this path); "off". Alias
-    PLANSERVE_LAUNCH_AHEAD."""
+    """A step queued on the device behind the step in flight, before that step's tokens reach
+    the host (model_service/step/launch_ahead.py; steps with penalties, grammar masks or
+    logprobs wait). "auto": on CUDA where steps replay from graphs; "on": wherever steps run
+    padded (with cuda_graphs "eager" on the CPU, each step then waits briefly for the next
+    plan: how CI checks this path); "off". Alias PLANSERVE_LAUNCH_AHEAD."""
 
     lora_kernel: str = setting("auto", choices=("auto", "triton", "torch"))
     """--enable-lora: the adapters' products. "auto": the Triton grouped kernels on CUDA (in the

@@ -194,7 +194,9 @@ class ModelRunner:
                 greedy = c.samples_greedily(plan.slots)
             else:
                 return [*self._finished(prior), self._execute(plan)], None
-            launched = self.ahead.launch(plan, prior) if greedy and plan.slots.size else None
+            launched = None
+            if plan.slots.size and (greedy or c.samples_plainly(plan.slots)):
+                launched = self.ahead.launch(plan, prior, greedy)
             if launched is not None:
                 return self._finished(prior), launched
             done = self._finished(prior)

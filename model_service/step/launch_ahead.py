@@ -1,5 +1,5 @@
-"""Launch-ahead: a plain greedy step queued on the device before the step in front of it has
-brought its tokens to the host.
+"""Launch-ahead: a step queued on the device before the step in front of it has brought its
+tokens to the host.
 
 Why: on CUDA the model service's host work between two forwards (waiting for a step's token ids,
 writing its result, reading, checking and building the next plan) left the GPU idle for part of
@@ -14,14 +14,15 @@ also queues N+1 on the device before it finishes N on the host:
     finish N      wait for N's ids, write them into the slot table, answer N
     launch N+2 ...
 
-What launches: a plan whose every scheduled slot samples by a plain argmax, replayed from a
-padded step (the CUDA graphs, or cuda_graphs "eager"), whose diff the host applies alone: slots
-dropped, registered, handed blocks (`applies_on_host`). A slot dropped while its token is in
-flight is forgotten by that step (`Launched.forget`): its token never reaches the table, where
-a new sequence may already hold the slot. Every other plan runs at once after the step in flight
-has finished, as without launch-ahead: sampled rows (their logits processing and draws are host
-work over earlier tokens), block copies and swaps, grammar masks, drafts, adapters, a step no
-bucket holds.
+What launches: a plan whose every scheduled slot draws from its logits, its sampling parameters
+and its position alone (greedy, or temperature, top-k, top-p and min-p with its seed: nothing
+reads an earlier token), replayed from a padded step (the CUDA graphs, or cuda_graphs "eager"),
+whose diff the host applies alone: slots dropped, registered, handed blocks (`applies_on_host`).
+A slot dropped while its token is in flight is forgotten by that step (`Launched.forget`): its
+token never reaches the table, where a new sequence may already hold the slot. Every other plan
+runs at once after the step in flight has finished, as without launch-ahead: logits processing
+(penalties, bias, min tokens: they read the tokens before) and logprobs, block copies and swaps,
+grammar masks, drafts, adapters, a step no bucket holds.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -43,7 +44,8 @@ from cython_ext.mapping import StepInputBuilder
 from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import StepClock
 from model_service.step.plan import ComputedStep, PlanArrays
-from model_service.step.sampler import argmax_rows
+from model_service.step.sample_step import sampling_batch
+from model_service.step.sampler import argmax_rows, sample
 from model_service.step.slot_table import SlotTable
 
 # launch_ahead "on" on a synchronous device: how long a launched step waits for the next plan
@@ -70,7 +72,7 @@ def for_runner(
     if graphs is None or why_not is not None:
         return None, f"off ({why_not})"
     ahead = LaunchAhead(graphs, runner.slot_table, runner.inputs, device, requested == "on")
-    return ahead, "plain greedy steps"
+    return ahead, "steps without penalties, masks or logprobs"
 
 
 def applies_on_host(plan: PlanArrays) -> bool:
@@ -113,8 +115,8 @@ class Launched:
 
 
 class LaunchAhead:
-    """Launches and finishes plain greedy steps over the runner's padded step (the runner owns
-    the choice of path and the lock: model_service/runner.py step_ahead)."""
+    """Launches and finishes steps over the runner's padded step (the runner owns the choice of
+    path and the lock: model_service/runner.py step_ahead)."""
 
     def __init__(
         self,
@@ -133,10 +135,10 @@ class LaunchAhead:
         self._hold_ns = HOLD_NS if hold and not pinned else 0
         self.launched = 0  # steps launched while another was in flight (the stream's log)
 
-    def launch(self, plan: PlanArrays, prior: Launched | None) -> Launched | None:
-        """Queues `plan` (checked and its blocks appended: decode_fast.check_and_append said
-        greedy) behind `prior`; None, with nothing queued or changed, where no bucket holds it.
-        The slot table advances now, each sampled token a stand-in until `finish`."""
+    def launch(self, plan: PlanArrays, prior: Launched | None, greedy: bool) -> Launched | None:
+        """Queues `plan` (checked and its diff applied; its slots sample plainly: `greedy`, by
+        an argmax) behind `prior`; None, with nothing queued or changed, where no bucket holds
+        it. The slot table advances now, each sampled token a stand-in until `finish`."""
         c, slots, n = self.table, plan.slots, plan.num_scheduled_tokens
         x = self.inputs.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, slots, n)
         taken = None
@@ -149,7 +151,9 @@ class LaunchAhead:
         if logits is None:
             return None
         clock.forward_launched()
-        sampled = argmax_rows(logits)
+        sampled = (
+            argmax_rows(logits) if greedy else sample(logits, sampling_batch(c, x.sample_slots))
+        )
         count = int(sampled.shape[0])
         host_ids = self._ids[self._turn][:count]
         self._turn ^= 1

@@ -35,15 +35,7 @@ def sample_rows(
                 [row_of_slot[slot] for slot in plan.masked_slots.tolist()], dtype=np.int64
             )  # slot_checks: all sample
             apply_masks(logits, rows, plan.allowed_token_bitmask, raw)
-    params = SamplingBatch(
-        temperature=table.temperature[sample_slots],
-        top_k=table.top_k[sample_slots],
-        top_p=table.top_p[sample_slots],
-        seed=table.seed[sample_slots],
-        position=table.num_tokens[sample_slots],
-        min_p=table.min_p[sample_slots],
-    )
-    sampled = sample(logits, params).cpu().numpy().astype(np.int64)
+    sampled = sample(logits, sampling_batch(table, sample_slots)).cpu().numpy().astype(np.int64)
     logprob_rows = (table.num_logprobs[sample_slots] >= 0).nonzero()[0]
     if logprob_rows.size:
         output.logprobs, output.logprob_token_ids = gather_logprobs(
@@ -52,3 +44,16 @@ def sample_rows(
             table.num_logprobs[sample_slots[logprob_rows]],
         )
     return sampled
+
+
+def sampling_batch(table: SlotTable, sample_slots: np.ndarray) -> SamplingBatch:
+    """The sample slots' parameters, each drawing at its next position (the slot's known tokens:
+    the reproducibility rule's position, model_service/step/sampler.py)."""
+    return SamplingBatch(
+        temperature=table.temperature[sample_slots],
+        top_k=table.top_k[sample_slots],
+        top_p=table.top_p[sample_slots],
+        seed=table.seed[sample_slots],
+        position=table.num_tokens[sample_slots],
+        min_p=table.min_p[sample_slots],
+    )

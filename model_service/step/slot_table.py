@@ -88,16 +88,19 @@ class SlotTable:
         self.num_prompt_logprobs[slot] = processing.num_prompt_logprobs
         self.active[slot] = True
 
-    def samples_greedily(self, slots: np.ndarray) -> bool:
-        """Whether every slot of `slots` samples by a plain argmax: no temperature, nothing that
-        changes its logits, no logprobs (cython_ext/decode_step.pyx check_decode's rule, for a
-        plan the C checks do not read)."""
+    def samples_plainly(self, slots: np.ndarray) -> bool:
+        """Whether every slot of `slots` draws from its logits, its sampling parameters and its
+        position alone: nothing changes its logits (penalties read earlier tokens), no logprobs."""
         return not (
-            (self.temperature[slots] > 0)
-            | self.changes_logits[slots]
+            self.changes_logits[slots]
             | (self.num_logprobs[slots] >= 0)
             | (self.num_prompt_logprobs[slots] >= 0)
         ).any()
+
+    def samples_greedily(self, slots: np.ndarray) -> bool:
+        """samples_plainly, by a plain argmax: no temperature either (cython_ext/decode_step.pyx
+        check_decode's rule, for a plan the C checks do not read)."""
+        return not (self.temperature[slots] > 0).any() and self.samples_plainly(slots)
 
     def drop(self, slots: np.ndarray) -> None:
         self.active[slots] = False

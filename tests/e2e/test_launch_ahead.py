@@ -1,5 +1,5 @@
 """Launch-ahead through real servers (tiny model, float32: its tokens are compared with the default
-engine's, which serves float32): a model service whose plain greedy steps launch behind the step
+engine's, which serves float32): a model service whose steps launch behind the step
 in flight (cuda_graphs "eager" and launch_ahead "on": the padded path a CUDA graph replays, each
 launched step waiting on the CPU for the next plan as a GPU's forward would let it) under the
 default scheduler (overlap: two plans in flight) gives the default engine's greedy tokens for
@@ -29,7 +29,7 @@ CONFIG = ModelServiceConfig(model="tiny", dtype="float32", num_kv_blocks=64, por
 async def ahead():
     """(scheduler server, model-service runner) with launch-ahead."""
     runner = build_runner(load_model(CONFIG), CONFIG)
-    assert runner.compute["launch_ahead"] == "plain greedy steps"
+    assert runner.compute["launch_ahead"] == "steps without penalties, masks or logprobs"
     engine = await serve(dataclasses.replace(CONFIG), runner=runner)
     server = await start_scheduler(f"127.0.0.1:{engine.bound_port}", max_num_batched_tokens=64,
                                    max_num_seqs=16)

@@ -1,11 +1,12 @@
 """Launch-ahead (model_service/step/launch_ahead.py) on the CPU: cuda_graphs "eager" runs the padded
-steps a CUDA graph replays, and launch_ahead "on" queues each plan of greedy slots behind the step in
-flight (plain plans, and plans that drop and register slots), its input tokens from that step's ids
-on the device, the slot table holding stand-ins until the step finishes. A run of plans recorded
-from a lockstep runner (sequences joining, finishing, a slot reused in the plan that drops it,
-chunked prefills, a seeded sampled sequence beside greedy ones) replayed this way must give every
-step's result exactly, in the CPU's default dtype and in float32: the padded path is batch invariant
-on the CPU (test_ms_cuda_graphs.py), and launching ahead moves no arithmetic."""
+steps a CUDA graph replays, and launch_ahead "on" queues each plan behind the step in flight (plain
+plans, and plans that drop and register slots, of greedy or seeded sampled slots), its input tokens
+from that step's ids on the device, the slot table holding stand-ins until the step finishes. A run
+of plans recorded from a lockstep runner (sequences joining, finishing, a slot reused in the plan
+that drops it, chunked prefills, a seeded sampled sequence beside greedy ones, one asking for
+logprobs, which waits) replayed this way must give every step's result exactly, in the CPU's
+default dtype and in float32: the padded path is batch invariant on the CPU
+(test_ms_cuda_graphs.py), and launching ahead moves no arithmetic."""
 
 from __future__ import annotations
 
@@ -53,11 +54,15 @@ def _recorded(runner) -> list[tuple[PlanArrays, object]]:
     assert set(driver._pending_drop) == {3}
     driver.add(3, list(range(300, 360)))
     driver.run_to_completion(6, chunk=16)
+    driver.add(5, list(range(400, 420)), with_logprobs=True)  # logprobs: at once
+    driver.add(6, list(range(500, 510)))
+    driver.run_to_completion(4, chunk=16)
     return recorder.steps
 
 
 def _result(output) -> tuple:
-    return (output.step_id, output.num_sampled_tokens.tolist(), output.sampled_token_ids.tolist())
+    ids, logprobs = output.sampled_token_ids.tolist(), output.logprobs.tolist()
+    return (output.step_id, output.num_sampled_tokens.tolist(), ids, logprobs)
 
 
 def _runners(dtype: str, device: str = "cpu"):
@@ -83,7 +88,7 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     """On CUDA: the graphs' replays, the pinned double buffers and the device-side tokens."""
     lockstep, ahead = _runners(dtype, device)
     assert lockstep.ahead is None and lockstep.compute["launch_ahead"] == "off (launch_ahead=off)"
-    assert ahead.ahead is not None and ahead.compute["launch_ahead"] == "plain greedy steps"
+    assert ahead.ahead is not None and ahead.compute["launch_ahead"] == "steps without penalties, masks or logprobs"
     steps = _recorded(lockstep)
     plain = sum(plan.plain for plan, _ in steps)
     assert 10 <= plain < len(steps)  # registrations and drops between runs of plain steps
@@ -95,9 +100,9 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     if in_flight is not None:
         results.append(ahead.finish(in_flight))
     assert [_result(o) for o in results] == [_result(o) for _, o in steps]
-    # Every step of greedy slots launched; behind another where that one launched too. The
-    # sampled slot's steps (slot 2) ran at once.
-    launches = [plan.slots.size > 0 and 2 not in plan.slots for plan, _ in steps]
+    # Every step that schedules a slot launched (the sampled slot 2 draws from its seed and
+    # position alone) but slot 5's (logprobs); behind another where that one launched too.
+    launches = [plan.slots.size > 0 and 5 not in plan.slots for plan, _ in steps]
     behind = sum(a and b for a, b in zip(launches, launches[1:]))
     assert behind >= len(steps) // 2 and ahead.ahead.launched == behind
     live = lockstep.slot_table.active.nonzero()[0]
