@@ -17,27 +17,23 @@ event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import socket
 import threading
-import time
 from concurrent import futures
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from model_service.batch import facts_to_pb, from_pb, result_to_pb
+from model_service.batch import facts_to_pb, from_pb
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.lora.peft_folder import AdapterError
 from model_service.plan_stream import End, PlanStream
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
-from model_service.step import decode_fast
-from model_service.step.launch_ahead import Launched
-from model_service.step.plan import ComputedStep, PlanArrays, PlanError
+from model_service.step.plan import PlanError
+from model_service.stream_steps import StreamSteps
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
@@ -111,81 +107,42 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         still go out in the plans' order. A client that goes away raises out of either (or
         ends the generator), and `finally` drops the slots."""
         generation = self._open(context)
-        launcher = self._launcher
-        plans = PlanStream(request_iterator, threaded=launcher is not None)
-        stream = _StreamState()
+        plans = PlanStream(request_iterator, threaded=self._launcher is not None)
+        steps = StreamSteps(self.runner, self._launcher)
         try:
             with self._cleanup:
                 self.runner.reset()  # waits for a step still running for an older stream
             ended = False
-            while not (ended and stream.in_flight is None):
-                in_flight = stream.in_flight
-                wire = None if ended else plans.next(in_flight[0].ready if in_flight else None)
+            while not (ended and steps.in_flight is None):
+                wire = None if ended else plans.next(steps.done_first())
                 if isinstance(wire, End):
                     ended = True
                     continue
-                stream.step_id = None
                 try:
-                    answers = self._answer(wire, stream)
+                    answers = steps.answer(wire)
                 except PlanError as error:
                     # A step in flight goes unanswered: the scheduler recovers the whole stream.
                     log.warning(
-                        "bad_plan", step_id=stream.step_id, field=error.field, error=error.message
+                        "bad_plan", step_id=steps.step_id, field=error.field, error=error.message
                     )
                     self._ending(generation)
                     context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
                     )
                 except Exception as error:  # a bug, a device failure, bytes that are no message
-                    log.exception("step_failed", step_id=stream.step_id)
+                    log.exception("step_failed", step_id=steps.step_id)
                     self._ending(generation)
                     context.abort(
-                        grpc.StatusCode.INTERNAL, f"step {stream.step_id} failed: {error!r}"
+                        grpc.StatusCode.INTERNAL, f"step {steps.step_id} failed: {error!r}"
                     )
                 yield from answers
         finally:
             self._ending(generation)
             with self._cleanup:
-                if launcher is not None and stream.in_flight is not None:
-                    # Its device work must end before its buffers are written again.
-                    with contextlib.suppress(Exception):  # logged where it first failed
-                        launcher.finish(stream.in_flight[0])
+                steps.abandon()
                 if self._generation == generation:
                     self.runner.reset()
-            launched = launcher.ahead.launched if launcher and launcher.ahead else 0
-            log.info("execute_stream_closed", generation=generation, launched_ahead=launched)
-
-    def _answer(self, wire: bytes | None, stream: "_StreamState") -> list[bytes]:
-        """The results a plan's arrival (or, `wire` None, the step in flight finishing first)
-        lets the stream send, in the plans' order; the stream's state moves on."""
-        launcher, in_flight = self._launcher, stream.in_flight
-        received = time.perf_counter_ns()
-        if wire is None:
-            assert launcher is not None and in_flight is not None
-            stream.in_flight = None
-            return [self._encode(launcher.finish(in_flight[0]), in_flight[1])]
-        plan, request = self._decode(wire)
-        if plan is None:
-            assert request is not None
-            step_id = stream.step_id = request.plan.step_id
-        else:
-            step_id = stream.step_id = plan.step_id
-        if stream.last_step_id is not None and step_id <= stream.last_step_id:
-            raise PlanError(
-                "step_id", f"{step_id} is not after the previous step {stream.last_step_id}"
-            )
-        stream.last_step_id = step_id
-        if plan is None:
-            assert request is not None
-            plan = from_pb(request, self.runner.limits)
-        if launcher is None:
-            return [self._encode(self.runner.execute(plan), received)]
-        done, launched = launcher.step_ahead(plan, in_flight[0] if in_flight else None)
-        stream.in_flight = None if launched is None else (launched, received)
-        # `done`: the step in flight (step_ahead always finishes it), then this one unless it
-        # was launched.
-        came = [in_flight[1], received] if in_flight is not None else [received]
-        return [self._encode(output, received_ns) for output, received_ns in zip(done, came)]
+            log.info("execute_stream_closed", generation=generation, launched_ahead=steps.launched)
 
     def _open(self, context) -> int:
         """The new stream's generation; FAILED_PRECONDITION while another stream is open."""
@@ -206,33 +163,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         with self._lock:
             if self._generation == generation:
                 self._stream_open = False
-
-    def _decode(self, wire: bytes) -> tuple[PlanArrays | None, engine_pb2.ExecuteRequest | None]:
-        """(the plan, None) when step/decode_fast.py's C loops read it (a plain plan that passes
-        the stateless checks), else (None, the request message) for batch.from_pb."""
-        plan = decode_fast.parse_request(wire, self.runner.limits)
-        if plan is not None:
-            return plan, None
-        return None, engine_pb2.ExecuteRequest.FromString(wire)
-
-    def _encode(self, output: ComputedStep, received_ns: int) -> bytes:
-        """A step's result (a result without logprobs by decode_fast's C loop, else by
-        batch.result_to_pb); total_ns counts from its plan's receipt."""
-        total_ns = time.perf_counter_ns() - received_ns
-        wire = decode_fast.encode_result(output, total_ns)
-        if wire is None:
-            return result_to_pb(output, total_ns=total_ns).SerializeToString()
-        return wire
-
-
-@dataclasses.dataclass
-class _StreamState:
-    """An Execute stream's place: the step launched and not yet answered (and when its plan
-    came), the last step id run (each must be above it), the step id being run."""
-
-    in_flight: tuple[Launched, int] | None = None
-    last_step_id: int | None = None
-    step_id: int | None = None
 
 
 def add_engine_service(servicer: EngineServicer, server: grpc.Server) -> None:

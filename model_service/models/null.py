@@ -12,7 +12,11 @@ continuations, by length and last token modulo 26); whatever slot, batch or samp
 it gets, it continues the same way (one-hot logits make every sampler pick the same id), so
 recompute, restarts and batching reproduce it. EOS comes only when asked: with `eos_at` set, the
 token at position >= eos_at is EOS.
-`step_delay_ms` sleeps in the forward (the GIL is released), standing in for a model of that speed.
+`step_delay_ms` stands in for a model of that speed: the forward sleeps (the GIL is released) until
+the step is done. With launch-ahead (model_service/step/launch_ahead.py) the delay runs the way a
+GPU's steps do instead: a launched step is queued behind the one before and the forward returns at
+once; `device_free_ns` says when the queued steps are done, and the host waits for that only where
+a GPU's host would (the launched step's ids; a step run at once).
 
 The tokenizer is byte-level with no merges: id b < 256 is byte b, then the specials below, so the
 scheduler's tokenizer, chat template and detokenizer work unchanged and text prompts cost one token
@@ -124,6 +128,8 @@ class NullLM(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1), requires_grad=False)
         self.step_delay_s = step_delay_ms / 1000.0
         self.eos_at = eos_at
+        self.queue_steps = False  # set by launch-ahead around a launched step's forward
+        self.device_free_ns = 0  # when the last step queued is done
         self.register_buffer(
             "alphabet", torch.tensor(list(NULL_ALPHABET), dtype=torch.int64), persistent=False
         )
@@ -134,7 +140,10 @@ class NullLM(nn.Module):
         """`lora` (rows grouped by adapter) changes nothing: the null model continues the same
         way whatever adapter a sequence names."""
         if self.step_delay_s > 0:
-            time.sleep(self.step_delay_s)
+            start = max(time.perf_counter_ns(), self.device_free_ns)
+            self.device_free_ns = start + int(self.step_delay_s * 1e9)
+            if not self.queue_steps:
+                wait_until(self.device_free_ns)
         if input_ids.device.type == "cpu":
             return torch.from_numpy(
                 self._host_logits(input_ids.numpy(), positions.numpy(), logits_indices.numpy())
@@ -164,3 +173,10 @@ class NullLM(nn.Module):
         logits = np.full((last.size, NULL_VOCAB_SIZE), -1e4, dtype=np.float32)
         logits[np.arange(last.size), next_ids] = 0.0
         return logits
+
+
+def wait_until(deadline_ns: int) -> None:
+    """Sleeps until time.perf_counter_ns() reaches `deadline_ns`."""
+    left_s = (deadline_ns - time.perf_counter_ns()) / 1e9
+    if left_s > 0:
+        time.sleep(left_s)

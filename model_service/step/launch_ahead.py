@@ -27,7 +27,10 @@ grammar masks, drafts, adapters, a step no bucket holds.
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
 synchronous device (the CPU) a step is done when launched; launch_ahead "on" holds it there for
-up to HOLD_NS waiting for the next plan, which is how CI runs this path without a GPU.
+up to HOLD_NS waiting for the next plan, which is how CI runs this path without a GPU. A model
+that stands in for an asynchronous device (the null model with a step delay: `queue_steps`,
+`device_free_ns`) queues a launched step's delay instead, and the step is done when that has run:
+the host path's benchmark then sees what launching ahead hides, without a GPU.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 
 from cython_ext import decode_step
 from cython_ext.mapping import StepInputBuilder
+from model_service.models.null import wait_until
 from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import StepClock
 from model_service.step.plan import ComputedStep, PlanArrays
@@ -147,7 +151,14 @@ class LaunchAhead:
             if rows.size:
                 taken = (rows, sources, prior.sampled)
         clock = StepClock(self.device)
-        logits = self.graphs.run(x, n, x.logits_indices, taken=taken)
+        stand_in = self._stands_in_for_a_device()
+        if stand_in:
+            self.graphs.model.queue_steps = True
+        try:
+            logits = self.graphs.run(x, n, x.logits_indices, taken=taken)
+        finally:
+            if stand_in:
+                self.graphs.model.queue_steps = False
         if logits is None:
             return None
         clock.forward_launched()
@@ -169,7 +180,10 @@ class LaunchAhead:
         if prior is not None:
             self.launched += 1
         output = ComputedStep(plan.step_id, x.needs_sample.copy(), stand_ins, 0, 0)
-        hold_until = time.perf_counter_ns() + self._hold_ns
+        if stand_in:
+            hold_until = self.graphs.model.device_free_ns
+        else:
+            hold_until = time.perf_counter_ns() + self._hold_ns
         live = np.ones(count, dtype=bool)
         return Launched(
             output, sample_slots, positions, sampled, host_ids, done, clock, hold_until, live
@@ -179,12 +193,18 @@ class LaunchAhead:
         """Waits for the step's ids, writes them over their stand-ins, returns its result."""
         if step.done is not None:
             step.done.synchronize()
+        elif self._stands_in_for_a_device():
+            wait_until(step.hold_until_ns)  # the stand-in device runs the step until then
         ids = step.host_ids.numpy().copy()
         live = step.live
         self.table.tokens[step.sample_slots[live], step.positions[live]] = ids[live]
         step.output.sampled_token_ids = ids
         step.output.forward_ns, step.output.sample_ns = step.clock.finish()
         return step.output
+
+    def _stands_in_for_a_device(self) -> bool:
+        """The model queues its steps' time as a device would (the null model with a delay)."""
+        return getattr(self.graphs.model, "step_delay_s", 0) > 0
 
 
 def pending_rows(

@@ -81,3 +81,31 @@ async def test_eos_only_when_asked(null_eos_engine):
         assert ignored.token_ids[8:] == [EOS_ID, EOS_ID]
     finally:
         await server.stop(grace_s=1)
+
+
+@pytest.fixture(scope="module")
+def null_ahead_engine():
+    """The null model's delay queued as a GPU queues its steps (launch-ahead over the padded
+    steps): the forward returns at once and a launched step is done when its delay has run."""
+    engine = EngineProcess("--model", "null", "--null-step-delay-ms", "2", "--cuda-graphs",
+                           "eager", "--launch-ahead", "on")
+    yield engine.address
+    engine.stop()
+
+
+async def test_steps_launched_ahead_on_the_null_models_queue_keep_every_continuation(
+        null_ahead_engine):
+    """Each step's input token is the token the step before sampled (taken on the device while
+    that step is still queued): every continuation depends on it, so one taken wrongly, late or
+    from another stream changes the letters."""
+    server = await start_scheduler(null_ahead_engine, max_num_seqs=64)
+    try:
+        stub = stub_for(server)
+        lengths = [1 + 7 * i for i in range(40)]
+        prompts = [[(10 + i) % 256 for i in range(n)] for n in lengths]
+        done = await asyncio.gather(*(complete(stub, greedy_ids_request(p, 24 + len(p) % 5))
+                                      for p in prompts))
+        for prompt, completion in zip(prompts, done):
+            assert completion.token_ids == null_continuation(prompt, 24 + len(prompt) % 5)
+    finally:
+        await server.stop(grace_s=1)
