@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,7 @@ class Server:
             "--max-queue-len", str(4 * args.streams),
             "--max-num-batched-tokens", str(max(8192, PROMPT_LEN * args.streams)),
             "--frontend-processes", str(args.frontend_processes),
+            *shlex.split(args.serve_flags),
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                         text=True, env=env)
@@ -335,6 +337,9 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=None,
                         help="gRPC connections the Generate streams use (default: 1, or 16 "
                         "with frontend processes, so that the kernel spreads them)")
+    parser.add_argument("--serve-flags", default="",
+                        help="more `planserve serve` flags, e.g. \"--cuda-graphs eager "
+                        "--launch-ahead on\" (the null model's delay then queued as a GPU's)")
     parser.add_argument("--profile", default=None, help="cProfile the scheduler process here")
     parser.add_argument("--label", default="", help="what this run measures (before/after ...)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_path.json"))
@@ -356,6 +361,7 @@ def main() -> None:
             results = json.load(f)
     results.setdefault("runs", []).append({
         "label": args.label,
+        "serve_flags": args.serve_flags,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": platform.processor() or platform.machine(),
                     "loadavg_before": [round(x, 2) for x in load_before]},

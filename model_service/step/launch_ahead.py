@@ -81,7 +81,7 @@ def for_runner(
 
 def applies_on_host(plan: PlanArrays) -> bool:
     """Whether a plan's diff is the host's alone (no block copies or swaps, no masks): a plan
-    that may launch ahead once its slots sample greedily."""
+    that may launch ahead where its slots sample plainly (SlotTable.samples_plainly)."""
     return not (
         plan.copy_src.size
         or plan.swap_out_src.size
@@ -101,7 +101,7 @@ class Launched:
     host_ids: torch.Tensor  # where they are copied (pinned on CUDA)
     done: Any  # torch.cuda.Event after the copy; None on a synchronous device
     clock: StepClock
-    hold_until_ns: int
+    hold_until_ns: int  # a synchronous device: done then (the hold, or the stand-in's step)
     live: np.ndarray  # per sample slot: False once a later plan dropped the slot
 
     def forget(self, *dropped: np.ndarray) -> None:
@@ -112,7 +112,7 @@ class Launched:
             self.live &= ~np.isin(self.sample_slots, gone)
 
     def ready(self) -> bool:
-        """Whether its ids are on the host (on a synchronous device: the hold is over)."""
+        """Whether its ids are on the host (a synchronous device: at hold_until_ns)."""
         if self.done is not None:
             return bool(self.done.query())
         return time.perf_counter_ns() >= self.hold_until_ns
@@ -203,8 +203,9 @@ class LaunchAhead:
         return step.output
 
     def _stands_in_for_a_device(self) -> bool:
-        """The model queues its steps' time as a device would (the null model with a delay)."""
-        return getattr(self.graphs.model, "step_delay_s", 0) > 0
+        """The model queues its steps' time as a device would (the null model with a delay, off
+        CUDA: there the device queues for real)."""
+        return self.device.type != "cuda" and getattr(self.graphs.model, "step_delay_s", 0) > 0
 
 
 def pending_rows(
