@@ -61,3 +61,54 @@ def assert_no_leaked_blocks(server) -> None:
     kv = server.loop.scheduler.kv
     assert kv.num_free_blocks == kv.num_usable_blocks, (
         f"{kv.num_usable_blocks - kv.num_free_blocks} KV blocks leaked")
+
+
+# Steps in flight (overlap, launch-ahead): what a server must do when the next step is computing
+# before the last one's tokens are back. Each takes a server and a reference that answers step by
+# step (or, for the tokens alone, any server of the same model).
+
+async def staggered_greedy(server, prompts: list[list[int]],
+                           max_new_tokens: int = 40) -> list[list[int]]:
+    """Two start together, the others join while they decode; each one's greedy tokens."""
+    stub = stub_for(server)
+    first = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, max_new_tokens)))
+             for p in prompts[:2]]
+    await asyncio.sleep(0.3)
+    later = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, max_new_tokens)))
+             for p in prompts[2:]]
+    return [c.token_ids for c in await asyncio.gather(*first, *later)]
+
+
+async def assert_a_stop_in_flight_ends_exactly_there(server, reference, prompt: list[int]) -> None:
+    """A stop token seen while the next step is computing: nothing past it is sent, and a
+    request after it still counts its tokens right; no block leaks."""
+    expected = (await complete(stub_for(reference), greedy_ids_request(prompt, 20))).token_ids
+    for stop_at in (0, 3, 7):
+        request = greedy_ids_request(prompt, 20)
+        request.stopping.stop_token_ids.append(expected[stop_at])
+        result = await complete(stub_for(server), request)
+        assert result.token_ids == expected[:expected.index(expected[stop_at]) + 1]
+        assert result.finish_reason == generate_pb2.FINISH_REASON_STOP
+    result = await complete(stub_for(server), greedy_ids_request(prompt, 5))
+    assert result.token_ids == expected[:5] and result.usage.completion_tokens == 5
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+
+
+async def assert_an_abort_in_flight_frees_every_block(server, prompt: list[int],
+                                                      request_id: str) -> None:
+    """An abort after a few tokens ends the stream CANCELLED, frees every block, and the server
+    still serves."""
+    stub = stub_for(server)
+    call = stub.Generate(greedy_ids_request(prompt, 200, request_id=request_id))
+    seen = 0
+    async for chunk in call:
+        seen += len(chunk.token_ids)
+        if seen >= 3:
+            await stub.Abort(generate_pb2.AbortRequest(request_id=request_id))
+            break
+    chunks = [c async for c in call]
+    assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_CANCELLED
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+    assert len((await complete(stub, greedy_ids_request(prompt[:7], 4))).token_ids) == 4

@@ -12,13 +12,14 @@ import dataclasses
 
 import pytest_asyncio
 
-from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
+from api import (assert_a_stop_in_flight_ends_exactly_there, assert_an_abort_in_flight_frees_every_block,
+                 assert_no_leaked_blocks, complete, greedy_ids_request, staggered_greedy, stub_for,
+                 wait_until_idle)
 from conftest import start_scheduler
 from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.server import serve, shutdown
 from model_service.start import build_runner
-from planserve.v1 import generate_pb2
 
 PROMPTS = [list(range(300, 307)), list(range(1000, 1030)), list(range(2000, 2150)), [9] * 70]
 CONFIG = ModelServiceConfig(model="tiny", dtype="float32", num_kv_blocks=64, port=0,
@@ -38,52 +39,21 @@ async def ahead():
     await shutdown(engine, grace_s=0.5)
 
 
-async def _staggered(server):
-    """Two start together, the others join while they decode (chunked prefill: budget 64)."""
-    stub = stub_for(server)
-    first = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, 40))) for p in PROMPTS[:2]]
-    await asyncio.sleep(0.3)
-    later = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, 40))) for p in PROMPTS[2:]]
-    return [c.token_ids for c in await asyncio.gather(*first, *later)]
-
-
 async def test_steps_launched_ahead_give_the_default_engines_tokens(ahead, tiny_server):
     server, runner = ahead
     launched = runner.ahead.launched
-    assert await _staggered(server) == await _staggered(tiny_server)
+    assert await staggered_greedy(server, PROMPTS) == await staggered_greedy(tiny_server, PROMPTS)
     assert runner.ahead.launched - launched >= 20  # most decode steps of 40 tokens
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)
 
 
 async def test_a_stop_while_the_next_step_is_launched_ends_exactly_there(ahead, tiny_server):
-    server, _ = ahead
-    reference = (await complete(stub_for(tiny_server), greedy_ids_request(PROMPTS[0], 20))).token_ids
-    for stop_at in (0, 3, 7):
-        request = greedy_ids_request(PROMPTS[0], 20)
-        request.stopping.stop_token_ids.append(reference[stop_at])
-        result = await complete(stub_for(server), request)
-        assert result.token_ids == reference[:reference.index(reference[stop_at]) + 1]
-        assert result.finish_reason == generate_pb2.FINISH_REASON_STOP
-    await wait_until_idle(server)
-    assert_no_leaked_blocks(server)
+    await assert_a_stop_in_flight_ends_exactly_there(ahead[0], tiny_server, PROMPTS[0])
 
 
 async def test_an_abort_while_steps_are_launched_frees_every_block(ahead):
-    server, _ = ahead
-    stub = stub_for(server)
-    call = stub.Generate(greedy_ids_request(PROMPTS[2], 200, request_id="ahead-abort"))
-    seen = 0
-    async for chunk in call:
-        seen += len(chunk.token_ids)
-        if seen >= 3:
-            await stub.Abort(generate_pb2.AbortRequest(request_id="ahead-abort"))
-            break
-    chunks = [c async for c in call]
-    assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_CANCELLED
-    await wait_until_idle(server)
-    assert_no_leaked_blocks(server)
-    assert len((await complete(stub, greedy_ids_request(PROMPTS[0], 4))).token_ids) == 4
+    await assert_an_abort_in_flight_frees_every_block(ahead[0], PROMPTS[2], "ahead-abort")
 
 
 async def test_a_sampled_request_beside_launched_steps_keeps_its_seeds_tokens(ahead, tiny_server):

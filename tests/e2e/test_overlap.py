@@ -10,7 +10,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
+from api import (assert_a_stop_in_flight_ends_exactly_there, assert_an_abort_in_flight_frees_every_block,
+                 assert_no_leaked_blocks, complete, greedy_ids_request, staggered_greedy, stub_for,
+                 wait_until_idle)
 from conftest import EngineProcess, start_scheduler
 from planserve.v1 import generate_pb2
 
@@ -32,55 +34,21 @@ async def lockstep_server(lockstep_engine):
     await server.stop(grace_s=1)
 
 
-async def _staggered(server):
-    """Two start together, the others join while they decode (chunked prefill: budget 64)."""
-    stub = stub_for(server)
-    first = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, 40))) for p in PROMPTS[:2]]
-    await asyncio.sleep(0.3)
-    later = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, 40))) for p in PROMPTS[2:]]
-    return [c.token_ids for c in await asyncio.gather(*first, *later)]
-
-
 async def test_overlap_on_and_off_give_the_same_greedy_tokens(tiny_server, lockstep_server):
     assert tiny_server.config.overlap and not lockstep_server.config.overlap
-    overlapped = await _staggered(tiny_server)
-    lockstep = await _staggered(lockstep_server)
+    overlapped = await staggered_greedy(tiny_server, PROMPTS)
+    lockstep = await staggered_greedy(lockstep_server, PROMPTS)
     assert overlapped == lockstep
     assert tiny_server.loop.max_in_flight_seen == 2
     assert lockstep_server.loop.max_in_flight_seen == 0
 
 
 async def test_a_stop_while_the_next_step_is_in_flight_ends_exactly_there(tiny_server, lockstep_server):
-    reference = (await complete(stub_for(lockstep_server), greedy_ids_request(PROMPTS[0], 20))).token_ids
-    for stop_at in (0, 3, 7):
-        request = greedy_ids_request(PROMPTS[0], 20)
-        request.stopping.stop_token_ids.append(reference[stop_at])
-        result = await complete(stub_for(tiny_server), request)
-        first = reference.index(reference[stop_at])
-        assert result.token_ids == reference[:first + 1]
-        assert result.finish_reason == generate_pb2.FINISH_REASON_STOP
-    result = await complete(stub_for(tiny_server), greedy_ids_request(PROMPTS[0], 5))
-    assert result.token_ids == reference[:5] and result.usage.completion_tokens == 5
-    await wait_until_idle(tiny_server)
-    assert_no_leaked_blocks(tiny_server)
+    await assert_a_stop_in_flight_ends_exactly_there(tiny_server, lockstep_server, PROMPTS[0])
 
 
 async def test_abort_while_plans_are_in_flight_frees_every_block(tiny_server):
-    stub = stub_for(tiny_server)
-    request = greedy_ids_request(PROMPTS[2], 200, request_id="overlap-abort")
-    call = stub.Generate(request)
-    seen = 0
-    async for chunk in call:
-        seen += len(chunk.token_ids)
-        if seen >= 3:
-            await stub.Abort(generate_pb2.AbortRequest(request_id="overlap-abort"))
-            break
-    chunks = [c async for c in call]
-    assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_CANCELLED
-    await wait_until_idle(tiny_server)
-    assert_no_leaked_blocks(tiny_server)
-    after = await complete(stub, greedy_ids_request(PROMPTS[0], 4))  # still serving
-    assert len(after.token_ids) == 4
+    await assert_an_abort_in_flight_frees_every_block(tiny_server, PROMPTS[2], "overlap-abort")
 
 
 def _constrained_request(regex: str, seed: int, request_id: str = "") -> generate_pb2.GenerateRequest:
