@@ -11,6 +11,9 @@
 #   e2e      the e2e suites on CUDA: concurrency, stops and cancel, swap, engine up/restart, the
 #            model service killed under load, dummy weights (their model services pick the GPU)
 #   bench    bench/bench_gpu_serve.py (BENCH_ARGS: more flags, e.g. --shapes llama-1b)
+#   ahead    launch-ahead against the same build without it (model_service/step/launch_ahead.py):
+#            the 1B shape served twice with 4 frontend processes, off then on (its default),
+#            into OUT/ahead_off.json and OUT/ahead_on.json (AHEAD_SHAPES: other shapes)
 #
 # Every step logs to OUT/logs/STEP.log and its status and seconds to OUT/summary.txt; a failed
 # test step does not stop the later ones. STEPS picks steps ("install build bench" skips tests).
@@ -45,6 +48,16 @@ e2e() { python3 -m pytest -q -p no:cacheprovider $(for t in $E2E; do echo "tests
 bench() {
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
   python3 bench/bench_gpu_serve.py --out "$OUT/gpu_serve.json" --log-dir "$OUT/logs/bench" $BENCH_ARGS
+}
+
+ahead() {
+  local mode
+  for mode in off auto; do
+    python3 bench/bench_gpu_serve.py --shapes "${AHEAD_SHAPES:-llama-1b}" --no-transformers \
+      --no-ceiling --max-seconds 60 --client-processes 4 \
+      --serve-flags="--frontend-processes 4 --launch-ahead $mode" \
+      --out "$OUT/ahead_${mode/auto/on}.json" --log-dir "$OUT/logs/ahead-$mode" || return 1
+  done
 }
 
 status=0
