@@ -129,7 +129,7 @@ class ModelRunner:
         # Plain plans (PlanArrays.plain) checked and applied by step/decode_fast.py; its checks
         # know neither drafts nor adapters. False: every plan takes the general path.
         self.fast_path = drafter is None and adapters is None
-        # Plain greedy steps queued behind the one in flight (step/launch_ahead.py).
+        # Steps queued on the device behind the one in flight (step/launch_ahead.py).
         self.ahead, self.compute["launch_ahead"] = launch_ahead.for_runner(
             config.launch_ahead, graphs, self, self.fast_path
         )
