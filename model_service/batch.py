@@ -286,7 +286,7 @@ def _check_swaps(plan: PlanArrays, limits: PlanLimits) -> None:
 
 
 def facts_to_pb(facts) -> engine_pb2.DescribeResponse:
-    """runner.DescribedFacts -> DescribeResponse, with the contract's version and bounds."""
+    """described.DescribedFacts -> DescribeResponse, with the contract's version and bounds."""
     bounds = REQUEST_BOUNDS
     response = engine_pb2.DescribeResponse(
         contract_version=CONTRACT_VERSION,
