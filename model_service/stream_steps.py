@@ -77,11 +77,13 @@ class StreamSteps:
         return plan
 
     def abandon(self) -> None:
-        """The stream ends with a step in flight: its device work ends before its buffers are
-        written again; it is not answered."""
-        if self.launcher is not None and self.in_flight is not None:
+        """The stream ends with a step in flight: it is not answered, and its device work ends
+        before its buffers are written again; its ids go nowhere (a new stream may have reset
+        the slots already: LaunchAhead.wait_for)."""
+        ahead = self.launcher.ahead if self.launcher is not None else None
+        if ahead is not None and self.in_flight is not None:
             with contextlib.suppress(Exception):  # logged where it first failed
-                self.launcher.finish(self.in_flight[0])
+                ahead.wait_for(self.in_flight[0])
         self.in_flight = None
 
     @property

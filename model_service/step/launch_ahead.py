@@ -191,16 +191,22 @@ class LaunchAhead:
 
     def finish(self, step: Launched) -> ComputedStep:
         """Waits for the step's ids, writes them over their stand-ins, returns its result."""
-        if step.done is not None:
-            step.done.synchronize()
-        elif self._stands_in_for_a_device():
-            wait_until(step.hold_until_ns)  # the stand-in device runs the step until then
+        self.wait_for(step)
         ids = step.host_ids.numpy().copy()
         live = step.live
         self.table.tokens[step.sample_slots[live], step.positions[live]] = ids[live]
         step.output.sampled_token_ids = ids
         step.output.forward_ns, step.output.sample_ns = step.clock.finish()
         return step.output
+
+    def wait_for(self, step: Launched) -> None:
+        """Returns once the step's device work is done (its buffers may be written again). A
+        step its stream abandons is only waited for: its slots may hold a new stream's
+        sequences by then, so its ids go nowhere."""
+        if step.done is not None:
+            step.done.synchronize()
+        elif self._stands_in_for_a_device():
+            wait_until(step.hold_until_ns)  # the stand-in device runs the step until then
 
     def _stands_in_for_a_device(self) -> bool:
         """The model queues its steps' time as a device would (the null model with a delay, off

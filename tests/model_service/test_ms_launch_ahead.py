@@ -129,6 +129,22 @@ def test_a_bad_plan_behind_a_launched_step_changes_nothing_and_the_step_still_fi
     assert _result(ahead.finish(in_flight)) == _result(expected)
 
 
+def test_an_abandoned_step_is_waited_for_and_writes_nothing():
+    """A stream that ends with a step in flight only waits for it: by then a new stream may
+    have reset the slots and registered others there, which its ids must not touch."""
+    lockstep, ahead = _runners("float32")
+    steps = _recorded(lockstep)
+    in_flight = None
+    for plan, _ in steps[:8]:
+        _, in_flight = ahead.step_ahead(plan, in_flight)
+    assert in_flight is not None
+    tokens = ahead.slot_table.tokens.copy()
+    ahead.ahead.wait_for(in_flight)
+    assert (ahead.slot_table.tokens == tokens).all()
+    assert _result(ahead.finish(in_flight)) == _result(steps[7][1])  # finishing does write
+    assert (ahead.slot_table.tokens != tokens).any()
+
+
 def test_the_cpus_steps_never_launch_ahead_unless_asked(tiny_loaded):
     default = build_runner(tiny_loaded, tiny_config())
     assert default.ahead is None
