@@ -21,6 +21,7 @@ from ms_driver import Driver
 
 from model_service.loading.loader import load_model
 from model_service.start import build_runner
+from model_service.step import launch_ahead
 from model_service.step.plan import PlanArrays, PlanError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -154,7 +155,7 @@ def test_the_cpus_steps_never_launch_ahead_unless_asked(tiny_loaded):
 
 
 async def test_a_bad_plan_ends_the_stream_with_a_step_launched_and_the_next_stream_serves(
-    tiny_loaded,
+    tiny_loaded, monkeypatch
 ):
     """Over the real server: a registration and two decodes, each launched behind the one
     before, then a plan for a slot never registered: the first two are answered, the stream
@@ -166,6 +167,9 @@ async def test_a_bad_plan_ends_the_stream_with_a_step_launched_and_the_next_stre
     from model_service.server import serve, shutdown
     from planserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
+    # Each launched step waits for the next plan however loaded the machine (the client sends
+    # them all at once): which steps are answered does not depend on the timing.
+    monkeypatch.setattr(launch_ahead, "HOLD_NS", 2_000_000_000)
     config = tiny_config(port=0, cuda_graphs="eager", profile_step_tokens=48, launch_ahead="on")
     runner = build_runner(tiny_loaded, config)
     server = await serve(config, runner=runner)
