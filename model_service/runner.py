@@ -176,43 +176,35 @@ class ModelRunner:
     def step_ahead(
         self, plan: PlanArrays, prior: Launched | None
     ) -> tuple[list[ComputedStep], Launched | None]:
-        """With launch-ahead (self.ahead): `plan` launched behind `prior` where it can be (its
-        diff applied first: step/launch_ahead.py says which plans), else run at once after
-        `prior` finished. Returns the steps finished, in order, and the step now in flight. A
-        PlanError leaves `prior` in flight and the table as it was."""
+        """`plan` launched behind `prior` where step/launch_ahead.py allows, else run after it:
+        (the steps finished, in order; the step in flight). A PlanError changes nothing."""
         with self._lock, torch.inference_mode():
             assert self.ahead is not None
             c = self.slot_table
             if plan.plain:
                 greedy = decode_fast.check_and_append(plan, c, self.limits, self.block_size)
             elif launch_ahead.applies_on_host(plan):
-                check_plan(plan, c, self.limits, self.block_size, self.num_speculative_tokens)
-                grouping.check_plan_adapters(plan, c.lora_id, None, 0)
+                self._check(plan)
                 if prior is not None:  # a dropped slot's token in flight stays out of the table
                     prior.forget(plan.finished_slots, plan.preempted_slots, plan.aborted_slots)
                 self._apply_diff(plan)
                 greedy = c.samples_greedily(plan.slots)
             else:
-                return [*self._finished(prior), self._execute(plan)], None
+                return [*self.ahead.finished(prior), self._execute(plan)], None
             launched = None
             if plan.slots.size and (greedy or c.samples_plainly(plan.slots)):
                 launched = self.ahead.launch(plan, prior, greedy)
+            done = self.ahead.finished(prior)
             if launched is not None:
-                return self._finished(prior), launched
-            done = self._finished(prior)
-            if not plan.slots.size:
-                return [*done, ComputedStep(plan.step_id, _NONE, _NONE, 0, 0)], None
-            n = plan.num_scheduled_tokens
-            return [*done, self._step(plan, n, c.num_tokens, _no_drafts, greedy).output], None
+                return done, launched
+            ran = self._run_plain(plan, greedy) if plan.plain else self._run_applied(plan)
+            return [*done, ran], None
 
     def finish(self, step: Launched) -> ComputedStep:
         """The launched step's result, once its ids are on the host."""
         with self._lock:
-            return self._finished(step)[0]
-
-    def _finished(self, step: Launched | None) -> list[ComputedStep]:
-        assert self.ahead is not None
-        return [] if step is None else [self.ahead.finish(step)]
+            assert self.ahead is not None
+            return self.ahead.finish(step)
 
     def load_adapter(self, lora_id: int, name: str, path: str) -> Adapter:
         """LoadAdapter, on the caller's thread (never under the step's lock: steps go on)."""
@@ -270,10 +262,13 @@ class ModelRunner:
             greedy = decode_fast.check_and_append(
                 plan, self.slot_table, self.limits, self.block_size
             )
-            c = self.slot_table
-            return self._step(
-                plan, plan.num_scheduled_tokens, c.num_tokens, _no_drafts, greedy
-            ).output
+            return self._run_plain(plan, greedy)
+        self._check(plan)
+        self._apply_diff(plan)
+        return self._run_applied(plan)
+
+    def _check(self, plan: PlanArrays) -> None:
+        """The plan against the slot table and this step's view of the adapters (taken here)."""
         check_plan(plan, self.slot_table, self.limits, self.block_size, self.num_speculative_tokens)
         store = self.adapters
         self._step_adapters, self._step_stack = (
@@ -285,10 +280,16 @@ class ModelRunner:
             self._step_adapters if store is not None else None,
             store.max_loras if store is not None else 0,
         )
-        self._apply_diff(plan)
+
+    def _run_plain(self, plan: PlanArrays, greedy: bool) -> ComputedStep:
+        """A plain plan's step, its blocks appended (decode_fast.check_and_append)."""
+        c = self.slot_table
+        return self._step(plan, plan.num_scheduled_tokens, c.num_tokens, _no_drafts, greedy).output
+
+    def _run_applied(self, plan: PlanArrays) -> ComputedStep:
+        """A checked plan's step, its diff applied: the speculation stage around the forward."""
         if plan.slots.size == 0:
-            empty = np.zeros(0, dtype=np.int64)
-            return ComputedStep(plan.step_id, empty, empty, 0, 0)
+            return ComputedStep(plan.step_id, _NONE, _NONE, 0, 0)
         return self.speculation.around(
             plan.slots,
             plan.num_scheduled_tokens,

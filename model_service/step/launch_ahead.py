@@ -199,6 +199,10 @@ class LaunchAhead:
         step.output.forward_ns, step.output.sample_ns = step.clock.finish()
         return step.output
 
+    def finished(self, step: Launched | None) -> list[ComputedStep]:
+        """finish's result, in a list (empty for no step)."""
+        return [] if step is None else [self.finish(step)]
+
     def wait_for(self, step: Launched) -> None:
         """Returns once the step's device work is done (its buffers may be written again). A
         step its stream abandons is only waited for: its slots may hold a new stream's
