@@ -192,7 +192,7 @@ class ModelRunner:
             else:
                 return [*self.ahead.finished(prior), self._execute(plan)], None
             launched = None
-            if plan.slots.size and (greedy or c.samples_plainly(plan.slots)):
+            if plan.slots.size and (greedy or c.launches_ahead(plan.slots)):
                 launched = self.ahead.launch(plan, prior, greedy)
             done = self.ahead.finished(prior)
             if launched is not None:

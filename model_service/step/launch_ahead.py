@@ -14,15 +14,17 @@ also queues N+1 on the device before it finishes N on the host:
     finish N      wait for N's ids, write them into the slot table, answer N
     launch N+2 ...
 
-What launches: a plan whose every scheduled slot draws from its logits, its sampling parameters
-and its position alone (greedy, or temperature, top-k, top-p and min-p with its seed: nothing
-reads an earlier token), replayed from a padded step (the CUDA graphs, or cuda_graphs "eager"),
-whose diff the host applies alone: slots dropped, registered, handed blocks (`applies_on_host`).
-A slot dropped while its token is in flight is forgotten by that step (`Launched.forget`): its
-token never reaches the table, where a new sequence may already hold the slot. Every other plan
-runs at once after the step in flight has finished, as without launch-ahead: logits processing
-(penalties, bias, min tokens: they read the tokens before) and logprobs, block copies and swaps,
-grammar masks, drafts, adapters, a step no bucket holds.
+What launches: a plan whose every scheduled slot draws from its logits, its sampling parameters,
+its position and the plan alone (greedy, or temperature, top-k, top-p and min-p with its seed, a
+grammar's mask, which the scheduler sends only for a sequence whose last token it has, and the
+sampled tokens' logprobs, copied back with the ids: nothing reads an earlier token on the host),
+replayed from a padded step (the CUDA graphs, or cuda_graphs "eager"), whose diff the host
+applies alone: slots dropped, registered, handed blocks (`applies_on_host`). A slot dropped
+while its token is in flight is forgotten by that step (`Launched.forget`): its token never
+reaches the table, where a new sequence may already hold the slot. Every other plan runs at once
+after the step in flight has finished, as without launch-ahead: logits processing (penalties,
+bias, min tokens: they read the tokens before on the host), prompt logprobs, block copies and
+swaps, drafts, adapters, a step no bucket holds.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -47,14 +49,17 @@ from cython_ext.mapping import StepInputBuilder
 from model_service.models.null import wait_until
 from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import StepClock
+from model_service.step.logits import RowLogprobs
 from model_service.step.plan import ComputedStep, PlanArrays
-from model_service.step.sample_step import sampling_batch
-from model_service.step.sampler import argmax_rows, sample
+from model_service.step.sample_step import sample_on_device
 from model_service.step.slot_table import SlotTable
 
 # launch_ahead "on" on a synchronous device: how long a launched step waits for the next plan
 # (a scheduler in lockstep sends none until it has the result; this bounds that wait).
 HOLD_NS = 20_000_000
+
+# What Describe's compute map says launches ahead.
+DESCRIBED = "steps without penalties, logit bias, min tokens or prompt logprobs"
 
 
 def for_runner(
@@ -76,18 +81,13 @@ def for_runner(
     if graphs is None or why_not is not None:
         return None, f"off ({why_not})"
     ahead = LaunchAhead(graphs, runner.slot_table, runner.inputs, device, requested == "on")
-    return ahead, "steps without penalties, masks or logprobs"
+    return ahead, DESCRIBED
 
 
 def applies_on_host(plan: PlanArrays) -> bool:
-    """Whether a plan's diff is the host's alone (no block copies or swaps, no masks): a plan
-    that may launch ahead where its slots sample plainly (SlotTable.samples_plainly)."""
-    return not (
-        plan.copy_src.size
-        or plan.swap_out_src.size
-        or plan.swap_in_src.size
-        or plan.masked_slots.size
-    )
+    """Whether a plan's diff is the host's alone (no block copies or swaps): a plan that may
+    launch ahead where its slots may (SlotTable.launches_ahead)."""
+    return not (plan.copy_src.size or plan.swap_out_src.size or plan.swap_in_src.size)
 
 
 @dataclasses.dataclass
@@ -99,6 +99,7 @@ class Launched:
     positions: np.ndarray  # where each sample slot's token goes in the slot table
     sampled: torch.Tensor  # the ids on the device (a step launched after it reads them)
     host_ids: torch.Tensor  # where they are copied (pinned on CUDA)
+    logprobs: RowLogprobs | None  # the rows' that asked, copied as the ids are
     done: Any  # torch.cuda.Event after the copy; None on a synchronous device
     clock: StepClock
     hold_until_ns: int  # a synchronous device: done then (the hold, or the stand-in's step)
@@ -162,13 +163,13 @@ class LaunchAhead:
         if logits is None:
             return None
         clock.forward_launched()
-        sampled = (
-            argmax_rows(logits) if greedy else sample(logits, sampling_batch(c, x.sample_slots))
-        )
+        sampled, logprobs = sample_on_device(logits, x.sample_slots, plan, c, greedy)
         count = int(sampled.shape[0])
         host_ids = self._ids[self._turn][:count]
         self._turn ^= 1
         host_ids.copy_(sampled, non_blocking=True)
+        if logprobs is not None:
+            logprobs = logprobs.copied(pinned=self.device.type == "cuda")
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -186,7 +187,16 @@ class LaunchAhead:
             hold_until = time.perf_counter_ns() + self._hold_ns
         live = np.ones(count, dtype=bool)
         return Launched(
-            output, sample_slots, positions, sampled, host_ids, done, clock, hold_until, live
+            output,
+            sample_slots,
+            positions,
+            sampled,
+            host_ids,
+            logprobs,
+            done,
+            clock,
+            hold_until,
+            live,
         )
 
     def finish(self, step: Launched) -> ComputedStep:
@@ -196,6 +206,8 @@ class LaunchAhead:
         live = step.live
         self.table.tokens[step.sample_slots[live], step.positions[live]] = ids[live]
         step.output.sampled_token_ids = ids
+        if step.logprobs is not None:
+            step.output.logprobs, step.output.logprob_token_ids = step.logprobs.flat()
         step.output.forward_ns, step.output.sample_ns = step.clock.finish()
         return step.output
 

@@ -14,9 +14,12 @@ vLLM's default report them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
+from model_service.step.sampler import on_device
 from model_service.step.slot_table import SlotTable
 
 
@@ -57,51 +60,92 @@ def apply_masks(
 
     bitmasks [M, words] uint32, little-endian bit order (engine.proto BatchPlan). When the
     processing left a masked row nothing allowed (a grammar that can only end while min tokens
-    suppress EOS), the grammar wins: the row falls back to its raw logits under the mask.
+    suppress EOS), the grammar wins: the row falls back to its raw logits under the mask. No
+    host sync, and the masks reach the device through pinned memory: a step launched ahead
+    (step/launch_ahead.py) masks while the step before it runs.
     """
     vocab = logits.shape[-1]
     bits = np.unpackbits(bitmasks.astype("<u4").view(np.uint8), axis=1, bitorder="little")[
         :, :vocab
     ]
-    allowed = torch.from_numpy(bits.astype(bool)).to(logits.device)
-    index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
+    device = logits.device
+    allowed = on_device(device, bits.astype(bool))
+    index = on_device(device, rows.astype(np.int64))
     masked = logits[index].masked_fill(~allowed, float("-inf"))
-    dead = torch.isneginf(masked).all(dim=-1)
-    if dead.any():
-        masked[dead] = raw[index[dead]].masked_fill(~allowed[dead], float("-inf"))
-    logits[index] = masked
+    dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    unprocessed = raw[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = torch.where(dead, unprocessed, masked)
+
+
+@dataclasses.dataclass
+class RowLogprobs:
+    """Sampled tokens' logprobs, on the device or copied to the host: per row, its target
+    token's logprob, the row's top logprobs and their ids (top_k of them, the most any row
+    asked for; None when none did), and how many of them each row reports (host)."""
+
+    chosen: torch.Tensor  # [N] float32
+    top_values: torch.Tensor | None  # [N, k_max] float32
+    top_ids: torch.Tensor | None  # [N, k_max] int64
+    counts: np.ndarray  # [N] int64
+
+    def copied(self, pinned: bool) -> "RowLogprobs":
+        """Copies to the host queued on the device's stream (into pinned memory where `pinned`,
+        so that they do not wait for it); read them once the stream has passed this point."""
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu":
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(
+                t, non_blocking=pinned
+            )
+
+        if self.top_values is None or self.top_ids is None:
+            return RowLogprobs(host(self.chosen), None, None, self.counts)
+        top_values, top_ids = host(self.top_values), host(self.top_ids)
+        return RowLogprobs(host(self.chosen), top_values, top_ids, self.counts)
+
+    def flat(self) -> tuple[np.ndarray, np.ndarray]:
+        """engine.proto's flat logprob layout of host values: per row, the target token's
+        logprob then counts[row] top logprobs (values), and those top ids (ids)."""
+        chosen = self.chosen.cpu().numpy()
+        if self.top_values is not None and self.top_ids is not None:
+            top_values, top_ids = self.top_values.cpu().numpy(), self.top_ids.cpu().numpy()
+        values: list[np.ndarray] = []
+        ids: list[np.ndarray] = []
+        for row in range(len(chosen)):
+            k = int(self.counts[row])
+            values.append(chosen[row : row + 1])
+            if k:
+                values.append(top_values[row, :k])
+                ids.append(top_ids[row, :k])
+        flat_values = (
+            np.concatenate(values).astype(np.float32) if values else np.zeros(0, dtype=np.float32)
+        )
+        flat_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, dtype=np.int64)
+        return flat_values, flat_ids
+
+
+def row_logprobs(
+    raw_logits: torch.Tensor, targets: torch.Tensor, counts: np.ndarray
+) -> RowLogprobs:
+    """The logprobs of rows of raw_logits [N, V] for their targets [N] (on the logits' device),
+    each row with counts[row] top logprobs beside; no host sync."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+    k_max = int(counts.max()) if counts.size else 0
+    if not k_max:
+        return RowLogprobs(chosen, None, None, counts)
+    top = logprobs.topk(k_max, dim=-1)
+    return RowLogprobs(chosen, top.values, top.indices, counts)
 
 
 def gather_logprobs(
     raw_logits: torch.Tensor, targets: np.ndarray, counts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """engine.proto's flat logprob layout for rows of raw_logits [N, V]: per row, the target
-    token's logprob then counts[row] top logprobs (values), and those top ids (ids)."""
-    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
-    device = logprobs.device
-    chosen = (
-        logprobs.gather(1, torch.from_numpy(targets.astype(np.int64)).to(device)[:, None])
-        .squeeze(1)
-        .cpu()
-        .numpy()
-    )
-    k_max = int(counts.max()) if counts.size else 0
-    if k_max:
-        top = logprobs.topk(k_max, dim=-1)
-        top_values, top_ids = top.values.cpu().numpy(), top.indices.cpu().numpy()
-    values: list[np.ndarray] = []
-    ids: list[np.ndarray] = []
-    for row in range(len(targets)):
-        k = int(counts[row])
-        values.append(chosen[row : row + 1])
-        if k:
-            values.append(top_values[row, :k])
-            ids.append(top_ids[row, :k])
-    flat_values = (
-        np.concatenate(values).astype(np.float32) if values else np.zeros(0, dtype=np.float32)
-    )
-    flat_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, dtype=np.int64)
-    return flat_values, flat_ids
+    """engine.proto's flat logprob layout (RowLogprobs.flat) for rows of raw_logits [N, V] and
+    their host targets."""
+    device_targets = on_device(raw_logits.device, targets.astype(np.int64))
+    return row_logprobs(raw_logits, device_targets, counts).flat()
 
 
 def prompt_logprob_rows(

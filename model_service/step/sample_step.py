@@ -1,6 +1,8 @@
 """A step's sampling, after the runner's one forward: the logits of the sample rows processed
 (penalties, bias, min tokens: model_service/step/logits.py) and masked (grammars) where a slot asks,
 then sampled (model_service/step/sampler.py), with the logprobs of the slots that asked for them.
+Everything up to the sampled ids stays on the device (`sample_on_device`): a step launched ahead
+(step/launch_ahead.py) copies them back later; the runner's own steps read them at once.
 """
 
 from __future__ import annotations
@@ -8,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_service.step.logits import apply_masks, apply_processing, gather_logprobs
+from model_service.step.logits import RowLogprobs, apply_masks, apply_processing, row_logprobs
 from model_service.step.plan import ComputedStep, PlanArrays
-from model_service.step.sampler import SamplingBatch, sample
+from model_service.step.sampler import SamplingBatch, argmax_rows, on_device, sample
 from model_service.step.slot_table import SlotTable
 
 
@@ -23,6 +25,23 @@ def sample_rows(
 ) -> np.ndarray:
     """Logits processing, sampling and logprobs for the sample rows; returns the token ids
     (and fills output's logprob arrays)."""
+    sampled, logprobs = sample_on_device(logits, sample_slots, plan, table, greedy=False)
+    if logprobs is not None:
+        output.logprobs, output.logprob_token_ids = logprobs.flat()
+    return sampled.cpu().numpy().astype(np.int64)
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    sample_slots: np.ndarray,
+    plan: PlanArrays,
+    table: SlotTable,
+    greedy: bool,
+) -> tuple[torch.Tensor, RowLogprobs | None]:
+    """The sample rows' token ids and the logprobs of the rows that asked, on the logits'
+    device, no host sync (`greedy`: every slot samples by a plain argmax, no logprobs)."""
+    if greedy:
+        return argmax_rows(logits), None
     raw = logits
     processed = table.changes_logits[sample_slots].nonzero()[0]
     if processed.size or plan.masked_slots.size:
@@ -35,15 +54,13 @@ def sample_rows(
                 [row_of_slot[slot] for slot in plan.masked_slots.tolist()], dtype=np.int64
             )  # slot_checks: all sample
             apply_masks(logits, rows, plan.allowed_token_bitmask, raw)
-    sampled = sample(logits, sampling_batch(table, sample_slots)).cpu().numpy().astype(np.int64)
+    sampled = sample(logits, sampling_batch(table, sample_slots))
     logprob_rows = (table.num_logprobs[sample_slots] >= 0).nonzero()[0]
-    if logprob_rows.size:
-        output.logprobs, output.logprob_token_ids = gather_logprobs(
-            raw[torch.from_numpy(logprob_rows).to(raw.device)],
-            sampled[logprob_rows],
-            table.num_logprobs[sample_slots[logprob_rows]],
-        )
-    return sampled
+    if not logprob_rows.size:
+        return sampled, None
+    index = on_device(raw.device, logprob_rows)
+    counts = table.num_logprobs[sample_slots[logprob_rows]]
+    return sampled, row_logprobs(raw.index_select(0, index), sampled[index], counts)
 
 
 def sampling_batch(table: SlotTable, sample_slots: np.ndarray) -> SamplingBatch:

@@ -27,7 +27,7 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
+def on_device(device: torch.device, array: np.ndarray) -> torch.Tensor:
     """A small host array on `device`. On CUDA through pinned memory (torch's caching host
     allocator keeps it until the copy is done): a copy from pageable memory may wait for the
     stream, and a step launched ahead (step/launch_ahead.py) samples while another runs."""
@@ -83,7 +83,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     if not random_rows.size:
         return greedy_ids
     # Only the rows that draw compute a distribution (each row's by itself: batch-invariant).
-    index = _on(device, random_rows)
+    index = on_device(device, random_rows)
     drawing = params.rows(random_rows)
     filtered = filtered_probs(logits.index_select(0, index), drawing)
     drawn = draw(filtered, uniform_for(drawing.seed, drawing.position))
@@ -104,7 +104,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     temperature (greedy rows at 1.0), then top-k, top-p and min-p zero what they drop."""
     device = logits.device
     random_rows = params.temperature > 0
-    temperature = _on(device, np.where(random_rows, params.temperature, 1.0).astype(np.float32))
+    temperature = on_device(
+        device, np.where(random_rows, params.temperature, 1.0).astype(np.float32)
+    )
     # float64 from here: the filtered CDF must be the same function of one row's logits whatever
     # the batch, and accurate enough that u * total never lands on a zero-probability step.
     probs = torch.softmax(logits.double() / temperature[:, None].double(), dim=-1)
@@ -120,15 +122,15 @@ def filtered_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     sorted_probs = _sorted_head(probs, params, k_off, p_off)
     # top-k: keep probabilities >= the k-th largest (k = vocab when off: 1 is gathered, unused).
     k = np.where(~k_off, np.minimum(params.top_k, vocab), 1).astype(np.int64)
-    kth = sorted_probs.gather(1, _on(device, k - 1)[:, None])
-    kth = torch.where(_on(device, k_off)[:, None], 0.0, kth)
+    kth = sorted_probs.gather(1, on_device(device, k - 1)[:, None])
+    kth = torch.where(on_device(device, k_off)[:, None], 0.0, kth)
     # top-p: keep the smallest prefix of the sorted list whose mass reaches top_p, i.e. every token
     # whose preceding mass is still below top_p; its smallest member is the threshold.
-    top_p = _on(device, params.top_p.astype(np.float64))
+    top_p = on_device(device, params.top_p.astype(np.float64))
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
     num_kept = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)
     pth = sorted_probs.gather(1, (num_kept - 1)[:, None])
-    pth = torch.where(_on(device, p_off)[:, None], 0.0, pth)
+    pth = torch.where(on_device(device, p_off)[:, None], 0.0, pth)
     return _min_p_filter(probs, torch.maximum(kth, pth), params, sorted_probs[:, 0])
 
 
@@ -163,7 +165,7 @@ def _min_p_filter(
     """probs with everything below the row's threshold (raised to min_p x its largest
     probability `top`, where min_p is set) zeroed."""
     if params.min_p is not None and params.min_p.any():
-        min_p = _on(probs.device, params.min_p.astype(np.float64))
+        min_p = on_device(probs.device, params.min_p.astype(np.float64))
         threshold = torch.maximum(threshold, (min_p * top)[:, None])
     return torch.where(probs >= threshold, probs, 0.0)
 
@@ -173,7 +175,7 @@ def draw(weights: torch.Tensor, u: np.ndarray) -> torch.Tensor:
     float64) for uniforms u [R] in [0, 1); never a zero-weight token."""
     vocab = weights.shape[-1]
     cdf = weights.cumsum(dim=-1)
-    target = _on(weights.device, u)[:, None] * cdf[:, -1:]
+    target = on_device(weights.device, u)[:, None] * cdf[:, -1:]
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # If rounding made target reach the total, searchsorted runs off the end; the last kept token
     # is the right answer then (never a filtered-out one).

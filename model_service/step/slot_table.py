@@ -97,6 +97,12 @@ class SlotTable:
             | (self.num_prompt_logprobs[slots] >= 0)
         ).any()
 
+    def launches_ahead(self, slots: np.ndarray) -> bool:
+        """Whether every slot of `slots` samples from what the device has once the step before
+        has run: nothing changes its logits from the tokens on the host, no prompt logprobs
+        (model_service/step/launch_ahead.py; sampled tokens' logprobs come back with the ids)."""
+        return not (self.changes_logits[slots] | (self.num_prompt_logprobs[slots] >= 0)).any()
+
     def samples_greedily(self, slots: np.ndarray) -> bool:
         """samples_plainly, by a plain argmax: no temperature either (cython_ext/decode_step.pyx
         check_decode's rule, for a plan the C checks do not read)."""

@@ -4,11 +4,13 @@ in flight (cuda_graphs "eager" and launch_ahead "on": the padded path a CUDA gra
 launched step waiting on the CPU for the next plan as a GPU's forward would let it) under the
 default scheduler (overlap: two plans in flight) gives the default engine's greedy tokens for
 requests that join while others decode; a stop seen while the next step is launched sends nothing
-past it, an abort frees every block, and a sampled request beside greedy ones keeps its seed's
-tokens. The model service runs in this process so that the test can count what launched ahead."""
+past it, an abort frees every block, a sampled request beside greedy ones keeps its seed's
+tokens, and requests with logprobs or under a grammar get the default engine's tokens, logprobs
+and text. The model service runs in this process so that the test can count what launched ahead."""
 
 import asyncio
 import dataclasses
+import re
 
 import pytest_asyncio
 
@@ -20,6 +22,8 @@ from model_service.config import ModelServiceConfig
 from model_service.loading.loader import load_model
 from model_service.server import serve, shutdown
 from model_service.start import build_runner
+from model_service.step import launch_ahead
+from planserve.v1 import common_pb2
 
 PROMPTS = [list(range(300, 307)), list(range(1000, 1030)), list(range(2000, 2150)), [9] * 70]
 CONFIG = ModelServiceConfig(model="tiny", dtype="float32", num_kv_blocks=64, port=0,
@@ -30,7 +34,7 @@ CONFIG = ModelServiceConfig(model="tiny", dtype="float32", num_kv_blocks=64, por
 async def ahead():
     """(scheduler server, model-service runner) with launch-ahead."""
     runner = build_runner(load_model(CONFIG), CONFIG)
-    assert runner.compute["launch_ahead"] == "steps without penalties, masks or logprobs"
+    assert runner.compute["launch_ahead"] == launch_ahead.DESCRIBED
     engine = await serve(dataclasses.replace(CONFIG), runner=runner)
     server = await start_scheduler(f"127.0.0.1:{engine.bound_port}", max_num_batched_tokens=64,
                                    max_num_seqs=16)
@@ -75,5 +79,46 @@ async def test_a_sampled_request_beside_launched_steps_keeps_its_seeds_tokens(ah
     reference = [(await complete(stub_for(tiny_server), greedy_ids_request(p, 48))).token_ids
                  for p in PROMPTS[2:]]
     assert [c.token_ids for c in await asyncio.gather(*greedy)] == reference
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+
+
+async def _tokens_and_logprobs(stub, request) -> tuple[list[int], list[tuple], str]:
+    ids, logprobs, text = [], [], []
+    async for chunk in stub.Generate(request):
+        ids.extend(chunk.token_ids)
+        text.append(chunk.text)
+        logprobs.extend(
+            (e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in chunk.logprobs
+        )
+    return ids, logprobs, "".join(text)
+
+
+async def test_logprobs_and_a_grammar_beside_launched_steps_give_the_default_engines(
+    ahead, tiny_server
+):
+    """Their steps launch too (the logprobs come back with the ids, the mask is the plan's):
+    the tokens, the logprobs with their alternatives, and the constrained text are exact."""
+    server, runner = ahead
+    email = r"[a-z]{3,12}@[a-z]{3,8}\.(com|org)"
+
+    def special():
+        scored = greedy_ids_request(PROMPTS[1], 24, logprobs=True, top_logprobs=3)
+        constrained = greedy_ids_request(
+            PROMPTS[3], 40, structured_output=common_pb2.StructuredOutput(regex=email)
+        )
+        constrained.stopping.ignore_eos = False  # the grammar ends the output
+        return [scored, constrained]
+
+    alone = [await _tokens_and_logprobs(stub_for(tiny_server), r) for r in special()]
+    assert len(alone[0][1]) == 24 and all(len(top) == 3 for _, _, top in alone[0][1])
+    assert re.fullmatch(email, alone[1][2]), alone[1][2]
+    stub = stub_for(server)
+    launched = runner.ahead.launched
+    greedy = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, 48))) for p in PROMPTS[:3]]
+    await asyncio.sleep(0.2)
+    assert await asyncio.gather(*(_tokens_and_logprobs(stub, r) for r in special())) == alone
+    await asyncio.gather(*greedy)
+    assert runner.ahead.launched > launched
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)

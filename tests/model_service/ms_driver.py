@@ -40,17 +40,21 @@ class Driver:
         self._pending_drop: list[int] = []
         self._preset: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[float]] = {}  # slot -> each sampled token's logprob (with_logprobs)
+        self._num_logprobs: dict[int, int] = {}
 
     def add(self, slot, token_ids, temperature=0.0, top_k=0, top_p=1.0, seed=0, computed=0, blocks=(),
-            with_logprobs=False, lora_id=0) -> None:
+            with_logprobs=False, lora_id=0, num_logprobs=0, processing=None) -> None:
         """Register a sequence; `blocks` are cached blocks holding its first `computed` tokens;
-        with_logprobs records the logprob of each token sampled for it in self.logprobs; lora_id:
-        the adapter it runs (0: the base model)."""
+        with_logprobs records the logprob of each token sampled for it in self.logprobs (each
+        with num_logprobs alternatives beside, in the result only); lora_id: the adapter it runs
+        (0: the base model); processing: its LogitsProcessing, when not only logprobs."""
         self.seqs[slot] = Seq(list(token_ids), len(token_ids), computed)
         self._preset[slot] = list(blocks)
-        processing = LogitsProcessing(num_prompt_tokens=len(token_ids), num_logprobs=0) if with_logprobs else None
+        if with_logprobs:
+            processing = LogitsProcessing(num_prompt_tokens=len(token_ids), num_logprobs=num_logprobs)
         if with_logprobs:
             self.logprobs[slot] = []
+            self._num_logprobs[slot] = num_logprobs
         self._pending_new.append(
             SlotRegistration(slot, np.asarray(token_ids, dtype=np.int32), computed, temperature, top_k, top_p, seed,
                             processing, lora_id=lora_id)
@@ -87,9 +91,9 @@ class Driver:
                 seq.tokens.append(int(out.sampled_token_ids[at]))
                 sampled[slot] = seq.tokens[-1]
                 at += 1
-                if slot in self.logprobs:  # num_logprobs 0: one value per sampled row, in plan order
+                if slot in self.logprobs:  # per sampled row, in plan order: its own, then the top
                     self.logprobs[slot].append(float(out.logprobs[logprob_at]))
-                    logprob_at += 1
+                    logprob_at += 1 + self._num_logprobs[slot]
         return sampled
 
     def run_to_completion(self, max_new_tokens: int, chunk: int = 32, joins: dict[int, list] | None = None,

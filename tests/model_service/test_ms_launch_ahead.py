@@ -4,8 +4,9 @@ plans, and plans that drop and register slots, of greedy or seeded sampled slots
 from that step's ids on the device, the slot table holding stand-ins until the step finishes. A run
 of plans recorded from a lockstep runner (sequences joining, finishing, a slot reused in the plan
 that drops it, chunked prefills, a seeded sampled sequence beside greedy ones, one asking for
-logprobs, which waits) replayed this way must give every step's result exactly, in the CPU's
-default dtype and in float32: the padded path is batch invariant on the CPU
+logprobs and its top alternatives, two under a grammar's mask, one greedy and one seeded, and one
+with a repetition penalty, which waits) replayed this way must give every step's result exactly,
+in the CPU's default dtype and in float32: the padded path is batch invariant on the CPU
 (test_ms_cuda_graphs.py), and launching ahead moves no arithmetic."""
 
 from __future__ import annotations
@@ -22,22 +23,38 @@ from ms_driver import Driver
 from model_service.loading.loader import load_model
 from model_service.start import build_runner
 from model_service.step import launch_ahead
-from model_service.step.plan import PlanArrays, PlanError
+from model_service.step.plan import LogitsProcessing, PlanArrays, PlanError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class Recorder:
     """A runner's execute, each plan and result kept (plain plans marked as the fast path
-    would read them)."""
+    would read them); the slots of `masked` sample under a grammar's mask (every third token)."""
 
     def __init__(self, runner):
         self.runner = runner
         self.steps: list[tuple[PlanArrays, object]] = []
+        self.driver: Driver | None = None
+        self.masked: set[int] = set()
+        vocab = runner.limits.vocab_size
+        allowed = np.arange(-(-vocab // 32) * 32) % 3 == 0
+        self.bitmask = np.packbits(allowed, bitorder="little").view("<u4")
 
     def execute(self, plan: PlanArrays):
-        plain = not (plan.new_sequences or plan.finished_slots.size)
+        seqs = self.driver.seqs
+        masked = [
+            slot
+            for slot, n in zip(plan.slots.tolist(), plan.num_scheduled_tokens.tolist())
+            if slot in self.masked and seqs[slot].computed + n >= len(seqs[slot].tokens)
+        ]
+        plain = not (plan.new_sequences or plan.finished_slots.size or masked)
         plan = dataclasses.replace(plan, plain=plain)
+        if masked:
+            bitmasks = np.tile(self.bitmask, (len(masked), 1))
+            plan = dataclasses.replace(
+                plan, masked_slots=np.array(masked, dtype=np.int64), allowed_token_bitmask=bitmasks
+            )
         output = self.runner.execute(plan)
         self.steps.append((plan, output))
         return output
@@ -45,7 +62,7 @@ class Recorder:
 
 def _recorded(runner) -> list[tuple[PlanArrays, object]]:
     recorder = Recorder(runner)
-    driver = Driver(recorder)
+    driver = recorder.driver = Driver(recorder)
     driver.add(0, list(range(3, 40)))
     driver.add(1, list(range(50, 61)))
     driver.run_to_completion(12, chunk=16, joins={4: [(3, list(range(200, 230)))]})
@@ -55,9 +72,16 @@ def _recorded(runner) -> list[tuple[PlanArrays, object]]:
     assert set(driver._pending_drop) == {3}
     driver.add(3, list(range(300, 360)))
     driver.run_to_completion(6, chunk=16)
-    driver.add(5, list(range(400, 420)), with_logprobs=True)  # logprobs: at once
+    driver.add(5, list(range(400, 420)), with_logprobs=True, num_logprobs=2)
+    recorder.masked.add(6)
     driver.add(6, list(range(500, 510)))
+    driver.add(7, list(range(600, 605)), temperature=0.7, top_p=0.9, seed=11)
+    recorder.masked.add(7)  # a seeded draw under a mask
     driver.run_to_completion(4, chunk=16)
+    penalty = LogitsProcessing(num_prompt_tokens=8, repetition_penalty=1.3)
+    driver.add(8, list(range(700, 708)), processing=penalty)  # reads its tokens: at once
+    driver.add(9, list(range(800, 812)))
+    driver.run_to_completion(3, chunk=16)
     return recorder.steps
 
 
@@ -89,7 +113,7 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     """On CUDA: the graphs' replays, the pinned double buffers and the device-side tokens."""
     lockstep, ahead = _runners(dtype, device)
     assert lockstep.ahead is None and lockstep.compute["launch_ahead"] == "off (launch_ahead=off)"
-    assert ahead.ahead is not None and ahead.compute["launch_ahead"] == "steps without penalties, masks or logprobs"
+    assert ahead.ahead is not None and ahead.compute["launch_ahead"] == launch_ahead.DESCRIBED
     steps = _recorded(lockstep)
     plain = sum(plan.plain for plan, _ in steps)
     assert 10 <= plain < len(steps)  # registrations and drops between runs of plain steps
@@ -101,9 +125,18 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     if in_flight is not None:
         results.append(ahead.finish(in_flight))
     assert [_result(o) for o in results] == [_result(o) for _, o in steps]
-    # Every step that schedules a slot launched (the sampled slot 2 draws from its seed and
-    # position alone) but slot 5's (logprobs); behind another where that one launched too.
-    launches = [plan.slots.size > 0 and 5 not in plan.slots for plan, _ in steps]
+    # Every step that schedules a slot launched (the sampled slots 2 and 7 draw from their seed
+    # and position alone, slots 6 and 7 under masks, slot 5's logprobs come back with its ids)
+    # but slot 8's (its penalty reads its tokens on the host); behind another where that one
+    # launched too.
+    for plan, output in steps:  # the masks bind: every masked token is one the mask allows
+        sampling = plan.slots[output.num_sampled_tokens > 0]
+        masked = output.sampled_token_ids[np.isin(sampling, plan.masked_slots)]
+        assert (masked % 3 == 0).all()
+    assert sum(plan.masked_slots.size for plan, _ in steps) >= 6
+    assert any(output.logprob_token_ids.size for _, output in steps)
+    launches = [plan.slots.size > 0 and 8 not in plan.slots for plan, _ in steps]
+    assert not all(launches[-3:])
     behind = sum(a and b for a, b in zip(launches, launches[1:]))
     assert behind >= len(steps) // 2 and ahead.ahead.launched == behind
     live = lockstep.slot_table.active.nonzero()[0]
