@@ -141,8 +141,11 @@ class Server:
 
 
 def generate_request(i: int, tokens: int, interval: int, tag: str) -> generate_pb2.GenerateRequest:
-    """Stream i's greedy Generate of `tokens` tokens (no eos) after its 64-token prompt."""
+    """Stream i's greedy Generate of `tokens` tokens (no eos) after its 64-token prompt (with
+    its tokens' logprobs and two alternatives each for the first --logprobs-streams)."""
     request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}")
+    if i < LOGPROB_STREAMS[0]:
+        request.logprobs, request.top_logprobs = True, 2
     request.token_ids.ids.extend(_prompt(i))
     request.sampling.temperature = 0.0
     request.stopping.max_new_tokens = tokens
@@ -155,6 +158,8 @@ def generate_request(i: int, tokens: int, interval: int, tag: str) -> generate_p
 # gRPC connections the Generate streams are spread over (--channels): the kernel hands each
 # connection to one frontend process (SO_REUSEPORT), so one connection would load only one.
 NUM_CHANNELS = [1]
+# Streams that ask for logprobs (--logprobs-streams): the first ones of each run.
+LOGPROB_STREAMS = [0]
 
 
 async def run_generate(port: int, n: int, tokens: int, interval: int, tag: str) -> list:
@@ -201,6 +206,7 @@ async def run_http(port: int, n: int, tokens: int, interval: int, tag: str) -> l
     async def one(i: int):
         body = json.dumps({"model": "null", "prompt": _prompt(i), "max_tokens": tokens,
                            "temperature": 0.0, "ignore_eos": True, "stream": True,
+                           **({"logprobs": 2} if i < LOGPROB_STREAMS[0] else {}),
                            **({"stream_interval": interval} if interval != 1 else {})}).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -289,6 +295,7 @@ async def measure(server: Server, api: str, args, interval: int) -> dict:
         "delay_ms": args.delay_ms,
         "frontend_processes": args.frontend_processes,
         "grpc_channels": NUM_CHANNELS[0],
+        "logprobs_streams": LOGPROB_STREAMS[0],
         "output_tokens_per_s": round(args.streams * args.tokens / wall, 1),
         "step_ms": round(statistics.median(gaps) * 1000, 3) if gaps else None,
         "chunks_per_stream": statistics.median(len(t) for t, _ in runs),
@@ -340,6 +347,8 @@ def main() -> None:
     parser.add_argument("--serve-flags", default="",
                         help="more `planserve serve` flags, e.g. \"--cuda-graphs eager "
                         "--launch-ahead on\" (the null model's delay then queued as a GPU's)")
+    parser.add_argument("--logprobs-streams", type=int, default=0,
+                        help="the first K streams ask for their tokens' logprobs (2 alternatives)")
     parser.add_argument("--profile", default=None, help="cProfile the scheduler process here")
     parser.add_argument("--label", default="", help="what this run measures (before/after ...)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_path.json"))
@@ -348,6 +357,7 @@ def main() -> None:
                         help="only the floor: a bare grpc.aio server's CPU per streamed message")
     args = parser.parse_args()
     NUM_CHANNELS[0] = args.channels or (16 if args.frontend_processes else 1)
+    LOGPROB_STREAMS[0] = args.logprobs_streams
     load_before = os.getloadavg()
     if args.grpc_floor:
         print(json.dumps(grpc_floor(args)))
