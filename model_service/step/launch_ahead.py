@@ -14,17 +14,18 @@ also queues N+1 on the device before it finishes N on the host:
     finish N      wait for N's ids, write them into the slot table, answer N
     launch N+2 ...
 
-What launches: a plan whose every scheduled slot draws from its logits, its sampling parameters,
-its position and the plan alone (greedy, or temperature, top-k, top-p and min-p with its seed, a
-grammar's mask, which the scheduler sends only for a sequence whose last token it has, and the
-sampled tokens' logprobs, copied back with the ids: nothing reads an earlier token on the host),
-replayed from a padded step (the CUDA graphs, or cuda_graphs "eager"), whose diff the host
-applies alone: slots dropped, registered, handed blocks (`applies_on_host`). A slot dropped
-while its token is in flight is forgotten by that step (`Launched.forget`): its token never
-reaches the table, where a new sequence may already hold the slot. Every other plan runs at once
-after the step in flight has finished, as without launch-ahead: logits processing (penalties,
-bias, min tokens: they read the tokens before on the host), prompt logprobs, block copies and
-swaps, drafts, adapters, a step no bucket holds.
+What launches: a plan replayed from a padded step (the CUDA graphs, or cuda_graphs "eager") whose
+diff the host applies alone: slots dropped, registered, handed blocks (`applies_on_host`), and
+whose sample slots need nothing of the step in flight but its ids on the device: greedy, or
+temperature, top-k, top-p and min-p with a seed (the draw reads the position alone); a grammar's
+mask (the plan's: the scheduler sends one only for a sequence whose last token it has); the
+sampled tokens' logprobs (computed on the device, copied back beside the ids); penalties, bias
+and min tokens (the host counts the tokens it has, the token still in flight is counted on the
+device: logits.apply_processing). A slot dropped while its token is in flight is forgotten by
+that step (`Launched.forget`): its token never reaches the table, where a new sequence may
+already hold the slot. Every other plan runs at once after the step in flight has finished, as
+without launch-ahead: prompt logprobs, block copies and swaps, drafts, adapters, a step no
+bucket holds.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -59,7 +60,7 @@ from model_service.step.slot_table import SlotTable
 HOLD_NS = 20_000_000
 
 # What Describe's compute map says launches ahead.
-DESCRIBED = "steps without penalties, logit bias, min tokens or prompt logprobs"
+DESCRIBED = "steps without block copies, swaps or prompt logprobs"
 
 
 def for_runner(
@@ -112,6 +113,14 @@ class Launched:
         if gone.size:
             self.live &= ~np.isin(self.sample_slots, gone)
 
+    def index_of(self, slots: np.ndarray) -> np.ndarray:
+        """Each slot's index among this step's ids where its token is still to land in the
+        slot table (the slot's last token: nothing runs for it in between), else -1."""
+        size = max(int(slots.max(initial=-1)), int(self.sample_slots.max(initial=-1))) + 1
+        index = np.full(size, -1, dtype=np.int64)
+        index[self.sample_slots[self.live]] = np.arange(self.sample_slots.size)[self.live]
+        return index[slots]
+
     def ready(self) -> bool:
         """Whether its ids are on the host (a synchronous device: at hold_until_ns)."""
         if self.done is not None:
@@ -148,7 +157,7 @@ class LaunchAhead:
         x = self.inputs.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, slots, n)
         taken = None
         if prior is not None:
-            rows, sources = pending_rows(prior, slots, n, x.query_start, x.positions, c)
+            rows, sources = pending_rows(prior, slots, n, x.query_start, x.positions)
             if rows.size:
                 taken = (rows, sources, prior.sampled)
         clock = StepClock(self.device)
@@ -163,7 +172,8 @@ class LaunchAhead:
         if logits is None:
             return None
         clock.forward_launched()
-        sampled, logprobs = sample_on_device(logits, x.sample_slots, plan, c, greedy)
+        in_flight = None if prior is None else (prior.index_of(x.sample_slots), prior.sampled)
+        sampled, logprobs = sample_on_device(logits, x.sample_slots, plan, c, greedy, in_flight)
         count = int(sampled.shape[0])
         host_ids = self._ids[self._turn][:count]
         self._turn ^= 1
@@ -236,15 +246,11 @@ def pending_rows(
     num_scheduled: np.ndarray,
     query_start: np.ndarray,
     positions: np.ndarray,
-    table: SlotTable,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows of a step whose input token `prior` samples, and that token's index among
     prior's ids: a slot prior sampled (and no plan dropped since) whose rows include the
     position its token went to."""
-    index = np.full(table.max_num_slots, -1, dtype=np.int64)
-    live = prior.live
-    index[prior.sample_slots[live]] = np.arange(prior.sample_slots.size)[live]
-    sources = index[slots]
+    sources = prior.index_of(slots)
     mine = sources >= 0
     if not mine.any():
         return sources[:0], sources[:0]

@@ -24,33 +24,49 @@ from model_service.step.slot_table import SlotTable
 
 
 def apply_processing(
-    logits: torch.Tensor, rows: np.ndarray, slots: np.ndarray, slot_table: SlotTable
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    slots: np.ndarray,
+    slot_table: SlotTable,
+    in_flight: tuple[np.ndarray, torch.Tensor] | None = None,
 ) -> None:
-    """Penalties, bias and min-token suppression, in place, for logits rows `rows` of `slots`."""
-    vocab = logits.shape[-1]
-    for row, slot in zip(rows.tolist(), slots.tolist()):
+    """Penalties, bias and min-token suppression, in place, for logits rows `rows` of `slots`.
+    `in_flight` (a step launched ahead, step/launch_ahead.py): (per row, the index of its last
+    token among the ids [K] of the step before, still on the device, or -1; those ids): that
+    token counts from the device, its stand-in on the host does not. No host sync: the host's
+    arrays reach the device through pinned memory."""
+    vocab, device = logits.shape[-1], logits.device
+    for i, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
         p = slot_table.processing[slot]
         known = slot_table.tokens[slot, : slot_table.num_tokens[slot]]
-        output = known[p.num_prompt_tokens :]
+        num_output = known.size - p.num_prompt_tokens
+        last = None  # the last token where it is still in flight: [1] on the device
+        if in_flight is not None and in_flight[0][i] >= 0:
+            known = known[:-1]
+            last = in_flight[1][int(in_flight[0][i])].view(1)
         line = logits[row]
         if p.repetition_penalty != 1.0:
-            seen = torch.from_numpy(np.unique(known).astype(np.int64)).to(line.device)
+            seen = on_device(device, np.unique(known).astype(np.int64))
+            if last is not None:  # a repeat of a known token is written twice, the same value
+                seen = torch.cat([seen, last])
             values = line[seen]
             line[seen] = torch.where(
                 values > 0, values / p.repetition_penalty, values * p.repetition_penalty
             )
-        if (p.presence_penalty or p.frequency_penalty) and output.size:
-            counts = torch.from_numpy(
-                np.bincount(output, minlength=vocab)[:vocab].astype(np.float32)
-            ).to(line.device)
+        if (p.presence_penalty or p.frequency_penalty) and num_output:
+            output = known[p.num_prompt_tokens :]
+            host_counts = np.bincount(output, minlength=vocab)[:vocab].astype(np.float32)
+            counts = on_device(device, host_counts)
+            if last is not None:
+                counts = counts.index_add(0, last, torch.ones(1, device=device))
             line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias)
-            line[torch.tensor(ids, device=line.device)] += torch.tensor(
-                biases, device=line.device, dtype=line.dtype
-            )
-        if p.min_new_tokens and output.size < p.min_new_tokens and p.min_tokens_suppressed_ids:
-            line[torch.tensor(p.min_tokens_suppressed_ids, device=line.device)] = float("-inf")
+            bias = on_device(device, np.array(biases, dtype=np.float64)).to(line.dtype)
+            line[on_device(device, np.array(ids, dtype=np.int64))] += bias
+        if p.min_new_tokens and num_output < p.min_new_tokens and p.min_tokens_suppressed_ids:
+            suppressed = np.array(p.min_tokens_suppressed_ids, dtype=np.int64)
+            line[on_device(device, suppressed)] = float("-inf")
 
 
 def apply_masks(

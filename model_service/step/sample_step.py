@@ -37,9 +37,12 @@ def sample_on_device(
     plan: PlanArrays,
     table: SlotTable,
     greedy: bool,
+    in_flight: tuple[np.ndarray, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, RowLogprobs | None]:
     """The sample rows' token ids and the logprobs of the rows that asked, on the logits'
-    device, no host sync (`greedy`: every slot samples by a plain argmax, no logprobs)."""
+    device, no host sync (`greedy`: every slot samples by a plain argmax, no logprobs;
+    `in_flight`: per sample row, the index of its last token among the ids of the step still
+    on the device, or -1, and those ids: logits.apply_processing)."""
     if greedy:
         return argmax_rows(logits), None
     raw = logits
@@ -47,7 +50,8 @@ def sample_on_device(
     if processed.size or plan.masked_slots.size:
         logits = logits.clone()
         if processed.size:
-            apply_processing(logits, processed, sample_slots[processed], table)
+            late = None if in_flight is None else (in_flight[0][processed], in_flight[1])
+            apply_processing(logits, processed, sample_slots[processed], table, late)
         if plan.masked_slots.size:
             row_of_slot = {slot: row for row, slot in enumerate(sample_slots.tolist())}
             rows = np.array(

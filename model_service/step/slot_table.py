@@ -99,9 +99,10 @@ class SlotTable:
 
     def launches_ahead(self, slots: np.ndarray) -> bool:
         """Whether every slot of `slots` samples from what the device has once the step before
-        has run: nothing changes its logits from the tokens on the host, no prompt logprobs
-        (model_service/step/launch_ahead.py; sampled tokens' logprobs come back with the ids)."""
-        return not (self.changes_logits[slots] | (self.num_prompt_logprobs[slots] >= 0)).any()
+        has run: no prompt logprobs (model_service/step/launch_ahead.py: sampled tokens'
+        logprobs come back with the ids, and a penalty counts a token still in flight from the
+        device)."""
+        return not (self.num_prompt_logprobs[slots] >= 0).any()
 
     def samples_greedily(self, slots: np.ndarray) -> bool:
         """samples_plainly, by a plain argmax: no temperature either (cython_ext/decode_step.pyx

@@ -5,8 +5,9 @@ launched step waiting on the CPU for the next plan as a GPU's forward would let 
 default scheduler (overlap: two plans in flight) gives the default engine's greedy tokens for
 requests that join while others decode; a stop seen while the next step is launched sends nothing
 past it, an abort frees every block, a sampled request beside greedy ones keeps its seed's
-tokens, and requests with logprobs or under a grammar get the default engine's tokens, logprobs
-and text. The model service runs in this process so that the test can count what launched ahead."""
+tokens, and requests with logprobs, under a grammar or with penalties get the default engine's
+tokens, logprobs and text. The model service runs in this process so that the test can count
+what launched ahead."""
 
 import asyncio
 import dataclasses
@@ -94,11 +95,12 @@ async def _tokens_and_logprobs(stub, request) -> tuple[list[int], list[tuple], s
     return ids, logprobs, "".join(text)
 
 
-async def test_logprobs_and_a_grammar_beside_launched_steps_give_the_default_engines(
+async def test_logprobs_a_grammar_and_penalties_beside_launched_steps_give_the_default_engines(
     ahead, tiny_server
 ):
-    """Their steps launch too (the logprobs come back with the ids, the mask is the plan's):
-    the tokens, the logprobs with their alternatives, and the constrained text are exact."""
+    """Their steps launch too (the logprobs come back with the ids, the mask is the plan's, the
+    penalties count the token in flight on the device): the tokens, the logprobs with their
+    alternatives, and the constrained text are exact."""
     server, runner = ahead
     email = r"[a-z]{3,12}@[a-z]{3,8}\.(com|org)"
 
@@ -108,7 +110,12 @@ async def test_logprobs_and_a_grammar_beside_launched_steps_give_the_default_eng
             PROMPTS[3], 40, structured_output=common_pb2.StructuredOutput(regex=email)
         )
         constrained.stopping.ignore_eos = False  # the grammar ends the output
-        return [scored, constrained]
+        penalized = greedy_ids_request(PROMPTS[0], 24)
+        penalized.sampling.repetition_penalty = 1.2
+        penalized.sampling.frequency_penalty = 1.5
+        penalized.sampling.presence_penalty = 0.5
+        penalized.sampling.logit_bias[17] = 4.0
+        return [scored, constrained, penalized]
 
     alone = [await _tokens_and_logprobs(stub_for(tiny_server), r) for r in special()]
     assert len(alone[0][1]) == 24 and all(len(top) == 3 for _, _, top in alone[0][1])

@@ -4,8 +4,9 @@ plans, and plans that drop and register slots, of greedy or seeded sampled slots
 from that step's ids on the device, the slot table holding stand-ins until the step finishes. A run
 of plans recorded from a lockstep runner (sequences joining, finishing, a slot reused in the plan
 that drops it, chunked prefills, a seeded sampled sequence beside greedy ones, one asking for
-logprobs and its top alternatives, two under a grammar's mask, one greedy and one seeded, and one
-with a repetition penalty, which waits) replayed this way must give every step's result exactly,
+logprobs and its top alternatives, two under a grammar's mask, one greedy and one seeded, two
+with penalties, bias and min tokens, and one asking for its prompt's logprobs, which waits)
+replayed this way must give every step's result exactly,
 in the CPU's default dtype and in float32: the padded path is batch invariant on the CPU
 (test_ms_cuda_graphs.py), and launching ahead moves no arithmetic."""
 
@@ -78,11 +79,27 @@ def _recorded(runner) -> list[tuple[PlanArrays, object]]:
     driver.add(7, list(range(600, 605)), temperature=0.7, top_p=0.9, seed=11)
     recorder.masked.add(7)  # a seeded draw under a mask
     driver.run_to_completion(4, chunk=16)
-    penalty = LogitsProcessing(num_prompt_tokens=8, repetition_penalty=1.3)
-    driver.add(8, list(range(700, 708)), processing=penalty)  # reads its tokens: at once
-    driver.add(9, list(range(800, 812)))
+    # Penalties count the token in flight on the device, bias and min tokens beside them: token
+    # 3's bias wins until its frequency penalty has counted it twice, so a token in flight that
+    # went uncounted would show as a third 3.
+    penalties = LogitsProcessing(
+        num_prompt_tokens=8, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=100.0,
+        logit_bias=((3, 200.0), (11, -1.5)), min_new_tokens=3, min_tokens_suppressed_ids=(5, 6),
+    )  # fmt: skip
+    driver.add(8, [700, 701, 702, 700, 703, 704, 701, 705], processing=penalties)
+    driver.add(9, list(range(800, 812)), temperature=0.9, seed=5, processing=penalties)
+    driver.run_to_completion(5, chunk=16)
+    prompt_scored = LogitsProcessing(num_prompt_tokens=12, num_prompt_logprobs=1)
+    driver.add(10, list(range(900, 912)), processing=prompt_scored)  # at once
+    driver.add(11, list(range(950, 953)))
     driver.run_to_completion(3, chunk=16)
     return recorder.steps
+
+
+def _sampled(plan: PlanArrays, output, slot: int) -> int | None:
+    """The token `slot` sampled in this step, if it did."""
+    sampling = plan.slots[output.num_sampled_tokens > 0].tolist()
+    return int(output.sampled_token_ids[sampling.index(slot)]) if slot in sampling else None
 
 
 def _result(output) -> tuple:
@@ -125,17 +142,19 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     if in_flight is not None:
         results.append(ahead.finish(in_flight))
     assert [_result(o) for o in results] == [_result(o) for _, o in steps]
-    # Every step that schedules a slot launched (the sampled slots 2 and 7 draw from their seed
-    # and position alone, slots 6 and 7 under masks, slot 5's logprobs come back with its ids)
-    # but slot 8's (its penalty reads its tokens on the host); behind another where that one
-    # launched too.
+    # Every step that schedules a slot launched (the sampled slots 2, 7 and 9 draw from their
+    # seed and position alone, slots 6 and 7 under masks, slot 5's logprobs come back with its
+    # ids, slots 8 and 9 count their token in flight on the device) but slot 10's (its prompt's
+    # logprobs); behind another where that one launched too.
     for plan, output in steps:  # the masks bind: every masked token is one the mask allows
         sampling = plan.slots[output.num_sampled_tokens > 0]
         masked = output.sampled_token_ids[np.isin(sampling, plan.masked_slots)]
         assert (masked % 3 == 0).all()
     assert sum(plan.masked_slots.size for plan, _ in steps) >= 6
     assert any(output.logprob_token_ids.size for _, output in steps)
-    launches = [plan.slots.size > 0 and 8 not in plan.slots for plan, _ in steps]
+    penalized = [_sampled(plan, output, 8) for plan, output in steps]
+    assert [t for t in penalized if t is not None][:3] in ([3, 3, t] for t in range(4, 10**6))
+    launches = [plan.slots.size > 0 and 10 not in plan.slots for plan, _ in steps]
     assert not all(launches[-3:])
     behind = sum(a and b for a, b in zip(launches, launches[1:]))
     assert behind >= len(steps) // 2 and ahead.ahead.launched == behind
