@@ -200,7 +200,12 @@ async def measure_serving(address: str, server: Serve, requests, args) -> dict:
 
     before = await asyncio.to_thread(scrape.samples, metrics_url)
     results, elapsed, client_percent = await send_workload(
-        address, requests, args.client_processes, max(1.0, phase_limit(args)), started
+        address,
+        requests,
+        args.client_processes,
+        max(1.0, phase_limit(args)),
+        started,
+        sampling(args),
     )
     after = await asyncio.to_thread(scrape.samples, metrics_url)
     cpu_percent = {**cpu.stop(), "clients": client_percent}
@@ -272,6 +277,11 @@ def child_phase(module: str, argv: list[str], out: str, args, log_path: str) -> 
         with open(out) as f:
             result = json.load(f)
     return {**result, "error": error, "log": log_path}
+
+
+def sampling(args) -> dict:
+    """How the served requests sample (the clients' GrpcBackend arguments)."""
+    return {"temperature": args.temperature, "top_p": args.top_p}
 
 
 def mean_context(requests) -> int:
@@ -354,6 +364,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-ceiling", action="store_true")
     parser.add_argument("--hf-batch-size", type=int, default=256)
     parser.add_argument("--serve-flags", default="", help="more `planserve serve` flags")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="above 0: every request samples, seeded, with --top-p (the "
+        "sampler's cost on the device; the ceiling and transformers stay greedy)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--client-processes", type=int, default=4,
                         help="processes sending the workload (1: this one)")  # fmt: skip
     parser.add_argument("--out", default=OUT)
@@ -387,6 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_seconds_per_phase": args.max_seconds,
         "budget_seconds": args.budget_seconds,
         "serve_flags": args.serve_flags,
+        "sampling": sampling(args),
         "log_dir": args.log_dir,
         "shapes": {},
     }

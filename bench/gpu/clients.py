@@ -13,12 +13,15 @@ import time
 from typing import Callable
 
 
-async def _send(address: str, requests, timeout_s: float, start_at: float, started=None):
-    """Connects, waits for start_at (time.time()), sends; returns the results, the run's wall
-    seconds and this process's CPU seconds over the run (not its imports or connecting)."""
+async def _send(
+    address: str, requests, timeout_s: float, start_at: float, sampling: dict, started=None
+):
+    """Connects, waits for start_at (time.time()), sends (`sampling`: GrpcBackend's temperature
+    and top_p); returns the results, the run's wall seconds and this process's CPU seconds over
+    the run (not its imports or connecting)."""
     from bench.load.loadgen import GrpcBackend, run_workload
 
-    async with GrpcBackend(address) as backend:
+    async with GrpcBackend(address, **sampling) as backend:
         await asyncio.sleep(max(0.0, start_at - time.time()))
         if started is not None:
             started()
@@ -29,19 +32,26 @@ async def _send(address: str, requests, timeout_s: float, start_at: float, start
         return results, elapsed, time.process_time() - cpu
 
 
-def _client_process(address: str, requests, timeout_s: float, start_at: float):
-    return asyncio.run(_send(address, requests, timeout_s, start_at))
+def _client_process(address: str, requests, timeout_s: float, start_at: float, sampling: dict):
+    return asyncio.run(_send(address, requests, timeout_s, start_at, sampling))
 
 
 async def send_workload(
-    address: str, requests, processes: int, timeout_s: float, started: Callable[[], None]
+    address: str,
+    requests,
+    processes: int,
+    timeout_s: float,
+    started: Callable[[], None],
+    sampling: dict | None = None,
 ):
     """Every request sent at t=0 from `processes` client processes (1: this process), request i
     from process i % processes; `started` is called as the first requests leave (the meters'
     window is the run's, not the clients' start-up). Returns (results in the workload's order,
     the run's wall seconds, the clients' CPU% of one core)."""
     if processes <= 1:
-        results, elapsed, cpu_s = await _send(address, requests, timeout_s, 0.0, started)
+        results, elapsed, cpu_s = await _send(
+            address, requests, timeout_s, 0.0, sampling or {}, started
+        )
         return results, elapsed, round(100.0 * cpu_s / elapsed, 1)
     shares = [requests[i::processes] for i in range(processes)]
     start_at = time.time() + 3.0  # every process connected before the first request leaves
@@ -51,7 +61,9 @@ async def send_workload(
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
         done = await asyncio.gather(
             *(
-                loop.run_in_executor(pool, _client_process, address, share, timeout_s, start_at)
+                loop.run_in_executor(
+                    pool, _client_process, address, share, timeout_s, start_at, sampling or {}
+                )
                 for share in shares
             )
         )

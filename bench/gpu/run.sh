@@ -14,6 +14,8 @@
 #   ahead    launch-ahead against the same build without it (model_service/step/launch_ahead.py):
 #            the 1B shape served twice with 4 frontend processes, off then on (its default),
 #            into OUT/ahead_off.json and OUT/ahead_on.json (AHEAD_SHAPES: other shapes)
+#   sampled  the same serve as ahead's "on", every request sampling (temperature 0.7, top-p 0.9,
+#            seeded) instead of greedy: what the sampler costs served, into OUT/sampled.json
 #
 # Every step logs to OUT/logs/STEP.log and its status and seconds to OUT/summary.txt; a failed
 # test step does not stop the later ones. STEPS picks steps ("install build bench" skips tests).
@@ -58,6 +60,12 @@ ahead() {
       --serve-flags="--frontend-processes 4 --launch-ahead $mode" \
       --out "$OUT/ahead_${mode/auto/on}.json" --log-dir "$OUT/logs/ahead-$mode" || return 1
   done
+}
+
+sampled() {
+  python3 bench/bench_gpu_serve.py --shapes "${AHEAD_SHAPES:-llama-1b}" --no-transformers \
+    --no-ceiling --max-seconds 60 --client-processes 4 --temperature 0.7 --top-p 0.9 \
+    --serve-flags="--frontend-processes 4" --out "$OUT/sampled.json" --log-dir "$OUT/logs/sampled"
 }
 
 status=0

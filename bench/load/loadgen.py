@@ -47,9 +47,14 @@ class GrpcBackend:
         stream_interval: int = 1,
         num_channels: int = 4,
         lora_names: Sequence[str] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> None:
         self.address = address
         self.stream_interval = stream_interval
+        # 0: greedy; above it each request draws with a seed of its own (its index in this
+        # backend's run), so that a rerun draws the same tokens (common.proto's seed rule).
+        self.temperature, self.top_p = temperature, top_p
         self.num_channels = num_channels
         self.lora_names = list(lora_names)  # request i names lora_names[i % len]; none: the base
         self.vocab_size: Optional[int] = None
@@ -81,7 +86,9 @@ class GrpcBackend:
         if self.vocab_size and max(ids) >= self.vocab_size:
             ids = [i % self.vocab_size for i in ids]  # a smaller vocabulary (the null model)
         pb.token_ids.ids.extend(ids)
-        pb.sampling.temperature = 0.0
+        pb.sampling.temperature = self.temperature
+        if self.temperature > 0:
+            pb.sampling.top_p, pb.sampling.seed = self.top_p, index
         pb.stopping.max_new_tokens = request.max_new_tokens
         pb.stopping.ignore_eos = request.ignore_eos
         if self.stream_interval != 1:

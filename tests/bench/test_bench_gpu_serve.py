@@ -60,6 +60,7 @@ def test_the_dry_run_writes_every_field_and_the_counts_add_up(tmp_path):
     assert report["finished"] and machine["torch"] and machine["device"] == "cpu"
     assert report["workload"] == {"name": "dry", "requests": 16, "prompt_tokens": 648,
                                   "output_tokens": 128}
+    assert report["sampling"] == {"temperature": 0.0, "top_p": 1.0}  # greedy unless asked
     tiny = report["shapes"]["tiny"]
     serve, ceiling, hf = tiny["serve"], tiny["ceiling"], tiny["transformers"]
     assert serve["completed"] == 16 and serve["failed"] == 0
