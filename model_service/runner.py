@@ -48,12 +48,12 @@ from model_service.lora.triton_stack import TritonView
 from model_service.speculative.stage import Drafter, SpeculationStage, StepRun
 from model_service.step import decode_fast, launch_ahead, step_shape
 from model_service.step.cuda_graphs import StepGraphs
-from model_service.step.forward import StepClock, run_forward, to_device
+from model_service.step.forward import StepClock, run_forward
 from model_service.step.launch_ahead import Launched
 from model_service.step.logits import gather_logprobs, prompt_logprob_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
-from model_service.step.sampler import argmax_rows
+from model_service.step.sampler import argmax_rows, on_device
 from model_service.step.slot_checks import check_plan
 from model_service.step.slot_table import SlotTable
 
@@ -255,7 +255,7 @@ class ModelRunner:
             self.kv_cache.swap_in(torch.from_numpy(plan.swap_in_src), self._dev(plan.swap_in_dst))
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.device)
+        return on_device(self.device, array)  # pinned: a step launched ahead copies blocks
 
     def _execute(self, plan: PlanArrays) -> ComputedStep:
         if plan.plain and self.fast_path:

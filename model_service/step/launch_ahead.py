@@ -15,7 +15,8 @@ also queues N+1 on the device before it finishes N on the host:
     launch N+2 ...
 
 What launches: a plan replayed from a padded step (the CUDA graphs, or cuda_graphs "eager") whose
-diff the host applies alone: slots dropped, registered, handed blocks (`applies_on_host`), and
+diff needs nothing of the step in flight on the host: slots dropped, registered, handed blocks,
+blocks copied for a fork (queued behind the step in flight: `applies_on_host`), and
 whose sample slots need nothing of the step in flight but its ids on the device: greedy, or
 temperature, top-k, top-p and min-p with a seed (the draw reads the position alone); a grammar's
 mask (the plan's: the scheduler sends one only for a sequence whose last token it has); the
@@ -24,8 +25,7 @@ and min tokens (the host counts the tokens it has, the token still in flight is 
 device: logits.apply_processing). A slot dropped while its token is in flight is forgotten by
 that step (`Launched.forget`): its token never reaches the table, where a new sequence may
 already hold the slot. Every other plan runs at once after the step in flight has finished, as
-without launch-ahead: prompt logprobs, block copies and swaps, drafts, adapters, a step no
-bucket holds.
+without launch-ahead: prompt logprobs, swaps, drafts, adapters, a step no bucket holds.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -60,7 +60,7 @@ from model_service.step.slot_table import SlotTable
 HOLD_NS = 20_000_000
 
 # What Describe's compute map says launches ahead.
-DESCRIBED = "steps without block copies, swaps or prompt logprobs"
+DESCRIBED = "steps without swaps or prompt logprobs"
 
 
 def for_runner(
@@ -86,9 +86,10 @@ def for_runner(
 
 
 def applies_on_host(plan: PlanArrays) -> bool:
-    """Whether a plan's diff is the host's alone (no block copies or swaps): a plan that may
+    """Whether a plan's diff needs nothing of the step in flight on the host (block copies are
+    queued behind it on the device; a swap reads blocks back to the host): a plan that may
     launch ahead where its slots may (SlotTable.launches_ahead)."""
-    return not (plan.copy_src.size or plan.swap_out_src.size or plan.swap_in_src.size)
+    return not (plan.swap_out_src.size or plan.swap_in_src.size)
 
 
 @dataclasses.dataclass

@@ -5,8 +5,8 @@ launched step waiting on the CPU for the next plan as a GPU's forward would let 
 default scheduler (overlap: two plans in flight) gives the default engine's greedy tokens for
 requests that join while others decode; a stop seen while the next step is launched sends nothing
 past it, an abort frees every block, a sampled request beside greedy ones keeps its seed's
-tokens, and requests with logprobs, under a grammar or with penalties get the default engine's
-tokens, logprobs and text. The model service runs in this process so that the test can count
+tokens, requests with logprobs, under a grammar or with penalties get the default engine's
+tokens, logprobs and text, and parallel samples fork (a block copy) in a launched step. The model service runs in this process so that the test can count
 what launched ahead."""
 
 import asyncio
@@ -127,5 +127,47 @@ async def test_logprobs_a_grammar_and_penalties_beside_launched_steps_give_the_d
     assert await asyncio.gather(*(_tokens_and_logprobs(stub, r) for r in special())) == alone
     await asyncio.gather(*greedy)
     assert runner.ahead.launched > launched
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+
+
+async def _samples(stub, request) -> dict[int, list[int]]:
+    by_index: dict[int, list[int]] = {}
+    async for chunk in stub.Generate(request):
+        by_index.setdefault(chunk.index, []).extend(chunk.token_ids)
+    return by_index
+
+
+async def test_parallel_samples_fork_with_a_block_copy_launched_ahead(ahead, tiny_server, monkeypatch):
+    """n = 3 samples fork from the first once its prompt is computed; the prompt's last block,
+    partly written, is copied for each (30 tokens: not a multiple of the block size). The plan
+    carrying those copies launches behind the step in flight, and every sample's tokens are the
+    default engine's."""
+    server, runner = ahead
+
+    def forked():
+        request = greedy_ids_request(PROMPTS[1], 16, n=3)
+        request.sampling.temperature = 0.9
+        request.sampling.seed = 7
+        return request
+
+    alone = await _samples(stub_for(tiny_server), forked())
+    assert sorted(alone) == [0, 1, 2] and len(set(map(tuple, alone.values()))) > 1
+    copied_ahead = []
+    launch = runner.ahead.launch
+
+    def counting(plan, prior, greedy):
+        launched = launch(plan, prior, greedy)
+        if plan.copy_src.size and prior is not None and launched is not None:
+            copied_ahead.append(plan.step_id)
+        return launched
+
+    monkeypatch.setattr(runner.ahead, "launch", counting)
+    stub = stub_for(server)
+    greedy = [asyncio.ensure_future(complete(stub, greedy_ids_request(p, 48))) for p in PROMPTS[2:]]
+    await asyncio.sleep(0.2)
+    assert await _samples(stub, forked()) == alone
+    await asyncio.gather(*greedy)
+    assert copied_ahead  # the fork's copies rode a step launched behind another
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)
