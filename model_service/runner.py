@@ -188,7 +188,7 @@ class ModelRunner:
                 if prior is not None:  # a dropped slot's token in flight stays out of the table
                     prior.forget(plan.finished_slots, plan.preempted_slots, plan.aborted_slots)
                 self._apply_diff(plan)
-                greedy = c.samples_greedily(plan.slots)
+                greedy = c.samples_greedily(plan.slots) and not plan.masked_slots.size
             else:
                 return [*self.ahead.finished(prior), self._execute(plan)], None
             launched = None

@@ -73,9 +73,11 @@ def _recorded(runner) -> list[tuple[PlanArrays, object]]:
     assert set(driver._pending_drop) == {3}
     driver.add(3, list(range(300, 360)))
     driver.run_to_completion(6, chunk=16)
-    driver.add(5, list(range(400, 420)), with_logprobs=True, num_logprobs=2)
-    recorder.masked.add(6)
+    recorder.masked.add(6)  # a greedy slot under a mask, beside plain greedy ones only
     driver.add(6, list(range(500, 510)))
+    driver.add(12, list(range(520, 530)))
+    driver.run_to_completion(4, chunk=16)
+    driver.add(5, list(range(400, 420)), with_logprobs=True, num_logprobs=2)
     driver.add(7, list(range(600, 605)), temperature=0.7, top_p=0.9, seed=11)
     recorder.masked.add(7)  # a seeded draw under a mask
     driver.run_to_completion(4, chunk=16)
