@@ -142,10 +142,13 @@ class Server:
 
 def generate_request(i: int, tokens: int, interval: int, tag: str) -> generate_pb2.GenerateRequest:
     """Stream i's greedy Generate of `tokens` tokens (no eos) after its 64-token prompt (with
-    its tokens' logprobs and two alternatives each for the first --logprobs-streams)."""
+    its tokens' logprobs and two alternatives each for the first --logprobs-streams, frequency
+    and presence penalties for the first --penalty-streams)."""
     request = generate_pb2.GenerateRequest(request_id=f"{tag}-{i}")
     if i < LOGPROB_STREAMS[0]:
         request.logprobs, request.top_logprobs = True, 2
+    if i < PENALTY_STREAMS[0]:
+        request.sampling.frequency_penalty, request.sampling.presence_penalty = 0.5, 0.25
     request.token_ids.ids.extend(_prompt(i))
     request.sampling.temperature = 0.0
     request.stopping.max_new_tokens = tokens
@@ -160,6 +163,8 @@ def generate_request(i: int, tokens: int, interval: int, tag: str) -> generate_p
 NUM_CHANNELS = [1]
 # Streams that ask for logprobs (--logprobs-streams): the first ones of each run.
 LOGPROB_STREAMS = [0]
+# Streams with frequency and presence penalties (--penalty-streams): the first ones of each run.
+PENALTY_STREAMS = [0]
 
 
 async def run_generate(port: int, n: int, tokens: int, interval: int, tag: str) -> list:
@@ -207,6 +212,8 @@ async def run_http(port: int, n: int, tokens: int, interval: int, tag: str) -> l
         body = json.dumps({"model": "null", "prompt": _prompt(i), "max_tokens": tokens,
                            "temperature": 0.0, "ignore_eos": True, "stream": True,
                            **({"logprobs": 2} if i < LOGPROB_STREAMS[0] else {}),
+                           **({"frequency_penalty": 0.5, "presence_penalty": 0.25}
+                              if i < PENALTY_STREAMS[0] else {}),
                            **({"stream_interval": interval} if interval != 1 else {})}).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -296,6 +303,7 @@ async def measure(server: Server, api: str, args, interval: int) -> dict:
         "frontend_processes": args.frontend_processes,
         "grpc_channels": NUM_CHANNELS[0],
         "logprobs_streams": LOGPROB_STREAMS[0],
+        "penalty_streams": PENALTY_STREAMS[0],
         "output_tokens_per_s": round(args.streams * args.tokens / wall, 1),
         "step_ms": round(statistics.median(gaps) * 1000, 3) if gaps else None,
         "chunks_per_stream": statistics.median(len(t) for t, _ in runs),
@@ -349,6 +357,8 @@ def main() -> None:
                         "--launch-ahead on\" (the null model's delay then queued as a GPU's)")
     parser.add_argument("--logprobs-streams", type=int, default=0,
                         help="the first K streams ask for their tokens' logprobs (2 alternatives)")
+    parser.add_argument("--penalty-streams", type=int, default=0,
+                        help="the first K streams ask for frequency and presence penalties")
     parser.add_argument("--profile", default=None, help="cProfile the scheduler process here")
     parser.add_argument("--label", default="", help="what this run measures (before/after ...)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "host_path.json"))
@@ -358,6 +368,7 @@ def main() -> None:
     args = parser.parse_args()
     NUM_CHANNELS[0] = args.channels or (16 if args.frontend_processes else 1)
     LOGPROB_STREAMS[0] = args.logprobs_streams
+    PENALTY_STREAMS[0] = args.penalty_streams
     load_before = os.getloadavg()
     if args.grpc_floor:
         print(json.dumps(grpc_floor(args)))
