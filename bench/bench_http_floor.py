@@ -29,7 +29,8 @@ import os
 import platform
 import time
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+from bench.gpu.monitor import cpu_seconds
+
 # A chunk of the size a completion's SSE event has (id, object, created, model, one choice).
 CHUNK = (
     b'data: {"id":"cmpl-0123456789abcdef0123456789abcdef","object":"text_completion",'
@@ -147,12 +148,6 @@ async def _clients(port: int, n: int) -> int:
     return sum(await asyncio.gather(*(one() for _ in range(n))))
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
 def floor(kind: str, args) -> dict:
     port_out: multiprocessing.Queue = multiprocessing.Queue()
     child = multiprocessing.Process(
@@ -162,9 +157,9 @@ def floor(kind: str, args) -> dict:
     port = port_out.get(timeout=60)
     time.sleep(0.5)
     try:
-        cpu0, start = _cpu_s(child.pid), time.perf_counter()
+        cpu0, start = cpu_seconds(child.pid), time.perf_counter()
         chunks = asyncio.run(_clients(port, args.streams))
-        wall, cpu = time.perf_counter() - start, _cpu_s(child.pid) - cpu0
+        wall, cpu = time.perf_counter() - start, cpu_seconds(child.pid) - cpu0
     finally:
         child.kill()
     assert chunks == args.streams * args.tokens, (chunks, args.streams * args.tokens)

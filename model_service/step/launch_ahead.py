@@ -173,14 +173,16 @@ class LaunchAhead:
         if logits is None:
             return None
         clock.forward_launched()
-        in_flight = None if prior is None else (prior.index_of(x.sample_slots), prior.sampled)
+        in_flight = None  # only penalties read the tokens in flight (logits.apply_processing)
+        if prior is not None and not greedy and c.changes_logits[x.sample_slots].any():
+            in_flight = (prior.index_of(x.sample_slots), prior.sampled)
         sampled, logprobs = sample_on_device(logits, x.sample_slots, plan, c, greedy, in_flight)
         count = int(sampled.shape[0])
         host_ids = self._ids[self._turn][:count]
         self._turn ^= 1
         host_ids.copy_(sampled, non_blocking=True)
         if logprobs is not None:
-            logprobs = logprobs.copied(pinned=self.device.type == "cuda")
+            logprobs = logprobs.copied()
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

@@ -104,16 +104,15 @@ class RowLogprobs:
     top_ids: torch.Tensor | None  # [N, k_max] int64
     counts: np.ndarray  # [N] int64
 
-    def copied(self, pinned: bool) -> "RowLogprobs":
-        """Copies to the host queued on the device's stream (into pinned memory where `pinned`,
-        so that they do not wait for it); read them once the stream has passed this point."""
+    def copied(self) -> "RowLogprobs":
+        """Copies to the host queued on the device's stream, into pinned memory so that they do
+        not wait for it (CPU tensors are kept as they are); read them once the stream has passed
+        this point."""
 
         def host(t: torch.Tensor) -> torch.Tensor:
             if t.device.type == "cpu":
                 return t
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(
-                t, non_blocking=pinned
-            )
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
         if self.top_values is None or self.top_ids is None:
             return RowLogprobs(host(self.chosen), None, None, self.counts)
