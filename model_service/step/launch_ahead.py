@@ -122,6 +122,13 @@ class Launched:
         index[self.sample_slots[self.live]] = np.arange(self.sample_slots.size)[self.live]
         return index[slots]
 
+    def read_by(self, slots: np.ndarray, table: SlotTable) -> tuple[np.ndarray, Any] | None:
+        """(index_of(slots), the ids) where a slot of `slots` has penalties, bias or min tokens,
+        the only readers of a token in flight (logits.apply_processing), else None."""
+        if not table.changes_logits[slots].any():
+            return None
+        return self.index_of(slots), self.sampled
+
     def ready(self) -> bool:
         """Whether its ids are on the host (a synchronous device: at hold_until_ns)."""
         if self.done is not None:
@@ -173,9 +180,7 @@ class LaunchAhead:
         if logits is None:
             return None
         clock.forward_launched()
-        in_flight = None  # only penalties read the tokens in flight (logits.apply_processing)
-        if prior is not None and not greedy and c.changes_logits[x.sample_slots].any():
-            in_flight = (prior.index_of(x.sample_slots), prior.sampled)
+        in_flight = None if prior is None or greedy else prior.read_by(x.sample_slots, c)
         sampled, logprobs = sample_on_device(logits, x.sample_slots, plan, c, greedy, in_flight)
         count = int(sampled.shape[0])
         host_ids = self._ids[self._turn][:count]
