@@ -12,7 +12,8 @@ process:
               message would cost: the socket write and the loop)
   starlette   uvicorn (httptools) with a Starlette app: a StreamingResponse per request whose
               generator reads an asyncio.Queue that the ticker fills (the frameworks' path a
-              frontend's streams take today, without planserve's own code)
+              frontend's streams took before a plain chunk was written where its output
+              arrives, scheduler_service/api/sse_direct.py; the others still take it)
 
 The clients are the benchmark's own process (raw HTTP/1.1, as bench_host_path.py's).
 

@@ -1,8 +1,10 @@
-"""Helpers for tests that call the public API over real gRPC."""
+"""Helpers for tests that call the public API over real gRPC (and its HTTP API raw: sse_request)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import socket
 
 import grpc
 
@@ -112,3 +114,61 @@ async def assert_an_abort_in_flight_frees_every_block(server, prompt: list[int],
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)
     assert len((await complete(stub, greedy_ids_request(prompt[:7], 4))).token_ids) == 4
+
+
+@dataclasses.dataclass
+class SseStream:
+    """A streamed HTTP response as its client read it: the head's headers, the `data:` payloads
+    in order, and the body's framing (its HTTP chunks, or None where it was not chunked)."""
+
+    headers: dict[str, str]
+    events: list[str]
+    num_http_chunks: int | None
+
+    def text(self) -> str:
+        """The completion's text: every choice's text (or chat delta content) joined."""
+        parts = []
+        for event in self.events:
+            if event == "[DONE]":
+                continue
+            for choice in json.loads(event)["choices"]:
+                parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+        return "".join(parts)
+
+
+async def sse_request(port: int, path: str, body: dict, http_version: str = "1.1",
+                      receive_buffer: int = 0, pause_s: float = 0.0) -> SseStream:
+    """POSTs `body` with a raw HTTP client and reads the streamed answer to its end.
+    receive_buffer: the socket's SO_RCVBUF (0: the kernel's); pause_s: a sleep after the first
+    chunk, as a client that stops reading for a while."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    payload = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/{http_version}\r\nhost: 127.0.0.1\r\n"
+                 f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+                 .encode() + payload)
+    status = await reader.readline()
+    assert status.split()[1] == b"200", status
+    headers = {}
+    while (line := await reader.readline()) != b"\r\n":
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body_bytes, num_chunks = b"", None
+    if headers.get("transfer-encoding") == "chunked":
+        num_chunks = 0
+        while size := int((await reader.readline()).strip(), 16):
+            body_bytes += await reader.readexactly(size)
+            assert await reader.readexactly(2) == b"\r\n"
+            num_chunks += 1
+            if num_chunks == 1 and pause_s:
+                await asyncio.sleep(pause_s)
+        assert await reader.readexactly(2) == b"\r\n"
+    else:
+        body_bytes = await reader.read()
+    writer.close()
+    events = [e[len("data: "):] for e in body_bytes.decode().split("\n\n") if e]
+    return SseStream(headers, events, num_chunks)

@@ -19,6 +19,7 @@ from scheduler_service.api.openai_http import OpenAIApp
 from scheduler_service.api.openai_render import add_render_routes
 from scheduler_service.api.ops_http import add_ops_routes
 from scheduler_service.api.responses_http import ResponsesDoor
+from scheduler_service.api.sse_direct import KeepServerSend
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.ports import StartupError
 
@@ -111,7 +112,7 @@ class HttpServer:
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app,
+            KeepServerSend(self.app),  # a streamed response's socket (api/sse_direct.py)
             log_config=None,
             access_log=False,
             lifespan="off",

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Mapping, Optional
+from typing import Any, AsyncIterator, Mapping, Optional, cast
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -43,7 +43,14 @@ from scheduler_service.api.openai_requests import (
     to_pb,
 )
 from scheduler_service.api.sse_chunks import DONE, SseChunks
-from scheduler_service.api.streams import Collected, finish_reason_name, outputs_of, placed
+from scheduler_service.api.sse_direct import DirectSse, writer_of
+from scheduler_service.api.streams import (
+    Collected,
+    finish_reason_name,
+    outputs_of,
+    placed,
+    unless_disconnected,
+)
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.config import SchedulerConfig, parse_objective_priorities
 from scheduler_service.core.request import Request, RequestOutput
@@ -72,14 +79,6 @@ class _Totals:
         }
 
 
-async def _disconnected(http: HttpRequest) -> None:
-    """Returns when the client disconnects (the body was already read)."""
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 def _error_response(
     http: HttpRequest, error: ApiError, headers: Optional[Mapping[str, str]] = None
 ) -> JSONResponse:
@@ -88,23 +87,6 @@ def _error_response(
         body = {"type": "error", "error": {"type": error.type, "message": error.message}}
         return JSONResponse(status_code=error.status, content=body, headers=headers)
     return error.response(headers)
-
-
-async def unless_disconnected(http: HttpRequest, answer: Awaitable[Any]) -> Any:
-    """The whole answer's result; its request aborted (499) if the client disconnects first."""
-    collect = asyncio.ensure_future(answer)
-    watch = asyncio.ensure_future(_disconnected(http))
-    try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not collect.done():  # the client went away (or this handler was cancelled)
-            collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await collect
-    if collect.cancelled():
-        raise ApiError(499, "client closed the request", "cancelled")
-    return collect.result()
 
 
 class OpenAIApp:
@@ -263,7 +245,7 @@ class OpenAIApp:
             )
         if body.stream:
             return StreamingResponse(
-                response.events(),
+                response.events(http.scope),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -341,10 +323,11 @@ class _Response:
             chunks.append(sse.chunk([choice]))
         return chunks
 
-    async def events(self) -> AsyncIterator[str]:
+    async def events(self, scope: Mapping[str, Any]) -> AsyncIterator[str]:
         """Chunks as server-sent events. The request is queued only once the response
         started, so a client gone before that leaves nothing behind; one gone later (the
-        response task is cancelled on disconnect) aborts it."""
+        response task is cancelled on disconnect) aborts it. A plain response's common chunk
+        is written where its output arrives (api/sse_direct.py), the others here."""
         req, chat = self.req, self.chat
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         sse = SseChunks(
@@ -359,6 +342,10 @@ class _Response:
             self.chat_outputs is None and req.logprobs is None and not self.body.return_token_ids
         )
         completion_logprobs = [CompletionLogprobs(self.serving.tokenizer) for _ in range(req.n)]
+        if plain:
+            direct = DirectSse(sse.running(chat)).take_over(cast(asyncio.Queue, req.outputs))
+            direct.attach(writer_of(scope))
+            req.outputs = direct
         async with contextlib.aclosing(outputs_of(self.serving.frontend, req)) as stream:
             if chat:  # the role first, once per choice
                 for index in range(req.n):

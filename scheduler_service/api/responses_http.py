@@ -23,8 +23,8 @@ from scheduler_service.api import chat_outputs
 from scheduler_service.api import responses_items as items
 from scheduler_service.api.admission import Serving
 from scheduler_service.api.chat_outputs import ChatOutput
-from scheduler_service.api.openai_http import OpenAIApp, unless_disconnected
-from scheduler_service.api.streams import Collected, outputs_of
+from scheduler_service.api.openai_http import OpenAIApp
+from scheduler_service.api.streams import Collected, outputs_of, unless_disconnected
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.core.request import FinishReason, Request
 

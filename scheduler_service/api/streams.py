@@ -6,7 +6,7 @@ handler was cancelled) aborts what is left, which frees its blocks within one st
 keeps that rule for a stream of many requests (Session); `outputs_of` is the same for one
 request (Generate, the HTTP API's streamed and whole responses); `Collected` gathers a request's
 outputs per sample for the doors that answer once (the HTTP API's whole responses, the offline
-LLM).
+LLM), and `unless_disconnected` aborts an HTTP door's whole answer when its client goes.
 
 A reader that fell behind (its last chunk was still being written when the next steps' outputs
 came) takes everything waiting at once, each sample's outputs merged into one chunk
@@ -19,10 +19,14 @@ instead of several. Only a reader that stops reading entirely fills a bounded bu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from typing import Any, AsyncGenerator, Callable, Hashable, Optional, cast
+from typing import Any, AsyncGenerator, Awaitable, Callable, Hashable, Optional, cast
+
+from fastapi import Request as HttpRequest
 
 from scheduler_service.api.admission import Rejected
+from scheduler_service.api.openai_errors import ApiError
 from scheduler_service.api.overload import Overflowed
 from scheduler_service.core.request import FinishReason, Request, RequestOutput, TokenLogprob
 from scheduler_service.engine.frontend import EngineFrontend
@@ -190,3 +194,28 @@ class Collected:
         sample.logprobs.extend(output.logprobs or ())
         if output.finish_reason is not None:
             sample.finish_reason = output.finish_reason
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns when the client disconnects (the body was already read)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(http: HttpRequest, answer: Awaitable[Any]) -> Any:
+    """The whole answer's result; its request aborted (499) if the client disconnects first."""
+    collect = asyncio.ensure_future(answer)
+    watch = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not collect.done():  # the client went away (or this handler was cancelled)
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+    if collect.cancelled():
+        raise ApiError(499, "client closed the request", "cancelled")
+    return collect.result()

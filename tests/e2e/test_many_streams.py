@@ -1,12 +1,20 @@
 """256 concurrent streams on the null model, whose tokens depend on each stream's own prompt:
 every stream gets exactly its own tokens, in order, none twice and none missing, however its
-outputs were merged into chunks; the KV blocks all return to the pool."""
+outputs were merged into chunks; the KV blocks all return to the pool. On gRPC (Generate and
+Session) and as the HTTP API's server-sent events."""
 import asyncio
+import json
 
 import grpc
 import pytest
 import pytest_asyncio
-from api import assert_no_leaked_blocks, greedy_ids_request, stub_for, wait_until_idle
+from api import (
+    assert_no_leaked_blocks,
+    greedy_ids_request,
+    sse_request,
+    stub_for,
+    wait_until_idle,
+)
 from conftest import EngineProcess, start_scheduler
 
 from model_service.models.null import null_continuation
@@ -34,7 +42,8 @@ async def server(engine, request):
     """The default layout, and the doors in two frontend processes (scheduler_service/frontends):
     the core's scheduler is this process's either way (what the block checks read)."""
     server = await start_scheduler(engine, max_num_seqs=NUM_STREAMS, max_queue_len=4 * NUM_STREAMS,
-                                   max_num_batched_tokens=4096, frontend_processes=request.param)
+                                   max_num_batched_tokens=4096, frontend_processes=request.param,
+                                   http_port=0)
     yield server
     await server.stop(grace_s=1)
 
@@ -107,5 +116,43 @@ async def test_a_slow_reader_gets_its_missed_tokens_merged_and_the_others_go_on(
             chunks += 1
     assert ids == null_continuation(_prompt(0), 200)
     assert chunks < 200  # what it missed came merged
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+
+
+def _sse_body(server, i: int, num_tokens: int) -> dict:
+    return {"model": server.servicer.serving.facts.model_name, "prompt": _prompt(i), "max_tokens": num_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+async def test_256_sse_streams_each_get_exactly_their_own_text(server):
+    streams = await asyncio.gather(*(
+        sse_request(server.http_port, "/v1/completions", _sse_body(server, i, NUM_TOKENS))
+        for i in range(NUM_STREAMS)))
+    for i, stream in enumerate(streams):
+        assert stream.text() == bytes(null_continuation(_prompt(i), NUM_TOKENS)).decode(), i
+        assert stream.events[-1] == "[DONE]"
+        assert json.loads(stream.events[-2])["choices"][0]["finish_reason"] == "length"
+        assert 2 <= stream.num_http_chunks <= NUM_TOKENS + 1
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+
+
+async def test_a_slow_sse_reader_gets_all_its_text_and_the_others_go_on(server):
+    """A client that stops reading for a while: the others finish meanwhile, and it gets its
+    whole text when it reads again. (Its missed outputs merge only once the kernel's socket
+    buffers are full, megabytes on loopback: tests/scheduler/test_sse_direct_sink.py shows
+    the merge behind a socket that holds back.)"""
+    slow = asyncio.ensure_future(sse_request(server.http_port, "/v1/completions",
+                                             _sse_body(server, 0, 400), receive_buffer=2048,
+                                             pause_s=2.0))
+    others = await asyncio.gather(*(
+        sse_request(server.http_port, "/v1/completions", _sse_body(server, i, NUM_TOKENS))
+        for i in range(1, 64)))
+    assert not slow.done()
+    for i, stream in enumerate(others, start=1):
+        assert stream.text() == bytes(null_continuation(_prompt(i), NUM_TOKENS)).decode(), i
+    stream = await slow
+    assert stream.text() == bytes(null_continuation(_prompt(0), 400)).decode()
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)

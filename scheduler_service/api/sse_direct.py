@@ -1,0 +1,108 @@
+"""A streamed response's common chunk written to the client's socket where its output arrives.
+
+A streamed HTTP response is a task: it waits on the request's queue, formats each output as a
+server-sent event and hands it to Starlette, which passes it through the middlewares' send
+wrappers to uvicorn, which frames it and writes it. At stream_interval 1 that is one task wake-up
+and one trip through four layers per token and stream, twice what the socket write itself costs
+(docs/benchmarks.md, "The HTTP floor").
+
+`DirectSse` is the request's queue with one shortcut: an output that the response would send as a
+plain chunk (text, no logprobs, not the last), arriving while the response task waits with nothing
+queued and the socket has taken everything written so far, is formatted and written to the socket
+then and there, framed as uvicorn frames a chunk. Every other output (the first ones, the last,
+anything arriving while the task is busy or the client is behind) goes through the queue and the
+task, in order: a slow reader's outputs still merge (api/streams.py take_waiting), a disconnect
+still cancels the task and aborts the request, and the bytes on the wire are the same.
+
+The socket is uvicorn's, found from the `send` it passed to the app (`KeepServerSend` keeps it in
+the scope). Where that is not uvicorn's httptools cycle with chunked framing (another server, h11,
+HTTP/1.0, a test's in-process transport), `writer_of` finds none and every output takes the task's
+path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Mapping, Optional
+
+from scheduler_service.core.request import RequestOutput
+
+# The scope key of the `send` uvicorn passed to the app (before any middleware wrapped it).
+SERVER_SEND = "planserve.server_send"
+
+
+class KeepServerSend:
+    """ASGI app wrapper, outermost: keeps the server's own `send` in the scope."""
+
+    def __init__(self, app: Callable[..., Any]):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)
+
+
+def writer_of(scope: Mapping[str, Any]) -> Optional[asyncio.WriteTransport]:
+    """The socket a started HTTP/1.1 response streams its chunked body to, or None where the
+    server is not uvicorn's httptools protocol framing this response in chunks."""
+    cycle = getattr(scope.get(SERVER_SEND), "__self__", None)
+    if cycle is None or scope.get("http_version") != "1.1":
+        return None
+    if getattr(cycle, "chunked_encoding", None) is not True:
+        return None  # not started, not chunked, or not httptools' cycle (h11 frames its own)
+    if not getattr(cycle, "response_started", False) or getattr(cycle, "response_complete", True):
+        return None
+    transport = getattr(cycle, "transport", None)
+    return transport if isinstance(transport, asyncio.WriteTransport) else None
+
+
+class DirectSse(asyncio.Queue):
+    """A streamed response's output queue (Request.outputs) that writes the common chunk itself.
+
+    `render(output)` is the chunk text the response would send for `output`, "" for one it would
+    skip, or None for one the response task must handle (the last of a sample, one with logprobs).
+    """
+
+    def __init__(self, render: Callable[[RequestOutput], Optional[str]]):
+        super().__init__()
+        self._render = render
+        self._transport: Optional[asyncio.WriteTransport] = None
+        self._task_waits = False  # the response task waits in get(), everything before it sent
+        self.num_written = 0  # chunks written here, not by the task
+
+    def take_over(self, queue: asyncio.Queue) -> "DirectSse":
+        """Takes the outputs already in the request's first queue, in order."""
+        while not queue.empty():
+            super().put_nowait(queue.get_nowait())
+        return self
+
+    def attach(self, transport: Optional[asyncio.WriteTransport]) -> None:
+        """The socket to write to (writer_of), once the response's head went out."""
+        self._transport = transport
+
+    def put_nowait(self, item: Any) -> None:
+        transport = self._transport
+        if (
+            self._task_waits
+            and transport is not None
+            and isinstance(item, RequestOutput)
+            and self.empty()
+            and transport.get_write_buffer_size() == 0  # the client keeps up: nothing to merge
+            and not transport.is_closing()
+        ):
+            text = self._render(item)
+            if text is not None:
+                if text:
+                    data = text.encode()
+                    transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.num_written += 1
+                return
+        super().put_nowait(item)
+
+    async def get(self) -> Any:
+        self._task_waits = True
+        try:
+            return await super().get()
+        finally:
+            self._task_waits = False
