@@ -90,8 +90,7 @@ def _error_response(
 
 
 class OpenAIApp:
-    """Builds the FastAPI app over the admission of the gRPC doors (which holds the serving
-    state)."""
+    """The FastAPI app over the gRPC doors' admission (which holds the serving state)."""
 
     def __init__(self, admission: Admission, config: Optional[SchedulerConfig] = None):
         """config: the tool settings' source, when not the admission's (tests serve one
@@ -263,7 +262,7 @@ class _Response:
         # Chat with tools or a reasoning parser: each sample split (chat_outputs.py).
         self.chat_outputs: Optional[list[ChatOutput]] = None
 
-    def _logprobs(self, entries, completion: Optional[CompletionLogprobs] = None):
+    def logprobs_of(self, entries, completion: Optional[CompletionLogprobs] = None):
         if self.req.logprobs is None:
             return None
         if self.chat:
@@ -289,7 +288,7 @@ class _Response:
                 choice["message"] = {"role": "assistant", "content": sample.text}
             else:
                 choice["text"] = sample.text
-            choice["logprobs"] = self._logprobs(sample.logprobs)
+            choice["logprobs"] = self.logprobs_of(sample.logprobs)
             choice["finish_reason"] = reason
             if self.body.return_token_ids:
                 choice["token_ids"] = sample.token_ids
@@ -315,7 +314,7 @@ class _Response:
         for number, delta in enumerate(deltas):
             choice: dict[str, Any] = {"index": output.index, "delta": delta, "logprobs": None}
             if number == 0:
-                choice["logprobs"] = self._logprobs(output.logprobs)
+                choice["logprobs"] = self.logprobs_of(output.logprobs)
                 if self.body.return_token_ids:
                     choice["token_ids"] = output.token_ids
             last = output.finish_reason is not None and number == len(deltas) - 1
@@ -326,8 +325,8 @@ class _Response:
     async def events(self, scope: Mapping[str, Any]) -> AsyncIterator[str]:
         """Chunks as server-sent events. The request is queued only once the response
         started, so a client gone before that leaves nothing behind; one gone later (the
-        response task is cancelled on disconnect) aborts it. A plain response's common chunk
-        is written where its output arrives (api/sse_direct.py), the others here."""
+        response task is cancelled on disconnect) aborts it. The common chunk is written where
+        its output arrives (api/sse_direct.py), the others here."""
         req, chat = self.req, self.chat
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         sse = SseChunks(
@@ -337,13 +336,9 @@ class _Response:
             self.req.lora_name or self.serving.facts.model_name,
             include_usage,
         )
-        # Most chunks: text (or a chat delta) alone, made from a template (api/sse_chunks.py).
-        plain = (
-            self.chat_outputs is None and req.logprobs is None and not self.body.return_token_ids
-        )
-        completion_logprobs = [CompletionLogprobs(self.serving.tokenizer) for _ in range(req.n)]
-        if plain:
-            direct = DirectSse(sse.running(chat)).take_over(cast(asyncio.Queue, req.outputs))
+        chunks = _Chunks(self, sse)
+        if self.chat_outputs is None:  # a split chat's chunks are all made here
+            direct = DirectSse(chunks.running).take_over(cast(asyncio.Queue, req.outputs))
             direct.attach(writer_of(scope))
             req.outputs = direct
         async with contextlib.aclosing(outputs_of(self.serving.frontend, req)) as stream:
@@ -355,31 +350,51 @@ class _Response:
             async for output in stream:
                 if output.finish_reason is not None:
                     self.totals.add(output)
-                elif not output.text and not output.token_ids:
-                    continue
-                if plain:
-                    reason = finish_reason_name(output.finish_reason)
-                    if chat:
-                        yield sse.delta(output.index, output.text, reason)
-                    else:
-                        yield sse.text(output.index, output.text, reason)
+                elif _says_nothing(output):
                     continue
                 if self.chat_outputs is not None:
                     for chunk in self._split_chunks(output, sse):
                         yield chunk
-                    continue
-                choice: dict[str, Any] = {"index": output.index}
-                if chat:
-                    choice["delta"] = {"content": output.text} if output.text else {}
                 else:
-                    choice["text"] = output.text
-                choice["logprobs"] = self._logprobs(
-                    output.logprobs, completion_logprobs[output.index]
-                )
-                choice["finish_reason"] = finish_reason_name(output.finish_reason)
-                if self.body.return_token_ids:
-                    choice["token_ids"] = output.token_ids
-                yield sse.chunk([choice])
+                    yield chunks.of(output)
         if include_usage:
             yield sse.chunk([], self.totals.as_dict())
         yield DONE
+
+
+def _says_nothing(output: RequestOutput) -> bool:
+    """An output that ends nothing and has no text or token ids yet: no chunk."""
+    return output.finish_reason is None and not output.text and not output.token_ids
+
+
+class _Chunks:
+    """A response's chunk of an output (not a split chat's: _split_chunks), made by the response
+    task or where the output arrives (`running`, api/sse_direct.py), in the outputs' order."""
+
+    def __init__(self, response: _Response, sse: SseChunks):
+        self.response, self.sse, req = response, sse, response.req
+        # Most chunks: text (or a chat delta) alone, made from a template (api/sse_chunks.py).
+        self.plain = req.logprobs is None and not response.body.return_token_ids
+        self.logprobs = [CompletionLogprobs(response.serving.tokenizer) for _ in range(req.n)]
+
+    def running(self, output: RequestOutput) -> Optional[str]:
+        """The chunk of an output that does not end its sample ("" for none), else None."""
+        if output.finish_reason is not None:
+            return None
+        return "" if _says_nothing(output) else self.of(output)
+
+    def of(self, output: RequestOutput) -> str:
+        response, sse = self.response, self.sse
+        reason = finish_reason_name(output.finish_reason)
+        if self.plain:
+            return (sse.delta if response.chat else sse.text)(output.index, output.text, reason)
+        choice: dict[str, Any] = {"index": output.index}
+        if response.chat:
+            choice["delta"] = {"content": output.text} if output.text else {}
+        else:
+            choice["text"] = output.text
+        choice["logprobs"] = response.logprobs_of(output.logprobs, self.logprobs[output.index])
+        choice["finish_reason"] = reason
+        if response.body.return_token_ids:
+            choice["token_ids"] = output.token_ids
+        return sse.chunk([choice])

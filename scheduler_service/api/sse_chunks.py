@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from json.encoder import encode_basestring_ascii
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 # One encoder for the chunks' other parts: json.dumps with options builds an encoder a call.
 _JSON = json.JSONEncoder(separators=(",", ":"))
@@ -47,20 +47,6 @@ class SseChunks:
             f'{self._head}{{"index":{index},"text":{encode_basestring_ascii(text)},'
             f'"logprobs":null,"finish_reason":{_finish(finish_reason)}}}{self._tail}'
         )
-
-    def running(self, chat: bool) -> Callable[[Any], Optional[str]]:
-        """A plain response's chunk of an output that does not end its sample: its text (or chat
-        delta), "" for one the response skips (no text, no token ids), None for a last one."""
-        plain = self.delta if chat else self.text
-
-        def chunk(output) -> Optional[str]:
-            if output.finish_reason is not None:
-                return None
-            if not output.text and not output.token_ids:
-                return ""
-            return plain(output.index, output.text, None)
-
-        return chunk
 
     def delta(self, index: int, content: str, finish_reason: Optional[str]) -> str:
         """A chat chunk's plain choice: its delta {"content"} ({} for no text), logprobs null."""

@@ -4,14 +4,14 @@ A streamed HTTP response is a task: it waits on the request's queue, formats eac
 server-sent event and hands it to Starlette, which passes it through the middlewares' send
 wrappers to uvicorn, which frames it and writes it. At stream_interval 1 that is one task wake-up
 and one trip through four layers per token and stream, twice what the socket write itself costs
-(docs/benchmarks.md, "The HTTP floor").
+(docs/benchmarks.md, "What a streamed HTTP chunk costs at the least").
 
-`DirectSse` is the request's queue with one shortcut: an output that the response would send as a
-plain chunk (text, no logprobs, not the last), arriving while the response task waits with nothing
-queued and the socket has taken everything written so far, is formatted and written to the socket
-then and there, framed as uvicorn frames a chunk. Every other output (the first ones, the last,
-anything arriving while the task is busy or the client is behind) goes through the queue and the
-task, in order: a slow reader's outputs still merge (api/streams.py take_waiting), a disconnect
+`DirectSse` is the request's queue with one shortcut: an output that does not end its sample,
+arriving while the response task waits with nothing queued and the socket has taken everything
+written so far, is formatted (by the response's own code) and written to the socket then and
+there, framed as uvicorn frames a chunk. Every other output (the last of each sample, anything
+arriving while the task is busy or the client is behind) goes through the queue and the task, in
+order: a slow reader's outputs still merge (api/streams.py take_waiting), a disconnect
 still cancels the task and aborts the request, and the bytes on the wire are the same.
 
 The socket is uvicorn's, found from the `send` it passed to the app (`KeepServerSend` keeps it in
@@ -61,7 +61,7 @@ class DirectSse(asyncio.Queue):
     """A streamed response's output queue (Request.outputs) that writes the common chunk itself.
 
     `render(output)` is the chunk text the response would send for `output`, "" for one it would
-    skip, or None for one the response task must handle (the last of a sample, one with logprobs).
+    skip, or None for one the response task must handle (the last of a sample).
     """
 
     def __init__(self, render: Callable[[RequestOutput], Optional[str]]):

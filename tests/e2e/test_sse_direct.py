@@ -1,7 +1,7 @@
 """A streamed response's common chunk written to the socket where its output arrives
 (scheduler_service/api/sse_direct.py): the client reads the same events as from the response
-task's path, chunked the same way; the first and last chunks, HTTP/1.0 and logprobs take the
-task's path. Counted in the default layout (the doors in this process); behind frontend
+task's path, chunked the same way, with logprobs, token ids and n samples too; the first and
+last chunks and HTTP/1.0 take the task's path. Counted in the default layout (the doors in this process); behind frontend
 processes the same reads are checked without the count."""
 import asyncio
 import json
@@ -76,16 +76,43 @@ async def test_a_plain_stream_written_at_once_reads_as_the_whole_answer(tiny_ser
     assert_no_leaked_blocks(tiny_server)
 
 
-async def test_http_1_0_and_logprobs_take_the_response_task_path(tiny_server, direct):
-    port = tiny_server.http_port
-    whole = await _whole_text(tiny_server, chat=False)
-    old = await sse_request(port, "/v1/completions", _body(tiny_server, True), http_version="1.0")
-    assert old.text() == whole and old.events[-1] == "[DONE]"
-    with_logprobs = await sse_request(port, "/v1/completions", _body(tiny_server, True, logprobs=1))
-    assert with_logprobs.text() == whole
-    assert all('"logprobs":{' in event for event in with_logprobs.events[:-1])
+def _joined(events: list[str]) -> dict:
+    """Each choice's stream joined: its text, token ids and logprobs in order, and its finish
+    reason (a reader that fell behind gets the same in fewer chunks)."""
+    choices: dict = {}
+    for event in events[:-1]:
+        for choice in json.loads(event)["choices"]:
+            joined = choices.setdefault(choice["index"], {"text": "", "token_ids": [],
+                                                          "logprobs": {}, "finish": None})
+            joined["text"] += choice.get("text") or choice.get("delta", {}).get("content") or ""
+            joined["token_ids"] += choice.get("token_ids") or []
+            for key, values in (choice.get("logprobs") or {}).items():
+                joined["logprobs"].setdefault(key, []).extend(values)
+            joined["finish"] = choice["finish_reason"] or joined["finish"]
+    return choices
+
+
+@pytest.mark.parametrize("chat, extra", [
+    (False, {}),
+    (False, {"logprobs": 2}),
+    (False, {"return_token_ids": True, "n": 2, "temperature": 1.0, "seed": 7}),
+    (True, {"logprobs": True, "top_logprobs": 2}),
+], ids=["plain", "logprobs", "token_ids_n_2", "chat_logprobs"])
+async def test_a_stream_reads_the_same_written_at_once_or_by_the_response_task(
+        tiny_server, direct, chat, extra):
+    """HTTP/1.0 keeps every chunk on the response task's path; the same request over HTTP/1.1
+    has most written where its outputs arrive, and its client reads the same events."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    by_task = await sse_request(tiny_server.http_port, path, _body(tiny_server, True, chat, **extra),
+                                http_version="1.0")
+    at_once = await sse_request(tiny_server.http_port, path, _body(tiny_server, True, chat, **extra))
+    assert by_task.events[-1] == at_once.events[-1] == "[DONE]"
+    assert _joined(at_once.events) == _joined(by_task.events)
+    assert at_once.num_http_chunks == len(at_once.events)
+    assert len(_joined(at_once.events)) == extra.get("n", 1)
+    assert all(choice["finish"] == "length" for choice in _joined(at_once.events).values())
     if not FRONTEND_PROCESSES:
-        assert len(direct) == 1  # only the HTTP/1.0 stream is plain
-        assert _written(direct) == 0
+        assert [sse.num_written >= 12 for sse in direct] == [False, True]
+        assert direct[0].num_written == 0
     await wait_until_idle(tiny_server)
     assert_no_leaked_blocks(tiny_server)

@@ -15,6 +15,13 @@ from scheduler_service.text.outputs import merge
 SSE = SseChunks("cmpl-1", "text_completion", 1764200000, "m", with_usage=False)
 
 
+def _running(output: RequestOutput):
+    """A completion's running chunk as the HTTP door makes it (openai_http._Chunks.running)."""
+    if output.finish_reason is not None:
+        return None
+    return SSE.text(output.index, output.text, None) if output.text or output.token_ids else ""
+
+
 def _out(text: str, index: int = 0, final: bool = False) -> RequestOutput:
     return RequestOutput(token_ids=[ord(c) for c in text], text=text, index=index,
                          finish_reason=FinishReason.LENGTH if final else None)
@@ -45,7 +52,7 @@ async def _parked(sink: DirectSse) -> asyncio.Task:
 
 async def test_a_plain_output_is_written_framed_while_the_task_waits():
     async with _connected() as (transport, client):
-        sink = DirectSse(SSE.running(chat=False))
+        sink = DirectSse(_running)
         sink.attach(transport)
         task = await _parked(sink)
         sink.put_nowait(_out("ab"))
@@ -62,7 +69,7 @@ async def test_a_plain_output_is_written_framed_while_the_task_waits():
 
 async def test_outputs_queue_in_order_when_the_task_is_busy_or_not_attached():
     async with _connected() as (transport, _client):
-        sink = DirectSse(SSE.running(chat=False))
+        sink = DirectSse(_running)
         first = _out("a")
         sink.put_nowait(first)  # not attached yet
         sink.attach(transport)
@@ -83,7 +90,7 @@ async def test_a_socket_that_holds_back_queues_and_the_backlog_merges():
     async with _connected(send_buffer=4096) as (transport, client):
         while transport.get_write_buffer_size() == 0:  # the client reads nothing
             transport.write(b"x" * 4096)
-        sink = DirectSse(SSE.running(chat=False))
+        sink = DirectSse(_running)
         sink.attach(transport)
         task = await _parked(sink)
         for text in ("a", "b", "c"):
@@ -98,14 +105,6 @@ async def test_take_over_keeps_what_the_first_queue_held():
     queue: asyncio.Queue = asyncio.Queue()
     queue.put_nowait(_out("a"))
     queue.put_nowait(_out("b"))
-    sink = DirectSse(SSE.running(chat=True)).take_over(queue)
+    sink = DirectSse(_running).take_over(queue)
     assert queue.empty()
     assert [sink.get_nowait().text, sink.get_nowait().text] == ["a", "b"]
-
-
-def test_a_chat_chunk_is_the_delta_and_an_empty_one_is_skipped():
-    running = SSE.running(chat=True)
-    assert running(_out("hi")) == SSE.delta(0, "hi", None)
-    assert running(RequestOutput(token_ids=[], text="")) == ""
-    assert running(RequestOutput(token_ids=[5], text="")) == SSE.delta(0, "", None)
-    assert running(_out("x", final=True)) is None
