@@ -377,10 +377,8 @@ class _Chunks:
         self.plain = req.logprobs is None and not response.body.return_token_ids
         self.logprobs = [CompletionLogprobs(response.serving.tokenizer) for _ in range(req.n)]
 
-    def running(self, output: RequestOutput) -> Optional[str]:
-        """The chunk of an output that does not end its sample ("" for none), else None."""
-        if output.finish_reason is not None:
-            return None
+    def running(self, output: RequestOutput) -> str:
+        """The chunk of an output that does not end its sample ("" for none)."""
         return "" if _says_nothing(output) else self.of(output)
 
     def of(self, output: RequestOutput) -> str:

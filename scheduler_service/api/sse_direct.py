@@ -8,11 +8,13 @@ and one trip through four layers per token and stream, twice what the socket wri
 
 `DirectSse` is the request's queue with one shortcut: an output that does not end its sample,
 arriving while the response task waits with nothing queued and the socket has taken everything
-written so far, is formatted (by the response's own code) and written to the socket then and
-there, framed as uvicorn frames a chunk. Every other output (the last of each sample, anything
-arriving while the task is busy or the client is behind) goes through the queue and the task, in
-order: a slow reader's outputs still merge (api/streams.py take_waiting), a disconnect
-still cancels the task and aborts the request, and the bytes on the wire are the same.
+written so far, is held, and written to the socket as soon as the code that delivered it yields
+to the loop: formatted by the response's own code, framed as uvicorn frames a chunk, with any
+more outputs that came meanwhile merged into it (`_Writes`). Every other output (the last of
+each sample, anything arriving while the task is busy or the client is behind) goes through the
+queue and the task, in order: a slow reader's outputs still merge (api/streams.py
+take_waiting), a disconnect still cancels the task and aborts the request, and the bytes on the
+wire are the same.
 
 The socket is uvicorn's, found from the `send` it passed to the app (`KeepServerSend` keeps it in
 the scope). Where that is not uvicorn's httptools cycle with chunked framing (another server, h11,
@@ -26,6 +28,7 @@ import asyncio
 from typing import Any, Callable, Mapping, Optional
 
 from scheduler_service.core.request import RequestOutput
+from scheduler_service.text.outputs import merge
 
 # The scope key of the `send` uvicorn passed to the app (before any middleware wrapped it).
 SERVER_SEND = "planserve.server_send"
@@ -57,18 +60,46 @@ def writer_of(scope: Mapping[str, Any]) -> Optional[asyncio.WriteTransport]:
     return transport if isinstance(transport, asyncio.WriteTransport) else None
 
 
+class _Writes:
+    """The sinks holding outputs to write, written together once the code that delivered them
+    yields to the loop. A frontend that fell behind reads every step message waiting on its link
+    in one go, so a stream gets one chunk for all of them, as a response task that fell behind
+    takes its outputs merged (api/streams.py take_waiting)."""
+
+    def __init__(self):
+        self._sinks: list["DirectSse"] = []
+        self._due_on: Optional[asyncio.AbstractEventLoop] = None  # the loop that will write
+
+    def add(self, sink: "DirectSse") -> None:
+        loop = asyncio.get_running_loop()
+        if self._due_on is not loop:  # (a loop closed before it wrote never will)
+            self._due_on = loop
+            loop.call_soon(self.write)
+        self._sinks.append(sink)
+
+    def write(self) -> None:
+        self._due_on = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.write_pending()
+
+
+_WRITES = _Writes()
+
+
 class DirectSse(asyncio.Queue):
     """A streamed response's output queue (Request.outputs) that writes the common chunk itself.
 
-    `render(output)` is the chunk text the response would send for `output`, "" for one it would
-    skip, or None for one the response task must handle (the last of a sample).
+    `render(output)` is the chunk text the response would send for an output that does not end
+    its sample ("" for one it would skip); the last output of a sample always goes to the task.
     """
 
-    def __init__(self, render: Callable[[RequestOutput], Optional[str]]):
+    def __init__(self, render: Callable[[RequestOutput], str]):
         super().__init__()
         self._render = render
         self._transport: Optional[asyncio.WriteTransport] = None
         self._task_waits = False  # the response task waits in get(), everything before it sent
+        self._pending: list[RequestOutput] = []  # to write when the delivering code yields
         self.num_written = 0  # chunks written here, not by the task
 
     def take_over(self, queue: asyncio.Queue) -> "DirectSse":
@@ -87,18 +118,39 @@ class DirectSse(asyncio.Queue):
             self._task_waits
             and transport is not None
             and isinstance(item, RequestOutput)
+            and item.finish_reason is None
             and self.empty()
             and transport.get_write_buffer_size() == 0  # the client keeps up: nothing to merge
             and not transport.is_closing()
         ):
-            text = self._render(item)
-            if text is not None:
-                if text:
-                    data = text.encode()
-                    transport.write(b"%x\r\n%s\r\n" % (len(data), data))
-                    self.num_written += 1
-                return
+            if not self._pending:
+                _WRITES.add(self)
+            self._pending.append(item)
+            return
+        self.write_pending()  # what waits goes first
         super().put_nowait(item)
+
+    def write_pending(self) -> None:
+        """Writes the outputs held, each sample's merged into one chunk, in one socket write."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return  # the client is gone: its response task is cancelled, its request aborted
+        by_sample: dict[int, RequestOutput] = {}
+        for output in pending:
+            earlier = by_sample.get(output.index)
+            by_sample[output.index] = output if earlier is None else merge(earlier, output)
+        framed = []
+        for output in by_sample.values():
+            text = self._render(output)
+            if text:
+                data = text.encode()
+                framed.append(b"%x\r\n%s\r\n" % (len(data), data))
+        if framed:
+            transport.write(framed[0] if len(framed) == 1 else b"".join(framed))
+            self.num_written += len(framed)
 
     async def get(self) -> Any:
         self._task_waits = True

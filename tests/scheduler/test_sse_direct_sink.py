@@ -1,7 +1,8 @@
-"""DirectSse (scheduler_service/api/sse_direct.py) over a real asyncio socket transport: a plain
-output written at once only while the response task waits with nothing queued and the socket
-has taken everything; anything else queued in order for the task, and a backlog behind a socket
-that holds back merged as a slow reader's is."""
+"""DirectSse (scheduler_service/api/sse_direct.py) over a real asyncio socket transport: an output
+that does not end its sample is written by the sink only while the response task waits with
+nothing queued and the socket has taken everything, once the delivering code yields, merged with
+what came in the same go; anything else queued in order for the task, and a backlog behind a
+socket that holds back merged as a slow reader's is."""
 import asyncio
 import contextlib
 import socket
@@ -15,11 +16,13 @@ from scheduler_service.text.outputs import merge
 SSE = SseChunks("cmpl-1", "text_completion", 1764200000, "m", with_usage=False)
 
 
-def _running(output: RequestOutput):
+def _running(output: RequestOutput) -> str:
     """A completion's running chunk as the HTTP door makes it (openai_http._Chunks.running)."""
-    if output.finish_reason is not None:
-        return None
     return SSE.text(output.index, output.text, None) if output.text or output.token_ids else ""
+
+
+def _framed(*texts: str) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(t.encode()), t.encode()) for t in texts)
 
 
 def _out(text: str, index: int = 0, final: bool = False) -> RequestOutput:
@@ -50,21 +53,39 @@ async def _parked(sink: DirectSse) -> asyncio.Task:
     return task
 
 
-async def test_a_plain_output_is_written_framed_while_the_task_waits():
+async def test_an_output_is_written_framed_once_the_delivering_code_yields():
     async with _connected() as (transport, client):
         sink = DirectSse(_running)
         sink.attach(transport)
         task = await _parked(sink)
         sink.put_nowait(_out("ab"))
-        chunk = SSE.text(0, "ab", None).encode()
-        assert client.recv(4096) == b"%x\r\n%s\r\n" % (len(chunk), chunk)
+        assert sink.num_written == 0  # held until this code yields
+        await asyncio.sleep(0)
+        assert client.recv(4096) == _framed(SSE.text(0, "ab", None))
         assert sink.num_written == 1 and sink.empty() and not task.done()
         sink.put_nowait(RequestOutput(token_ids=[], text=""))  # nothing to send: skipped
+        await asyncio.sleep(0)
         assert sink.num_written == 1 and sink.empty()
         final = _out("c", final=True)
         sink.put_nowait(final)  # the last: the task's
         assert await task is final
         assert sink.num_written == 1
+
+
+async def test_outputs_delivered_in_one_go_are_one_chunk_per_sample_before_the_last():
+    """Several step messages read at once: each sample's outputs merged, one socket write; a
+    last output arriving behind them goes to the task after they are written."""
+    async with _connected() as (transport, client):
+        sink = DirectSse(_running)
+        sink.attach(transport)
+        task = await _parked(sink)
+        for output in (_out("a"), _out("x", index=1), _out("b"), _out("y", index=1)):
+            sink.put_nowait(output)
+        final = _out("c", final=True)
+        sink.put_nowait(final)  # writes what is held first
+        assert client.recv(4096) == _framed(SSE.text(0, "ab", None), SSE.text(1, "xy", None))
+        assert sink.num_written == 2
+        assert await task is final
 
 
 async def test_outputs_queue_in_order_when_the_task_is_busy_or_not_attached():
