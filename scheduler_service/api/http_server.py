@@ -83,6 +83,7 @@ class HttpServer:
         self.app = door.app
         add_ops_routes(self.app, admission, registry, is_ready, metrics_text)
         self.app.add_middleware(EchoRequestId)
+        self._sse_direct_writes = (config or admission.config).sse_direct_writes
         self._host, self._requested_port = host, port
         self._reuse_port = reuse_port
         self._ssl_options = ssl_options or {}
@@ -112,7 +113,8 @@ class HttpServer:
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            KeepServerSend(self.app),  # a streamed response's socket (api/sse_direct.py)
+            # A streamed response's socket, where the common chunk is written (api/sse_direct.py).
+            KeepServerSend(self.app) if self._sse_direct_writes else self.app,
             log_config=None,
             access_log=False,
             lifespan="off",

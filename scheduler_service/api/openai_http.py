@@ -337,9 +337,10 @@ class _Response:
             include_usage,
         )
         chunks = _Chunks(self, sse)
-        if self.chat_outputs is None:  # a split chat's chunks are all made here
+        writer = writer_of(scope)  # (--sse-direct-writes; a split chat's chunks all come here)
+        if writer is not None and self.chat_outputs is None:
             direct = DirectSse(chunks.running).take_over(cast(asyncio.Queue, req.outputs))
-            direct.attach(writer_of(scope))
+            direct.attach(writer)
             req.outputs = direct
         async with contextlib.aclosing(outputs_of(self.serving.frontend, req)) as stream:
             if chat:  # the role first, once per choice

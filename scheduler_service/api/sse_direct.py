@@ -17,14 +17,15 @@ take_waiting), a disconnect still cancels the task and aborts the request, and t
 wire are the same.
 
 The socket is uvicorn's, found from the `send` it passed to the app (`KeepServerSend` keeps it in
-the scope). Where that is not uvicorn's httptools cycle with chunked framing (another server, h11,
-HTTP/1.0, a test's in-process transport), `writer_of` finds none and every output takes the task's
-path.
+the scope). It is off unless `--sse-direct-writes` (SchedulerConfig.sse_direct_writes). Where
+the server is not uvicorn's httptools cycle with chunked framing (another server, h11, HTTP/1.0,
+a test's in-process transport), `writer_of` finds none and every output takes the task's path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from scheduler_service.core.request import RequestOutput
@@ -41,15 +42,18 @@ class KeepServerSend:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            scope[SERVER_SEND] = send
+        if scope["type"] == "http" and hasattr(send, "__self__"):
+            # Weakly: the scope is the server's request cycle's own, and a strong reference
+            # back to its send would keep every finished cycle (and its transport) for the GC.
+            scope[SERVER_SEND] = weakref.WeakMethod(send)
         await self.app(scope, receive, send)
 
 
 def writer_of(scope: Mapping[str, Any]) -> Optional[asyncio.WriteTransport]:
     """The socket a started HTTP/1.1 response streams its chunked body to, or None where the
     server is not uvicorn's httptools protocol framing this response in chunks."""
-    cycle = getattr(scope.get(SERVER_SEND), "__self__", None)
+    kept = scope.get(SERVER_SEND)
+    cycle = getattr(kept() if kept is not None else None, "__self__", None)
     if cycle is None or scope.get("http_version") != "1.1":
         return None
     if getattr(cycle, "chunked_encoding", None) is not True:

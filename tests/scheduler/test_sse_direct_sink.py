@@ -8,7 +8,8 @@ import contextlib
 import socket
 
 from scheduler_service.api.sse_chunks import SseChunks
-from scheduler_service.api.sse_direct import DirectSse
+from scheduler_service.api.sse_direct import DirectSse, writer_of
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.api.streams import take_waiting
 from scheduler_service.core.request import FinishReason, RequestOutput
 from scheduler_service.text.outputs import merge
@@ -129,3 +130,10 @@ async def test_take_over_keeps_what_the_first_queue_held():
     sink = DirectSse(_running).take_over(queue)
     assert queue.empty()
     assert [sink.get_nowait().text, sink.get_nowait().text] == ["a", "b"]
+
+
+def test_off_by_default_and_no_socket_without_the_server_s_send():
+    """Off unless --sse-direct-writes (the HTTP server then leaves the app unwrapped, and a
+    response finds no socket to write to)."""
+    assert SchedulerConfig().sse_direct_writes is False
+    assert writer_of({"type": "http", "http_version": "1.1"}) is None
