@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import pytest_asyncio
 from api import assert_no_leaked_blocks, sse_request, wait_until_idle
-from conftest import FRONTEND_PROCESSES, start_scheduler
+from conftest import FRONTEND_PROCESSES, EngineProcess, start_scheduler
 
 from scheduler_service.api import openai_http
 from scheduler_service.api.sse_direct import DirectSse
@@ -19,12 +19,15 @@ PROMPT = "The quick brown fox"
 
 
 @pytest_asyncio.fixture(scope="module")
-async def direct_server(tiny_engine):
-    """direct_server's settings with --sse-direct-writes."""
-    server = await start_scheduler(tiny_engine, max_num_batched_tokens=64, max_num_seqs=16,
+async def direct_server():
+    """tiny_server's settings with --sse-direct-writes, on a model service of its own (a model
+    service serves one scheduler at a time, and tiny_server holds the session's)."""
+    engine = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
+    server = await start_scheduler(engine.address, max_num_batched_tokens=64, max_num_seqs=16,
                                    http_port=0, sse_direct_writes=True)
     yield server
     await server.stop(grace_s=1)
+    engine.stop()
 
 
 @pytest.fixture
