@@ -28,6 +28,7 @@ import asyncio
 import weakref
 from typing import Any, Callable, Mapping, Optional
 
+from scheduler_service.api.streams import merged
 from scheduler_service.core.request import RequestOutput
 from scheduler_service.text.outputs import merge
 
@@ -62,6 +63,10 @@ def writer_of(scope: Mapping[str, Any]) -> Optional[asyncio.WriteTransport]:
         return None
     transport = getattr(cycle, "transport", None)
     return transport if isinstance(transport, asyncio.WriteTransport) else None
+
+
+def _sample_of(output: RequestOutput) -> int:
+    return output.index
 
 
 class _Writes:
@@ -142,12 +147,8 @@ class DirectSse(asyncio.Queue):
         transport = self._transport
         if transport is None or transport.is_closing():
             return  # the client is gone: its response task is cancelled, its request aborted
-        by_sample: dict[int, RequestOutput] = {}
-        for output in pending:
-            earlier = by_sample.get(output.index)
-            by_sample[output.index] = output if earlier is None else merge(earlier, output)
         framed = []
-        for output in by_sample.values():
+        for output in merged(pending, _sample_of, merge):
             text = self._render(output)
             if text:
                 data = text.encode()

@@ -104,6 +104,14 @@ def take_waiting(
     items = [first]
     while not queue.empty():
         items.append(queue.get_nowait())
+    return merged(items, key, combine)
+
+
+def merged(
+    items: list, key: Callable[[Any], Optional[Hashable]], combine: Callable[[Any, Any], Any]
+) -> list:
+    """`items` in order, with items of equal `key` (None: never merged) combined into the first
+    of them (take_waiting's rule)."""
     taken: list = []
     at: dict[Hashable, int] = {}
     for item in items:
