@@ -41,26 +41,38 @@ from scheduler_service.text.tokenizer import Tokenizer  # noqa: E402
 
 
 class _Link:
-    """The frontend's end of the link, kept: the adds it sends say which ids the core knows."""
+    """The frontend's end of the link, kept: the adds it sends say which ids the core knows;
+    a barrier call (an HTTP door's add) is answered as the core would."""
 
     def __init__(self):
         self.added: list[str] = []
+        self.engine: RemoteEngine | None = None
 
     def send(self, message: tuple) -> None:
         if message[0] == "add":
             self.added.append(message[1].request_id)
+        elif message[0] == "call" and message[2] == "barrier" and self.engine is not None:
+            # An HTTP door waits for the core to take its add: the core answers in order.
+            asyncio.get_running_loop().call_soon(self.engine.on_reply, message[1], None)
 
 
-async def run(streams: int, steps: int) -> list[float]:
+def frontend(max_model_len: int) -> tuple[_Link, Status, RemoteEngine, Admission]:
+    """A frontend's RemoteEngine and admission over the null model's tokenizer, its link kept."""
     tokenizer = Tokenizer(null_tokenizer_json(), "", {})
-    facts = dataclasses.replace(make_facts(max_model_len=64 + steps + 64),
+    facts = dataclasses.replace(make_facts(max_model_len=max_model_len),
                                 tokenizer_json=null_tokenizer_json(), vocab_size=NULL_VOCAB_SIZE)
     link = _Link()
     status = Status(engine_up=True, capacity_tokens=1 << 20, num_usable_blocks=1 << 16,
                     num_free_blocks=1 << 16)
     engine = RemoteEngine(link, status, tokenizer)  # type: ignore[arg-type]
+    link.engine = engine
     admission = Admission(SchedulerConfig())
     admission.serving = Serving.of(facts, tokenizer, engine, SchedulerConfig().grammar_engine)
+    return link, status, engine, admission
+
+
+async def run(streams: int, steps: int) -> list[float]:
+    link, status, engine, admission = frontend(max_model_len=64 + steps + 64)
     servicer = GenerationServicer(admission)
     num_chunks = [0]
 
