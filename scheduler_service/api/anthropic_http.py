@@ -15,14 +15,19 @@ import json
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request as HttpRequest
-from fastapi.responses import StreamingResponse
 
 from scheduler_service.api import anthropic_messages as shapes
 from scheduler_service.api import chat_outputs
 from scheduler_service.api.admission import Serving
 from scheduler_service.api.chat_outputs import ChatOutput
 from scheduler_service.api.openai_http import OpenAIApp
-from scheduler_service.api.streams import Collected, outputs_of, unless_disconnected
+from scheduler_service.api.streams import (
+    Collected,
+    EventStream,
+    LastEvents,
+    outputs_of,
+    unless_disconnected,
+)
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.core.request import Request
 
@@ -48,11 +53,7 @@ class MessagesDoor:
         split = self._split(req, plan)
         answer = _Answer(serving, req, split)
         if body.stream:
-            return StreamingResponse(
-                answer.events(),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return EventStream(answer.events())
         return await unless_disconnected(http, answer.collect())
 
     def _split(self, req: Request, plan: Optional[ToolPlan]) -> ChatOutput:
@@ -99,21 +100,26 @@ class _Answer:
     async def events(self) -> AsyncIterator[str]:
         yield _event("message_start", {"message": self._message([], None)})
         blocks = _Blocks()
+        last: list[str] = []  # the final output's events, sent with message_stop
         async with contextlib.aclosing(outputs_of(self.serving.frontend, self.req)) as stream:
             async for output in stream:
                 if output.usage is not None:
                     self.output_tokens = output.usage.completion_tokens
-                for delta in self.split.deltas(output.text, output.finish_reason):
-                    for event in blocks.add(delta):
+                deltas = self.split.deltas(output.text, output.finish_reason)
+                events = [event for delta in deltas for event in blocks.add(delta)]
+                if output.finish_reason is None:
+                    for event in events:
                         yield event
-                if output.finish_reason is not None:
-                    for event in blocks.close():
-                        yield event
-                    stop = shapes.stop_reason(output.finish_reason, bool(self.split.calls))
-                    usage = {"output_tokens": self.output_tokens}
-                    delta = {"stop_reason": stop, "stop_sequence": None}
-                    yield _event("message_delta", {"delta": delta, "usage": usage})
-        yield _event("message_stop", {})
+                    continue
+                stop = shapes.stop_reason(output.finish_reason, bool(self.split.calls))
+                usage = {"output_tokens": self.output_tokens}
+                delta = {"stop_reason": stop, "stop_sequence": None}
+                last = [
+                    *events,
+                    *blocks.close(),
+                    _event("message_delta", {"delta": delta, "usage": usage}),
+                ]
+        yield LastEvents("".join(last) + _event("message_stop", {}))
 
 
 class _Blocks:

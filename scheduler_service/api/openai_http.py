@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Mapping, Optional, cast
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
@@ -42,10 +42,13 @@ from scheduler_service.api.openai_requests import (
     rejected_error,
     to_pb,
 )
+from scheduler_service.api.openai_usage import Totals
 from scheduler_service.api.sse_chunks import DONE, SseChunks
 from scheduler_service.api.sse_direct import DirectSse, writer_of
 from scheduler_service.api.streams import (
     Collected,
+    EventStream,
+    LastEvents,
     finish_reason_name,
     outputs_of,
     placed,
@@ -55,28 +58,6 @@ from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.config import SchedulerConfig, parse_objective_priorities
 from scheduler_service.core.request import Request, RequestOutput
 from scheduler_service.text import tool_parsers
-
-
-class _Totals:
-    """Usage over a request's n samples: one prompt, every sample's completion tokens."""
-
-    def __init__(self, req: Request):
-        self.prompt_tokens = len(req.prompt_token_ids)
-        self.cached_tokens = 0
-        self.completion_tokens = 0
-
-    def add(self, output: RequestOutput) -> None:
-        if output.usage is not None:
-            self.completion_tokens += output.usage.completion_tokens
-            self.cached_tokens = max(self.cached_tokens, output.usage.cached_tokens)
-
-    def as_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
 
 
 def _error_response(
@@ -243,11 +224,7 @@ class OpenAIApp:
                 req, plan, self.tool_parser, self.reasoning_parser
             )
         if body.stream:
-            return StreamingResponse(
-                response.events(http.scope),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return EventStream(response.events(http.scope))
         return await unless_disconnected(http, response.collect())
 
 
@@ -258,7 +235,7 @@ class _Response:
         self.serving, self.req, self.body, self.chat = serving, req, body, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + req.request_id
         self.created = int(time.time())
-        self.totals = _Totals(req)
+        self.totals = Totals(req)
         # Chat with tools or a reasoning parser: each sample split (chat_outputs.py).
         self.chat_outputs: Optional[list[ChatOutput]] = None
 
@@ -348,19 +325,25 @@ class _Response:
                     delta = {"role": "assistant", "content": ""}
                     role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
                     yield sse.chunk([role])
+            samples_left, last = req.n, []  # the last sample's final chunks go out with [DONE]
             async for output in stream:
                 if output.finish_reason is not None:
                     self.totals.add(output)
+                    samples_left -= 1
                 elif _says_nothing(output):
                     continue
                 if self.chat_outputs is not None:
-                    for chunk in self._split_chunks(output, sse):
-                        yield chunk
+                    texts = self._split_chunks(output, sse)
                 else:
-                    yield chunks.of(output)
+                    texts = [chunks.of(output)]
+                if samples_left:
+                    for text in texts:
+                        yield text
+                else:
+                    last.extend(texts)
         if include_usage:
-            yield sse.chunk([], self.totals.as_dict())
-        yield DONE
+            last.append(sse.chunk([], self.totals.as_dict()))
+        yield LastEvents("".join(last) + DONE)
 
 
 def _says_nothing(output: RequestOutput) -> bool:

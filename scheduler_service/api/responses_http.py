@@ -17,14 +17,19 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request as HttpRequest
-from fastapi.responses import StreamingResponse
 
 from scheduler_service.api import chat_outputs
 from scheduler_service.api import responses_items as items
 from scheduler_service.api.admission import Serving
 from scheduler_service.api.chat_outputs import ChatOutput
 from scheduler_service.api.openai_http import OpenAIApp
-from scheduler_service.api.streams import Collected, outputs_of, unless_disconnected
+from scheduler_service.api.streams import (
+    Collected,
+    EventStream,
+    LastEvents,
+    outputs_of,
+    unless_disconnected,
+)
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.core.request import FinishReason, Request
 
@@ -44,11 +49,7 @@ class ResponsesDoor:
         split = splits[0] if splits else ChatOutput(ToolPlan("none", ()), None)
         answer = _Answer(serving, req, split, body)
         if body.stream:
-            return StreamingResponse(
-                answer.events(),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return EventStream(answer.events())
         return await unless_disconnected(http, answer.collect())
 
 
@@ -117,14 +118,16 @@ class _Answer:
             async for output in stream:
                 if output.usage is not None:
                     self.output_tokens = output.usage.completion_tokens
-                for delta in self.split.deltas(output.text, output.finish_reason):
-                    for event in tracker.add(delta):
+                deltas = self.split.deltas(output.text, output.finish_reason)
+                events = [event for delta in deltas for event in tracker.add(delta)]
+                if output.finish_reason is None:
+                    for event in events:
                         yield event
-                if output.finish_reason is not None:
-                    for event in tracker.close():
-                        yield event
-                    response = self._response(tracker.done, output.finish_reason)
-                    yield self.event("response.completed", {"response": response})
+                    continue
+                events += tracker.close()
+                response = self._response(tracker.done, output.finish_reason)
+                completed = self.event("response.completed", {"response": response})
+                yield LastEvents("".join(events) + completed)  # with the body's end
 
 
 class _Items:

@@ -6,7 +6,8 @@ handler was cancelled) aborts what is left, which frees its blocks within one st
 keeps that rule for a stream of many requests (Session); `outputs_of` is the same for one
 request (Generate, the HTTP API's streamed and whole responses); `Collected` gathers a request's
 outputs per sample for the doors that answer once (the HTTP API's whole responses, the offline
-LLM), and `unless_disconnected` aborts an HTTP door's whole answer when its client goes.
+LLM), `unless_disconnected` aborts an HTTP door's whole answer when its client goes, and
+`EventStream` is the HTTP doors' streamed answer, cancelled when its client goes.
 
 A reader that fell behind (its last chunk was still being written when the next steps' outputs
 came) takes everything waiting at once, each sample's outputs merged into one chunk
@@ -24,6 +25,7 @@ import dataclasses
 from typing import Any, AsyncGenerator, Awaitable, Callable, Hashable, Optional, cast
 
 from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
 
 from scheduler_service.api.admission import Rejected
 from scheduler_service.api.openai_errors import ApiError
@@ -227,3 +229,64 @@ async def unless_disconnected(http: HttpRequest, answer: Awaitable[Any]) -> Any:
     if collect.cancelled():
         raise ApiError(499, "client closed the request", "cancelled")
     return collect.result()
+
+
+class LastEvents(str):
+    """An answer's last events (its final chunk, usage, [DONE]): EventStream sends them with the
+    end of the body, one socket write where there were three."""
+
+
+class EventStream(StreamingResponse):
+    """A streamed answer of server-sent events (text/event-stream, never cached or buffered by
+    a proxy), cancelled when its client disconnects: its generator's `aclosing` then aborts the
+    request.
+
+    Starlette's StreamingResponse watches for the disconnect in an anyio task group, whose cancel
+    scope and second task cost each streamed request more than its admission's own checks
+    (docs/benchmarks.md); here the watch is a plain task that cancels the answer's."""
+
+    def __init__(self, content: Any):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+
+    async def stream_response(self, send) -> None:
+        """Starlette's, except that `LastEvents` goes out with the body's end, in one write."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        ended = False
+        async for events in self.body_iterator:
+            if ended:
+                raise RuntimeError("an event stream yielded after its LastEvents")
+            ended = isinstance(events, LastEvents)
+            body = events.encode() if isinstance(events, str) else bytes(events)
+            await send({"type": "http.response.body", "body": body, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        spec = scope.get("asgi", {}).get("spec_version", "2.0")
+        if scope["type"] != "http" or tuple(map(int, spec.split("."))) >= (2, 4):
+            return await super().__call__(scope, receive, send)  # (a disconnect raises there)
+        answer = asyncio.current_task()
+        assert answer is not None
+        gone = False
+
+        def on_disconnect(watch: asyncio.Future) -> None:
+            nonlocal gone
+            if not watch.cancelled():
+                gone = True
+                answer.cancel()
+
+        watch = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        watch.add_done_callback(on_disconnect)
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone or answer.uncancel() > 0:
+                raise  # cancelled from elsewhere too (the server stopping)
+        finally:
+            watch.remove_done_callback(on_disconnect)
+            watch.cancel()
+        if self.background is not None:
+            await self.background()
