@@ -54,12 +54,13 @@ def prompt_token_ids(
         ids = list(pb.token_ids.ids)
         if not ids:
             raise InvalidRequest("token_ids.ids", "must not be empty")
-        for index, token_id in enumerate(ids):
-            if token_id >= facts.vocab_size:
-                raise InvalidRequest(
-                    f"token_ids.ids[{index}]",
-                    f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
-                )
+        if max(ids) >= facts.vocab_size:  # (one C pass; the loop only names the first)
+            for index, token_id in enumerate(ids):
+                if token_id >= facts.vocab_size:
+                    raise InvalidRequest(
+                        f"token_ids.ids[{index}]",
+                        f"{token_id} is outside the vocabulary [0, {facts.vocab_size})",
+                    )
         return ids
     messages = pb.messages.messages
     if not messages:
