@@ -6,7 +6,8 @@ test's event loop so that tests can look at its block pool after the traffic end
 PLANSERVE_TEST_FRONTEND_PROCESSES=N runs every scheduler the tests start with N frontend processes
 serving its doors (`--frontend-processes`; the engine core stays in the test's loop): the e2e
 suites' second layout, run apart from `make test` (docs/design-notes.md, "Frontend processes",
-says which suites pass).
+says which suites pass). PLANSERVE_TEST_SELECTOR_WATCH=FILE reports to FILE any socket transport
+its event loop stopped reading (tests/selector_watch.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.server import SchedulerServer
 
 ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
+
+if os.environ.get("PLANSERVE_TEST_SELECTOR_WATCH"):  # a diagnosis run (tests/selector_watch.py)
+    import selector_watch
+
+    selector_watch.install(os.environ["PLANSERVE_TEST_SELECTOR_WATCH"])
 
 
 def pytest_report_header(config):
