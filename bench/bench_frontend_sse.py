@@ -7,7 +7,7 @@ N completions with stream=true (64-token prompts, no stop strings: the frontend 
 text) are admitted through the HTTP door. Each step is what a frontend does with one step message
 from the core: unpickle it, hand every stream its output (RemoteEngine.on_step: detokenize,
 deliver), and let the loop run until every stream's chunk is written. Prints the median and mean
-process CPU a step and per output, with `--sse-direct-writes` off and on (api/sse_direct.py),
+process CPU a step and per output, with the direct SSE writes off and on (api/sse_direct.py),
 and the CPU to admit a stream (its request read, checked and placed, its response's head) and to
 end it (its last chunk, usage and [DONE], the connection closed).
 
@@ -80,7 +80,7 @@ async def run(streams: int, steps: int, direct: bool) -> tuple[list[float], floa
     """The CPU of each step, of admitting the streams and of ending them (seconds)."""
     link, status, engine, admission = frontend(max_model_len=64 + steps + 64)
     server = HttpServer(admission, "127.0.0.1", 0, config=SchedulerConfig(
-        sse_direct_writes=direct))
+        no_sse_direct_writes=not direct))
     port = await server.start()
     heap.freeze_startup_heap()  # as a frontend process does once it serves
     start = time.process_time()
@@ -131,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--streams", type=int, default=128)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--direct", default="off,on", help="--sse-direct-writes: off, on or both")
+    parser.add_argument("--direct", default="off,on", help="direct SSE writes: off, on or both")
     parser.add_argument("--read", nargs=3, type=int, help=argparse.SUPPRESS)  # the child's part
     args = parser.parse_args()
     if args.read:

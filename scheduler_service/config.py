@@ -173,11 +173,10 @@ class SchedulerConfig:
     ("critical=10,standard=0,sheddable=-10"; higher is more urgent). A request naming an
     objective not listed gets 400."""
 
-    sse_direct_writes: bool = False
-    """Write a streamed HTTP response's common chunk to its socket where its output arrives,
-    without the response task, Starlette and uvicorn's send (api/sse_direct.py; measured in
-    docs/benchmarks.md). Off by default until two hangs seen in full test-suite runs while it
-    was the default are explained (docs/design-notes.md, "The common SSE chunk")."""
+    no_sse_direct_writes: bool = False
+    """Send every chunk of a streamed HTTP response through its response task, Starlette and
+    uvicorn's send. By default the common chunk is written to the socket where its output
+    arrives (api/sse_direct.py; measured in docs/benchmarks.md)."""
 
     enable_reset_prefix_cache: bool = False
     """Serve POST /reset_prefix_cache on the HTTP API (behind the bearer token): forgets every

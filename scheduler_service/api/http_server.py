@@ -83,7 +83,7 @@ class HttpServer:
         self.app = door.app
         add_ops_routes(self.app, admission, registry, is_ready, metrics_text)
         self.app.add_middleware(EchoRequestId)
-        self._sse_direct_writes = (config or admission.config).sse_direct_writes
+        self._sse_direct_writes = not (config or admission.config).no_sse_direct_writes
         self._host, self._requested_port = host, port
         self._reuse_port = reuse_port
         self._ssl_options = ssl_options or {}

@@ -314,7 +314,7 @@ class _Response:
             include_usage,
         )
         chunks = _Chunks(self, sse)
-        writer = writer_of(scope)  # (--sse-direct-writes; a split chat's chunks all come here)
+        writer = writer_of(scope)  # (none with --no-sse-direct-writes; a split chat: the task)
         if writer is not None and self.chat_outputs is None:
             direct = DirectSse(chunks.running).take_over(cast(asyncio.Queue, req.outputs))
             direct.attach(writer)

@@ -17,7 +17,7 @@ take_waiting), a disconnect still cancels the task and aborts the request, and t
 wire are the same.
 
 The socket is uvicorn's, found from the `send` it passed to the app (`KeepServerSend` keeps it in
-the scope). It is off unless `--sse-direct-writes` (SchedulerConfig.sse_direct_writes). Where
+the scope). `--no-sse-direct-writes` (SchedulerConfig.no_sse_direct_writes) turns it off. Where
 the server is not uvicorn's httptools cycle with chunked framing (another server, h11, HTTP/1.0,
 a test's in-process transport), `writer_of` finds none and every output takes the task's path.
 """

@@ -1,5 +1,5 @@
 """A streamed response's common chunk written to the socket where its output arrives
-(scheduler_service/api/sse_direct.py, with --sse-direct-writes; off by default): the client reads the same events as from the response
+(scheduler_service/api/sse_direct.py, on unless --no-sse-direct-writes): the client reads the same events as from the response
 task's path, chunked the same way, with logprobs, token ids and n samples too; the first and
 last chunks and HTTP/1.0 take the task's path. Counted in the default layout (the doors in this process); behind frontend
 processes the same reads are checked without the count."""
@@ -20,11 +20,12 @@ PROMPT = "The quick brown fox"
 
 @pytest_asyncio.fixture(scope="module")
 async def direct_server():
-    """tiny_server's settings with --sse-direct-writes, on a model service of its own (a model
-    service serves one scheduler at a time, and tiny_server holds the session's)."""
+    """tiny_server's settings, on a model service of its own (a model service serves one
+    scheduler at a time, and tiny_server holds the session's): the chunks written directly are
+    counted here."""
     engine = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64")
     server = await start_scheduler(engine.address, max_num_batched_tokens=64, max_num_seqs=16,
-                                   http_port=0, sse_direct_writes=True)
+                                   http_port=0)
     yield server
     await server.stop(grace_s=1)
     engine.stop()

@@ -3,9 +3,12 @@ that does not end its sample is written by the sink only while the response task
 nothing queued and the socket has taken everything, once the delivering code yields, merged with
 what came in the same go; anything else queued in order for the task, and a backlog behind a
 socket that holds back merged as a slow reader's is."""
+import argparse
 import asyncio
 import contextlib
 import socket
+
+from config_fields import add_flags, from_args
 
 from scheduler_service.api.sse_chunks import SseChunks
 from scheduler_service.api.sse_direct import DirectSse, writer_of
@@ -132,8 +135,12 @@ async def test_take_over_keeps_what_the_first_queue_held():
     assert [sink.get_nowait().text, sink.get_nowait().text] == ["a", "b"]
 
 
-def test_off_by_default_and_no_socket_without_the_server_s_send():
-    """Off unless --sse-direct-writes (the HTTP server then leaves the app unwrapped, and a
+def test_on_by_default_and_no_socket_without_the_server_s_send():
+    """On unless --no-sse-direct-writes (the HTTP server then leaves the app unwrapped, and a
     response finds no socket to write to)."""
-    assert SchedulerConfig().sse_direct_writes is False
+    assert SchedulerConfig().no_sse_direct_writes is False
+    parser = argparse.ArgumentParser()
+    add_flags(parser, SchedulerConfig)
+    off = from_args(SchedulerConfig, parser.parse_args(["--no-sse-direct-writes"]))
+    assert off.no_sse_direct_writes is True
     assert writer_of({"type": "http", "http_version": "1.1"}) is None
