@@ -4,12 +4,12 @@ selector, both asyncio's map and the kernel's epoll set. Twice in a row not (0.5
 transport is reported to FILE with its fd's recent history: each transport made on that fd
 number, each reader added and removed (by whom: a short stack), each Python socket close.
 
-Why: the full suite has hung, rarely, with the server's accepted connections never read
-(docs/design-notes.md, "It is off by default"). One run under this watch caught how: an HTTP
-client's socket closed under its live transport by something that is not a Python socket close,
-the fd number reused by the server's next accepted connection, and the client transport's later
-abort removing the reader the server had just added. Which code closes the client's fd is what
-a run under `strace -f -e trace=close,accept4,connect` beside this watch would show.
+Why: the full suite hung, rarely, with the server's accepted connections never read. This watch
+recorded how (docs/design-notes.md, "Why it was opt-in for a while"): an HTTP client dropped
+unclosed had its sockets closed by the collector under live transports, the fd numbers went to
+new connections, and the SDK's deferred aclose() then aborted the dead transports, removing the
+new connections' readers by fd number. tests/conftest.py now closes every client a test makes;
+the watch stays for whatever else could leave a transport unread.
 
 It patches asyncio's private selector methods, so it is for diagnosis runs only.
 """
