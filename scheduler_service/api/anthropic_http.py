@@ -20,6 +20,7 @@ from scheduler_service.api import anthropic_messages as shapes
 from scheduler_service.api import chat_outputs
 from scheduler_service.api.admission import Serving
 from scheduler_service.api.chat_outputs import ChatOutput
+from scheduler_service.api.json_route import post_json
 from scheduler_service.api.openai_http import OpenAIApp
 from scheduler_service.api.streams import (
     Collected,
@@ -45,7 +46,7 @@ class MessagesDoor:
 
     def __init__(self, door: OpenAIApp):
         self.door = door
-        door.app.post("/v1/messages")(self.messages)
+        post_json(door.app, "/v1/messages", self.messages)
 
     async def messages(self, body: shapes.MessagesRequest, http: HttpRequest):
         chat = shapes.to_chat(body)

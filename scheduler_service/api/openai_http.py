@@ -30,6 +30,7 @@ from planserve.v1 import generate_pb2
 from scheduler_service.api import chat_outputs, chat_prompt, gateway, lora_http
 from scheduler_service.api.admission import Admission, Rejected, Serving
 from scheduler_service.api.chat_outputs import ChatOutput
+from scheduler_service.api.json_route import post_json
 from scheduler_service.api.openai_errors import ApiError
 from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.api.openai_requests import (
@@ -97,8 +98,8 @@ class OpenAIApp:
         self.app.add_exception_handler(StarletteHTTPException, self._http_error)  # type: ignore[arg-type]
         self.app.get("/health")(self.health)
         self.app.get("/v1/models")(self.models)
-        self.app.post("/v1/completions")(self.completions)
-        self.app.post("/v1/chat/completions")(self.chat_completions)
+        post_json(self.app, "/v1/completions", self.completions)
+        post_json(self.app, "/v1/chat/completions", self.chat_completions)
         self.app.post("/tokenize")(self.tokenize)
         self.app.post("/detokenize")(self.detokenize)
         lora_http.add_routes(self.app, admission)

@@ -22,6 +22,7 @@ from scheduler_service.api import chat_outputs
 from scheduler_service.api import responses_items as items
 from scheduler_service.api.admission import Serving
 from scheduler_service.api.chat_outputs import ChatOutput
+from scheduler_service.api.json_route import post_json
 from scheduler_service.api.openai_http import OpenAIApp
 from scheduler_service.api.streams import (
     Collected,
@@ -39,7 +40,7 @@ class ResponsesDoor:
 
     def __init__(self, door: OpenAIApp):
         self.door = door
-        door.app.post("/v1/responses")(self.responses)
+        post_json(door.app, "/v1/responses", self.responses)
 
     async def responses(self, body: items.ResponsesRequest, http: HttpRequest):
         chat = items.to_chat(body)
