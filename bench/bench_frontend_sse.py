@@ -12,7 +12,7 @@ and the CPU to admit a stream (its request read, checked and placed, its respons
 end it (its last chunk, usage and [DONE], the connection closed).
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_frontend_sse.py [--streams 128] \\
-        [--steps 400] [--direct off,on]
+        [--steps 400] [--direct off,on] [--rounds R]
 """
 
 from __future__ import annotations
@@ -132,19 +132,26 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=128)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--direct", default="off,on", help="direct SSE writes: off, on or both")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="servers started in turn; past one, the first is not counted")
     parser.add_argument("--read", nargs=3, type=int, help=argparse.SUPPRESS)  # the child's part
     args = parser.parse_args()
     if args.read:
         read_clients(*args.read)
         return
     for mode in args.direct.split(","):
-        cpu, admit, finish = asyncio.run(run(args.streams, args.steps, mode == "on"))
-        cpu = cpu[args.steps // 10:]  # past the warm-up
+        rounds = [asyncio.run(run(args.streams, args.steps, mode == "on"))
+                  for _ in range(args.rounds)]
+        timed = rounds[1:] or rounds  # past the first round's warm-up (imports, first requests)
+        cpu = [step for steps, _, _ in timed for step in steps[args.steps // 10:]]
+        admit = statistics.fmean(admit for _, admit, _ in timed)
+        finish = statistics.fmean(finish for _, _, finish in timed)
         median_ms = statistics.median(cpu) * 1000
         print(json.dumps({
             "sse_direct_writes": mode,
             "streams": args.streams,
             "steps": len(cpu),
+            "rounds_timed": len(timed),
             "cpu_ms_per_step_median": round(median_ms, 3),
             "cpu_ms_per_step_mean": round(statistics.fmean(cpu) * 1000, 3),
             "cpu_us_per_output": round(median_ms * 1000 / args.streams, 2),
