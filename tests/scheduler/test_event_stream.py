@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 
-import uvicorn
+from asgi_served import served
 from starlette.applications import Starlette
 from starlette.routing import Route
 
@@ -36,20 +36,6 @@ class _Answers:
             self.closed.set()
 
 
-@contextlib.asynccontextmanager
-async def _served(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
-                                           lifespan="off", http="httptools"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield server, server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-
-
 async def _get(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -73,7 +59,7 @@ def _watchers() -> list[asyncio.Task]:
 async def test_every_event_arrives_and_the_watch_ends_with_the_answer():
     answers = _Answers(events=5)
     answers.release.set()
-    async with _served(answers.app) as (_, port):
+    async with served(answers.app) as (_, port):
         reader, writer = await _get(port)
         events = [await _read_event(reader) for _ in range(5)]
         assert events == [f"data: {i}\n\n".encode() for i in range(5)]
@@ -87,7 +73,7 @@ async def test_every_event_arrives_and_the_watch_ends_with_the_answer():
 async def test_a_client_gone_mid_stream_closes_the_generator_without_an_error(caplog):
     answers = _Answers(events=2)
     with caplog.at_level(logging.ERROR):
-        async with _served(answers.app) as (_, port):
+        async with served(answers.app) as (_, port):
             reader, writer = await _get(port)
             assert await _read_event(reader) == b"data: 0\n\n"
             writer.close()

@@ -4,15 +4,13 @@ the same status, headers and answer from both; a valid JSON body reaches the end
 FastAPI's dependency solving, anything else through it; an endpoint that does not take (body,
 request) is refused when the route is made."""
 
-import asyncio
-import contextlib
 import json
 from typing import Optional
 
 import fastapi.routing
 import httpx
 import pytest
-import uvicorn
+from asgi_served import served
 from fastapi import FastAPI, HTTPException
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, field_validator
@@ -63,20 +61,6 @@ def _app(fast: bool) -> FastAPI:
     return app
 
 
-@contextlib.asynccontextmanager
-async def _served(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
-                                           lifespan="off", http="httptools"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-
-
 JSON = "application/json"
 CASES = [  # (path, content type or None, body)
     ("/order", JSON, b'{"name": "ada", "count": 3, "ratio": 0.5, "tags": ["x"]}'),
@@ -120,7 +104,9 @@ CASES = [  # (path, content type or None, body)
 async def _answers(app: FastAPI, calls: list[int]) -> tuple[list, list[int]]:
     """Each case's (status, content type, answer), and how often FastAPI solved its body."""
     answers, solved = [], []
-    async with _served(app) as url, httpx.AsyncClient(base_url=url) as client:
+    async with served(app) as (_, port), httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}"
+    ) as client:
         for path, content_type, body in CASES:
             headers = {"x-agent": "test"}
             if content_type is not None:
