@@ -64,7 +64,8 @@ FRONTEND_PROCESSES = int(os.environ.get("PLANSERVE_TEST_FRONTEND_PROCESSES", "0"
 # socket but leaves the transport thinking it is open; the SDK's own __del__ then schedules the
 # client's aclose(), which aborts those transports later, and an abort removes the loop's reader
 # by fd number, by then another connection's (a server's accepted one, never read again).
-# docs/design-notes.md, "It is off by default", has the watch's record of it.
+# docs/design-notes.md, "Why it was opt-in for a while, and the hang's cause", has the watch's
+# record of it.
 _OPEN_HTTP_CLIENTS: list = []
 
 

@@ -64,10 +64,15 @@ class JsonBodyRoute(APIRoute):
         """The endpoint's body model and the names it takes the body and the request by."""
         dependant = self.dependant
         body = dependant.body_params
-        params = dependant.path_params + dependant.query_params + dependant.header_params
-        loose = params + dependant.cookie_params or dependant.dependencies
+        others = (
+            dependant.path_params,
+            dependant.query_params,
+            dependant.header_params,
+            dependant.cookie_params,
+            dependant.dependencies,
+        )
         request_name = dependant.request_param_name
-        if len(body) != 1 or loose or request_name is None:
+        if len(body) != 1 or any(others) or request_name is None:
             raise TypeError(f"{self.path}: a JSON route's endpoint takes (body model, request)")
         model = body[0].field_info.annotation
         if not (isinstance(model, type) and issubclass(model, BaseModel)):

@@ -148,7 +148,7 @@ class DirectSse(asyncio.Queue):
         if transport is None or transport.is_closing():
             return  # the client is gone: its response task is cancelled, its request aborted
         framed = []
-        for output in pending if len(pending) == 1 else merged(pending, _sample_of, merge):
+        for output in merged(pending, _sample_of, merge):
             text = self._render(output)
             if text:
                 data = text.encode()

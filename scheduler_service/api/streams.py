@@ -101,8 +101,6 @@ def take_waiting(
     (one sample of one request; None: never merged, e.g. a marker) combined into the first of
     them. Per sample the order is kept; items of other samples may move ahead of a later one,
     which no client can tell (samples are independent streams)."""
-    if queue.empty():
-        return [first]
     items = [first]
     while not queue.empty():
         items.append(queue.get_nowait())
@@ -114,6 +112,8 @@ def merged(
 ) -> list:
     """`items` in order, with items of equal `key` (None: never merged) combined into the first
     of them (take_waiting's rule)."""
+    if len(items) == 1:  # the common case (a reader that keeps up): nothing to merge
+        return items
     taken: list = []
     at: dict[Hashable, int] = {}
     for item in items:
