@@ -36,7 +36,7 @@ from model_service.runner import ModelRunner
 from model_service.speculative import draft_model
 from model_service.speculative.stage import Drafter
 from model_service.speculative.verify import NgramDrafter
-from model_service.step import cuda_graphs, kv_budget, profile_step, step_shape
+from model_service.step import cuda_graphs, kv_budget, profile_step, sampler, step_shape
 from model_service.step.slot_table import SlotTable
 
 log = structlog.get_logger(__name__)
@@ -229,5 +229,6 @@ def compute_paths(loaded: LoadedModel, kv_cache: KVCache) -> dict[str, str]:
         "layer_ops": layer_ops.PATH.current if on_cpu else layer_ops.device_path(kv_cache.k),
         "gemm": next((m.isa for m in model.modules() if isinstance(m, PackedLinear)), "torch"),
         "decoder_loop": decoder_loop.describe(model),
+        "sampler": sampler.device_path(_device(loaded)),
         "weights": loaded.weights,
     }

@@ -13,6 +13,11 @@ Rows carry their own parameters; everything is vectorized over rows:
     min_p == 0.0        min-p off (keep tokens with probability >= min_p * the largest)
 Penalties, logit bias, min-token suppression and grammar masks change the logits before this
 (model_service/step/logits.py).
+
+Where: float32 logits on CUDA with Triton present go to one fused kernel
+(model_service/kernels/triton_sample.py: the same rule, sums in another order, no host sync);
+everywhere else, and as that kernel's reference, the torch path below (`torch_sample`).
+`device_path` says which for Describe's compute["sampler"].
 """
 
 from __future__ import annotations
@@ -21,6 +26,12 @@ import dataclasses
 
 import numpy as np
 import torch
+
+from model_service.kernels import triton_sample
+
+TRITON = "triton"
+TORCH = "torch"
+TRITON_DEVICE = "cuda"  # where the kernel runs (the interpreter's tests point it at "cpu")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -77,6 +88,43 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """logits [R, V] float32 -> token ids [R] int64 (on the logits' device)."""
+    if not (params.temperature > 0).any():  # every row greedy: one argmax, no parameters to copy
+        return argmax_rows(logits)
+    if _kernel_unsupported(logits) is None:
+        packed = on_device(logits.device, kernel_params(params, logits.shape[-1]))
+        return triton_sample.sample(logits, packed)
+    return torch_sample(logits, params)
+
+
+def device_path(device: torch.device) -> str:
+    """The path sample() takes for a model's float32 logits on `device`, for Describe's
+    `compute`: "triton", or "torch (why)"."""
+    reason = _kernel_unsupported(torch.empty((0, 1), dtype=torch.float32, device=device))
+    return TRITON if reason is None else f"{TORCH} ({reason})"
+
+
+def _kernel_unsupported(logits: torch.Tensor) -> str | None:
+    """Why sample() runs the torch path on these logits, or None where it runs the kernel."""
+    if logits.device.type != TRITON_DEVICE:
+        return f"device {logits.device.type}"
+    return triton_sample.unsupported_reason(logits)
+
+
+def kernel_params(params: SamplingBatch, vocab: int) -> np.ndarray:
+    """The kernel's per-row parameters, [R, 5] float64 (triton_sample.PARAMS): every value the
+    torch path reads, exactly (float32 and the clipped top_k are float64 values), and each row's
+    uniform, so that one copy takes them to the device."""
+    packed = np.empty((params.temperature.shape[0], len(triton_sample.PARAMS)), dtype=np.float64)
+    packed[:, 0] = params.temperature
+    packed[:, 1] = np.where((params.top_k > 0) & (params.top_k < vocab), params.top_k, 0)
+    packed[:, 2] = params.top_p
+    packed[:, 3] = 0.0 if params.min_p is None else params.min_p
+    packed[:, 4] = uniform_for(params.seed, params.position)
+    return packed
+
+
+def torch_sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+    """sample() in torch ops: any device, and the kernel's reference."""
     device = logits.device
     greedy_ids = argmax_rows(logits)
     random_rows = (params.temperature > 0).nonzero()[0]
