@@ -30,14 +30,17 @@ def test_percentiles_and_the_process_trees():
         "mean": 50.5, "p10": 11.0, "p50": 51.0, "p90": 91.0}
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
     child = subprocess.Popen(sleep)
-    # A frontend process's command line (the arguments after -c's code are only its argv).
+    # Services' command lines (the arguments after -c's code are only its argv).
+    model = subprocess.Popen([*sleep, "-m", "model_service"])
     frontend = subprocess.Popen([*sleep, "-m", "scheduler_service.frontends"])
     try:
+        # This process may hold other services (a session's fixtures): only these three are asked.
         trees = service_trees(os.getpid())
-        assert child.pid in trees["scheduler"] and trees["model_service"] == []
-        assert trees["frontends"] == [frontend.pid] and frontend.pid not in trees["scheduler"]
+        assert [name for name, pids in trees.items() if child.pid in pids] == ["scheduler"]
+        assert [name for name, pids in trees.items() if model.pid in pids] == ["model_service"]
+        assert [name for name, pids in trees.items() if frontend.pid in pids] == ["frontends"]
     finally:
-        for process in (child, frontend):
+        for process in (child, model, frontend):
             process.kill()
             process.wait()
 
