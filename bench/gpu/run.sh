@@ -16,6 +16,8 @@
 #            into OUT/ahead_off.json and OUT/ahead_on.json (AHEAD_SHAPES: other shapes)
 #   sampled  the same serve as ahead's "on", every request sampling (temperature 0.7, top-p 0.9,
 #            seeded) instead of greedy: what the sampler costs served, into OUT/sampled.json
+#   sampler  the sampling alone, the fused Triton kernel against the torch path per batch size
+#            and mix (bench/bench_sampler.py, seconds), into OUT/sampler.json
 #
 # Every step logs to OUT/logs/STEP.log and its status and seconds to OUT/summary.txt; a failed
 # test step does not stop the later ones. STEPS picks steps ("install build bench" skips tests).
@@ -25,7 +27,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KIT="$(cd "${GPU_KIT:-$REPO/.gpu-kit}" && pwd)"
 DEPS="${DEPS:-/tmp/planserve-deps}"
 OUT="${OUT:-$REPO/gpu-out}"
-STEPS="${STEPS:-install build gpu e2e bench}"
+STEPS="${STEPS:-install build gpu e2e sampler bench}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 E2E="test_concurrency test_stops_and_cancel test_swap test_engine_up test_faults test_dummy_weights"
 mkdir -p "$OUT/logs"
@@ -61,6 +63,8 @@ ahead() {
       --out "$OUT/ahead_${mode/auto/on}.json" --log-dir "$OUT/logs/ahead-$mode" || return 1
   done
 }
+
+sampler() { python3 bench/bench_sampler.py --out "$OUT/sampler.json"; }
 
 sampled() {
   python3 bench/bench_gpu_serve.py --shapes "${AHEAD_SHAPES:-llama-1b}" --no-transformers \
