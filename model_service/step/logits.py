@@ -34,39 +34,91 @@ def apply_processing(
     `in_flight` (a step launched ahead, step/launch_ahead.py): (per row, the index of its last
     token among the ids [K] of the step before, still on the device, or -1; those ids): that
     token counts from the device, its stand-in on the host does not. No host sync: the host's
-    arrays reach the device through pinned memory."""
-    vocab, device = logits.shape[-1], logits.device
-    for i, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
-        p = slot_table.processing[slot]
-        known = slot_table.tokens[slot, : slot_table.num_tokens[slot]]
-        num_output = known.size - p.num_prompt_tokens
-        last = None  # the last token where it is still in flight: [1] on the device
-        if in_flight is not None and in_flight[0][i] >= 0:
-            known = known[:-1]
-            last = in_flight[1][int(in_flight[0][i])].view(1)
-        line = logits[row]
-        if p.repetition_penalty != 1.0:
-            seen = on_device(device, np.unique(known).astype(np.int64))
-            if last is not None:  # a repeat of a known token is written twice, the same value
-                seen = torch.cat([seen, last])
-            values = line[seen]
-            line[seen] = torch.where(
-                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-            )
-        if (p.presence_penalty or p.frequency_penalty) and num_output:
-            output = known[p.num_prompt_tokens :]
-            host_counts = np.bincount(output, minlength=vocab)[:vocab].astype(np.float32)
-            counts = on_device(device, host_counts)
-            if last is not None:
-                counts = counts.index_add(0, last, torch.ones(1, device=device))
-            line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        if p.logit_bias:
-            ids, biases = zip(*p.logit_bias)
-            bias = on_device(device, np.array(biases, dtype=np.float64)).to(line.dtype)
-            line[on_device(device, np.array(ids, dtype=np.int64))] += bias
-        if p.min_new_tokens and num_output < p.min_new_tokens and p.min_tokens_suppressed_ids:
-            suppressed = np.array(p.min_tokens_suppressed_ids, dtype=np.int64)
-            line[on_device(device, suppressed)] = float("-inf")
+    arrays reach the device through pinned memory.
+
+    All rows at once, in a fixed number of device operations whatever their count, and only on
+    the logits the rules touch: the penalties on each penalized row's distinct known tokens (one
+    gather, the arithmetic, one scatter), bias and suppression by one scatter each. Per element
+    the arithmetic is the row-by-row rule's, in its order (the module docstring)."""
+    params = [slot_table.processing[slot] for slot in slots.tolist()]
+    num_output = slot_table.num_tokens[slots] - [p.num_prompt_tokens for p in params]
+    repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+    presence = np.array([p.presence_penalty for p in params], dtype=np.float32)
+    frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)
+    counted = ((presence != 0) | (frequency != 0)) & (num_output > 0)
+    penalized = (repetition != 1.0) | counted
+    if penalized.any():
+        rules = np.stack([repetition, frequency * counted, presence * counted])  # 0: not counted
+        _penalize(logits, rows, slots, slot_table, penalized, rules, in_flight)
+    suppressed = [
+        p.min_new_tokens and n < p.min_new_tokens for p, n in zip(params, num_output.tolist())
+    ]
+    _put(logits, rows, [p.logit_bias for p in params], add=True)
+    _put(
+        logits, rows, [p.min_tokens_suppressed_ids if s else () for p, s in zip(params, suppressed)]
+    )
+
+
+def _penalize(
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    slots: np.ndarray,
+    slot_table: SlotTable,
+    penalized: np.ndarray,
+    rules: np.ndarray,
+    in_flight: tuple[np.ndarray, torch.Tensor] | None,
+) -> None:
+    """The penalties (rules: per row repetition, frequency, presence; float32) on every distinct
+    token each penalized row has seen: a seen token is repeated, and its output count (0 for a
+    prompt's only) meets the frequency and presence penalties. A token in flight joins its row's
+    tokens on the device: a dense count table merges it with the host's (a GPU's steps only)."""
+    device, vocab = logits.device, logits.shape[-1]
+    late = np.full(rows.size, -1) if in_flight is None else np.where(penalized, in_flight[0], -1)
+    known = slot_table.num_tokens[slots] - (late >= 0)  # the host's tokens, less those in flight
+    first_output = np.array([slot_table.processing[s].num_prompt_tokens for s in slots.tolist()])
+    width = int(known.max(initial=0))
+    position = np.arange(width)
+    taken = (position < known[:, None]) & penalized[:, None]
+    keys = np.arange(rows.size)[:, None] * vocab + slot_table.tokens[slots, :width]
+    # (row, token) as row * vocab + token, sorted: unique's sorting method (return_counts) is
+    # the fast one here, and flat indices keep the device's gathers and scatters one-dimensional.
+    pairs, _ = np.unique(keys[taken], return_counts=True)
+    output = taken & (position >= first_output[:, None])
+    output_keys, output_counts = np.unique(keys[output], return_counts=True)
+    counts = np.zeros(pairs.size, dtype=np.float32)
+    counts[np.searchsorted(pairs, output_keys)] = output_counts
+    row, key, count = (on_device(device, a) for a in (pairs // vocab, pairs, counts))
+    late_rows = np.flatnonzero(late >= 0)
+    if late_rows.size:
+        assert in_flight is not None
+        late_token = in_flight[1][on_device(device, late[late_rows].astype(np.int64))]
+        late_row = on_device(device, late_rows)
+        table = torch.zeros(rows.size * vocab, dtype=torch.float32, device=device)
+        table.put_(key, count)
+        table.put_(late_row * vocab + late_token, torch.ones_like(late_token, dtype=table.dtype),
+                   accumulate=True)  # fmt: skip
+        row, key = torch.cat([row, late_row]), torch.cat([key, late_row * vocab + late_token])
+        count = table.take(key)  # a repeat of a known token is written twice, the same value
+    at = on_device(device, rows.astype(np.int64))[row] * vocab + key % vocab
+    x = logits.take(at)
+    repeat, frequency, presence = on_device(device, rules)[:, row]
+    x = torch.where(repeat != 1.0, torch.where(x > 0, x / repeat, x * repeat), x)
+    logits.put_(at, x - (frequency * count + presence * (count > 0).float()))
+
+
+def _put(logits: torch.Tensor, rows: np.ndarray, entries: list, add: bool = False) -> None:
+    """Per row, (token, bias) pairs added (`add`) or token ids set to -inf, in one scatter."""
+    at = [rows[i] for i, row_entries in enumerate(entries) for _ in row_entries]
+    if not at:
+        return
+    flat = [entry for row_entries in entries for entry in row_entries]
+    tokens = np.array([entry[0] for entry in flat] if add else flat, dtype=np.int64)
+    where = on_device(logits.device, np.array(at, dtype=np.int64) * logits.shape[-1] + tokens)
+    if add:
+        bias = np.array([entry[1] for entry in flat], dtype=np.float64)
+        logits.put_(where, on_device(logits.device, bias).to(logits.dtype), accumulate=True)
+    else:
+        logits.put_(where, torch.full(tokens.shape, float("-inf"), device=logits.device))
 
 
 def apply_masks(

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from model_service.batch import from_pb
-from model_service.step.plan import LogitsProcessing, PlanError, PlanLimits
 from model_service.step.logits import apply_masks, apply_processing, gather_logprobs
+from model_service.step.plan import LogitsProcessing, PlanError, PlanLimits
+from model_service.step.sampler import on_device
 from model_service.step.slot_table import SlotTable
 from planserve.v1 import engine_pb2
 
@@ -116,3 +117,88 @@ def test_bad_masks_name_the_field():
     plan.allowed_token_bitmask = b"\x01" + b"\x00" * 7
     with pytest.raises(PlanError, match="masked_slots: slot 1 is not scheduled"):
         from_pb(request, LIMITS)
+
+
+def row_by_row(logits, rows, slots, slot_table, in_flight=None):
+    """apply_processing as it was before it took all rows at once: one row at a time, each rule
+    on that row's own tokens. The batched version must give its bits."""
+    vocab, device = logits.shape[-1], logits.device
+    for i, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
+        p = slot_table.processing[slot]
+        known = slot_table.tokens[slot, : slot_table.num_tokens[slot]]
+        num_output = known.size - p.num_prompt_tokens
+        last = None  # the last token where it is still in flight: [1] on the device
+        if in_flight is not None and in_flight[0][i] >= 0:
+            known = known[:-1]
+            last = in_flight[1][int(in_flight[0][i])].view(1)
+        line = logits[row]
+        if p.repetition_penalty != 1.0:
+            seen = on_device(device, np.unique(known).astype(np.int64))
+            if last is not None:  # a repeat of a known token is written twice, the same value
+                seen = torch.cat([seen, last])
+            values = line[seen]
+            line[seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if (p.presence_penalty or p.frequency_penalty) and num_output:
+            output = known[p.num_prompt_tokens :]
+            host_counts = np.bincount(output, minlength=vocab)[:vocab].astype(np.float32)
+            counts = on_device(device, host_counts)
+            if last is not None:
+                counts = counts.index_add(0, last, torch.ones(1, device=device))
+            line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            bias = on_device(device, np.array(biases, dtype=np.float64)).to(line.dtype)
+            line[on_device(device, np.array(ids, dtype=np.int64))] += bias
+        if p.min_new_tokens and num_output < p.min_new_tokens and p.min_tokens_suppressed_ids:
+            suppressed = np.array(p.min_tokens_suppressed_ids, dtype=np.int64)
+            line[on_device(device, suppressed)] = float("-inf")
+
+
+def _random_rows(seed: int, in_flight: bool):
+    """12 slots of random prompts and outputs (tokens repeat) with every rule mixed across them,
+    logits with ties, zeros of both signs and -inf, and where asked tokens in flight."""
+    rng = np.random.default_rng(seed)
+    vocab, slots = 300, np.arange(12)
+    table = SlotTable(max_num_slots=12, max_model_len=96, block_size=16)
+    for slot in slots.tolist():
+        prompt = rng.integers(0, 40, size=int(rng.integers(1, 30)))
+        output = rng.integers(0, 40, size=int(rng.integers(0, 30)))
+        processing = LogitsProcessing(
+            num_prompt_tokens=prompt.size,
+            repetition_penalty=float(rng.choice([1.0, 1.3, 0.8])),
+            presence_penalty=float(rng.choice([0.0, 0.5, -0.25])),
+            frequency_penalty=float(rng.choice([0.0, 0.25, 1.5])),
+            logit_bias=tuple((int(t), float(b)) for t, b in zip(
+                rng.choice(vocab, size=int(rng.integers(0, 4)), replace=False),
+                rng.normal(size=4))),
+            min_new_tokens=int(rng.integers(0, 20)),
+            min_tokens_suppressed_ids=tuple(int(t) for t in rng.integers(0, vocab, size=2)),
+        )
+        table.register(slot, np.concatenate([prompt, output]).astype(np.int32), 0, 1.0, 0, 1.0, 0,
+                       processing)
+    logits = torch.from_numpy(rng.normal(size=(14, vocab)).astype(np.float32))
+    logits[:, 50:60] = 0.0
+    logits[:, 60:63] = -0.0
+    logits[:, 63] = float("-inf")
+    logits[:, 64:66] = 1.0
+    rows = rng.permutation(14)[:12]
+    late = None
+    if in_flight:
+        ids = torch.from_numpy(rng.integers(0, 40, size=5))
+        outputs = table.num_tokens[slots] - [p.num_prompt_tokens for p in table.processing[:12]]
+        index = np.where(rng.random(12) < 0.6, rng.integers(0, 5, size=12), -1)
+        late = (np.where(outputs > 0, index, -1), ids)  # only an output token can be in flight
+    return logits, rows, slots, table, late
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["host", "in flight"])
+@pytest.mark.parametrize("seed", range(6))
+def test_all_rows_at_once_give_the_row_by_row_bits(seed, in_flight):
+    logits, rows, slots, table, late = _random_rows(seed, in_flight)
+    expected = logits.clone()
+    row_by_row(expected, rows, slots, table, late)
+    apply_processing(logits, rows, slots, table, late)
+    assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
+    assert not torch.equal(expected, _random_rows(seed, in_flight)[0])  # the rules did something
