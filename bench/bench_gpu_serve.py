@@ -192,13 +192,20 @@ async def measure_serving(address: str, server: Serve, requests, args) -> dict:
     running: list[int] = []
     sampler = None
 
-    def started() -> None:
+    loop = asyncio.get_running_loop()
+
+    def sample() -> None:
         nonlocal sampler
-        gpu.start()
-        cpu.start()
         sampler = asyncio.ensure_future(sample_running(address, running, stop))
 
+    def started() -> None:  # on this loop or a timer thread (send_workload)
+        gpu.start()
+        loop.call_soon_threadsafe(sample)
+
     before = await asyncio.to_thread(scrape.samples, metrics_url)
+    # The services' CPU seconds from before the clients start (they idle until the first request)
+    # over the run's wall time: a window that cannot miss the run however late `started` runs.
+    cpu.start()
     results, elapsed, client_percent = await send_workload(
         address,
         requests,
@@ -208,7 +215,7 @@ async def measure_serving(address: str, server: Serve, requests, args) -> dict:
         sampling(args),
     )
     after = await asyncio.to_thread(scrape.samples, metrics_url)
-    cpu_percent = {**cpu.stop(), "clients": client_percent}
+    cpu_percent = {**cpu.stop(wall=elapsed), "clients": client_percent}
     stop.set()
     if sampler is not None:
         await sampler

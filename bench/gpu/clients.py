@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing
+import threading
 import time
 from typing import Callable
 
@@ -45,7 +46,8 @@ async def send_workload(
     sampling: dict | None = None,
 ):
     """Every request sent at t=0 from `processes` client processes (1: this process), request i
-    from process i % processes; `started` is called as the first requests leave (the meters'
+    from process i % processes; `started` is called as the first requests leave (from another
+    thread where there are several processes) (the meters'
     window is the run's, not the clients' start-up). Returns (results in the workload's order,
     the run's wall seconds, the clients' CPU% of one core)."""
     if processes <= 1:
@@ -56,7 +58,11 @@ async def send_workload(
     shares = [requests[i::processes] for i in range(processes)]
     start_at = time.time() + 3.0  # every process connected before the first request leaves
     loop = asyncio.get_running_loop()
-    loop.call_later(start_at - time.time(), started)
+    # A timer thread, not the loop's call_later: starting the pool's processes can hold this
+    # loop past start_at on a loaded machine, and the meters then missed the run.
+    timer = threading.Timer(max(0.0, start_at - time.time()), started)
+    timer.daemon = True
+    timer.start()
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
         done = await asyncio.gather(

@@ -88,8 +88,10 @@ class CpuMeter:
     def start(self) -> None:
         self._wall, self._cpu = time.perf_counter(), self._read()
 
-    def stop(self) -> dict[str, float]:
-        wall, cpu = time.perf_counter() - self._wall, self._read()
+    def stop(self, wall: float | None = None) -> dict[str, float]:
+        """CPU% of each tree since start(), over `wall` seconds (default: since start())."""
+        cpu = self._read()
+        wall = wall if wall is not None else time.perf_counter() - self._wall
         return {
             name: round(100.0 * (cpu[name] - self._cpu.get(name, 0.0)) / wall, 1) for name in cpu
         }
