@@ -6,8 +6,9 @@ P sampled rows at once, each row with its own tokens, on the CPU or a GPU. A pla
 
 Every row asks repetition 1.1, presence 0.5 and frequency 0.3, with two biased tokens; figures
 are the median milliseconds of --reps calls (device synchronized around each) after 3 warm-up
-calls. --reference times another implementation with the same signature beside it (an older
-commit's, for before/after figures).
+calls. --reference times another implementation with the same signature beside it: the
+row-by-row rule the tests keep (test_ms_logits:row_by_row, with tests and tests/model_service on
+PYTHONPATH) for before/after figures.
 """
 
 from __future__ import annotations
