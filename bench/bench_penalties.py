@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.gpu.ceiling import median_ms  # noqa: E402
 from model_service.step.logits import apply_processing  # noqa: E402
 from model_service.step.plan import LogitsProcessing  # noqa: E402
 from model_service.step.slot_table import SlotTable  # noqa: E402
@@ -40,20 +39,6 @@ def rows_of(count: int, vocab: int, prompt: int, output: int) -> SlotTable:
         tokens = rng.integers(0, vocab, size=prompt + output).astype(np.int32)
         table.register(slot, tokens, 0, 1.0, 0, 1.0, 0, processing)
     return table
-
-
-def median_ms(fn, device: torch.device, reps: int) -> float:
-    times = []
-    for rep in range(reps + 3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if rep >= 3:
-            times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
 
 
 def main() -> None:
@@ -77,11 +62,13 @@ def main() -> None:
         rows = slots = np.arange(count)
         figures = {
             name: median_ms(
-                lambda f=f, x=logits, r=rows, s=slots, t=table: f(x, r, s, t), device, args.reps
+                lambda f=f, x=logits, r=rows, s=slots, t=table: f(x, r, s, t),
+                device.type,
+                args.reps,
             )
             for name, f in paths.items()
         }
-        print(f"rows {count}: " + ", ".join(f"{n} {ms} ms" for n, ms in figures.items()))
+        print(f"rows {count}: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in figures.items()))
 
 
 if __name__ == "__main__":

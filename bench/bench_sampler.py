@@ -22,15 +22,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.gpu.ceiling import median_ms  # noqa: E402
 from model_service.step import sampler  # noqa: E402
 from model_service.step.sampler import SamplingBatch  # noqa: E402
 
@@ -61,32 +60,19 @@ def batch_for(rows: int, mix: tuple[float, int, float]) -> SamplingBatch:
     )
 
 
-def median_ms(fn, device: torch.device, reps: int, warmup: int = 3) -> float:
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 4)
-
-
 def measure_case(rows: int, vocab: int, mix: str, device: torch.device, reps: int) -> dict:
     logits, params = logits_for(rows, vocab, device), batch_for(rows, MIXES[mix])
     case = {"rows": rows, "vocab": vocab, "mix": mix}
-    case["torch_ms"] = median_ms(lambda: sampler.torch_sample(logits, params), device, reps)
+    case["torch_ms"] = round(
+        median_ms(lambda: sampler.torch_sample(logits, params), device.type, reps), 4
+    )
     path = sampler.device_path(device)  # the path sample() takes here: "triton" or "torch (why)"
     if path != sampler.TRITON:
         case["triton_ms"], case["triton_unavailable"] = None, path
         return case
-    case["triton_ms"] = median_ms(lambda: sampler.sample(logits, params), device, reps)
+    case["triton_ms"] = round(
+        median_ms(lambda: sampler.sample(logits, params), device.type, reps), 4
+    )
     # The same draws, bar the few-ulp cases the kernel's tests bound (a count, not an assert).
     same = sampler.sample(logits, params).eq(sampler.torch_sample(logits, params))
     case["tokens_equal_to_torch"] = f"{int(same.sum())}/{rows}"
