@@ -1,4 +1,5 @@
-"""Shared fixtures: real servers on 127.0.0.1, started once per test session.
+"""Shared fixtures: real servers on 127.0.0.1, started once per test session (once per worker
+process where `make test` runs the files in several: Makefile, TEST_WORKERS).
 
 The model service runs as its own process (as in production); the scheduler runs inside the
 test's event loop so that tests can look at its block pool after the traffic ends.
