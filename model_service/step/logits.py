@@ -41,7 +41,8 @@ def apply_processing(
     gather, the arithmetic, one scatter), bias and suppression by one scatter each. Per element
     the arithmetic is the row-by-row rule's, in its order (the module docstring)."""
     params = [slot_table.processing[slot] for slot in slots.tolist()]
-    num_output = slot_table.num_tokens[slots] - [p.num_prompt_tokens for p in params]
+    first_output = np.array([p.num_prompt_tokens for p in params], dtype=np.int64)
+    num_output = slot_table.num_tokens[slots] - first_output
     repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)
     presence = np.array([p.presence_penalty for p in params], dtype=np.float32)
     frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)
@@ -49,7 +50,7 @@ def apply_processing(
     penalized = (repetition != 1.0) | counted
     if penalized.any():
         rules = np.stack([repetition, frequency * counted, presence * counted])  # 0: not counted
-        _penalize(logits, rows, slots, slot_table, penalized, rules, in_flight)
+        _penalize(logits, rows, slots, slot_table, first_output, penalized, rules, in_flight)
     suppressed = [
         p.min_new_tokens and n < p.min_new_tokens for p, n in zip(params, num_output.tolist())
     ]
@@ -64,18 +65,19 @@ def _penalize(
     rows: np.ndarray,
     slots: np.ndarray,
     slot_table: SlotTable,
+    first_output: np.ndarray,
     penalized: np.ndarray,
     rules: np.ndarray,
     in_flight: tuple[np.ndarray, torch.Tensor] | None,
 ) -> None:
     """The penalties (rules: per row repetition, frequency, presence; float32) on every distinct
-    token each penalized row has seen: a seen token is repeated, and its output count (0 for a
-    prompt's only) meets the frequency and presence penalties. A token in flight joins its row's
-    tokens on the device: a dense count table merges it with the host's (a GPU's steps only)."""
+    token each penalized row has seen (its output from position first_output on): a seen token
+    is repeated, and its output count (0 for a prompt's only) meets the frequency and presence
+    penalties. A token in flight joins its row's tokens on the device: a dense count table
+    merges it with the host's (a GPU's steps only)."""
     device, vocab = logits.device, logits.shape[-1]
     late = np.full(rows.size, -1) if in_flight is None else np.where(penalized, in_flight[0], -1)
     known = slot_table.num_tokens[slots] - (late >= 0)  # the host's tokens, less those in flight
-    first_output = np.array([slot_table.processing[s].num_prompt_tokens for s in slots.tolist()])
     width = int(known.max(initial=0))
     position = np.arange(width)
     taken = (position < known[:, None]) & penalized[:, None]
