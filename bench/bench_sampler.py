@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.gpu.ceiling import median_ms  # noqa: E402
+from bench.gpu.machine import machine  # noqa: E402
 from model_service.step import sampler  # noqa: E402
 from model_service.step.sampler import SamplingBatch  # noqa: E402
 
@@ -79,13 +79,6 @@ def measure_case(rows: int, vocab: int, mix: str, device: torch.device, reps: in
     return case
 
 
-def machine(device: torch.device) -> dict:
-    described = {"torch": torch.__version__, "device": device.type, "cpu": platform.processor()}
-    if device.type == "cuda":
-        described["gpu"] = torch.cuda.get_device_name(device)
-    return described
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -103,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     for case in cases:
         print(json.dumps(case), file=sys.stderr)
-    report = {"machine": machine(device), "reps": args.reps, "cases": cases}
+    report = {"machine": machine(device.type), "reps": args.reps, "cases": cases}
     with open(args.out, "w") as out:
         json.dump(report, out, indent=1)
     return report
