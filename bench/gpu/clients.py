@@ -46,10 +46,10 @@ async def send_workload(
     sampling: dict | None = None,
 ):
     """Every request sent at t=0 from `processes` client processes (1: this process), request i
-    from process i % processes; `started` is called as the first requests leave (from another
-    thread where there are several processes) (the meters'
-    window is the run's, not the clients' start-up). Returns (results in the workload's order,
-    the run's wall seconds, the clients' CPU% of one core)."""
+    from process i % processes; `started` is called as the first requests leave (the meters'
+    window is the run's, not the clients' start-up), from a timer thread where there are several
+    processes. Returns (results in the workload's order, the run's wall seconds, the clients'
+    CPU% of one core)."""
     if processes <= 1:
         results, elapsed, cpu_s = await _send(
             address, requests, timeout_s, 0.0, sampling or {}, started
@@ -58,8 +58,8 @@ async def send_workload(
     shares = [requests[i::processes] for i in range(processes)]
     start_at = time.time() + 3.0  # every process connected before the first request leaves
     loop = asyncio.get_running_loop()
-    # A timer thread, not the loop's call_later: starting the pool's processes can hold this
-    # loop past start_at on a loaded machine, and the meters then missed the run.
+    # A timer thread, not the loop's call_later: on a loaded machine the loop ran it after a short
+    # run had ended (the pool's start-up holding the loop, most likely), and the meters missed it.
     timer = threading.Timer(max(0.0, start_at - time.time()), started)
     timer.daemon = True
     timer.start()
