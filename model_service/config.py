@@ -229,11 +229,13 @@ class ModelServiceConfig:
     is native (model_service/models/decoder_loop.py); "python": the Python loop over the layers
     (A/B checks). Alias PLANSERVE_DECODER_LOOP."""
 
-    cuda_graphs: str = setting("auto", choices=("auto", "off", "eager"))
+    cuda_graphs: str = setting("auto", choices=("auto", "on", "off", "eager"))
     """CUDA: "auto" replays every step that fits a token bucket from graphs captured at start,
-    where they apply (model_service/step/cuda_graphs.py); "off" runs every step eagerly; "eager"
-    runs the graphs' padded steps without capturing them, on any device (checks of the padding
-    on the CPU). Alias PLANSERVE_CUDA_GRAPHS (0 = off)."""
+    where they apply (model_service/step/cuda_graphs.py), at tensor parallel size 1; "on" does so
+    under tensor parallelism too (every rank captures its collectives; not yet run on several
+    GPUs); "off" runs every step eagerly; "eager" runs the graphs' padded steps without
+    capturing them, on any device (checks of the padding on the CPU). Alias
+    PLANSERVE_CUDA_GRAPHS (0 = off)."""
 
     launch_ahead: str = setting("auto", choices=("auto", "on", "off"))
     """A step queued on the device behind the step in flight, before that step's tokens reach

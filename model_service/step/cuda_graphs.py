@@ -15,8 +15,17 @@ so one capture serves any mix of decodes and chunks. A step that does not fit a 
 logprobs over more rows than the bucket's sequences, a table wider than max_model_len's) runs
 eagerly, as every step does where graphs are not used (`unsupported_reason`): off CUDA; with
 cuda_graphs "off"; where attention runs the torch path (it sizes its gather from the step's
-longest context on the host, which a graph would freeze); under tensor parallelism (the ranks
-would have to replay in lockstep; not built).
+longest context on the host, which a graph would freeze); under tensor parallelism unless
+cuda_graphs is "on" (below).
+
+Under tensor parallelism each rank captures its own graphs, its collectives inside them (NCCL
+records a collective in a graph since 2.9). NCCL asks that a captured collective be captured, and
+its graph replayed, by every rank alike: here every rank builds the same buckets in the same order
+at start, and each step's choice (its bucket, or eager) is a function of the plan that every rank
+receives alike, so the ranks replay the same graph, or all run eagerly, step by step. The capture
+is thread-local (`capture_mode`). "auto" leaves such steps eager: the capture under NCCL has not
+run on several GPUs (CI checks the padded path under tensor parallelism on the CPU, with gloo and
+cuda_graphs "eager"; a GPU test, collectives captured in a group of one); "on" captures them.
 
 With LoRA on the Triton path (lora/triton_stack.py) each bucket has a second graph holding the
 LoRA kernels, over the adapter stack's fixed slots and each row's slot in the padded step's
@@ -46,6 +55,7 @@ from typing import Any, Protocol
 import numpy as np
 import structlog
 import torch
+import torch.distributed as dist
 
 from model_service.attention import cuda_attention
 from model_service.attention.kv_cache import KVCache
@@ -67,7 +77,7 @@ def unsupported_reason(
     requested: str, device: torch.device, kv_cache: KVCache, tensor_parallel_size: int
 ) -> str | None:
     """Why steps run eagerly, or None where they are captured (`requested`: the config's
-    cuda_graphs, "auto", "eager" or "off"; "eager" is never refused: it captures nothing)."""
+    cuda_graphs, "auto", "on", "eager" or "off"; "eager" is never refused: it captures nothing)."""
     if requested == "eager":
         return None
     if device.type != "cuda":
@@ -77,8 +87,8 @@ def unsupported_reason(
     attention = cuda_path(kv_cache.k)
     if attention != "triton":
         return f"attention runs {attention}"
-    if tensor_parallel_size > 1:
-        return "tensor parallel"
+    if tensor_parallel_size > 1 and requested != "on":
+        return "tensor parallel: not yet run on several GPUs; --cuda-graphs on captures them"
     return None
 
 
@@ -122,11 +132,29 @@ def capture(
         count = len(graphs.sizes)
         return graphs, f"eager padded steps, {count} buckets up to {max_tokens} tokens{lora}"
     before = torch.cuda.memory_reserved(device)
-    graphs = StepGraphs(loaded.model, kv_cache, step, captured=True, lora_stack=lora_stack)
+    mode = capture_mode()
+    try:
+        graphs = StepGraphs(
+            loaded.model, kv_cache, step, captured=True, lora_stack=lora_stack, capture_mode=mode
+        )
+    except RuntimeError as error:
+        if loaded.tensor_parallel_size == 1:
+            raise
+        raise RuntimeError(
+            f"cuda_graphs: capturing the steps under tensor parallelism failed ({error}); "
+            "start with --cuda-graphs auto, which runs them eagerly"
+        ) from error
     held = torch.cuda.memory_reserved(device) - before
     log.info("step_graphs_captured", sizes=len(graphs.sizes), bytes=held)
     lora += " (graphs of their own)" if lora else ""
     return graphs, f"every step, {len(graphs.sizes)} buckets up to {max_tokens} tokens{lora}"
+
+
+def capture_mode() -> str:
+    """torch.cuda.graph's capture_error_mode: "thread_local" where a process group is up (NCCL's
+    watchdog thread queries its events while this thread captures, which a global capture
+    refuses), else torch's default, "global"."""
+    return "thread_local" if dist.is_available() and dist.is_initialized() else "global"
 
 
 class StepGraphs:
@@ -141,12 +169,15 @@ class StepGraphs:
         captured: bool,
         sizes=None,
         lora_stack: LoraKernels | None = None,
+        capture_mode: str = "global",
     ) -> None:
         """`sizes`: the buckets (default: token_buckets up to the step's max_tokens; a bench
         captures only the one it times). `lora_stack`: the LoRA kernels' stack (module
-        docstring), None where the graphs hold no adapters."""
+        docstring), None where the graphs hold no adapters. `capture_mode`: torch.cuda.graph's
+        capture_error_mode ("thread_local" under tensor parallelism: the module docstring)."""
         self.model, self.kv_cache, self.step = model, kv_cache, step
         self.lora_stack = lora_stack
+        self.capture_mode = capture_mode
         self.sizes = sorted(sizes or token_buckets(step.max_tokens))
         self.captured = captured
         self.replays = 0  # steps served padded (tests, and the note's figures)
@@ -181,7 +212,8 @@ class StepGraphs:
                                       device=warm.device)  # fmt: skip
         del warm
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        capturing = torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode)
+        with torch.inference_mode(), capturing:
             self.logits[: self.step.seqs_of(size)].copy_(self._forward(size, adapters=adapters))
         self.graphs[(size, adapters)] = graph
 

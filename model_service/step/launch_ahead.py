@@ -77,6 +77,8 @@ def for_runner(
         why_not = "steps not padded"
     elif not fast_path:
         why_not = "drafts or adapters"
+    elif runner.loaded.tensor_parallel_size > 1:
+        why_not = "tensor parallel"  # rank 0 sends the other ranks whole steps (tp_worker.py)
     elif requested == "auto" and device.type != "cuda":
         why_not = f"device {device.type}"
     if graphs is None or why_not is not None:

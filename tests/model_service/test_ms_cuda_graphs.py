@@ -24,6 +24,7 @@ from dtypes import served_dtypes
 from ms_driver import Driver
 
 from model_service.attention import cuda_attention
+from model_service.attention.kv_cache import KVCache
 from model_service.step.padded_step import token_buckets
 
 from model_service.step import cuda_graphs
@@ -112,6 +113,74 @@ def test_replayed_steps_give_the_eager_steps_tokens(dtype, monkeypatch):
     tolerance = 1e-4 if dtype == "float32" else 5e-2
     for slot, values in logprobs.items():
         assert max(abs(a - b) for a, b in zip(values, eager_logprobs[slot])) <= tolerance
+
+
+def test_tensor_parallel_steps_are_captured_only_when_asked(monkeypatch):
+    """Under tensor parallelism "auto" runs steps eagerly and says how to capture them; "on"
+    captures (the decision alone: the capture itself needs GPUs). The attention path is the
+    Triton kernel's here, so that the rule under test is the one that decides."""
+    monkeypatch.setattr(cuda_graphs, "cuda_path", lambda k: "triton")
+    cache = KVCache(1, 2, 16, 1, 8, torch.float32, torch.device("cpu"))
+    cuda = torch.device("cuda")
+    reason = cuda_graphs.unsupported_reason("auto", cuda, cache, 2)
+    assert reason == "tensor parallel: not yet run on several GPUs; --cuda-graphs on captures them"
+    assert not cuda_graphs.records("auto", cuda, cache, 2)
+    assert cuda_graphs.unsupported_reason("on", cuda, cache, 2) is None
+    assert cuda_graphs.records("on", cuda, cache, 2)  # so the KV budget leaves the pool free
+    assert cuda_graphs.unsupported_reason("auto", cuda, cache, 1) is None
+    assert cuda_graphs.unsupported_reason("on", torch.device("cpu"), cache, 2) == "device cpu"
+    assert cuda_graphs.unsupported_reason("off", cuda, cache, 2) == "cuda_graphs=off"
+
+
+def _steps_with_collectives(device: str, backend: str, graphs: str):
+    """The tiny model in a process group of one rank, its o_proj and down_proj wrapped with their
+    all_reduces (models/parallel.py), through the padded steps (`graphs`) and the plain path:
+    (tokens of each, the padded runner). float32: the tokens must be equal."""
+    import torch.distributed as dist
+
+    from model_service.models.parallel import RankShare, wrap_parallel_
+    from model_service.tp_worker import free_tcp_port
+
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    dist.init_process_group(backend, init_method=address, rank=0, world_size=1)
+    try:
+        assert cuda_graphs.capture_mode() == "thread_local"
+        config = tiny_config(device=device, dtype="float32", profile_step_tokens=64,
+                             cuda_graphs=graphs)  # fmt: skip
+        loaded = load_model(config)
+        wrap_parallel_(loaded.model, RankShare(0, 1, dist.group.WORLD))
+        calls = []
+        reduce = dist.all_reduce
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(1) or reduce(*a, **k))
+            padded = build_runner(loaded, config)
+            tokens = _run(padded)[0]
+            plain = build_runner(loaded, dataclasses.replace(config, cuda_graphs="off"))
+            plain_tokens = _run(plain)[0]
+        assert calls  # the collectives ran (on CUDA, in the warm-ups before the capture)
+        return tokens, plain_tokens, padded
+    finally:
+        dist.destroy_process_group()
+
+
+def test_padded_steps_with_collectives_give_the_plain_tokens_on_the_cpu():
+    """The GPU test below, on the CPU with gloo and the padded steps run eagerly: the wrapping,
+    the group and the padding rows through the collectives."""
+    tokens, plain_tokens, padded = _steps_with_collectives("cpu", "gloo", "eager")
+    assert padded.graphs.replays >= 14 and tokens == plain_tokens
+    assert cuda_graphs.capture_mode() == "global"  # the group is gone
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_collectives_replay_from_graphs_in_a_group_of_one():
+    """Graphs under tensor parallelism on the one GPU a test machine has: NCCL's all_reduces
+    captured in every step's graph (cuda_graphs "on", a thread-local capture beside NCCL's
+    watchdog thread) give the tokens of the same steps eager."""
+    tokens, plain_tokens, graphed = _steps_with_collectives("cuda", "nccl", "on")
+    assert graphed.graphs.captured and graphed.graphs.replays >= 14
+    assert graphed.compute["cuda_graphs"] == "every step, 8 buckets up to 64 tokens"
+    assert tokens == plain_tokens
 
 
 @pytest.mark.gpu

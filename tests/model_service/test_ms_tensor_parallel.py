@@ -22,6 +22,7 @@ from model_service.config import ModelServiceConfig
 from model_service.loading.loader import TINY_ARCH
 from model_service.models.parallel import check_divisible
 from model_service.tp_worker import threads_per_rank
+from planserve.v1 import engine_pb2, engine_pb2_grpc
 from reference import compare_up_to_near_tie, greedy_reference
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.server import SchedulerServer
@@ -42,9 +43,10 @@ async def _concurrent_with_a_join(server, prompts):
     return [[t for c in chunks for t in c.token_ids], (await joiner).token_ids, (await longest).token_ids]
 
 
-async def _tp_outputs(engine_args, prompts, launcher=(sys.executable,)):
+async def _tp_outputs(engine_args, prompts, launcher=(sys.executable,), compute=None):
     """Start `python -m model_service ...` (rank 0 spawns the others; or every rank started by
-    the launcher, torchrun) and a scheduler on it."""
+    the launcher, torchrun) and a scheduler on it. `compute`: a dict that receives Describe's
+    compute map."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PLANSERVE_LOG_JSON="1")
     engine = subprocess.Popen([*launcher, "-m", "model_service", "--port", "0", *engine_args],
                               stdout=subprocess.PIPE, text=True, env=env)
@@ -56,6 +58,11 @@ async def _tp_outputs(engine_args, prompts, launcher=(sys.executable,)):
         await server.start()
         await server.connect_engine()
         try:
+            if compute is not None:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    facts = await engine_pb2_grpc.EngineServiceStub(channel).Describe(
+                        engine_pb2.DescribeRequest(), timeout=60)
+                compute.update(facts.compute)
             return await _concurrent_with_a_join(server, prompts)
         finally:
             await server.stop(grace_s=1)
@@ -111,6 +118,22 @@ async def test_tiny_tp2_greedy_equals_tp1(tiny_server, tiny_hf):
                              "--tensor-parallel-size", "2"], prompts)
     references = [greedy_reference(tiny_hf, p, NEW_TOKENS) for p in prompts]
     _check_equal_to_tp1(tp2, tp1, references, "tiny tp=2")
+
+
+async def test_tiny_tp2_padded_steps_equal_tp1(tiny_server, tiny_hf):
+    """The graphs' bookkeeping under tensor parallelism (cuda_graphs "eager": every rank pads
+    each step to the same bucket, its collectives over the padding rows too), which CUDA replays
+    from graphs with --cuda-graphs on: the greedy tokens of tensor parallel 1. float32: the
+    comparison with transformers' tokens (the other test of this pair covers the unpadded path)."""
+    prompts = [list(range(320, 329)), list(range(1200, 1231)), list(range(2400, 2537))]
+    tp1 = await _concurrent_with_a_join(tiny_server, prompts)
+    compute: dict[str, str] = {}
+    tp2 = await _tp_outputs(["--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "64",
+                             "--tensor-parallel-size", "2", "--cuda-graphs", "eager"], prompts,
+                            compute=compute)
+    assert compute["cuda_graphs"].startswith("eager padded steps, "), compute["cuda_graphs"]
+    references = [greedy_reference(tiny_hf, p, NEW_TOKENS) for p in prompts]
+    _check_equal_to_tp1(tp2, tp1, references, "tiny tp=2, padded steps")
 
 
 async def test_tiny_under_torchrun_equals_tp1(tiny_server, tiny_hf):
