@@ -9,7 +9,8 @@ Cases as bench_forward.py's (decode at batch 1, 16 and 64 with contexts 280..320
 prefill) and decode at batch 256, in bf16, each on private shuffled KV blocks (bench/measure.py).
 Each figure is the median of 30 timed steps after 3 warm-up steps, the GPU synchronized around
 each step. The floors come from probes in the same run: a 1 GiB device-to-device copy (bytes read
-plus written) and an 8192^3 bf16 matrix product. "attention ms" is one layer's attention call
+plus written) and an 8192^3 bf16 matrix product; "floor" is max(memory, FLOP) over the whole step,
+"serial floor" the GEMMs at their bound, then attention at its own (bench_forward.serial_floor_s). "attention ms" is one layer's attention call
 alone at the step's shape (the model's other ops are the same on both paths); for the Triton
 kernel once more as it was before KV_TILE_KEYS and PV_SPLIT (one block a walk step, P.V one IEEE
 float32 dot). "graph ms" is the
@@ -36,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench import measure  # noqa: E402
-from bench.bench_forward import cases, step_flops  # noqa: E402
+from bench.bench_forward import cases, serial_floor_s, step_flops  # noqa: E402
 from model_service.attention import paged as attention  # noqa: E402
 from model_service.config import ModelServiceConfig  # noqa: E402
 from model_service.loading.loader import load_model  # noqa: E402
@@ -149,7 +150,8 @@ def main() -> None:
         step = measure.Step(seqs, torch.bfloat16, arch.num_hidden_layers, arch.num_key_value_heads,
                             arch.head_dim, spare_factor=2, device=DEVICE)
         floor = max((weights + step.kv_bytes) / bandwidth, step_flops(arch, seqs) / rate) * 1e3
-        result = steps[name] = {"floor_ms": floor}
+        serial = serial_floor_s(arch, seqs, weights, step.kv_bytes, bandwidth, rate) * 1e3
+        result = steps[name] = {"floor_ms": floor, "serial_floor_ms": serial}
         for path, isa in PATHS.items():
             attention.PATH.select(isa)
             with torch.inference_mode():
@@ -160,7 +162,8 @@ def main() -> None:
         result["graph_ms"] = graph_ms(model, step, arch)
         print(f"{name:14s} triton {result['triton_ms']:7.2f} ms (attention {result['triton_attention_ms']:.3f}) "
               f"torch {result['torch_ms']:7.2f} ms (attention {result['torch_attention_ms']:.3f})  "
-              f"graph {result['graph_ms'] or float('nan'):7.3f} ms  floor {floor:.3f} ms", file=sys.stderr, flush=True)
+              f"graph {result['graph_ms'] or float('nan'):7.3f} ms  floor {floor:.3f} ms (serial {serial:.3f})",
+              file=sys.stderr, flush=True)
         del step
     run = {"steps": steps, "model": loaded.name, "weight_bytes": weights,
            "machine": {"gpu": gpu, "cpu": measure.cpu_model(), "copy_tb_s": bandwidth / 1e12,

@@ -65,13 +65,28 @@ def cases():
     yield f"prefill {PREFILL}", [(0, PREFILL)]
 
 
-def step_flops(arch, seqs) -> float:
+def step_flops_parts(arch, seqs) -> tuple[float, float]:
+    """(the GEMMs' FLOPs, attention's) of a step of `seqs` (context, new tokens)."""
     h, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
     layer_params = h * h * 2 + h * kv * 2 + 3 * h * arch.intermediate_size  # q, o, k, v, gate, up, down
     tokens = sum(n for _, n in seqs)
     attended = sum(c * n + n * (n + 1) // 2 for c, n in seqs)
-    return 2.0 * layer_params * arch.num_hidden_layers * tokens + 2.0 * arch.vocab_size * h * len(seqs) \
-        + 4.0 * h * arch.num_hidden_layers * attended
+    gemms = 2.0 * layer_params * arch.num_hidden_layers * tokens + 2.0 * arch.vocab_size * h * len(seqs)
+    return gemms, 4.0 * h * arch.num_hidden_layers * attended
+
+
+def step_flops(arch, seqs) -> float:
+    return sum(step_flops_parts(arch, seqs))
+
+
+def serial_floor_s(arch, seqs, weight_bytes: float, kv_bytes: float, bandwidth: float, rate: float) -> float:
+    """A step's floor with its two kinds of work one after the other, each at its own bound: the
+    GEMMs (their weights read, or their FLOPs at the matmul rate, whichever is longer), then
+    attention (its KV read, or its FLOPs). max(memory floor, FLOP floor) assumes the two overlap;
+    a step runs them in turn, so where the GEMMs are FLOP-bound and attention memory-bound (decode
+    at large batches) this floor is the higher, and the one a step can approach."""
+    gemms, attention = step_flops_parts(arch, seqs)
+    return max(weight_bytes / bandwidth, gemms / rate) + max(kv_bytes / bandwidth, attention / rate)
 
 
 # The calls a step's time is split into (module, function): what exists in this tree is timed.

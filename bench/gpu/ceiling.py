@@ -9,6 +9,8 @@ The step: `batch` decode rows, contexts spread +-10% around `context`, each sequ
 shuffled KV blocks (bench/measure.py's Step). Floors from probes in the same process:
     memory floor = (weight bytes + KV bytes the step reads) / device copy bandwidth
     FLOP floor   = the step's FLOPs (bench_forward.step_flops) / a square bf16 matmul's rate
+    serial floor = the GEMMs at their bound, then attention at its own
+                   (bench_forward.serial_floor_s)
 Ceiling tok/s = batch / graph replay time (eager time where no graph serves: on the CPU).
 """
 
@@ -56,7 +58,7 @@ def probes(device: str, dtype: torch.dtype) -> tuple[float, float]:
 def ceiling(shape: str, device: str, dtype_name: str, batch: int, context: int) -> dict:
     from bench import measure
     from bench.bench_cuda_forward import graph_ms
-    from bench.bench_forward import step_flops
+    from bench.bench_forward import serial_floor_s, step_flops
     from model_service.config import ModelServiceConfig
     from model_service.kernels.quant import weight_bytes
     from model_service.loading.loader import load_model
@@ -82,6 +84,7 @@ def ceiling(shape: str, device: str, dtype_name: str, batch: int, context: int) 
     weights = weight_bytes(model)
     memory_floor = (weights + step.kv_bytes) / bandwidth * 1e3
     flop_floor = step_flops(arch, seqs) / rate * 1e3
+    serial_floor = serial_floor_s(arch, seqs, weights, step.kv_bytes, bandwidth, rate) * 1e3
     best = graph if graph is not None else eager
     return {
         "batch": batch,
@@ -92,6 +95,7 @@ def ceiling(shape: str, device: str, dtype_name: str, batch: int, context: int) 
         "memory_floor_ms": round(memory_floor, 3),
         "flop_floor_ms": round(flop_floor, 3),
         "floor_ms": round(max(memory_floor, flop_floor), 3),
+        "serial_floor_ms": round(serial_floor, 3),
         "ceiling_tokens_per_s": round(batch / best * 1e3, 1),
         "floor_tokens_per_s": round(batch / max(memory_floor, flop_floor) * 1e3, 1),
         "weight_bytes": weights,

@@ -89,5 +89,7 @@ def test_the_dry_run_writes_every_field_and_the_counts_add_up(tmp_path):
     assert ceiling["error"] is None and ceiling["batch"] >= 1 and ceiling["eager_ms"] > 0
     assert ceiling["graph_ms"] is None  # no graphs on the CPU
     assert ceiling["floor_ms"] == max(ceiling["memory_floor_ms"], ceiling["flop_floor_ms"])
+    # The parts in turn take at least as long as the slower of the whole step's two bounds.
+    assert ceiling["serial_floor_ms"] >= ceiling["floor_ms"] - 1e-3
     assert hf["error"] is None and hf["complete"] and hf["completed"] == 16
     assert hf["output_tokens"] == 16 * 8
