@@ -335,7 +335,8 @@ def run_shape(shape: str, requests, args, work: str) -> Iterator[dict]:
         entry["ceiling"] = child_phase("bench.gpu.ceiling", argv, out, args, log)
         progress(f"{shape}: ceiling {entry['ceiling'].get('ceiling_tokens_per_s')} tok/s, "
                  f"graph {entry['ceiling'].get('graph_ms')} ms, "
-                 f"floor {entry['ceiling'].get('floor_ms')} ms")  # fmt: skip
+                 f"floor {entry['ceiling'].get('floor_ms')} ms "
+                 f"(serial {entry['ceiling'].get('serial_floor_ms')} ms)")  # fmt: skip
         yield entry
     if not args.no_transformers and over_budget(entry, "transformers", shape, args):
         yield entry
