@@ -12,6 +12,7 @@ step carries N sequences, so the figure is the model service's own cost of an N-
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_execute_stream.py \\
         [--seqs 256] [--steps 512] [--delay-ms 4] [--runs 3] [--threads] [--code ROOT]
+        [--engine-flags "--cuda-graphs eager --launch-ahead on"]
 
 --code ROOT runs the model service from another checkout (its model_service and protos), to
 compare two trees with the same driver.
@@ -137,6 +138,7 @@ def start_model_service(args) -> tuple[subprocess.Popen, int]:
     command = [
         sys.executable, "-m", "model_service", "--model", "null", "--port", "0",
         "--null-step-delay-ms", str(args.delay_ms), "--max-num-slots", str(args.seqs),
+        *args.engine_flags.split(),
     ]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=code
@@ -161,6 +163,7 @@ def measure(process: subprocess.Popen, port: int, args) -> dict:
         "seqs": args.seqs,
         "steps": args.steps,
         "delay_ms": args.delay_ms,
+        "engine_flags": args.engine_flags,
         "cpu_ms_per_step": round(cpu_ms / args.steps, 3),
         "step_ms": round(wall * 1000 / args.steps, 3),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
@@ -185,6 +188,12 @@ def main() -> None:
     parser.add_argument("--threads", action="store_true", help="CPU of each thread too")
     parser.add_argument("--code", default=ROOT, help="the checkout the model service runs from")
     parser.add_argument("--label", default="")
+    parser.add_argument(
+        "--engine-flags",
+        default="",
+        help='more model service flags, e.g. "--cuda-graphs eager --launch-ahead on": the padded '
+        "steps and launch-ahead, CUDA's host path, on the CPU",
+    )
     default_out = os.path.join(ROOT, "bench", "results", "execute_stream.json")
     parser.add_argument("--out", default=default_out)
     parser.add_argument("--no-write", action="store_true")
