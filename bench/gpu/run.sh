@@ -10,6 +10,8 @@
 #   gpu      pytest -m gpu tests/model_service (every CUDA test)
 #   e2e      the e2e suites on CUDA: concurrency, stops and cancel, swap, engine up/restart, the
 #            model service killed under load, dummy weights (their model services pick the GPU)
+#   forward  bench/bench_cuda_forward.py on the 1B shape: each step eager, replayed and at its
+#            floors, the attention kernel's variants beside it, into OUT/cuda_forward.json
 #   bench    bench/bench_gpu_serve.py (BENCH_ARGS: more flags, e.g. --shapes llama-1b)
 #   ahead    launch-ahead against the same build without it (model_service/step/launch_ahead.py):
 #            the 1B shape served twice with 4 frontend processes, off then on (its default),
@@ -27,7 +29,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KIT="$(cd "${GPU_KIT:-$REPO/.gpu-kit}" && pwd)"
 DEPS="${DEPS:-/tmp/planserve-deps}"
 OUT="${OUT:-$REPO/gpu-out}"
-STEPS="${STEPS:-install build gpu e2e sampler bench}"
+STEPS="${STEPS:-install build gpu e2e forward sampler bench}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 E2E="test_concurrency test_stops_and_cancel test_swap test_engine_up test_faults test_dummy_weights"
 mkdir -p "$OUT/logs"
@@ -65,6 +67,11 @@ ahead() {
 }
 
 sampler() { python3 bench/bench_sampler.py --out "$OUT/sampler.json"; }
+
+forward() {
+  python3 bench/bench_cuda_forward.py --model llama-1b --load-format dummy \
+    --out "$OUT/cuda_forward.json"
+}
 
 sampled() {
   python3 bench/bench_gpu_serve.py --shapes "${AHEAD_SHAPES:-llama-1b}" --no-transformers \

@@ -31,6 +31,11 @@ kernel's test batch put 4.5% of outputs beyond its bound (docs/design-notes.md).
 P is split into a high and a low half of V's type, two tensor-core dots whose sum keeps P to about
 2^-17 (PV_SPLIT); a float32 model's P.V is one IEEE float32 dot, off the tensor cores. A walk step
 reads KV_TILE_KEYS keys (several blocks) at once.
+
+The walk is a counted loop (tl.range), which Triton software-pipelines: the K and V of the next
+steps are copied to shared memory asynchronously (cp.async) while the current step computes. A
+while loop, as the walk was, is not pipelined: each step waited for its own loads. The
+arithmetic of a row is the same either way (the same steps in the same order).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ KV_TILE_KEYS = 64
 # bf16/fp16 models: P.V as two 16-bit tensor-core dots (P split in high and low halves) instead
 # of one IEEE float32 dot off the tensor cores. Module-level so a bench can time both.
 PV_SPLIT = True
+# The walk as a counted, software-pipelined loop (module docstring); False: the while loop it
+# was, which a bench times against it.
+PIPELINED_WALK = True
 # A padding tile's first row: beyond any sequence's rows, so its program returns at once.
 PAD_ROW = 1 << 30
 
@@ -133,7 +141,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, ROWS=rows_per_tile(group),
         KV_BLOCKS=max(1, KV_TILE_KEYS // block_size), USE_WINDOW=sliding_window is not None,
         QK_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PV_SPLIT=PV_SPLIT and q.dtype != torch.float32,
+        PV_SPLIT=PV_SPLIT and q.dtype != torch.float32, PIPELINED=PIPELINED_WALK,
     )  # fmt: skip
     return out
 
@@ -151,11 +159,10 @@ if triton is not None:
     ):  # fmt: skip
         """KV_BLOCKS blocks (table columns g * KV_BLOCKS ..) folded into the tile's online
         softmax; columns past end_block read block 0 and are masked off by position."""
-        column = g * KV_BLOCKS + tl.arange(0, KV_BLOCKS)
+        key = tl.arange(0, KV_BLOCKS * BLOCK_SIZE)
+        column = g * KV_BLOCKS + key // BLOCK_SIZE
         block = tl.load(table_row_ptr + column, mask=column < end_block, other=0).to(tl.int64)
-        i = tl.arange(0, BLOCK_SIZE)
-        kv_rows = (block[:, None] * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + i[None, :]
-        kv_rows = tl.reshape(kv_rows, (KV_BLOCKS * BLOCK_SIZE,))
+        kv_rows = (block * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + key % BLOCK_SIZE
         d = tl.arange(0, HEAD_DIM_PAD)
         d_live = d < HEAD_DIM
         kv_offsets = kv_rows[:, None] * HEAD_DIM + d[None, :]
@@ -192,7 +199,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         ROWS: tl.constexpr, KV_BLOCKS: tl.constexpr, USE_WINDOW: tl.constexpr,
-        QK_PRECISION: tl.constexpr, PV_SPLIT: tl.constexpr,
+        QK_PRECISION: tl.constexpr, PV_SPLIT: tl.constexpr, PIPELINED: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -226,14 +233,23 @@ if triton is not None:
             context - num_rows + tl.minimum(first_row + ROWS, num_rows) - 1
         ) // BLOCK_SIZE + 1
         table_row_ptr = block_tables_ptr + seq * table_stride
-        g = c // KV_BLOCKS
-        while g * KV_BLOCKS < end_block:  # not range(): the interpreter cannot loop to a load
-            max_score, denominator, acc = _attend_blocks(
-                q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head,
-                scale, window, max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD,
-                BLOCK_SIZE, KV_BLOCKS, USE_WINDOW, QK_PRECISION, PV_SPLIT,
-            )  # fmt: skip
-            g += 1
+        first_step, end_step = c // KV_BLOCKS, (end_block + KV_BLOCKS - 1) // KV_BLOCKS
+        if PIPELINED:
+            for g in tl.range(first_step, end_step):
+                max_score, denominator, acc = _attend_blocks(
+                    q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head,
+                    scale, window, max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM,
+                    HEAD_DIM_PAD, BLOCK_SIZE, KV_BLOCKS, USE_WINDOW, QK_PRECISION, PV_SPLIT,
+                )  # fmt: skip
+        else:
+            g = first_step
+            while g < end_step:
+                max_score, denominator, acc = _attend_blocks(
+                    q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head,
+                    scale, window, max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM,
+                    HEAD_DIM_PAD, BLOCK_SIZE, KV_BLOCKS, USE_WINDOW, QK_PRECISION, PV_SPLIT,
+                )  # fmt: skip
+                g += 1
 
         result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
         out_offsets = q_rows[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM)

@@ -17,7 +17,9 @@ from triton.compiler import ASTSource  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(dtype: str, group: int, head_dim: int, window: bool, pv_split: bool) -> str:
+def compile_kernel(
+    dtype: str, group: int, head_dim: int, window: bool, pv_split: bool, pipelined: bool = True
+) -> str:
     act = f"*{dtype}"
     pointers = dict(q_ptr=act, k_cache_ptr=act, v_cache_ptr=act, out_ptr=act,
                     query_start_ptr="*i64", num_scheduled_ptr="*i64", context_lens_ptr="*i64",
@@ -29,12 +31,17 @@ def compile_kernel(dtype: str, group: int, head_dim: int, window: bool, pv_split
         HEAD_DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_SIZE=16,
         ROWS=cuda_attention.rows_per_tile(group), KV_BLOCKS=cuda_attention.KV_TILE_KEYS // 16,
         USE_WINDOW=window, QK_PRECISION="ieee" if dtype == "fp32" else "tf32",
-        PV_SPLIT=pv_split,
+        PV_SPLIT=pv_split, PIPELINED=pipelined,
     )  # fmt: skip
+    # As a launch specializes them: torch's allocations (and the cache's layers) start 16-byte
+    # aligned, and so does each row of q (its stride, hidden + 2 KV widths, a multiple of 16).
+    aligned = [*pointers][:4] + ["q_row_stride"]
+    names = [*pointers, *scalars]
     source = ASTSource(
         fn=cuda_attention._paged_attention_kernel,
         signature={**pointers, **scalars, **dict.fromkeys(constexprs, "constexpr")},
         constexprs=constexprs,
+        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned},
     )
     compiled = triton.compile(source, target=HOPPER, options=dict(num_warps=4))
     assert compiled.asm["cubin"], "ptxas made no binary"
@@ -47,7 +54,16 @@ def test_the_kernel_compiles_for_hopper(dtype, pv_split, group, head_dim):
     ptx = compile_kernel(dtype, group, head_dim, window=False, pv_split=pv_split)
     if pv_split:  # P.V on the tensor cores: mma instructions in 16-bit operands
         assert "mma" in ptx
+    # The walk over the keys is software-pipelined: the next steps' K and V are copied to shared
+    # memory asynchronously while this one computes (Triton pipelines a counted loop, not a while).
+    assert "cp.async" in ptx
 
 
 def test_the_sliding_window_variant_compiles_for_hopper():
-    compile_kernel("bf16", 4, 128, window=True, pv_split=True)
+    assert "cp.async" in compile_kernel("bf16", 4, 128, window=True, pv_split=True)
+
+
+def test_the_while_walk_a_bench_times_is_not_pipelined():
+    """Why the walk is a counted loop: the same walk as a while loop (PIPELINED_WALK False, which
+    bench_cuda_forward times beside it) loads each step's K and V only when it gets there."""
+    assert "cp.async" not in compile_kernel("bf16", 4, 64, False, True, pipelined=False)
