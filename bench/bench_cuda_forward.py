@@ -13,8 +13,8 @@ plus written) and an 8192^3 bf16 matrix product; "floor" is max(memory, FLOP) ov
 "serial floor" the GEMMs at their bound, then attention at its own (bench_forward.serial_floor_s).
 "attention ms" is one layer's attention call alone at the step's shape (the model's other ops are
 the same on both paths); for the Triton kernel once more as it was before KV_TILE_KEYS and
-PV_SPLIT (one block a walk step, P.V one IEEE float32 dot), and with its walk as the while loop it
-was before the walk was software-pipelined ("while walk", the graph too). "graph ms" is the step
+PV_SPLIT (one block a walk step, P.V one IEEE float32 dot), and with its walk not software-
+pipelined (WALK_STAGES 1, as it ran before: "unpipelined", the graph too). "graph ms" is the step
 replayed from its CUDA graph (model_service/step/cuda_graphs.py: the runner's path for every
 step), the inputs' host-to-device copies included. A last case puts a 512-token prompt chunk beside
 255 decodes: the mixed step a served run makes while prompts arrive.
@@ -101,15 +101,15 @@ def one_block_ieee_pv_ms(step, arch) -> float:
         cuda_attention.KV_TILE_KEYS, cuda_attention.PV_SPLIT = saved
 
 
-def while_walk(run):
-    """run() with the kernel's walk as the while loop it was (not software-pipelined)."""
+def unpipelined_walk(run):
+    """run() with the kernel's walk not software-pipelined (WALK_STAGES 1), as before."""
     from model_service.attention import cuda_attention
 
-    cuda_attention.PIPELINED_WALK = False
+    saved, cuda_attention.WALK_STAGES = cuda_attention.WALK_STAGES, 1
     try:
         return run()
     finally:
-        cuda_attention.PIPELINED_WALK = True
+        cuda_attention.WALK_STAGES = saved
 
 
 def graph_ms(model, step, arch) -> float | None:
@@ -172,8 +172,8 @@ def main() -> None:
         attention.PATH.select("auto")
         result["triton_one_block_ieee_pv_attention_ms"] = one_block_ieee_pv_ms(step, arch)
         result["graph_ms"] = graph_ms(model, step, arch)
-        result["triton_while_walk_attention_ms"] = while_walk(lambda s=step: attention_ms(s, arch))
-        result["graph_while_walk_ms"] = while_walk(lambda s=step: graph_ms(model, s, arch))
+        result["triton_unpipelined_attention_ms"] = unpipelined_walk(lambda s=step: attention_ms(s, arch))
+        result["graph_unpipelined_ms"] = unpipelined_walk(lambda s=step: graph_ms(model, s, arch))
         print(f"{name:14s} triton {result['triton_ms']:7.2f} ms (attention {result['triton_attention_ms']:.3f}) "
               f"torch {result['torch_ms']:7.2f} ms (attention {result['torch_attention_ms']:.3f})  "
               f"graph {result['graph_ms'] or float('nan'):7.3f} ms  floor {floor:.3f} ms (serial {serial:.3f})",

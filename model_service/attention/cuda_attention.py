@@ -57,9 +57,9 @@ KV_TILE_KEYS = 64
 # bf16/fp16 models: P.V as two 16-bit tensor-core dots (P split in high and low halves) instead
 # of one IEEE float32 dot off the tensor cores. Module-level so a bench can time both.
 PV_SPLIT = True
-# The walk as a counted, software-pipelined loop (module docstring); False: the while loop it
-# was, which a bench times against it.
-PIPELINED_WALK = True
+# The walk's software pipeline (module docstring): the walk steps whose loads are in flight at
+# once, Triton's default depth on CUDA; 1 runs it unpipelined, as a bench times it beside.
+WALK_STAGES = 3
 # A padding tile's first row: beyond any sequence's rows, so its program returns at once.
 PAD_ROW = 1 << 30
 
@@ -141,7 +141,7 @@ def paged_attention(
         BLOCK_SIZE=block_size, ROWS=rows_per_tile(group),
         KV_BLOCKS=max(1, KV_TILE_KEYS // block_size), USE_WINDOW=sliding_window is not None,
         QK_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PV_SPLIT=PV_SPLIT and q.dtype != torch.float32, PIPELINED=PIPELINED_WALK,
+        PV_SPLIT=PV_SPLIT and q.dtype != torch.float32, WALK_STAGES=WALK_STAGES,
     )  # fmt: skip
     return out
 
@@ -199,7 +199,7 @@ if triton is not None:
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         ROWS: tl.constexpr, KV_BLOCKS: tl.constexpr, USE_WINDOW: tl.constexpr,
-        QK_PRECISION: tl.constexpr, PV_SPLIT: tl.constexpr, PIPELINED: tl.constexpr,
+        QK_PRECISION: tl.constexpr, PV_SPLIT: tl.constexpr, WALK_STAGES: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -233,23 +233,13 @@ if triton is not None:
             context - num_rows + tl.minimum(first_row + ROWS, num_rows) - 1
         ) // BLOCK_SIZE + 1
         table_row_ptr = block_tables_ptr + seq * table_stride
-        first_step, end_step = c // KV_BLOCKS, (end_block + KV_BLOCKS - 1) // KV_BLOCKS
-        if PIPELINED:
-            for g in tl.range(first_step, end_step):
-                max_score, denominator, acc = _attend_blocks(
-                    q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head,
-                    scale, window, max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM,
-                    HEAD_DIM_PAD, BLOCK_SIZE, KV_BLOCKS, USE_WINDOW, QK_PRECISION, PV_SPLIT,
-                )  # fmt: skip
-        else:
-            g = first_step
-            while g < end_step:
-                max_score, denominator, acc = _attend_blocks(
-                    q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head,
-                    scale, window, max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM,
-                    HEAD_DIM_PAD, BLOCK_SIZE, KV_BLOCKS, USE_WINDOW, QK_PRECISION, PV_SPLIT,
-                )  # fmt: skip
-                g += 1
+        end_step = (end_block + KV_BLOCKS - 1) // KV_BLOCKS
+        for g in tl.range(c // KV_BLOCKS, end_step, num_stages=WALK_STAGES):
+            max_score, denominator, acc = _attend_blocks(
+                q, position, k_cache_ptr, v_cache_ptr, table_row_ptr, end_block, g, kv_head,
+                scale, window, max_score, denominator, acc, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD,
+                BLOCK_SIZE, KV_BLOCKS, USE_WINDOW, QK_PRECISION, PV_SPLIT,
+            )  # fmt: skip
 
         result = acc / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
         out_offsets = q_rows[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM)

@@ -18,7 +18,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def compile_kernel(
-    dtype: str, group: int, head_dim: int, window: bool, pv_split: bool, pipelined: bool = True
+    dtype: str, group: int, head_dim: int, window: bool, pv_split: bool, stages: int = 3
 ) -> str:
     act = f"*{dtype}"
     pointers = dict(q_ptr=act, k_cache_ptr=act, v_cache_ptr=act, out_ptr=act,
@@ -31,7 +31,7 @@ def compile_kernel(
         HEAD_DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_SIZE=16,
         ROWS=cuda_attention.rows_per_tile(group), KV_BLOCKS=cuda_attention.KV_TILE_KEYS // 16,
         USE_WINDOW=window, QK_PRECISION="ieee" if dtype == "fp32" else "tf32",
-        PV_SPLIT=pv_split, PIPELINED=pipelined,
+        PV_SPLIT=pv_split, WALK_STAGES=stages,
     )  # fmt: skip
     # As a launch specializes them: torch's allocations (and the cache's layers) start 16-byte
     # aligned, and so does each row of q (its stride, hidden + 2 KV widths, a multiple of 16).
@@ -63,7 +63,7 @@ def test_the_sliding_window_variant_compiles_for_hopper():
     assert "cp.async" in compile_kernel("bf16", 4, 128, window=True, pv_split=True)
 
 
-def test_the_while_walk_a_bench_times_is_not_pipelined():
-    """Why the walk is a counted loop: the same walk as a while loop (PIPELINED_WALK False, which
-    bench_cuda_forward times beside it) loads each step's K and V only when it gets there."""
-    assert "cp.async" not in compile_kernel("bf16", 4, 64, False, True, pipelined=False)
+def test_one_walk_stage_is_the_walk_unpipelined():
+    """WALK_STAGES 1, which bench_cuda_forward times beside the default: each step's K and V are
+    loaded when the walk gets there, as the while loop the walk was did."""
+    assert "cp.async" not in compile_kernel("bf16", 4, 64, False, True, stages=1)
