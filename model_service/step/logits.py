@@ -51,13 +51,12 @@ def apply_processing(
     if penalized.any():
         rules = np.stack([repetition, frequency * counted, presence * counted])  # 0: not counted
         _penalize(logits, rows, slots, slot_table, first_output, penalized, rules, in_flight)
+    _add_bias(logits, rows, [p.logit_bias for p in params])
     suppressed = [
-        p.min_new_tokens and n < p.min_new_tokens for p, n in zip(params, num_output.tolist())
+        p.min_tokens_suppressed_ids if p.min_new_tokens and n < p.min_new_tokens else ()
+        for p, n in zip(params, num_output.tolist())
     ]
-    _put(logits, rows, [p.logit_bias for p in params], add=True)
-    _put(
-        logits, rows, [p.min_tokens_suppressed_ids if s else () for p, s in zip(params, suppressed)]
-    )
+    _suppress(logits, rows, suppressed)
 
 
 def _penalize(
@@ -108,19 +107,30 @@ def _penalize(
     logits.put_(at, x - (frequency * count + presence * (count > 0).float()))
 
 
-def _put(logits: torch.Tensor, rows: np.ndarray, entries: list, add: bool = False) -> None:
-    """Per row, (token, bias) pairs added (`add`) or token ids set to -inf, in one scatter."""
-    at = [rows[i] for i, row_entries in enumerate(entries) for _ in row_entries]
-    if not at:
-        return
-    flat = [entry for row_entries in entries for entry in row_entries]
-    tokens = np.array([entry[0] for entry in flat] if add else flat, dtype=np.int64)
-    where = on_device(logits.device, np.array(at, dtype=np.int64) * logits.shape[-1] + tokens)
-    if add:
-        bias = np.array([entry[1] for entry in flat], dtype=np.float64)
-        logits.put_(where, on_device(logits.device, bias).to(logits.dtype), accumulate=True)
-    else:
-        logits.put_(where, torch.full(tokens.shape, float("-inf"), device=logits.device))
+def _flat_indices(logits: torch.Tensor, rows: np.ndarray, tokens_per_row: list):
+    """row * vocab + token, on the logits' device, for each row's tokens in order (None where
+    no row has any): the flat indices of one scatter over all rows."""
+    counts = [len(tokens) for tokens in tokens_per_row]
+    if not sum(counts):
+        return None
+    tokens = np.fromiter((t for row_tokens in tokens_per_row for t in row_tokens), dtype=np.int64)
+    flat = np.repeat(rows.astype(np.int64), counts) * logits.shape[-1] + tokens
+    return on_device(logits.device, flat)
+
+
+def _add_bias(logits: torch.Tensor, rows: np.ndarray, biases: list) -> None:
+    """Per row, its (token, bias) pairs added, in one scatter."""
+    at = _flat_indices(logits, rows, [[token for token, _ in pairs] for pairs in biases])
+    if at is not None:
+        bias = np.array([bias for pairs in biases for _, bias in pairs], dtype=np.float64)
+        logits.put_(at, on_device(logits.device, bias).to(logits.dtype), accumulate=True)
+
+
+def _suppress(logits: torch.Tensor, rows: np.ndarray, ids_per_row: list) -> None:
+    """Per row, these token ids set to -inf, in one scatter."""
+    at = _flat_indices(logits, rows, ids_per_row)
+    if at is not None:
+        logits.put_(at, torch.full(at.shape, float("-inf"), device=logits.device))
 
 
 def apply_masks(
