@@ -4,23 +4,17 @@ import pytest
 
 from bench.bench_forward import serial_floor_s, step_flops, step_flops_parts
 from model_service.loading.shapes import DUMMY_SHAPES
-from model_service.models.arch import LlamaArchConfig
+from model_service.models.families import llama_arch
 
 # An H200's probes as bench_cuda_forward measured them (bytes/s copied, bf16 FLOP/s).
 BANDWIDTH, RATE = 4.16e12, 794e12
-FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "num_key_value_heads", "rope_theta", "rms_norm_eps",
-          "max_position_embeddings")
-
-
-def arch_of(shape: str) -> LlamaArchConfig:
-    return LlamaArchConfig(**{name: DUMMY_SHAPES[shape][name] for name in FIELDS})
+ARCH = llama_arch(DUMMY_SHAPES["llama-1b"])  # issue 32's 1B shape
 
 
 def test_decode_at_batch_256_is_gemm_flops_then_kv_reads():
     """At decode batch 256 on the 1B shape the GEMMs are FLOP-bound and attention reads KV: the
     serial floor adds the two, where max(memory, FLOP) counts the memory alone."""
-    arch = arch_of("llama-1b")
+    arch = ARCH
     seqs = [(300, 1)] * 256
     kv_row_bytes = arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2
     weights, kv = 2.15e9, 256 * 301 * kv_row_bytes
@@ -37,7 +31,7 @@ STEPS = [[(300, 1)], [(300, 1)] * 64, [(0, 2048)], [(0, 512)] + [(300, 1)] * 255
 
 @pytest.mark.parametrize("seqs", STEPS)
 def test_the_serial_floor_is_never_under_the_whole_steps_bound(seqs):
-    arch = arch_of("llama-1b")
+    arch = ARCH
     kv = sum(c + n for c, n in seqs) * 32 * 1024
     serial = serial_floor_s(arch, seqs, 2.15e9, kv, BANDWIDTH, RATE)
     whole = max((2.15e9 + kv) / BANDWIDTH, step_flops(arch, seqs) / RATE)
