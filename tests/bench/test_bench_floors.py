@@ -14,16 +14,15 @@ ARCH = llama_arch(DUMMY_SHAPES["llama-1b"])  # issue 32's 1B shape
 def test_decode_at_batch_256_is_gemm_flops_then_kv_reads():
     """At decode batch 256 on the 1B shape the GEMMs are FLOP-bound and attention reads KV: the
     serial floor adds the two, where max(memory, FLOP) counts the memory alone."""
-    arch = ARCH
     seqs = [(300, 1)] * 256
-    kv_row_bytes = arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * 2
+    kv_row_bytes = ARCH.num_hidden_layers * 2 * ARCH.num_key_value_heads * ARCH.head_dim * 2
     weights, kv = 2.15e9, 256 * 301 * kv_row_bytes
-    gemms, attention = step_flops_parts(arch, seqs)
-    assert gemms + attention == step_flops(arch, seqs)
+    gemms, attention = step_flops_parts(ARCH, seqs)
+    assert gemms + attention == step_flops(ARCH, seqs)
     assert gemms / RATE > weights / BANDWIDTH and attention / RATE < kv / BANDWIDTH
-    serial = serial_floor_s(arch, seqs, weights, kv, BANDWIDTH, RATE)
+    serial = serial_floor_s(ARCH, seqs, weights, kv, BANDWIDTH, RATE)
     assert serial == pytest.approx(gemms / RATE + kv / BANDWIDTH)
-    assert serial > max((weights + kv) / BANDWIDTH, step_flops(arch, seqs) / RATE) * 1.1
+    assert serial > max((weights + kv) / BANDWIDTH, step_flops(ARCH, seqs) / RATE) * 1.1
 
 
 STEPS = [[(300, 1)], [(300, 1)] * 64, [(0, 2048)], [(0, 512)] + [(300, 1)] * 255]
@@ -31,8 +30,7 @@ STEPS = [[(300, 1)], [(300, 1)] * 64, [(0, 2048)], [(0, 512)] + [(300, 1)] * 255
 
 @pytest.mark.parametrize("seqs", STEPS)
 def test_the_serial_floor_is_never_under_the_whole_steps_bound(seqs):
-    arch = ARCH
     kv = sum(c + n for c, n in seqs) * 32 * 1024
-    serial = serial_floor_s(arch, seqs, 2.15e9, kv, BANDWIDTH, RATE)
-    whole = max((2.15e9 + kv) / BANDWIDTH, step_flops(arch, seqs) / RATE)
+    serial = serial_floor_s(ARCH, seqs, 2.15e9, kv, BANDWIDTH, RATE)
+    whole = max((2.15e9 + kv) / BANDWIDTH, step_flops(ARCH, seqs) / RATE)
     assert serial >= whole * (1 - 1e-12)  # equal where both parts have the same bound (prefill)
