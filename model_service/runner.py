@@ -131,7 +131,7 @@ class ModelRunner:
         self.fast_path = drafter is None and adapters is None
         # Steps queued on the device behind the one in flight (step/launch_ahead.py).
         self.ahead, self.compute["launch_ahead"] = launch_ahead.for_runner(
-            config.launch_ahead, graphs, self, self.fast_path
+            config.launch_ahead, graphs, self, drafter is not None
         )
 
     def describe_facts(self) -> DescribedFacts:
@@ -181,7 +181,7 @@ class ModelRunner:
         with self._lock, torch.inference_mode():
             assert self.ahead is not None
             c = self.slot_table
-            if plan.plain:
+            if plan.plain and self.fast_path:
                 greedy = decode_fast.check_and_append(plan, c, self.limits, self.block_size)
             elif launch_ahead.applies_on_host(plan):
                 self._check(plan)
@@ -193,12 +193,14 @@ class ModelRunner:
                 return [*self.ahead.finished(prior), self._execute(plan)], None
             launched = None
             if plan.slots.size and (greedy or c.launches_ahead(plan.slots)):
-                launched = self.ahead.launch(plan, prior, greedy)
+                lora = self._step_lora(plan.slots, plan.num_scheduled_tokens)
+                launched = self.ahead.launch(plan, prior, greedy, lora)
             done = self.ahead.finished(prior)
             if launched is not None:
                 return done, launched
-            ran = self._run_plain(plan, greedy) if plan.plain else self._run_applied(plan)
-            return [*done, ran], None
+            if plan.plain and self.fast_path:
+                return [*done, self._run_plain(plan, greedy)], None
+            return [*done, self._run_applied(plan)], None
 
     def finish(self, step: Launched) -> ComputedStep:
         """The launched step's result, once its ids are on the host."""
@@ -317,11 +319,7 @@ class ModelRunner:
             rows = self._logits_rows(x, slots, n, draft_rows(x.query_start))
 
         clock = StepClock(self.device)
-        lora = None
-        if self.adapters is not None:  # each row runs its slot's adapter
-            row_lora = np.repeat(c.lora_id[slots], n)
-            lora = grouping.group_rows(row_lora, self._step_adapters, self.device, self._step_stack)
-        logits = self._forward(x, n, rows.indices, lora)
+        logits = self._forward(x, n, rows.indices, self._step_lora(slots, n))
         clock.forward_launched()
         output = ComputedStep(
             plan.step_id, x.needs_sample.copy(), np.zeros(0, dtype=np.int64), 0, 0
@@ -341,6 +339,14 @@ class ModelRunner:
             logits[:num_sample],
             logits[num_sample : num_sample + num_draft],
         )
+
+    def _step_lora(self, slots: np.ndarray, n: np.ndarray):
+        """Each of the step's rows runs its slot's adapter (the step's view, taken by _check):
+        None where every row is the base model's, or LoRA is off."""
+        if self.adapters is None:
+            return None
+        row_lora = np.repeat(self.slot_table.lora_id[slots], n)
+        return grouping.group_rows(row_lora, self._step_adapters, self.device, self._step_stack)
 
     def _logits_rows(
         self, x: StepInputs, slots: np.ndarray, n: np.ndarray, draft: np.ndarray

@@ -175,21 +175,36 @@ class TritonView:
         return slots
 
     def step(self, row_lora: np.ndarray, device: torch.device) -> TritonLoraStep:
-        host = self.row_slots(row_lora)
-        return TritonLoraStep(self.stack, torch.from_numpy(host).to(device), host)
+        return TritonLoraStep(self.stack, row_slot_host=self.row_slots(row_lora), device=device)
 
 
 class TritonLoraStep:
     """The layers' LoRA hook on the Triton path: `layer(i).add_(fused, x, y)` as lora/grouping's
     LoraStep. `row_slot`: each row's slot on the device (a captured step's static buffer);
-    `row_slot_host`: the same on the host, which a padded step copies into its buffers."""
+    `row_slot_host`: the same on the host, which a padded step copies into its buffers.
+
+    Given only `row_slot_host` (a step's view of the store), the device copy is made when a layer
+    first asks for it: an unpadded step. A padded step reads its own buffer's copy and never asks,
+    so it makes no copy of its own, which from pageable memory would wait for every step queued
+    on the device before it (a step launched ahead, model_service/step/launch_ahead.py)."""
 
     stacked = None  # not the native loop's packed stack (models/llama.py)
 
     def __init__(
-        self, stack: TritonStack, row_slot: torch.Tensor, row_slot_host: np.ndarray | None = None
+        self,
+        stack: TritonStack,
+        row_slot: torch.Tensor | None = None,
+        row_slot_host: np.ndarray | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        self.stack, self.row_slot, self.row_slot_host = stack, row_slot, row_slot_host
+        self.stack, self._row_slot, self.row_slot_host = stack, row_slot, row_slot_host
+        self._device = device
+
+    @property
+    def row_slot(self) -> torch.Tensor:
+        if self._row_slot is None:
+            self._row_slot = torch.from_numpy(self.row_slot_host).to(self._device)
+        return self._row_slot
 
     def layer(self, index: int) -> TritonLayerLora:
         return TritonLayerLora(self.stack.layers[index], self.stack, self.row_slot)

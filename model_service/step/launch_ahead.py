@@ -22,10 +22,13 @@ temperature, top-k, top-p and min-p with a seed (the draw reads the position alo
 mask (the plan's: the scheduler sends one only for a sequence whose last token it has); the
 sampled tokens' logprobs (computed on the device, copied back beside the ids); penalties, bias
 and min tokens (the host counts the tokens it has, the token still in flight is counted on the
-device: logits.apply_processing). A slot dropped while its token is in flight is forgotten by
-that step (`Launched.forget`): its token never reaches the table, where a new sequence may
-already hold the slot. Every other plan runs at once after the step in flight has finished, as
-without launch-ahead: prompt logprobs, swaps, drafts, adapters, a step no bucket holds.
+device: logits.apply_processing); rows of LoRA adapters where the graphs hold the LoRA kernels
+(lora/triton_stack.py: each row's slot rides in the padded step's buffer, and a load into a freed
+slot is copied on the same stream, behind the steps already queued). A slot dropped while its
+token is in flight is forgotten by that step (`Launched.forget`): its token never reaches the
+table, where a new sequence may already hold the slot. Every other plan runs at once after the
+step in flight has finished, as without launch-ahead: prompt logprobs, swaps, a step no bucket
+holds. A runner that drafts (speculation) or runs adapters on the torch path never launches ahead.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -64,19 +67,21 @@ DESCRIBED = "steps without swaps or prompt logprobs"
 
 
 def for_runner(
-    requested: str, graphs: StepGraphs | None, runner: Any, fast_path: bool
+    requested: str, graphs: StepGraphs | None, runner: Any, drafts: bool
 ) -> tuple[LaunchAhead | None, str]:
     """The runner's LaunchAhead, or None, and the path Describe reports (`requested`: the
     config's launch_ahead: "auto" on CUDA's padded steps, "on" wherever steps run padded,
-    "off"; `fast_path`: plain plans take step/decode_fast.py, no drafts and no adapters)."""
+    "off"; `drafts`: the runner speculates)."""
     device = runner.device
     why_not = None
     if requested == "off":
         why_not = "launch_ahead=off"
     elif graphs is None:
         why_not = "steps not padded"
-    elif not fast_path:
-        why_not = "drafts or adapters"
+    elif drafts:
+        why_not = "speculative drafts"
+    elif runner.adapters is not None and graphs.lora_stack is None:
+        why_not = "adapter rows not padded"  # the torch LoRA path: such steps run unpadded
     elif runner.loaded.tensor_parallel_size > 1:
         why_not = "tensor parallel"  # rank 0 sends the other ranks whole steps (tp_worker.py)
     elif requested == "auto" and device.type != "cuda":
@@ -159,10 +164,13 @@ class LaunchAhead:
         self._hold_ns = HOLD_NS if hold and not pinned else 0
         self.launched = 0  # steps launched while another was in flight (the stream's log)
 
-    def launch(self, plan: PlanArrays, prior: Launched | None, greedy: bool) -> Launched | None:
+    def launch(
+        self, plan: PlanArrays, prior: Launched | None, greedy: bool, lora=None
+    ) -> Launched | None:
         """Queues `plan` (checked and its diff applied; its slots sample plainly: `greedy`, by
-        an argmax) behind `prior`; None, with nothing queued or changed, where no bucket holds
-        it. The slot table advances now, each sampled token a stand-in until `finish`."""
+        an argmax; `lora`: its rows' adapters, None for the base model's) behind `prior`; None,
+        with nothing queued or changed, where no bucket holds it. The slot table advances now,
+        each sampled token a stand-in until `finish`."""
         c, slots, n = self.table, plan.slots, plan.num_scheduled_tokens
         x = self.inputs.build(c.tokens, c.block_table, c.num_computed, c.num_tokens, slots, n)
         taken = None
@@ -175,7 +183,7 @@ class LaunchAhead:
         if stand_in:
             self.graphs.model.queue_steps = True
         try:
-            logits = self.graphs.run(x, n, x.logits_indices, taken=taken)
+            logits = self.graphs.run(x, n, x.logits_indices, lora, taken=taken)
         finally:
             if stand_in:
                 self.graphs.model.queue_steps = False

@@ -208,6 +208,18 @@ def test_the_cpus_steps_never_launch_ahead_unless_asked(tiny_loaded):
     assert padded.ahead is None and padded.compute["launch_ahead"] == "off (device cpu)"
 
 
+def test_runners_whose_steps_cannot_queue_padded_say_why(tiny_loaded):
+    """A drafting runner (speculation) never launches ahead, nor one whose adapter rows run
+    unpadded (the torch LoRA path; the Triton path launches: test_ms_lora_triton_forward.py)."""
+    asked = {"cuda_graphs": "eager", "profile_step_tokens": 48, "launch_ahead": "on"}
+    drafting = build_runner(tiny_loaded, tiny_config(speculative_method="ngram", **asked))
+    assert drafting.ahead is None
+    assert drafting.compute["launch_ahead"] == "off (speculative drafts)"
+    adapters = build_runner(tiny_loaded, tiny_config(enable_lora=True, lora_kernel="torch", **asked))
+    assert adapters.ahead is None and adapters.graphs.lora_stack is None
+    assert adapters.compute["launch_ahead"] == "off (adapter rows not padded)"
+
+
 async def test_a_bad_plan_ends_the_stream_with_a_step_launched_and_the_next_stream_serves(
     tiny_loaded, monkeypatch
 ):

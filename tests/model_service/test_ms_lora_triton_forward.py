@@ -11,9 +11,12 @@ base-model row, chunked prefills and decodes:
 - a sequence alone gives its bits among the others (batch invariance; an adapter's row and the
   base row, as the interpreter is slow);
 - cuda_graphs "eager" (the captured steps' bookkeeping: buckets, padding, each row's slot in the
-  static buffers, padding rows -1) gives the plain Triton path's bits.
+  static buffers, padding rows -1) gives the plain Triton path's bits;
+- with launch_ahead "on" over those padded steps, each step with adapter rows queued behind the
+  one in flight gives the lockstep runner's results.
 Without the interpreter: the decider, and the stack's slots (addresses fixed across loads and
-evicts, each adapter's factors in its slot). The `gpu` tests run graphs on and off with adapters.
+evicts, each adapter's factors in its slot). The `gpu` tests run graphs on and off with adapters,
+and launch-ahead (CUDA's default) against lockstep.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from model_service.lora.store import AdapterStore
 from model_service.lora.targets import model_targets
 from model_service.lora.triton_stack import kernel_path
 from model_service.start import build_runner
+from model_service.step import launch_ahead
 from model_service.step.padded_step import PaddedStep
 
 interpreted = pytest.mark.skipif(
@@ -170,9 +174,75 @@ def test_interpreted_rows_alone_and_padded_steps_give_the_same_bits(
     assert padded.graphs.replays >= 6  # mixed and decode-only steps with adapter rows, padded
 
 
+class _Recording:
+    """A runner's execute, each plan and result kept; a plan without registrations or drops
+    marked plain, as the scheduler marks it (an adapter runner takes the general path anyway)."""
+
+    def __init__(self, runner):
+        self.runner, self.steps = runner, []
+
+    def execute(self, plan):
+        plan = dataclasses.replace(
+            plan, plain=not (plan.new_sequences or plan.finished_slots.size)
+        )
+        output = self.runner.execute(plan)
+        self.steps.append((plan, output))
+        return output
+
+
+@interpreted
+def test_interpreted_steps_with_adapter_rows_launched_ahead_give_the_lockstep_results(
+    tiny_loaded, folders, monkeypatch
+):
+    """launch_ahead "on" over the padded steps (cuda_graphs "eager"): each plan with adapter
+    rows queued behind the step in flight, its rows' slots in the padded buffer, its input
+    tokens from that step's ids, gives the lockstep runner's results bit for bit; a sequence
+    joins mid-run with its own adapter, and the others finish and are dropped."""
+    _launched_ahead_equal_lockstep(tiny_loaded, folders, "triton", "on", cuda_graphs="eager")
+
+
+def _launched_ahead_equal_lockstep(loaded, folders, kernel, mode, **config):
+    lockstep = _runner(loaded, folders, kernel, None, launch_ahead="off", **config)
+    ahead = _runner(loaded, folders, kernel, None, launch_ahead=mode, **config)
+    assert ahead.compute["launch_ahead"] == launch_ahead.DESCRIBED
+    recording = _Recording(lockstep)
+    driver = Driver(recording)
+    for slot in (0, 1, 2):
+        driver.add(slot, PROMPTS[slot], with_logprobs=True, lora_id=LORA_OF_SLOT[slot])
+    driver.run_to_completion(5, chunk=8, joins={3: [(3, PROMPTS[3])]}, lora_ids={3: 3})
+    steps = recording.steps
+    assert any(plan.plain for plan, _ in steps) and any(plan.new_sequences for plan, _ in steps)
+
+    results, in_flight = [], None
+    for plan, _ in steps:
+        done, in_flight = ahead.step_ahead(plan, in_flight)
+        results += done
+    if in_flight is not None:
+        results.append(ahead.finish(in_flight))
+    result = lambda o: (o.step_id, o.num_sampled_tokens.tolist(), o.sampled_token_ids.tolist(),
+                        o.logprobs.tolist())  # fmt: skip
+    assert [result(o) for o in results] == [result(o) for _, o in steps]
+    # Every step has adapter rows (slots 0 and 1 run theirs to the end), every one ran padded,
+    # and each launched behind the one before it but the first and the last (nothing after).
+    assert ahead.graphs.replays == len(steps)
+    assert ahead.ahead.launched >= len(steps) - 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_steps_with_adapter_rows_launched_ahead_on_cuda_give_the_lockstep_results(folders):
+    """float32 on CUDA: the graphs with the LoRA kernels replayed behind the step in flight
+    (launch_ahead's default there), the pinned buffers and the device-side tokens."""
+    from model_service.loading.loader import load_model
+
+    config = {"device": "cuda", "profile_step_tokens": 48}
+    loaded = load_model(tiny_config(**config))
+    _launched_ahead_equal_lockstep(loaded, folders, "auto", "auto", **config)
+
+
 @pytest.mark.slow(reason="Triton's interpreter runs the LoRA kernels in Python: ~45 s at load 5")
 def test_the_lora_forward_under_tritons_interpreter():
-    run_interpreted(__file__, "2 passed", 900)
+    run_interpreted(__file__, "3 passed", 900)
 
 
 @pytest.mark.gpu
