@@ -31,6 +31,8 @@ _LOAD_FORMATS = ("auto", "dummy")
 # The named shapes of --load-format dummy (their sizes: model_service/loading/shapes.py).
 DUMMY_SHAPE_NAMES = ("tiny", "smollm2-135m", "llama-1b", "llama-8b")
 _SPECULATIVE_METHODS = ("none", "ngram", "draft")
+# The fields that size the KV cache by memory (num_kv_blocks, a count, wins over them all).
+_KV_BUDGET_FIELDS = ("gpu_memory_utilization", "kv_cache_memory_fraction", "kv_cache_memory_bytes")
 
 
 _BYTE_UNITS = {
@@ -146,6 +148,13 @@ class ModelServiceConfig:
     """When set, the KV budget is this fraction of the device's free memory after the weights are
     loaded (CUDA: torch.cuda.mem_get_info, less the largest step, the graphs and a reserve; CPU:
     MemAvailable), instead of kv_cache_memory_bytes. num_kv_blocks, when set, wins over both."""
+
+    gpu_memory_utilization: Optional[float] = setting(None, above=0, high=1)
+    """vLLM's flag, with vLLM's meaning: the share of the GPU's total memory this service may
+    take, its weights, the largest step, the CUDA graphs and the KV cache together; the KV cache
+    gets what the share leaves (model_service/step/kv_budget.py), so two services can split one
+    GPU. CUDA only; give it instead of kv_cache_memory_fraction and kv_cache_memory_bytes.
+    num_kv_blocks, when set, wins over it."""
 
     profile_step_tokens: Optional[int] = setting(None, low=1)
     """Tokens of the largest step, the step's token budget: None takes the device's (8192 on
@@ -285,6 +294,12 @@ class ModelServiceConfig:
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("draft_model: needed with speculative_method 'draft'")
         self._validate_lora()
+        budgets = [f for f in _KV_BUDGET_FIELDS if getattr(self, f) is not None]
+        if self.gpu_memory_utilization is not None and len(budgets) > 1:
+            raise ValueError(
+                "gpu_memory_utilization: sizes the KV cache by itself; drop "
+                + " and ".join(f for f in budgets if f != "gpu_memory_utilization")
+            )
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("tls_cert and tls_key go together, and tls_client_ca needs both")
         return self

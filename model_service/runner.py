@@ -26,7 +26,6 @@ the numpy original, is in tests/model_service/test_ms_mapping.py.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Callable
 
@@ -50,7 +49,7 @@ from model_service.step import decode_fast, launch_ahead, step_shape
 from model_service.step.cuda_graphs import StepGraphs
 from model_service.step.forward import StepClock, run_forward
 from model_service.step.launch_ahead import Launched
-from model_service.step.logits import gather_logprobs, prompt_logprob_rows
+from model_service.step.logits import LogitsRows, gather_logprobs, logits_rows
 from model_service.step.plan import ComputedStep, PlanArrays, PlanLimits
 from model_service.step.sample_step import sample_rows
 from model_service.step.sampler import argmax_rows, on_device
@@ -58,23 +57,6 @@ from model_service.step.slot_checks import check_plan
 from model_service.step.slot_table import SlotTable
 
 log = structlog.get_logger(__name__)
-
-
-@dataclasses.dataclass
-class _LogitsRows:
-    """The rows of one step whose logits the model returns, in this order:
-
-    sample   one per slot that samples this step (x.logits_indices)
-    draft    each drafted position (the speculation stage asks for them)
-    prompt   the prompt positions of slots that asked for prompt logprobs
-    """
-
-    num_sample: int
-    draft: np.ndarray
-    prompt: np.ndarray
-    prompt_targets: np.ndarray
-    prompt_counts: np.ndarray
-    indices: np.ndarray
 
 
 class ModelRunner:
@@ -180,8 +162,8 @@ class ModelRunner:
         (the steps finished, in order; the step in flight). A PlanError changes nothing."""
         with self._lock, torch.inference_mode():
             assert self.ahead is not None
-            c = self.slot_table
-            if plan.plain and self.fast_path:
+            c, fast = self.slot_table, plan.plain and self.fast_path
+            if fast:
                 greedy = decode_fast.check_and_append(plan, c, self.limits, self.block_size)
             elif launch_ahead.applies_on_host(plan):
                 self._check(plan)
@@ -198,9 +180,8 @@ class ModelRunner:
             done = self.ahead.finished(prior)
             if launched is not None:
                 return done, launched
-            if plan.plain and self.fast_path:
-                return [*done, self._run_plain(plan, greedy)], None
-            return [*done, self._run_applied(plan)], None
+            ran = self._run_plain(plan, greedy) if fast else self._run_applied(plan)
+            return [*done, ran], None
 
     def finish(self, step: Launched) -> ComputedStep:
         """The launched step's result, once its ids are on the host."""
@@ -314,9 +295,9 @@ class ModelRunner:
             c.tokens, c.block_table, c.num_computed, num_tokens, slots, n
         )  # views, valid this step
         if greedy:  # no prompt logprobs, no drafts: the sample rows alone
-            rows = _LogitsRows(x.sample_slots.size, _NONE, _NONE, _NONE, _NONE, x.logits_indices)
+            rows = LogitsRows(x.sample_slots.size, _NONE, _NONE, _NONE, _NONE, x.logits_indices)
         else:
-            rows = self._logits_rows(x, slots, n, draft_rows(x.query_start))
+            rows = logits_rows(x, slots, n, draft_rows(x.query_start), c)
 
         clock = StepClock(self.device)
         logits = self._forward(x, n, rows.indices, self._step_lora(slots, n))
@@ -341,25 +322,11 @@ class ModelRunner:
         )
 
     def _step_lora(self, slots: np.ndarray, n: np.ndarray):
-        """Each of the step's rows runs its slot's adapter (the step's view, taken by _check):
-        None where every row is the base model's, or LoRA is off."""
+        """Each row's slot's adapter (the step's view, from _check); None: base rows, or no LoRA."""
         if self.adapters is None:
             return None
         row_lora = np.repeat(self.slot_table.lora_id[slots], n)
         return grouping.group_rows(row_lora, self._step_adapters, self.device, self._step_stack)
-
-    def _logits_rows(
-        self, x: StepInputs, slots: np.ndarray, n: np.ndarray, draft: np.ndarray
-    ) -> _LogitsRows:
-        # Prompt logprobs (rare) need the logits of prompt rows too, and verification the target
-        # at every drafted position: both ride after the sample rows.
-        prompt, targets, counts = prompt_logprob_rows(slots, n, x.query_start, self.slot_table)
-        indices = (
-            np.concatenate((x.logits_indices, draft, prompt))
-            if draft.size or prompt.size
-            else x.logits_indices
-        )
-        return _LogitsRows(x.sample_slots.size, draft, prompt, targets, counts, indices)
 
     def _forward(
         self,
@@ -380,7 +347,7 @@ class ModelRunner:
         logits: torch.Tensor,
         x: StepInputs,
         plan: PlanArrays,
-        rows: _LogitsRows,
+        rows: LogitsRows,
         output: ComputedStep,
     ) -> None:
         """Fills output's tokens and logprobs from the logits rows."""

@@ -4,6 +4,9 @@ the budget's rules:
 
     given                        budget
     num_kv_blocks                that many blocks (checked to fit beside the step, on CUDA)
+    gpu_memory_utilization       CUDA: share x the GPU's total, less what this service's tensors
+                                 hold (weights, adapters, a draft), the step's peak, the graphs
+                                 and a reserve (vLLM's flag and meaning; it must fit the free)
     kv_cache_memory_fraction     fraction x free, less the step's peak, the graphs and a reserve
     kv_cache_memory_bytes        that many bytes (checked to fit beside the step, on CUDA)
     none, CUDA                   as a fraction of CUDA_KV_CACHE_MEMORY_FRACTION (vLLM's
@@ -62,6 +65,14 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def device_usage(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's total memory and what this process's tensors hold on it now (torch's
+    allocator: the weights, the adapters' stack, a draft model; not the CUDA context, which the
+    reserve stands for)."""
+    _free, total = torch.cuda.mem_get_info(device)
+    return int(total), int(torch.cuda.memory_allocated(device))
+
+
 # The graphs' pool in profiled step peaks. Beyond the largest step's activations it holds the
 # static logits and inputs, the side stream's cuBLAS workspace and what each of the buckets'
 # captures keeps; measured on an H200 at 1.1-2.2 peaks (docs/benchmarks.md, "Every step
@@ -85,16 +96,26 @@ class KVBudget:
     field: str
     """The config field that sized it (named when it is too small), "(default)" marked."""
     fraction: Optional[float] = None
-    """A fraction of free_bytes; None for a byte count."""
+    """A fraction of free_bytes (of total_bytes with gpu_memory_utilization); None for a byte
+    count."""
     free_bytes: int = 0
     step_peak_bytes: int = 0
     graphs_bytes: int = 0
     reserve_bytes: int = 0
+    total_bytes: int = 0
+    """gpu_memory_utilization: the GPU's total memory, and what this service held already."""
+    in_use_bytes: int = 0
 
     def basis(self) -> str:
         """One line for the log and Describe's compute map."""
         if self.fraction is None:
             return f"{self.bytes} bytes ({self.field})"
+        if self.total_bytes:
+            return (
+                f"share {self.fraction:g} of {self.total_bytes} total, less {self.in_use_bytes} "
+                f"in use, step peak {self.step_peak_bytes}, graphs {self.graphs_bytes}, reserve "
+                f"{self.reserve_bytes}: {self.bytes} ({self.field})"
+            )
         return (
             f"fraction {self.fraction:g} of {self.free_bytes} free after weights, step peak "
             f"{self.step_peak_bytes}, graphs {self.graphs_bytes}, reserve {self.reserve_bytes}: "
@@ -109,11 +130,23 @@ def kv_budget(
     num_ranks: int = 1,
     step_peak_bytes: Optional[int] = None,
     graphs_bytes: int = 0,
+    usage: Optional[Callable[[], tuple[int, int]]] = None,
 ) -> KVBudget:
     """The KV budget by the table in the module docstring. free_bytes: the device's free memory
     now (read only for a fraction; tests pin it). step_peak_bytes (CUDA: the profiled step's
     peak; None where none ran) and graphs_bytes are left free beside CUDA_RESERVE_BYTES when the
-    budget is a fraction; with a byte count the caller checks that they fit (check_fits)."""
+    budget is a fraction; with a byte count the caller checks that they fit (check_fits).
+    usage: the device's (total, in use by this service) for gpu_memory_utilization."""
+    if config.gpu_memory_utilization is not None:
+        if device_type != "cuda" or usage is None:
+            raise ValueError(
+                f"gpu_memory_utilization: a share of a GPU's memory, and this model service runs "
+                f"on the {device_type}: size its KV cache with --kv-cache-memory or "
+                "--kv-cache-memory-fraction"
+            )
+        return share_of_device(
+            config.gpu_memory_utilization, usage(), free_bytes(), step_peak_bytes or 0, graphs_bytes
+        )
     fraction = config.kv_cache_memory_fraction
     field = "kv_cache_memory_fraction"
     if fraction is None and config.kv_cache_memory_bytes is not None:
@@ -131,6 +164,29 @@ def kv_budget(
         reserve = CUDA_RESERVE_BYTES
         budget = max(0, budget - step_peak_bytes - graphs_bytes - reserve)
     return KVBudget(budget, field, fraction, free, step_peak_bytes or 0, graphs_bytes, reserve)
+
+
+def share_of_device(
+    share: float, usage: tuple[int, int], free: int, step_peak_bytes: int, graphs_bytes: int
+) -> KVBudget:
+    """gpu_memory_utilization's budget: `share` of the device's total, less what this service
+    holds (usage: total, in use), the largest step's peak, the graphs' pool and the reserve.
+    ValueError naming the field where that is more than the free memory: another process holds
+    the rest (vLLM refuses to start there too)."""
+    total, in_use = usage
+    aside = step_peak_bytes + graphs_bytes + CUDA_RESERVE_BYTES
+    budget = max(0, int(total * share) - in_use - aside)
+    if budget + aside > free:
+        raise ValueError(
+            f"gpu_memory_utilization: {share:g} of the GPU's {total} bytes leaves {budget} for "
+            f"the KV cache beside the {in_use} this service holds and {aside} for the largest "
+            f"step, the graphs and a reserve, but {free} are free (other processes hold the "
+            "rest): lower gpu_memory_utilization"
+        )
+    return KVBudget(
+        budget, "gpu_memory_utilization", share, free, step_peak_bytes, graphs_bytes,
+        CUDA_RESERVE_BYTES, total, in_use,
+    )  # fmt: skip
 
 
 def agree_on_num_blocks(num_blocks: int, device: torch.device) -> int:
@@ -168,13 +224,15 @@ def size_kv_cache(
     draft_block_bytes: int = 0,
     graphs_bytes: int = 0,
     free_bytes: Optional[Callable[[torch.device], int]] = None,
+    usage: Optional[Callable[[torch.device], tuple[int, int]]] = None,
 ) -> KVSizing:
     """The blocks to allocate: num_kv_blocks as configured (or as the model fixes it), else as
     many as the memory budget holds (ValueError naming the budget's field below 2).
     step_peak_bytes (CUDA: the profiled step's peak) and graphs_bytes (graphs_reserve_bytes) are
     left free beside CUDA_RESERVE_BYTES. draft_block_bytes: a draft model's KV per block
     (draft_model.py), which keeps its own cache of the same block count: the budget holds both
-    caches. free_bytes: the device's free memory (available_memory_bytes unless a test pins it)."""
+    caches. free_bytes: the device's free memory (available_memory_bytes unless a test pins it);
+    usage: its total and what this service holds (device_usage, likewise)."""
     arch = loaded.arch
     # Under tensor parallelism each rank caches only its own KV heads.
     per_block = draft_block_bytes + kv_block_bytes(
@@ -193,13 +251,9 @@ def size_kv_cache(
             )
         return KVSizing(fixed)
     budget = kv_budget(
-        config,
-        device.type,
-        lambda: free(device),
-        loaded.tensor_parallel_size,
-        step_peak_bytes,
-        graphs_bytes,
-    )
+        config, device.type, lambda: free(device), loaded.tensor_parallel_size, step_peak_bytes,
+        graphs_bytes, lambda: (usage or device_usage)(device),
+    )  # fmt: skip
     if budget.fraction is None and step_peak_bytes is not None:
         check_fits(budget.field, budget.bytes, step_peak_bytes + graphs_bytes, free(device))
     num_blocks = budget.bytes // per_block

@@ -215,17 +215,9 @@ class LaunchAhead:
             hold_until = time.perf_counter_ns() + self._hold_ns
         live = np.ones(count, dtype=bool)
         return Launched(
-            output,
-            sample_slots,
-            positions,
-            sampled,
-            host_ids,
-            logprobs,
-            done,
-            clock,
-            hold_until,
+            output, sample_slots, positions, sampled, host_ids, logprobs, done, clock, hold_until,
             live,
-        )
+        )  # fmt: skip
 
     def finish(self, step: Launched) -> ComputedStep:
         """Waits for the step's ids, writes them over their stand-ins, returns its result."""

@@ -227,6 +227,38 @@ def gather_logprobs(
     return row_logprobs(raw_logits, device_targets, counts).flat()
 
 
+@dataclasses.dataclass
+class LogitsRows:
+    """The rows of one step whose logits the model returns, in this order:
+
+    sample   one per slot that samples this step (x.logits_indices)
+    draft    each drafted position (the speculation stage asks for them)
+    prompt   the prompt positions of slots that asked for prompt logprobs
+    """
+
+    num_sample: int
+    draft: np.ndarray
+    prompt: np.ndarray
+    prompt_targets: np.ndarray
+    prompt_counts: np.ndarray
+    indices: np.ndarray
+
+
+def logits_rows(
+    x, slots: np.ndarray, n: np.ndarray, draft: np.ndarray, slot_table: SlotTable
+) -> LogitsRows:
+    """A step's LogitsRows (x: its StepInputs; draft: the drafted rows). Prompt logprobs (rare)
+    need the logits of prompt rows too, and verification the target at every drafted position:
+    both ride after the sample rows."""
+    prompt, targets, counts = prompt_logprob_rows(slots, n, x.query_start, slot_table)
+    indices = (
+        np.concatenate((x.logits_indices, draft, prompt))
+        if draft.size or prompt.size
+        else x.logits_indices
+    )
+    return LogitsRows(x.sample_slots.size, draft, prompt, targets, counts, indices)
+
+
 def prompt_logprob_rows(
     slots: np.ndarray, num_scheduled: np.ndarray, query_start: np.ndarray, slot_table: SlotTable
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

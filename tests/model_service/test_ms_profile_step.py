@@ -136,6 +136,51 @@ def test_a_fixed_cache_that_leaves_too_little_refuses_to_start(loaded, monkeypat
                                    step_peak_bytes=1 << 20).num_blocks >= 2
 
 
+def test_gpu_memory_utilization_is_a_share_of_the_total_less_what_the_service_holds(
+        loaded, monkeypatch):
+    """vLLM's meaning: the whole service within share x the GPU's total memory. The device's
+    memory is pinned (no GPU here): 8 GiB in all, 1 GiB held by this service's weights, 5 GiB free
+    (another process holds 2)."""
+    _pinned_free_memory(monkeypatch, 5 << 30)
+    monkeypatch.setattr(kv_budget, "device_usage", lambda device: (8 << 30, 1 << 30))
+    config = _config(num_kv_blocks=None, gpu_memory_utilization=0.5)
+    dtype = next(loaded.model.parameters()).dtype
+    per_block = kv_budget.kv_block_bytes(2, 16, 2, 16, dtype)
+    peak, graphs = 100 << 20, 200 << 20
+    sizing = kv_budget.size_kv_cache(config, loaded, dtype, torch.device("cuda"),
+                                     step_peak_bytes=peak, graphs_bytes=graphs)
+    expected = (4 << 30) - (1 << 30) - peak - graphs - kv_budget.CUDA_RESERVE_BYTES
+    assert sizing.num_blocks == expected // per_block
+    assert sizing.basis() == (
+        f"share 0.5 of {8 << 30} total, less {1 << 30} in use, step peak {peak}, graphs {graphs}, "
+        f"reserve {kv_budget.CUDA_RESERVE_BYTES}: {expected} (gpu_memory_utilization)")
+    # 0.9 of the total would take more than is free: refused, naming the flag to lower.
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: 0.9 of the GPU's 8589934592 bytes "
+                       r"leaves \d+ for the KV cache .* but 5368709120 are free .*lower "
+                       r"gpu_memory_utilization$"):
+        kv_budget.size_kv_cache(_config(num_kv_blocks=None, gpu_memory_utilization=0.9), loaded,
+                                dtype, torch.device("cuda"), step_peak_bytes=peak)
+    # A block count still wins.
+    fixed = _config(num_kv_blocks=64, gpu_memory_utilization=0.5)
+    assert kv_budget.size_kv_cache(fixed, loaded, dtype, torch.device("cuda")).num_blocks == 64
+
+
+def test_gpu_memory_utilization_is_refused_off_a_gpu_and_beside_another_budget(loaded):
+    config = _config(num_kv_blocks=None, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization: a share of a GPU's memory, and "
+                       r"this model service runs on the cpu: size its KV cache with --kv-cache-memory"):
+        build_runner(loaded, config)
+    for other in ({"kv_cache_memory_bytes": 1 << 30}, {"kv_cache_memory_fraction": 0.5}):
+        with pytest.raises(ValueError, match=r"^gpu_memory_utilization: sizes the KV cache by "
+                           rf"itself; drop {next(iter(other))}$"):
+            _config(gpu_memory_utilization=0.5, **other).validate()
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: 1.5 must be in \(0, 1\]"):
+        _config(gpu_memory_utilization=1.5).validate()
+    from model_service.__main__ import parse_args
+
+    assert parse_args(["--gpu-memory-utilization", "0.85"]).gpu_memory_utilization == 0.85
+
+
 def test_the_cpu_runner_does_not_profile(loaded, monkeypatch):
     def fail(*args):
         raise AssertionError("profiled on the CPU")
@@ -158,6 +203,22 @@ def test_cuda_start_up_profiles_the_largest_step_and_then_runs_it():
                                            runner.loaded.arch.vocab_size)
     assert [int(s.num_sampled_tokens.sum()) for s in steps] == [len(step) for step in lengths]
     assert not runner.slot_table.active.any()
+
+
+@pytest.mark.gpu
+def test_cuda_start_up_within_a_share_of_the_gpu():
+    """--gpu-memory-utilization 0.3: once the cache is allocated and the steps captured, this
+    service's tensors (weights, cache, graphs' pool) hold at most that share of the GPU."""
+    share = 0.3
+    held_before = torch.cuda.memory_allocated()  # other tests' models in this process
+    config = ModelServiceConfig(model="tiny", device="cuda", num_kv_blocks=None,
+                                gpu_memory_utilization=share, profile_step_tokens=1024)
+    runner = start_runner(config)
+    _free, total = torch.cuda.mem_get_info()
+    cache_bytes = runner.kv_cache.k.numel() * runner.kv_cache.k.element_size() * 2
+    assert torch.cuda.memory_allocated() <= share * total
+    assert cache_bytes >= 0.5 * (share * total - held_before)  # the share went to the cache
+    assert runner.compute["kv_budget"].startswith(f"share {share:g} of {total} total")
 
 
 @pytest.mark.gpu
