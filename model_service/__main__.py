@@ -27,6 +27,7 @@ from model_service.config import ModelServiceConfig, compute_env_defaults  # noq
 from model_service.logs import configure_logging  # noqa: E402
 from model_service.server import (  # noqa: E402
     PortTaken,
+    StartRefused,
     check_port_free,
     serve,
     shutdown,
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_port_free(config.host, config.port)  # before the model loads
         asyncio.run(_run(config, server_credentials(config)))
-    except PortTaken as error:
+    except (PortTaken, StartRefused) as error:
         print(f"model service: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
 

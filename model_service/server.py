@@ -230,6 +230,11 @@ class PortTaken(Exception):
     """The model service's port is held by another process (one line for the person)."""
 
 
+class StartRefused(Exception):
+    """Loading or sizing refused this config: the ValueError's line, which names the field or
+    the file at fault (one line for the person, as PortTaken)."""
+
+
 def check_port_free(host: str, port: int) -> None:
     """PortTaken when `port` on `host` cannot be bound now (0 and unix: addresses need no
     check). Checked before the model loads, so a taken port fails in a second, not a minute.
@@ -249,11 +254,16 @@ def check_port_free(host: str, port: int) -> None:
 
 
 async def _start(config: ModelServiceConfig) -> Runner:
-    """Rank 0 of a tensor-parallel group (it starts or joins the other ranks), else one runner."""
-    if config.tensor_parallel_size > 1 or torchrun_rank() is not None:
-        return await asyncio.to_thread(start_tensor_parallel, config)
-    loaded = await asyncio.to_thread(load_model, config)
-    return build_runner(loaded, config)
+    """Rank 0 of a tensor-parallel group (it starts or joins the other ranks), else one runner.
+    StartRefused where loading or sizing refuses the config (a ValueError naming its field)."""
+    try:
+        if config.tensor_parallel_size > 1 or torchrun_rank() is not None:
+            return await asyncio.to_thread(start_tensor_parallel, config)
+        loaded = await asyncio.to_thread(load_model, config)
+        return build_runner(loaded, config)
+    except ValueError as error:
+        log.debug("start_refused", exc_info=True)  # the trace, for whoever turns debug on
+        raise StartRefused(str(error)) from error
 
 
 class EngineServer:

@@ -1,7 +1,8 @@
 """Start-up problems a person can act on: every port `planserve serve` opens (public gRPC, the
 model service's, the OpenAI HTTP API, /metrics), when another process holds it, ends the start
 with one line on stderr naming the flag and the port, exit status 2, and nothing left running
-(the model service child included). And `--help` shows every flag's default."""
+(the model service child included); a config the model service refuses while loading or sizing
+ends it the same way, with that refusal's line. And `--help` shows every flag's default."""
 from __future__ import annotations
 
 import os
@@ -56,6 +57,19 @@ def test_the_model_service_alone_fails_before_loading(held_port):
     assert result.stderr.strip().splitlines() == [
         f"model service: --port {held_port}: cannot listen on 127.0.0.1:{held_port} (Address already in "
         "use); stop what holds it or choose another port (0 picks a free one)"]
+
+
+def test_a_config_the_model_service_refuses_at_start_is_one_line_naming_its_field():
+    """Sizing the KV cache refuses a budget that holds no two blocks: the model service's one
+    line naming the field (no traceback), then serve's own, exit status 2, nothing left running."""
+    result = _run(["serve", "--model", "tiny", "--kv-cache-memory", "100",
+                   *[a for pair in ALL_FREE.items() for a in pair]])
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"model service: kv_cache_memory_bytes: a budget of 100 bytes holds 0 "
+                        r"blocks of \d+ bytes; need >= 2", lines[-2]), result.stderr
+    assert lines[-1] == "planserve: model service exited with status 2 before it started serving"
 
 
 def test_the_scheduler_alone_names_its_flag(held_port):
