@@ -156,8 +156,8 @@ async def test_parallel_samples_fork_with_a_block_copy_launched_ahead(ahead, tin
     copied_ahead = []
     launch = runner.ahead.launch
 
-    def counting(plan, prior, greedy):
-        launched = launch(plan, prior, greedy)
+    def counting(plan, prior, greedy, lora=None):
+        launched = launch(plan, prior, greedy, lora)
         if plan.copy_src.size and prior is not None and launched is not None:
             copied_ahead.append(plan.step_id)
         return launched
