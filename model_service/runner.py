@@ -165,14 +165,12 @@ class ModelRunner:
             c, fast = self.slot_table, plan.plain and self.fast_path
             if fast:
                 greedy = decode_fast.check_and_append(plan, c, self.limits, self.block_size)
-            elif launch_ahead.applies_on_host(plan):
+            else:
                 self._check(plan)
                 if prior is not None:  # a dropped slot's token in flight stays out of the table
                     prior.forget(plan.finished_slots, plan.preempted_slots, plan.aborted_slots)
-                self._apply_diff(plan)
+                self._apply_diff(plan)  # copies and swaps queued behind the step in flight
                 greedy = c.samples_greedily(plan.slots) and not plan.masked_slots.size
-            else:
-                return [*self.ahead.finished(prior), self._execute(plan)], None
             launched = None
             if plan.slots.size and (greedy or c.launches_ahead(plan.slots)):
                 lora = self._step_lora(plan.slots, plan.num_scheduled_tokens)

@@ -7,9 +7,15 @@ kernel reads a block of one head as one [block_size, head_dim] tile
 padded block-table entries point to it, so it must stay finite (it is zero-filled and never
 written).
 
-Swap space: the same shape again with num_swap_blocks in host memory (pinned on CUDA, so copies
-overlap nothing but need no staging). Swap ids are [0, num_swap_blocks), none reserved: they
-never appear in a block table.
+Swap space: num_swap_blocks blocks in host memory, block-major ([num_swap_blocks, num_layers,
+kv_heads, block_size, head_dim]: a block's K, or V, is one contiguous range). Swap ids are
+[0, num_swap_blocks), none reserved: they never appear in a block table. On CUDA it is pinned
+and a swap is queued on the current stream like a step: the blocks are gathered (or scattered)
+on the device and each run of consecutive swap ids moves in one copy (asynchronous on CUDA; the
+CPU runs the same code, synchronously). The host never
+reads the swap space itself, so nothing waits: stream order puts a swap-out after the steps
+queued before it (a step launched ahead may still be writing the blocks it reads), and a swap-in
+of those blocks after it (model_service/step/launch_ahead.py).
 
 The block operations of one plan run in this order, before the forward:
 
@@ -55,15 +61,15 @@ class KVCache:
 
         self.num_swap_blocks = 0
         # No swap space until allocate_swap: host tensors of 0 blocks.
-        self.host_k = torch.zeros((num_layers, 0, *shape[2:]), dtype=dtype)
+        self.host_k = torch.zeros((0, num_layers, *shape[2:]), dtype=dtype)
         self.host_v = torch.zeros_like(self.host_k)
 
     def allocate_swap(self, num_swap_blocks: int) -> None:
-        """Host tensors for num_swap_blocks swapped-out blocks (pinned when the cache is on
-        CUDA)."""
+        """Host tensors for num_swap_blocks swapped-out blocks, block-major (pinned when the cache
+        is on CUDA)."""
         if num_swap_blocks <= 0:
             return
-        shape = (self.k.shape[0], num_swap_blocks, *self.k.shape[2:])
+        shape = (num_swap_blocks, self.k.shape[0], *self.k.shape[2:])
         pin = self.k.device.type == "cuda"
         self.host_k = torch.zeros(shape, dtype=self.k.dtype, device="cpu", pin_memory=pin)
         self.host_v = torch.zeros(shape, dtype=self.k.dtype, device="cpu", pin_memory=pin)
@@ -84,16 +90,35 @@ class KVCache:
         dst on the CPU)."""
         if src.numel() == 0:
             return
-        # index_select + index_copy_: a gather and a scatter of whole blocks, several times
-        # faster on the CPU than advanced-index assignment (k[:, dst] = ...).
-        self.host_k.index_copy_(1, dst, self.k.index_select(1, src).to("cpu"))
-        self.host_v.index_copy_(1, dst, self.v.index_select(1, src).to("cpu"))
+        runs = _runs(dst)
+        for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
+            # One gather of whole blocks on the device, block-major as the host holds them
+            # (index_select: several times faster on the CPU than advanced indexing).
+            blocks = cache.transpose(0, 1).index_select(0, src)
+            for first, at, count in runs:
+                host[first : first + count].copy_(blocks[at : at + count], non_blocking=True)
 
     def swap_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Host swap blocks src[i] -> device blocks dst[i], every layer (src on the CPU, dst on
         the cache's device)."""
         if src.numel() == 0:
             return
-        device = self.k.device
-        self.k.index_copy_(1, dst, self.host_k.index_select(1, src).to(device))
-        self.v.index_copy_(1, dst, self.host_v.index_select(1, src).to(device))
+        runs = _runs(src)
+        for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
+            blocks = torch.empty((src.numel(), *host.shape[1:]), dtype=host.dtype,
+                                 device=cache.device)  # fmt: skip
+            for first, at, count in runs:
+                blocks[at : at + count].copy_(host[first : first + count], non_blocking=True)
+            cache.index_copy_(1, dst, blocks.transpose(0, 1))
+
+
+def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first id, its index in ids, length) of each run of consecutive ids, in order: each run
+    moves in one copy."""
+    runs: list[tuple[int, int, int]] = []
+    for index, value in enumerate(ids.tolist()):
+        if runs and value == runs[-1][0] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((value, index, 1))
+    return runs

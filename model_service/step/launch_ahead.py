@@ -16,19 +16,19 @@ also queues N+1 on the device before it finishes N on the host:
 
 What launches: a plan replayed from a padded step (the CUDA graphs, or cuda_graphs "eager") whose
 diff needs nothing of the step in flight on the host: slots dropped, registered, handed blocks,
-blocks copied for a fork (queued behind the step in flight: `applies_on_host`), and
-whose sample slots need nothing of the step in flight but its ids on the device: greedy, or
-temperature, top-k, top-p and min-p with a seed (the draw reads the position alone); a grammar's
-mask (the plan's: the scheduler sends one only for a sequence whose last token it has); the
-sampled tokens' logprobs (computed on the device, copied back beside the ids); penalties, bias
-and min tokens (the host counts the tokens it has, the token still in flight is counted on the
-device: logits.apply_processing); rows of LoRA adapters where the graphs hold the LoRA kernels
-(lora/triton_stack.py: each row's slot rides in the padded step's buffer, and a load into a freed
-slot is copied on the same stream, behind the steps already queued). A slot dropped while its
-token is in flight is forgotten by that step (`Launched.forget`): its token never reaches the
-table, where a new sequence may already hold the slot. Every other plan runs at once after the
-step in flight has finished, as without launch-ahead: prompt logprobs, swaps, a step no bucket
-holds. A runner that drafts (speculation) or runs adapters on the torch path never launches ahead.
+blocks copied for a fork and blocks swapped out and in (queued behind the step in flight on the
+device: attention/kv_cache.py), and whose sample slots need nothing of the step in flight but its
+ids on the device: greedy, or temperature, top-k, top-p and min-p with a seed (the draw reads the
+position alone); a grammar's mask (the plan's: the scheduler sends one only for a sequence whose
+last token it has); the sampled tokens' logprobs (computed on the device, copied back beside the
+ids); penalties, bias and min tokens (the host counts the tokens it has, the token still in flight
+is counted on the device: logits.apply_processing); rows of LoRA adapters where the graphs hold the
+LoRA kernels (lora/triton_stack.py: each row's slot rides in the padded step's buffer, and a load
+into a freed slot is copied on the same stream, behind the steps already queued). A slot dropped
+while its token is in flight is forgotten by that step (`Launched.forget`): its token never reaches
+the table, where a new sequence may already hold the slot. Every other plan runs at once after the
+step in flight has finished, as without launch-ahead: prompt logprobs, a step no bucket holds. A
+runner that drafts (speculation) or runs adapters on the torch path never launches ahead.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -63,7 +63,7 @@ from model_service.step.slot_table import SlotTable
 HOLD_NS = 20_000_000
 
 # What Describe's compute map says launches ahead.
-DESCRIBED = "steps without swaps or prompt logprobs"
+DESCRIBED = "steps without prompt logprobs"
 
 
 def for_runner(
@@ -90,13 +90,6 @@ def for_runner(
         return None, f"off ({why_not})"
     ahead = LaunchAhead(graphs, runner.slot_table, runner.inputs, device, requested == "on")
     return ahead, DESCRIBED
-
-
-def applies_on_host(plan: PlanArrays) -> bool:
-    """Whether a plan's diff needs nothing of the step in flight on the host (block copies are
-    queued behind it on the device; a swap reads blocks back to the host): a plan that may
-    launch ahead where its slots may (SlotTable.launches_ahead)."""
-    return not (plan.swap_out_src.size or plan.swap_in_src.size)
 
 
 @dataclasses.dataclass

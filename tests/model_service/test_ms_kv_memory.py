@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from model_service.loading.loader import load_model
 from model_service.batch import facts_to_pb, from_pb
 from model_service.step.plan import PlanArrays, PlanError
 from model_service.config import ModelServiceConfig, parse_bytes
@@ -97,7 +98,7 @@ def test_swap_space_is_reported_by_describe(tiny_loaded):
     runner = _runner(tiny_loaded, num_kv_blocks=64, swap_space_bytes=10 * TINY_BLOCK_BYTES_FP32 + 100)
     reply = facts_to_pb(runner.describe_facts())
     assert reply.num_swap_blocks == 10 and reply.features.swap
-    assert runner.kv_cache.host_k.shape[1] == 10 and runner.kv_cache.host_k.device.type == "cpu"
+    assert runner.kv_cache.host_k.shape[0] == 10 and runner.kv_cache.host_k.device.type == "cpu"
     reply = facts_to_pb(_runner(tiny_loaded, num_kv_blocks=64).describe_facts())
     assert reply.num_swap_blocks == 0 and not reply.features.swap
 
@@ -174,16 +175,68 @@ def test_outputs_after_swap_out_and_in_match_a_run_without(tiny_loaded):
     assert swapped == plain
 
 
+class _Recording:
+    """A lockstep runner's execute, each plan and its result kept."""
+
+    def __init__(self, runner):
+        self.runner, self.steps = runner, []
+
+    def execute(self, plan):
+        output = self.runner.execute(plan)
+        self.steps.append((plan, output))
+        return output
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_swaps_queued_behind_a_step_launched_ahead_give_the_lockstep_results(tiny_loaded, device):
+    """The plan that swaps slot 0 out (while the step that computes its last position is still
+    in flight) and the one that swaps it back in are queued behind the step before them like any
+    other, and every step's tokens are lockstep's: on the CPU over the padded steps run eagerly
+    (launch_ahead "on"); on CUDA over the graphs, the swaps' copies asynchronous (its default)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompt = np.random.default_rng(7).integers(3, 49152, size=37).tolist()
+    config = {"num_kv_blocks": 128, "swap_space_bytes": 8 * TINY_BLOCK_BYTES_FP32, "device": device}
+    loaded = tiny_loaded if device == "cpu" else load_model(tiny_config(device=device))
+    config["cuda_graphs"], mode = ("eager", "on") if device == "cpu" else ("auto", "auto")
+    recording = _Recording(_runner(loaded, launch_ahead="off", **config))
+    _greedy(recording, prompt, 12, swap_after=5)
+    ahead = _runner(loaded, launch_ahead=mode, **config)
+    results, in_flight = [], None
+    for plan, _ in recording.steps:
+        done, in_flight = ahead.step_ahead(plan, in_flight)
+        results += done
+    results.append(ahead.finish(in_flight))
+    assert [(o.step_id, o.sampled_token_ids.tolist()) for o in results] == [
+        (o.step_id, o.sampled_token_ids.tolist()) for _, o in recording.steps]
+    swaps = [i for i, (plan, _) in enumerate(recording.steps) if plan.swap_out_src.size or plan.swap_in_src.size]
+    assert len(swaps) == 2 and ahead.ahead.launched == len(recording.steps) - 1  # each behind another
+
+
 def test_swap_out_then_in_restores_every_layer(tiny_loaded):
+    """Blocks to swap ids in runs and alone, out of order (each run moves in one copy), back to
+    other device blocks in another order."""
     runner = _runner(tiny_loaded, num_kv_blocks=16, swap_space_bytes=4 * TINY_BLOCK_BYTES_FP32)
     kv = runner.kv_cache
-    kv.k[:, 3] = torch.randn_like(kv.k[:, 3])
-    kv.v[:, 3] = torch.randn_like(kv.v[:, 3])
-    k3, v3 = kv.k[:, 3].clone(), kv.v[:, 3].clone()
-    kv.swap_out(torch.tensor([3]), torch.tensor([2]))
-    kv.k[:, 3] = 0
-    kv.swap_in(torch.tensor([2]), torch.tensor([9]))
-    assert torch.equal(kv.k[:, 9], k3) and torch.equal(kv.v[:, 9], v3)
+    blocks, swap_ids = [3, 5, 6, 7], [3, 0, 1, 2]
+    kv.k[:, blocks] = torch.randn_like(kv.k[:, blocks])
+    kv.v[:, blocks] = torch.randn_like(kv.v[:, blocks])
+    before_k, before_v = kv.k.clone(), kv.v.clone()
+    kv.swap_out(torch.tensor(blocks), torch.tensor(swap_ids))
+    kv.k[:, blocks] = 0
+    back = [9, 12, 10, 11]  # swap ids 2, 3, 0, 1: runs (2, 3) and (0, 1)
+    kv.swap_in(torch.tensor([2, 3, 0, 1]), torch.tensor(back))
+    for swap_id, device_block in zip([2, 3, 0, 1], back):
+        source = blocks[swap_ids.index(swap_id)]
+        assert torch.equal(kv.k[:, device_block], before_k[:, source]), (swap_id, device_block)
+        assert torch.equal(kv.v[:, device_block], before_v[:, source]), (swap_id, device_block)
+
+
+def test_swap_ids_move_in_runs():
+    from model_service.attention.kv_cache import _runs
+
+    assert _runs(torch.tensor([3, 0, 1, 2, 7, 5])) == [(3, 0, 1), (0, 1, 3), (7, 4, 1), (5, 5, 1)]
+    assert _runs(torch.tensor([], dtype=torch.int64)) == []
 
 
 def _req(**fields) -> engine_pb2.ExecuteRequest:
