@@ -116,3 +116,33 @@ class Driver:
                     self.finish(slot)
             step += 1
         return done
+
+
+class Recording:
+    """A lockstep runner's execute, each plan and its result kept, for replay_ahead. With
+    `mark_plain`, a plan without registrations or drops is marked plain, as the scheduler marks
+    it."""
+
+    def __init__(self, runner, mark_plain: bool = False) -> None:
+        self.runner, self.mark_plain = runner, mark_plain
+        self.steps: list[tuple[PlanArrays, object]] = []
+
+    def execute(self, plan: PlanArrays):
+        if self.mark_plain:
+            plain = not (plan.new_sequences or plan.finished_slots.size)
+            plan = dataclasses.replace(plan, plain=plain)
+        output = self.runner.execute(plan)
+        self.steps.append((plan, output))
+        return output
+
+
+def replay_ahead(runner, steps: list[tuple[PlanArrays, object]]) -> list:
+    """Each recorded plan through runner.step_ahead, launched behind the one before it where
+    launch-ahead allows: every step's result, in plan order."""
+    results, in_flight = [], None
+    for plan, _ in steps:
+        done, in_flight = runner.step_ahead(plan, in_flight)
+        results += done
+    if in_flight is not None:
+        results.append(runner.finish(in_flight))
+    return results

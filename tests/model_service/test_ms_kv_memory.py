@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from ms_driver import Recording, replay_ahead
+
 from model_service.loading.loader import load_model
 from model_service.batch import facts_to_pb, from_pb
 from model_service.step.plan import PlanArrays, PlanError
@@ -175,18 +177,6 @@ def test_outputs_after_swap_out_and_in_match_a_run_without(tiny_loaded):
     assert swapped == plain
 
 
-class _Recording:
-    """A lockstep runner's execute, each plan and its result kept."""
-
-    def __init__(self, runner):
-        self.runner, self.steps = runner, []
-
-    def execute(self, plan):
-        output = self.runner.execute(plan)
-        self.steps.append((plan, output))
-        return output
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_swaps_queued_behind_a_step_launched_ahead_give_the_lockstep_results(tiny_loaded, device):
     """The plan that swaps slot 0 out (while the step that computes its last position is still
@@ -199,14 +189,10 @@ def test_swaps_queued_behind_a_step_launched_ahead_give_the_lockstep_results(tin
     config = {"num_kv_blocks": 128, "swap_space_bytes": 8 * TINY_BLOCK_BYTES_FP32, "device": device}
     loaded = tiny_loaded if device == "cpu" else load_model(tiny_config(device=device))
     config["cuda_graphs"], mode = ("eager", "on") if device == "cpu" else ("auto", "auto")
-    recording = _Recording(_runner(loaded, launch_ahead="off", **config))
+    recording = Recording(_runner(loaded, launch_ahead="off", **config))
     _greedy(recording, prompt, 12, swap_after=5)
     ahead = _runner(loaded, launch_ahead=mode, **config)
-    results, in_flight = [], None
-    for plan, _ in recording.steps:
-        done, in_flight = ahead.step_ahead(plan, in_flight)
-        results += done
-    results.append(ahead.finish(in_flight))
+    results = replay_ahead(ahead, recording.steps)
     assert [(o.step_id, o.sampled_token_ids.tolist()) for o in results] == [
         (o.step_id, o.sampled_token_ids.tolist()) for _, o in recording.steps]
     swaps = [i for i, (plan, _) in enumerate(recording.steps) if plan.swap_out_src.size or plan.swap_in_src.size]

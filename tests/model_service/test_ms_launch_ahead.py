@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import tiny_config
 from dtypes import served_dtypes
-from ms_driver import Driver
+from ms_driver import Driver, replay_ahead
 
 from model_service.loading.loader import load_model
 from model_service.start import build_runner
@@ -137,12 +137,7 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     plain = sum(plan.plain for plan, _ in steps)
     assert 10 <= plain < len(steps)  # registrations and drops between runs of plain steps
 
-    results, in_flight = [], None
-    for plan, _ in steps:
-        done, in_flight = ahead.step_ahead(plan, in_flight)
-        results += done
-    if in_flight is not None:
-        results.append(ahead.finish(in_flight))
+    results = replay_ahead(ahead, steps)
     assert [_result(o) for o in results] == [_result(o) for _, o in steps]
     # Every step that schedules a slot launched (the sampled slots 2, 7 and 9 draw from their
     # seed and position alone, slots 6 and 7 under masks, slot 5's logprobs come back with its

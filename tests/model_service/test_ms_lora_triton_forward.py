@@ -31,7 +31,7 @@ import torch
 from interpreted_tests import INTERPRETED, run_interpreted
 from conftest import tiny_config
 from lora_adapters import ALL_LINEAR, ATTENTION, save_adapter
-from ms_driver import Driver
+from ms_driver import Driver, Recording, replay_ahead
 
 from model_service.config import compute_env_defaults
 from model_service.lora import triton_lora
@@ -174,22 +174,6 @@ def test_interpreted_rows_alone_and_padded_steps_give_the_same_bits(
     assert padded.graphs.replays >= 6  # mixed and decode-only steps with adapter rows, padded
 
 
-class _Recording:
-    """A runner's execute, each plan and result kept; a plan without registrations or drops
-    marked plain, as the scheduler marks it (an adapter runner takes the general path anyway)."""
-
-    def __init__(self, runner):
-        self.runner, self.steps = runner, []
-
-    def execute(self, plan):
-        plan = dataclasses.replace(
-            plan, plain=not (plan.new_sequences or plan.finished_slots.size)
-        )
-        output = self.runner.execute(plan)
-        self.steps.append((plan, output))
-        return output
-
-
 @interpreted
 def test_interpreted_steps_with_adapter_rows_launched_ahead_give_the_lockstep_results(
     tiny_loaded, folders, monkeypatch
@@ -205,7 +189,7 @@ def _launched_ahead_equal_lockstep(loaded, folders, kernel, mode, **config):
     lockstep = _runner(loaded, folders, kernel, None, launch_ahead="off", **config)
     ahead = _runner(loaded, folders, kernel, None, launch_ahead=mode, **config)
     assert ahead.compute["launch_ahead"] == launch_ahead.DESCRIBED
-    recording = _Recording(lockstep)
+    recording = Recording(lockstep, mark_plain=True)
     driver = Driver(recording)
     for slot in (0, 1, 2):
         driver.add(slot, PROMPTS[slot], with_logprobs=True, lora_id=LORA_OF_SLOT[slot])
@@ -213,12 +197,7 @@ def _launched_ahead_equal_lockstep(loaded, folders, kernel, mode, **config):
     steps = recording.steps
     assert any(plan.plain for plan, _ in steps) and any(plan.new_sequences for plan, _ in steps)
 
-    results, in_flight = [], None
-    for plan, _ in steps:
-        done, in_flight = ahead.step_ahead(plan, in_flight)
-        results += done
-    if in_flight is not None:
-        results.append(ahead.finish(in_flight))
+    results = replay_ahead(ahead, steps)
     result = lambda o: (o.step_id, o.num_sampled_tokens.tolist(), o.sampled_token_ids.tolist(),
                         o.logprobs.tolist())  # fmt: skip
     assert [result(o) for o in results] == [result(o) for _, o in steps]
