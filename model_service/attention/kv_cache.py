@@ -8,14 +8,13 @@ padded block-table entries point to it, so it must stay finite (it is zero-fille
 written).
 
 Swap space: num_swap_blocks blocks in host memory, block-major ([num_swap_blocks, num_layers,
-kv_heads, block_size, head_dim]: a block's K, or V, is one contiguous range). Swap ids are
-[0, num_swap_blocks), none reserved: they never appear in a block table. On CUDA it is pinned
-and a swap is queued on the current stream like a step: the blocks are gathered (or scattered)
-on the device and each run of consecutive swap ids moves in one copy (asynchronous on CUDA; the
-CPU runs the same code, synchronously). The host never
-reads the swap space itself, so nothing waits: stream order puts a swap-out after the steps
-queued before it (a step launched ahead may still be writing the blocks it reads), and a swap-in
-of those blocks after it (model_service/step/launch_ahead.py).
+kv_heads, block_size, head_dim]: a block's K, or V, is one contiguous range). Swap ids are [0,
+num_swap_blocks), none reserved: they never appear in a block table. On CUDA it is pinned and a swap
+is queued on the current stream like a step: the blocks are gathered (or scattered) on the device
+and each run of consecutive swap ids moves in one copy (asynchronous on CUDA; the CPU runs the same
+code, synchronously). The host never reads the swap space itself, so nothing waits: stream order
+puts a swap-out after the steps queued before it (a step launched ahead may still be writing the
+blocks it reads), and a swap-in of those blocks after it (model_service/step/launch_ahead.py).
 
 The block operations of one plan run in this order, before the forward:
 
