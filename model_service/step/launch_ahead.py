@@ -27,8 +27,9 @@ LoRA kernels (lora/triton_stack.py: each row's slot rides in the padded step's b
 into a freed slot is copied on the same stream, behind the steps already queued). A slot dropped
 while its token is in flight is forgotten by that step (`Launched.forget`): its token never reaches
 the table, where a new sequence may already hold the slot. Every other plan runs at once after the
-step in flight has finished, as without launch-ahead: prompt logprobs, a step no bucket holds. A
-runner that drafts (speculation) or runs adapters on the torch path never launches ahead.
+step in flight has finished, as without launch-ahead: prompt positions to score for prompt logprobs,
+a step no bucket holds. A runner that drafts (speculation) or runs adapters on the torch path never
+launches ahead.
 
 The server (model_service/server.py) decides when to launch: it takes the next plan if one
 comes before the step in flight is done on the device, else it finishes that step first. On a
@@ -63,7 +64,7 @@ from model_service.step.slot_table import SlotTable
 HOLD_NS = 20_000_000
 
 # What Describe's compute map says launches ahead.
-DESCRIBED = "steps without prompt logprobs"
+DESCRIBED = "steps that score no prompt positions"
 
 
 def for_runner(

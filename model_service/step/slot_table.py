@@ -47,6 +47,8 @@ class SlotTable:
         self.changes_logits = np.zeros(max_num_slots, dtype=bool)
         self.num_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
+        # The positions whose next token is a prompt token end here (logits.prompt_logprob_rows).
+        self.prompt_scored_end = np.zeros(max_num_slots, dtype=np.int64)
         self.speculate = np.zeros(
             max_num_slots, dtype=bool
         )  # may get draft tokens (speculative.py)
@@ -86,6 +88,7 @@ class SlotTable:
         self.changes_logits[slot] = processing.changes_logits
         self.num_logprobs[slot] = processing.num_logprobs
         self.num_prompt_logprobs[slot] = processing.num_prompt_logprobs
+        self.prompt_scored_end[slot] = processing.num_prompt_tokens - 1
         self.active[slot] = True
 
     def samples_plainly(self, slots: np.ndarray) -> bool:
@@ -99,10 +102,12 @@ class SlotTable:
 
     def launches_ahead(self, slots: np.ndarray) -> bool:
         """Whether every slot of `slots` samples from what the device has once the step before
-        has run: no prompt logprobs (model_service/step/launch_ahead.py: sampled tokens'
-        logprobs come back with the ids, and a penalty counts a token still in flight from the
-        device)."""
-        return not (self.num_prompt_logprobs[slots] >= 0).any()
+        has run: no prompt position of theirs is still to score for prompt logprobs
+        (model_service/step/launch_ahead.py: sampled tokens' logprobs come back with the ids,
+        and a penalty counts a token still in flight from the device). A slot that asked for
+        them launches again once its prompt is computed."""
+        scoring = self.num_prompt_logprobs[slots] >= 0
+        return not (scoring & (self.num_computed[slots] < self.prompt_scored_end[slots])).any()
 
     def samples_greedily(self, slots: np.ndarray) -> bool:
         """samples_plainly, by a plain argmax: no temperature either (cython_ext/decode_step.pyx

@@ -5,7 +5,8 @@ from that step's ids on the device, the slot table holding stand-ins until the s
 of plans recorded from a lockstep runner (sequences joining, finishing, a slot reused in the plan
 that drops it, chunked prefills, a seeded sampled sequence beside greedy ones, one asking for
 logprobs and its top alternatives, two under a grammar's mask, one greedy and one seeded, two
-with penalties, bias and min tokens, and one asking for its prompt's logprobs, which waits)
+with penalties, bias and min tokens, and one asking for its prompt's logprobs, whose prompt step
+waits and whose decodes launch)
 replayed this way must give every step's result exactly,
 in the CPU's default dtype and in float32: the padded path is batch invariant on the CPU
 (test_ms_cuda_graphs.py), and launching ahead moves no arithmetic."""
@@ -141,8 +142,8 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     assert [_result(o) for o in results] == [_result(o) for _, o in steps]
     # Every step that schedules a slot launched (the sampled slots 2, 7 and 9 draw from their
     # seed and position alone, slots 6 and 7 under masks, slot 5's logprobs come back with its
-    # ids, slots 8 and 9 count their token in flight on the device) but slot 10's (its prompt's
-    # logprobs); behind another where that one launched too.
+    # ids, slots 8 and 9 count their token in flight on the device) but slot 10's prompt step
+    # (its prompt's logprobs; its decodes launch); behind another where that one launched too.
     for plan, output in steps:  # the masks bind: every masked token is one the mask allows
         sampling = plan.slots[output.num_sampled_tokens > 0]
         masked = output.sampled_token_ids[np.isin(sampling, plan.masked_slots)]
@@ -151,8 +152,9 @@ def test_steps_launched_ahead_give_the_lockstep_results(dtype, device):
     assert any(output.logprob_token_ids.size for _, output in steps)
     penalized = [_sampled(plan, output, 8) for plan, output in steps]
     assert [t for t in penalized if t is not None][:3] in ([3, 3, t] for t in range(4, 10**6))
-    launches = [plan.slots.size > 0 and 10 not in plan.slots for plan, _ in steps]
-    assert not all(launches[-3:])
+    scores_prompt = [any(seq.slot == 10 for seq in plan.new_sequences) for plan, _ in steps]
+    launches = [plan.slots.size > 0 and not scored for (plan, _), scored in zip(steps, scores_prompt)]
+    assert launches[-3:] == [False, True, True]  # slot 10's prompt, then its two decodes
     behind = sum(a and b for a, b in zip(launches, launches[1:]))
     assert behind >= len(steps) // 2 and ahead.ahead.launched == behind
     live = lockstep.slot_table.active.nonzero()[0]
