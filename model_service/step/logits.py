@@ -269,7 +269,7 @@ def prompt_logprob_rows(
     for b in (slot_table.num_prompt_logprobs[slots] >= 0).nonzero()[0].tolist():
         slot = int(slots[b])
         start = int(slot_table.num_computed[slot])
-        end = min(start + int(num_scheduled[b]), slot_table.processing[slot].num_prompt_tokens - 1)
+        end = min(start + int(num_scheduled[b]), int(slot_table.prompt_scored_end[slot]))
         if end <= start:
             continue
         rows.append(query_start[b] + np.arange(end - start))

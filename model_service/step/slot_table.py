@@ -47,7 +47,8 @@ class SlotTable:
         self.changes_logits = np.zeros(max_num_slots, dtype=bool)
         self.num_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_slots, -1, dtype=np.int64)
-        # The positions whose next token is a prompt token end here (logits.prompt_logprob_rows).
+        # Where the positions whose next token is a prompt token end: the prompt positions that
+        # prompt logprobs score (logits.prompt_logprob_rows) and launches_ahead waits for.
         self.prompt_scored_end = np.zeros(max_num_slots, dtype=np.int64)
         self.speculate = np.zeros(
             max_num_slots, dtype=bool
