@@ -1,6 +1,6 @@
 """The KV cache's swap copies alone (model_service/attention/kv_cache.py): swap_out then swap_in
 of N blocks of SmolLM2's shape in bf16 (30 layers, 3 KV heads of 64, blocks of 16), to swap ids
-in one run or scattered, the best of 20 each. A plain script, not a test; seconds.
+in one run or scattered, the median of each (bench/measure.py). A plain script, not a test; seconds.
 
     PYTHONPATH=protos:. .venv/bin/python bench/bench_kv_swap.py [--code ROOT]
 
@@ -12,18 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def best_ms(fn, reps: int = 20) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def main() -> None:
@@ -33,6 +23,7 @@ def main() -> None:
     sys.path.insert(0, args.code)
     import torch
 
+    from bench.measure import median_seconds
     from model_service.attention.kv_cache import KVCache
 
     torch.manual_seed(0)
@@ -41,8 +32,8 @@ def main() -> None:
     for count, in_one_run in ((8, True), (64, True), (64, False)):
         src = torch.randperm(2000)[:count] + 1
         dst = torch.arange(count) if in_one_run else torch.randperm(512)[:count]
-        out_ms = best_ms(lambda s=src, d=dst: kv.swap_out(s, d))
-        in_ms = best_ms(lambda s=src, d=dst: kv.swap_in(d, s))
+        out_ms = median_seconds(lambda s=src, d=dst: kv.swap_out(s, d)) * 1e3
+        in_ms = median_seconds(lambda s=src, d=dst: kv.swap_in(d, s)) * 1e3
         ids = "one run" if in_one_run else "scattered"
         print(f"{count} blocks, swap ids {ids}: out {out_ms:.2f} ms, in {in_ms:.2f} ms")
 
