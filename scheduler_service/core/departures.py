@@ -27,11 +27,18 @@ class Departures(SchedulerPart):
         if self._abort_ids:
             self._collect_aborts()
 
-    def end_all(self, reason: FinishReason) -> None:
-        """Ends every request in flight for `reason` (outputs in take_early_outputs())."""
-        for request in list(self.requests.values()):
-            if not request.is_finished:
-                self._end(request, reason, self._aborted_slots)
+    def end_repeat_failures(self, max_failures: int) -> int:
+        """The model service failed with these sequences running: each counts one failure
+        more, and one that has run through more than `max_failures` ends with ERROR (outputs
+        in take_early_outputs()) instead of being recomputed yet again. Returns how many
+        ended."""
+        num_ended = 0
+        for request in list(self.running):
+            request.num_engine_failures += 1
+            if request.num_engine_failures > max_failures:
+                self._end(request, FinishReason.ERROR, self._aborted_slots)
+                num_ended += 1
+        return num_ended
 
     def fail_adapter(self, name: str) -> None:
         """The model service refused to load adapter `name`: its waiting requests end with

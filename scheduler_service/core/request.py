@@ -144,6 +144,8 @@ class Request:
     lora_parked_step: int = -1
     # Times this request was preempted; a preempted request goes ahead of fresh ones.
     num_preemptions: int = 0
+    # Model-service failures it was running through (each one recomputes it from the start).
+    num_engine_failures: int = 0
     # Parallel samples: sample 0 is this request; once its prompt is computed, samples
     # 1 .. n-1 fork from it (`fork_sample`), sharing its prompt blocks.
     n: int = 1

@@ -47,9 +47,11 @@ class EngineLoop:
     # Reconnect backoff: doubles from the first to the last, then stays.
     FIRST_BACKOFF_S = 0.1
     MAX_BACKOFF_S = 5.0
-    # Recoveries in a row with no step completed in between: the model service fails on what we
-    # send it (not an outage), so the requests in flight are failed instead of retried forever.
-    MAX_RECOVERIES_WITHOUT_PROGRESS = 3
+    # Model-service failures a sequence may run through and still be recomputed. A service
+    # that fails on what it is sent may complete steps between failures (say, each recompute
+    # before the next decode fails), so "no step since the last failure" cannot tell it from
+    # an outage; a count per sequence ends the sequences it keeps failing on.
+    MAX_ENGINE_FAILURES_PER_REQUEST = 3
 
     def __init__(
         self,
@@ -76,7 +78,6 @@ class EngineLoop:
         self._is_compatible = is_compatible or (lambda facts: None)
         self.engine_up = True
         self.num_engine_recoveries = 0
-        self._recoveries_without_progress = 0
         self._num_preemptions_seen = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -206,7 +207,6 @@ class EngineLoop:
         turns it into outputs, which are delivered; rate and metrics follow."""
         self._note_rate(plan.total_scheduled_tokens, time.perf_counter() - sent)
         self.num_steps += 1
-        self._recoveries_without_progress = 0
         self._deliver(apply(plan, result))
         self._after_step(result)
 
@@ -250,6 +250,8 @@ class EngineLoop:
             self.metrics.on_engine_up(False)
         self.client.drop_stream()
         self._in_flight.clear()  # those plans' sequences are all recomputed
+        num_failed = self.scheduler.end_repeat_failures(self.MAX_ENGINE_FAILURES_PER_REQUEST)
+        self._deliver(self.scheduler.take_early_outputs())
         num_preempted = self.scheduler.reset_engine(self.scheduler.facts)
         log.warning(
             "engine_down",
@@ -257,15 +259,12 @@ class EngineLoop:
             num_preempted=num_preempted,
             num_in_flight=len(self.scheduler.requests),
         )
-        self._recoveries_without_progress += 1
-        if self._recoveries_without_progress > self.MAX_RECOVERIES_WITHOUT_PROGRESS:
+        if num_failed:
             log.error(
-                "engine_fails_repeatedly; failing every request in flight",
-                recoveries=self._recoveries_without_progress - 1,
+                "engine_fails_repeatedly; failing the sequences it failed on each time",
+                num_failed=num_failed,
+                failures=self.MAX_ENGINE_FAILURES_PER_REQUEST + 1,
             )
-            self.scheduler.end_all(FinishReason.ERROR)
-            self._deliver(self.scheduler.take_early_outputs())
-            self._recoveries_without_progress = 0
         backoff_s = self.FIRST_BACKOFF_S
         started = time.monotonic()
         attempt = 0

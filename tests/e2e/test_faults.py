@@ -215,3 +215,53 @@ async def test_readiness_needs_a_real_step_a_model_service_that_cannot_compute_i
         model.forward = working_forward
         await server.stop(grace_s=1)
         await shutdown(engine, grace_s=1)
+
+
+async def test_a_request_the_model_service_keeps_failing_on_ends_with_an_error():
+    """The model service passes its probe and computes every step that starts a sequence, but
+    fails each step made of decodes alone (as a kernel bug in one kind of step would). Each
+    recovery recomputes the sequences and streams one more token before the next failure, so
+    "no progress since the last recovery" never holds: the requests end with ERROR once they
+    have run through MAX_ENGINE_FAILURES_PER_REQUEST failures, instead of crawling a token per
+    recovery. Their tokens so far are the undisturbed run's; nothing leaks; the same service,
+    mended, serves again."""
+    from model_service.config import ModelServiceConfig
+    from model_service.server import serve, shutdown
+    from scheduler_service.engine.loop import EngineLoop
+
+    engine = await serve(ModelServiceConfig(model="tiny", dtype="float32", port=0,
+                                            num_kv_blocks=64))
+    model = engine.runner.model
+    working_forward = model.forward
+    server = await start_scheduler(f"127.0.0.1:{engine.bound_port}")
+    try:
+        stub = stub_for(server)
+        requests = [greedy_ids_request(p, 60) for p in PROMPTS]
+        reference = [await complete(stub, r) for r in requests]
+
+        def forward_failing_decodes(input_ids, positions, *args, **kwargs):
+            if int(positions.min()) > 0:  # no sequence starts in this step
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return working_forward(input_ids, positions, *args, **kwargs)
+
+        model.forward = forward_failing_decodes
+        streamed: list[list[int]] = [[] for _ in requests]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(_stream(stub, r, streamed, i) for i, r in enumerate(requests))), timeout=60)
+        for chunks, ref, tokens in zip(results, reference, streamed):
+            assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR
+            # A token from each recompute, none twice, each the undisturbed run's.
+            assert 0 < len(tokens) <= EngineLoop.MAX_ENGINE_FAILURES_PER_REQUEST + 2
+            assert tokens == ref.token_ids[:len(tokens)]
+        assert server.loop.num_engine_recoveries >= EngineLoop.MAX_ENGINE_FAILURES_PER_REQUEST
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+
+        model.forward = working_forward
+        again = await asyncio.wait_for(complete(stub, requests[1]), timeout=60)
+        assert again.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert again.token_ids == reference[1].token_ids
+    finally:
+        model.forward = working_forward
+        await server.stop(grace_s=1)
+        await shutdown(engine, grace_s=1)
