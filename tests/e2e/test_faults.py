@@ -138,6 +138,15 @@ async def test_abort_while_the_model_service_is_down_ends_the_request():
         engine.stop()
 
 
+def _in_process_engine_config():
+    """A model service in this process whose faults the tests inject into the model's forward:
+    every step eager (cuda_graphs off), since a step replayed from CUDA graphs never calls it."""
+    from model_service.config import ModelServiceConfig
+
+    return ModelServiceConfig(model="tiny", dtype="float32", port=0, num_kv_blocks=64,
+                              cuda_graphs="off")
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
@@ -186,11 +195,9 @@ async def test_readiness_needs_a_real_step_a_model_service_that_cannot_compute_i
     """The model service answers Describe and health, but its forward fails (as on a device
     error): the scheduler stays NOT_SERVING, requests wait; once the model computes again the
     scheduler turns SERVING on its own and serves them."""
-    from model_service.config import ModelServiceConfig
     from model_service.server import serve, shutdown
 
-    engine = await serve(ModelServiceConfig(model="tiny", dtype="float32", port=0,
-                                            num_kv_blocks=64))
+    engine = await serve(_in_process_engine_config())
     model = engine.runner.model
     working_forward = model.forward
 
@@ -225,12 +232,10 @@ async def test_a_request_the_model_service_keeps_failing_on_ends_with_an_error()
     have run through MAX_ENGINE_FAILURES_PER_REQUEST failures, instead of crawling a token per
     recovery. Their tokens so far are the undisturbed run's; nothing leaks; the same service,
     mended, serves again."""
-    from model_service.config import ModelServiceConfig
     from model_service.server import serve, shutdown
     from scheduler_service.engine.loop import EngineLoop
 
-    engine = await serve(ModelServiceConfig(model="tiny", dtype="float32", port=0,
-                                            num_kv_blocks=64))
+    engine = await serve(_in_process_engine_config())
     model = engine.runner.model
     working_forward = model.forward
     server = await start_scheduler(f"127.0.0.1:{engine.bound_port}")
