@@ -124,6 +124,12 @@ class ModelServiceConfig:
     """TCP port of the gRPC server; 0 binds a free port (printed as
     PLANSERVE_ENGINE_PORT=<port>)."""
 
+    scheduler_keepalive_s: float = setting(10.0, above=0, flag="scheduler-keepalive-seconds")
+    """How often the model service pings its scheduler; a ping unanswered for as long closes
+    the connection, ending the Execute stream (its slots dropped) so that another scheduler may
+    connect, where a scheduler whose host was lost would otherwise hold the stream until TCP
+    gives up (planserve/contract.py keepalive_options)."""
+
     block_size: int = setting(16, low=1, high=1024)
     """Tokens per KV block."""
 

@@ -35,6 +35,7 @@ from model_service.start import build_runner
 from model_service.step.plan import PlanError
 from model_service.stream_steps import StreamSteps
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
+from planserve import contract
 from planserve.v1 import engine_pb2, engine_pb2_grpc
 
 # What serves the plans: one runner, or rank 0 of a tensor-parallel group (the same calls).
@@ -306,6 +307,7 @@ async def serve(
             ("grpc.so_reuseport", 0),  # a taken port fails instead of sharing its connections
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
+            *contract.keepalive_options(config.scheduler_keepalive_s),
         ],
     )
     add_engine_service(EngineServicer(runner), server)

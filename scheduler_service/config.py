@@ -143,6 +143,12 @@ class SchedulerConfig:
     tls_client_ca: str = ""
     """PEM CA bundle: when set (with TLS), clients must present a certificate it signed (mTLS)."""
 
+    engine_keepalive_s: float = setting(10.0, above=0, flag="engine-keepalive-seconds")
+    """How often the scheduler pings each model service it is connected to; a ping unanswered
+    for as long closes the connection, and the scheduler reconnects (resolving the address
+    again) instead of waiting for TCP to give up on a model service whose host was lost
+    (planserve/contract.py keepalive_options)."""
+
     engine_tls_ca: str = ""
     """PEM CA bundle that signed the model service's certificate: TLS to the model service."""
 

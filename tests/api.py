@@ -7,6 +7,7 @@ import json
 import socket
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.api.client import build_request  # noqa: F401  (re-exported for tests)
@@ -172,3 +173,29 @@ async def sse_request(port: int, path: str, body: dict, http_version: str = "1.1
     writer.close()
     events = [e[len("data: "):] for e in body_bytes.decode().split("\n\n") if e]
     return SseStream(headers, events, num_chunks)
+
+
+# Health and progress, for tests that break things while requests run.
+
+async def health_status(server) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return reply.status
+
+
+async def wait_for_health(server, status: int, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while await health_status(server) != status:
+        assert asyncio.get_running_loop().time() < deadline, f"health never became {status}"
+        await asyncio.sleep(0.02)
+
+
+async def stream_tokens(stub, request, token_lists: list[list[int]], index: int):
+    """One request's chunks; its tokens land in token_lists[index] as they come (so that a
+    test sees its progress)."""
+    chunks = []
+    async for chunk in stub.Generate(request):
+        chunks.append(chunk)
+        token_lists[index].extend(chunk.token_ids)
+    return chunks

@@ -12,6 +12,14 @@ before it is queued.
 
 CPU_STEP is the step shape of the CPU: the model service's choice on a CPU and the scheduler's
 for an engine that reports none (DescribeResponse.step_token_budget / step_max_seqs 0).
+
+The link's keepalive: each end pings the other every `interval_s` while connected, and a ping
+unanswered within `interval_s` closes the connection. A peer gone without closing its socket (its
+host lost, a network partition) then ends the model service's Execute stream, whose slots are
+dropped so that the next scheduler may connect, and the scheduler's channel, which reconnects
+(resolving the address again), instead of each waiting for TCP to give up (about 15 minutes on
+Linux's defaults). Each end takes the other's pings however often they come, so the two
+intervals need not match.
 """
 
 from __future__ import annotations
@@ -57,3 +65,21 @@ class StepShape:
 # Sized for a 2-core CPU, where a step's forward grows with its tokens and latency matters more
 # than a larger batch's throughput.
 CPU_STEP = StepShape(token_budget=512, max_seqs=64)
+
+
+def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
+    """gRPC options of either end of the link (the model service's server, the scheduler's
+    channels): ping every `interval_s`, with or without a call open and with or without data
+    sent since the last ping; close the connection on a ping unanswered for as long; take the
+    peer's pings without limit."""
+    interval_ms = max(1, round(interval_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", interval_ms),
+        # gRPC 1.85's transport times a ping out by this one; keepalive_timeout_ms alone
+        # leaves an unanswered ping waiting.
+        ("grpc.http2.ping_timeout_ms", interval_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
+from planserve import contract
 from scheduler_service.config import SchedulerConfig
 
 # Services a load balancer or an operator's tool must reach without the token.
@@ -74,9 +75,12 @@ def engine_channel_credentials(config: SchedulerConfig) -> Optional[grpc.Channel
 
 
 def engine_channel_options(config: SchedulerConfig) -> tuple:
+    """The options of a channel to a model service: the link's keepalive, and the name its
+    certificate is checked against when one is given."""
+    options: list[tuple[str, int | str]] = [*contract.keepalive_options(config.engine_keepalive_s)]
     if config.engine_tls_server_name:
-        return (("grpc.ssl_target_name_override", config.engine_tls_server_name),)
-    return ()
+        options.append(("grpc.ssl_target_name_override", config.engine_tls_server_name))
+    return tuple(options)
 
 
 def read_token(path: str) -> str:

@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
+from api import (assert_no_leaked_blocks, complete, greedy_ids_request, health_status, stream_tokens,
+                 stub_for, wait_for_health, wait_until_idle)
 from conftest import EngineProcess, start_scheduler
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -25,29 +26,6 @@ def _port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-async def _health(server) -> int:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return reply.status
-
-
-async def _wait_for_health(server, status: int, timeout_s: float = 60.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while await _health(server) != status:
-        assert asyncio.get_running_loop().time() < deadline, f"health never became {status}"
-        await asyncio.sleep(0.02)
-
-
-async def _stream(stub, request, token_lists: list[list[int]], index: int):
-    """Collects one request's tokens chunk by chunk (so the test can see progress)."""
-    chunks = []
-    async for chunk in stub.Generate(request):
-        chunks.append(chunk)
-        token_lists[index].extend(chunk.token_ids)
-    return chunks
-
-
 async def test_sigkill_of_the_model_service_mid_generation_loses_nothing():
     engine = EngineProcess(*ENGINE_ARGS)
     server = await start_scheduler(engine.address, max_num_batched_tokens=64, max_num_seqs=16)
@@ -55,10 +33,10 @@ async def test_sigkill_of_the_model_service_mid_generation_loses_nothing():
         stub = stub_for(server)
         requests = [greedy_ids_request(p, n) for p, n in zip(PROMPTS, MAX_NEW_TOKENS)]
         reference = [await complete(stub, r) for r in requests]
-        assert await _health(server) == health_pb2.HealthCheckResponse.SERVING
+        assert await health_status(server) == health_pb2.HealthCheckResponse.SERVING
 
         streamed: list[list[int]] = [[] for _ in requests]
-        tasks = [asyncio.ensure_future(_stream(stub, r, streamed, i))
+        tasks = [asyncio.ensure_future(stream_tokens(stub, r, streamed, i))
                  for i, r in enumerate(requests)]
         while min(len(t) for t in streamed) < 10:  # every request has streamed some tokens
             await asyncio.sleep(0.005)
@@ -68,7 +46,7 @@ async def test_sigkill_of_the_model_service_mid_generation_loses_nothing():
         assert any(n < m for n, m in zip(tokens_at_kill, MAX_NEW_TOKENS)), \
             "every request finished before the kill: nothing was tested"
 
-        await _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
         assert not all(t.done() for t in tasks)  # clients wait; nobody got an error
         engine = EngineProcess(*ENGINE_ARGS, "--port", str(_port_of(server.config.engine_address)))
         results = await asyncio.gather(*tasks)
@@ -81,7 +59,7 @@ async def test_sigkill_of_the_model_service_mid_generation_loses_nothing():
         registry = server.metrics.registry
         assert registry.get_sample_value("planserve_engine_recoveries_total") == 1
         assert registry.get_sample_value("planserve_engine_up") == 1
-        await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        await wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
         await wait_until_idle(server)
         assert_no_leaked_blocks(server)
         # And the restarted engine serves new requests as before.
@@ -100,13 +78,13 @@ async def test_idle_scheduler_notices_a_dead_model_service_and_comes_back():
         before = await complete(stub, greedy_ids_request(PROMPTS[0], 8))
         engine.process.send_signal(signal.SIGKILL)
         engine.process.wait()
-        await _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
         # A request sent while the engine is down waits instead of failing.
         waiting = asyncio.ensure_future(complete(stub, greedy_ids_request(PROMPTS[0], 8)))
         await asyncio.sleep(0.2)
         assert not waiting.done()
         engine = EngineProcess(*ENGINE_ARGS, "--port", str(_port_of(server.config.engine_address)))
-        await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        await wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
         after = await waiting
         assert after.token_ids == before.token_ids
         await wait_until_idle(server)
@@ -123,12 +101,12 @@ async def test_abort_while_the_model_service_is_down_ends_the_request():
         stub = stub_for(server)
         streamed: list[list[int]] = [[]]
         request = greedy_ids_request(PROMPTS[1], 300, request_id="doomed")
-        task = asyncio.ensure_future(_stream(stub, request, streamed, 0))
+        task = asyncio.ensure_future(stream_tokens(stub, request, streamed, 0))
         while len(streamed[0]) < 3:
             await asyncio.sleep(0.005)
         engine.process.send_signal(signal.SIGKILL)
         engine.process.wait()
-        await _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
         await stub.Abort(generate_pb2.AbortRequest(request_id="doomed"))
         chunks = await task  # ends without the engine coming back
         assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_CANCELLED
@@ -173,7 +151,7 @@ async def test_planserve_serve_restarts_its_killed_model_service_and_requests_fi
         [child] = _children(process.pid)
 
         tokens: list[list[int]] = [[]]
-        task = asyncio.ensure_future(_stream(stub, request, tokens, 0))
+        task = asyncio.ensure_future(stream_tokens(stub, request, tokens, 0))
         while len(tokens[0]) < 10:
             await asyncio.sleep(0.005)
         os.kill(child, signal.SIGKILL)
@@ -207,14 +185,14 @@ async def test_readiness_needs_a_real_step_a_model_service_that_cannot_compute_i
     model.forward = broken_forward
     server = await start_scheduler(f"127.0.0.1:{engine.bound_port}")
     try:
-        assert await _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await health_status(server) == health_pb2.HealthCheckResponse.NOT_SERVING
         stub = stub_for(server)
         waiting = asyncio.ensure_future(complete(stub, greedy_ids_request(PROMPTS[0], 8)))
         await asyncio.sleep(0.3)
         assert not waiting.done()
-        assert await _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await health_status(server) == health_pb2.HealthCheckResponse.NOT_SERVING
         model.forward = working_forward
-        await _wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        await wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
         served = await waiting
         assert len(served.token_ids) == 8
         assert served.finish_reason == generate_pb2.FINISH_REASON_LENGTH
@@ -252,7 +230,7 @@ async def test_a_request_the_model_service_keeps_failing_on_ends_with_an_error()
         model.forward = forward_failing_decodes
         streamed: list[list[int]] = [[] for _ in requests]
         results = await asyncio.wait_for(asyncio.gather(
-            *(_stream(stub, r, streamed, i) for i, r in enumerate(requests))), timeout=60)
+            *(stream_tokens(stub, r, streamed, i) for i, r in enumerate(requests))), timeout=60)
         for chunks, ref, tokens in zip(results, reference, streamed):
             assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_ERROR
             # A token from each recompute, none twice, each the undisturbed run's.
