@@ -124,6 +124,11 @@ class ModelServiceConfig:
     """TCP port of the gRPC server; 0 binds a free port (printed as
     PLANSERVE_ENGINE_PORT=<port>)."""
 
+    step_timeout_s: float = setting(300.0, low=0, flag="step-timeout-seconds")
+    """A step that runs longer ends the process (exit status 3; model_service/step_watchdog.py):
+    a hung device call cannot be undone inside it, and its supervisor starts it again while the
+    scheduler recomputes what was in flight. 0: never."""
+
     scheduler_keepalive_s: float = setting(10.0, above=0, flag="scheduler-keepalive-seconds")
     """How often the model service pings its scheduler; a ping unanswered for as long closes
     the connection, ending the Execute stream (its slots dropped) so that another scheduler may

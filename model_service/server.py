@@ -33,6 +33,7 @@ from model_service.plan_stream import End, PlanStream
 from model_service.runner import ModelRunner
 from model_service.start import build_runner
 from model_service.step.plan import PlanError
+from model_service.step_watchdog import StepWatchdog
 from model_service.stream_steps import StreamSteps
 from model_service.tp_worker import TensorParallelRunner, start_tensor_parallel, torchrun_rank
 from planserve import contract
@@ -51,8 +52,9 @@ RPC_THREADS = 8
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, watchdog: StepWatchdog) -> None:
         self.runner = runner
+        self._watchdog = watchdog  # times each plan's step; a hung one ends the process
         self._describe = facts_to_pb(runner.describe_facts())
         # The runner that launches steps ahead (step/launch_ahead.py), else None: each plan is
         # run and answered before the next is read (tensor parallel too).
@@ -120,7 +122,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     ended = True
                     continue
                 try:
-                    answers = steps.answer(wire)
+                    with self._watchdog.timing(lambda: steps.step_id):
+                        answers = steps.answer(wire)
                 except PlanError as error:
                     # A step in flight goes unanswered: the scheduler recovers the whole stream.
                     log.warning(
@@ -310,7 +313,7 @@ async def serve(
             *contract.keepalive_options(config.scheduler_keepalive_s),
         ],
     )
-    add_engine_service(EngineServicer(runner), server)
+    add_engine_service(EngineServicer(runner, StepWatchdog(config.step_timeout_s)), server)
     health_servicer = health.HealthServicer(
         experimental_non_blocking=True, experimental_thread_pool=pool
     )

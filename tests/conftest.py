@@ -38,10 +38,13 @@ def pytest_report_header(config):
 
 
 class EngineProcess:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, keep_log: bool = False):
+        """`keep_log`: its log (JSON lines on stderr) is kept for the test to read once the
+        process has ended (process.stderr), not shown."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "model_service", "--port", "0", *args],
-            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE if keep_log else None, text=True,
+            env=dict(os.environ, PLANSERVE_LOG_JSON="1"))
         for line in self.process.stdout:
             if line.startswith(ENGINE_PORT_LINE):
                 self.address = f"127.0.0.1:{int(line[len(ENGINE_PORT_LINE):])}"
