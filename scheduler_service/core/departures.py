@@ -27,6 +27,12 @@ class Departures(SchedulerPart):
         if self._abort_ids:
             self._collect_aborts()
 
+    def end_all(self, reason: FinishReason) -> None:
+        """Ends every request in flight for `reason` (outputs in take_early_outputs())."""
+        for request in list(self.requests.values()):
+            if not request.is_finished:
+                self._end(request, reason, self._aborted_slots)
+
     def end_repeat_failures(self, max_failures: int) -> int:
         """The model service failed with these sequences running: each counts one failure
         more, and one that has run through more than `max_failures` ends with ERROR (outputs

@@ -122,26 +122,45 @@ class EngineLoop:
         return found
 
     async def _run(self, engine_down: Optional[str] = None) -> None:
-        try:
-            if engine_down is not None:
-                await self._recover(engine_down)
-            while True:
-                if not self.scheduler.has_work() and not self._in_flight:
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), self._check_interval_s)
-                    except asyncio.TimeoutError:
-                        if not await self.client.is_alive(self._check_interval_s):
-                            await self._recover("the model service failed its health check")
-                    continue
+        """Steps until stopped. A failure nothing here expects (a plan the model service
+        refuses, a bug) ends the requests in flight with ERROR, since recomputing them would
+        meet it again, and the loop starts over on a new stream: later requests are served."""
+        while True:
+            try:
+                await self._serve(engine_down)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("engine loop failed; ending the requests in flight, reconnecting")
+                self._end_all_failed()
+                engine_down = "the engine loop failed"
+
+    async def _serve(self, engine_down: Optional[str]) -> None:
+        if engine_down is not None:
+            await self._recover(engine_down)
+        while True:
+            if not self.scheduler.has_work() and not self._in_flight:
+                self._wake.clear()
                 try:
-                    await self._step()
-                except EngineUnavailable as error:
-                    await self._recover(str(error))
-        except asyncio.CancelledError:
-            raise
+                    await asyncio.wait_for(self._wake.wait(), self._check_interval_s)
+                except asyncio.TimeoutError:
+                    if not await self.client.is_alive(self._check_interval_s):
+                        await self._recover("the model service failed its health check")
+                continue
+            try:
+                await self._step()
+            except EngineUnavailable as error:
+                await self._recover(str(error))
+
+    def _end_all_failed(self) -> None:
+        """Every request in flight ends with ERROR, through the scheduler (what they held is
+        freed); where the scheduler itself fails at that, each request's stream still gets its
+        error and the loop stops, its state past trusting."""
+        try:
+            self.scheduler.end_all(FinishReason.ERROR)
+            self._deliver(self.scheduler.take_early_outputs())
         except Exception:
-            log.exception("engine loop failed; failing every request in flight")
+            log.exception("ending the requests failed; the engine loop stops")
             self._fail_all()
             raise
 

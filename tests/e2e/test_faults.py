@@ -248,3 +248,38 @@ async def test_a_request_the_model_service_keeps_failing_on_ends_with_an_error()
         model.forward = working_forward
         await server.stop(grace_s=1)
         await shutdown(engine, grace_s=1)
+
+
+async def test_a_plan_the_model_service_refuses_fails_the_requests_in_flight_and_no_later_one():
+    """The model service refuses one plan (INVALID_ARGUMENT: a plan the scheduler should never
+    have built, i.e. a bug). The requests in flight end with ERROR rather than being recomputed
+    into the same refusal; the scheduler then reconnects and serves the next request as usual,
+    where its engine loop used to stop for good, leaving every later request waiting."""
+    from model_service.server import serve, shutdown
+    from model_service.step.plan import PlanError
+
+    engine = await serve(_in_process_engine_config())
+    runner = engine.runner
+    working_execute = runner.execute
+    server = await start_scheduler(f"127.0.0.1:{engine.bound_port}")
+    try:
+        stub = stub_for(server)
+        reference = await complete(stub, greedy_ids_request(PROMPTS[0], 20))
+
+        def refuse_once(plan):
+            runner.execute = working_execute
+            raise PlanError("slots", "refused once by the test")
+
+        runner.execute = refuse_once
+        refused = await asyncio.wait_for(complete(stub, greedy_ids_request(PROMPTS[1], 20)), 30)
+        assert refused.finish_reason == generate_pb2.FINISH_REASON_ERROR
+        served = await asyncio.wait_for(complete(stub, greedy_ids_request(PROMPTS[0], 20)), 30)
+        assert served.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert served.token_ids == reference.token_ids
+        await wait_for_health(server, health_pb2.HealthCheckResponse.SERVING)
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+    finally:
+        runner.execute = working_execute
+        await server.stop(grace_s=1)
+        await shutdown(engine, grace_s=1)
