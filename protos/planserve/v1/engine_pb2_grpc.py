@@ -74,7 +74,10 @@ class EngineServiceServicer:
 
     def Execute(self, request_iterator, context):
         """One plan in, one result out per step, step_id echoed. The stream's lifetime is the
-        lifetime of the slots: when it ends, the model service drops every slot.
+        lifetime of the slots: when it ends, the model service drops every slot. Both ends ping
+        each other (gRPC keepalive, planserve/contract.py keepalive_options): a model service takes
+        its scheduler's pings however often they come, and ends the stream of a scheduler that
+        stops answering its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
