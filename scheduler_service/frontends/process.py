@@ -37,6 +37,11 @@ from scheduler_service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("planserve.frontend")
 
+# The core sends a snapshot at least every STATUS_INTERVAL_S (frontends/hub.py), idle or not.
+# This long without a word from it, its loop is stuck: health says NOT_SERVING (readiness takes
+# the pod out, and a liveness probe restarts it if the silence lasts), until it speaks again.
+CORE_SILENT_S = 10.0
+
 
 class FrontendProcess:
     """The doors of one frontend process over its link."""
@@ -58,6 +63,7 @@ class FrontendProcess:
         self.http: Optional[HttpServer] = None
         self.ready = False
         self._serving: Optional[bool] = None  # what health last said
+        self._last_heard = 0.0  # the event loop's time of the core's last message
 
     async def open_doors(self) -> None:
         """The gRPC doors and the HTTP API on the core's ports; StartupError naming the flag."""
@@ -81,18 +87,35 @@ class FrontendProcess:
         self.engine.status = status
         if status.draining:
             self.admission.draining = True
-        serving = status.engine_up and not self.admission.draining
+        self._set_serving(status.engine_up and not self.admission.draining)
+
+    def _set_serving(self, serving: bool) -> None:
         self.ready = serving
         if serving != self._serving:
             self._serving = serving
             doors.set_health(self.health, serving)
 
+    async def _watch_core(self) -> None:
+        """Health NOT_SERVING while the core has been silent CORE_SILENT_S (the next snapshot
+        sets it again)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(CORE_SILENT_S / 10)
+            silent_s = loop.time() - self._last_heard
+            if silent_s > CORE_SILENT_S and self._serving:
+                log.error("engine_core_silent", frontend=self.index, silent_s=round(silent_s, 1))
+                self._set_serving(False)
+
     async def follow(self) -> float:
         """Serves the link until the core says stop (its grace) or goes away (0)."""
         link, engine = self.engine.link, self.engine
+        loop = asyncio.get_running_loop()
+        self._last_heard = loop.time()
+        watch = loop.create_task(self._watch_core())
         try:
             while True:
                 message = await link.receive()
+                self._last_heard = loop.time()
                 kind = message[0]
                 if kind == "step":
                     engine.on_step(message[1], message[2])
@@ -112,6 +135,8 @@ class FrontendProcess:
             log.warning("engine_core_gone", frontend=self.index)
             engine.fail_all()
             return 0.0
+        finally:
+            watch.cancel()
 
     async def close(self, grace_s: float) -> None:
         self.apply(Status(draining=True))
