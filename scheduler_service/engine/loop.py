@@ -125,6 +125,7 @@ class EngineLoop:
         """Steps until stopped. A failure nothing here expects (a plan the model service
         refuses, a bug) ends the requests in flight with ERROR, since recomputing them would
         meet it again, and the loop starts over on a new stream: later requests are served."""
+        backoff_s, steps_at_failure = 0.0, -1
         while True:
             try:
                 await self._serve(engine_down)
@@ -133,6 +134,14 @@ class EngineLoop:
             except Exception:
                 log.exception("engine loop failed; ending the requests in flight, reconnecting")
                 self._end_all_failed()
+                # Failures with no step between them back off: one that the loop meets each
+                # time it starts over (say, in its own recovery) must not spin.
+                if self.num_steps != steps_at_failure:
+                    backoff_s = 0.0
+                else:
+                    backoff_s = min(max(2 * backoff_s, self.FIRST_BACKOFF_S), self.MAX_BACKOFF_S)
+                steps_at_failure = self.num_steps
+                await asyncio.sleep(backoff_s)
                 engine_down = "the engine loop failed"
 
     async def _serve(self, engine_down: Optional[str]) -> None:

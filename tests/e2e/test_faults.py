@@ -283,3 +283,46 @@ async def test_a_plan_the_model_service_refuses_fails_the_requests_in_flight_and
         runner.execute = working_execute
         await server.stop(grace_s=1)
         await shutdown(engine, grace_s=1)
+
+
+async def test_a_loop_that_fails_again_as_it_starts_over_backs_off_then_recovers():
+    """The scheduler's own recovery fails (a fault injected into reset_engine) after a refused
+    plan: each start-over meets it, and the loop backs off (0.1 s doubling) instead of spinning;
+    once recovery works again the next request is served."""
+    from model_service.server import serve, shutdown
+    from model_service.step.plan import PlanError
+
+    engine = await serve(_in_process_engine_config())
+    runner = engine.runner
+    working_execute = runner.execute
+    server = await start_scheduler(f"127.0.0.1:{engine.bound_port}")
+    scheduler = server.loop.scheduler
+    working_reset = scheduler.reset_engine
+    resets: list[float] = []
+    try:
+        def refuse_once(plan):
+            runner.execute = working_execute
+            raise PlanError("slots", "refused once by the test")
+
+        def failing_reset(facts):
+            resets.append(asyncio.get_running_loop().time())
+            raise RuntimeError("reset_engine broken by the test")
+
+        runner.execute, scheduler.reset_engine = refuse_once, failing_reset
+        stub = stub_for(server)
+        refused = await asyncio.wait_for(complete(stub, greedy_ids_request(PROMPTS[0], 8)), 30)
+        assert refused.finish_reason == generate_pb2.FINISH_REASON_ERROR
+        await asyncio.sleep(1.6)
+        assert 3 <= len(resets) <= 6  # 0.1 + 0.2 + 0.4 + 0.8 s of waits; a spin makes thousands
+        gaps = [b - a for a, b in zip(resets, resets[1:])]
+        assert all(later > earlier for earlier, later in zip(gaps, gaps[1:]))
+
+        scheduler.reset_engine = working_reset
+        served = await asyncio.wait_for(complete(stub, greedy_ids_request(PROMPTS[0], 8)), 30)
+        assert served.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+    finally:
+        runner.execute, scheduler.reset_engine = working_execute, working_reset
+        await server.stop(grace_s=1)
+        await shutdown(engine, grace_s=1)
