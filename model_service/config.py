@@ -35,20 +35,11 @@ _SPECULATIVE_METHODS = ("none", "ngram", "draft")
 _KV_BUDGET_FIELDS = ("gpu_memory_utilization", "kv_cache_memory_fraction", "kv_cache_memory_bytes")
 
 
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tib": 1 << 40,
+# Binary units, each in three spellings: k, kb and kib are all 1024 bytes (so on up to t).
+_BYTE_UNITS = {"": 1, "b": 1} | {
+    spelling: 1 << (10 * power)
+    for power, letter in enumerate("kmgt", start=1)
+    for spelling in (letter, f"{letter}b", f"{letter}ib")
 }
 
 
@@ -125,15 +116,12 @@ class ModelServiceConfig:
     PLANSERVE_ENGINE_PORT=<port>)."""
 
     step_timeout_s: float = setting(300.0, low=0, flag="step-timeout-seconds")
-    """A step that runs longer ends the process (exit status 3; model_service/step_watchdog.py):
-    a hung device call cannot be undone inside it, and its supervisor starts it again while the
-    scheduler recomputes what was in flight. 0: never."""
+    """A step running longer ends the process (exit status 3) for its supervisor to start again
+    (model_service/step_watchdog.py). 0: never."""
 
     scheduler_keepalive_s: float = setting(10.0, above=0, flag="scheduler-keepalive-seconds")
-    """How often the model service pings its scheduler; a ping unanswered for as long closes
-    the connection, ending the Execute stream (its slots dropped) so that another scheduler may
-    connect, where a scheduler whose host was lost would otherwise hold the stream until TCP
-    gives up (planserve/contract.py keepalive_options)."""
+    """How often the model service pings its scheduler; a ping unanswered as long ends the
+    Execute stream, freeing the service for the next (planserve/contract.py keepalive_options)."""
 
     block_size: int = setting(16, low=1, high=1024)
     """Tokens per KV block."""

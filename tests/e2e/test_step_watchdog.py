@@ -31,7 +31,7 @@ async def test_a_hung_step_ends_the_model_service_and_the_restarted_one_serves_t
         lines = [json.loads(line) for line in hung.process.stderr.read().splitlines()
                  if line.startswith("{")]
         [hang] = [line for line in lines if line["event"].startswith("step_hung")]
-        assert hang["step_timeout_s"] == 0.3 and hang["running_s"] > 0.3
+        assert hang["step_timeout_s"] == 0.3 and hang["running_s"] >= 0.3  # logged to 0.1 s
         assert hang["step_id"] is not None
         assert not waiting.done()
 
