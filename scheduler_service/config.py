@@ -149,6 +149,11 @@ class SchedulerConfig:
     again) instead of waiting for TCP to give up on a model service whose host was lost
     (planserve/contract.py keepalive_options)."""
 
+    engine_step_timeout_s: float = setting(600.0, low=0, flag="engine-step-timeout-seconds")
+    """A step whose result has not come back this long is given up on: the model service is
+    treated as down and reconnected (scheduler_service/engine/step_timeout.py). Above the model
+    service's own --step-timeout-seconds, which ends a hung step first where it can. 0: never."""
+
     engine_tls_ca: str = ""
     """PEM CA bundle that signed the model service's certificate: TLS to the model service."""
 

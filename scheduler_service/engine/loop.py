@@ -37,6 +37,7 @@ from scheduler_service.engine.client import EngineClient, EngineFacts, EngineUna
 from scheduler_service.engine.frontend import EngineMetrics
 from scheduler_service.engine.kv_events import KVEventStream
 from scheduler_service.engine.lora_loader import AdapterLoader
+from scheduler_service.engine.step_timeout import StepTimeout
 
 log = structlog.get_logger("planserve.loop")
 
@@ -87,15 +88,21 @@ class EngineLoop:
         self.max_in_flight_seen = 0
         # Tokens computed per second, a moving average over steps (the retry hint's rate).
         self.tokens_per_s = 0.0
+        # A result awaited past --engine-step-timeout-seconds drops the stream (a recovery).
+        self.step_timeout = StepTimeout(scheduler.config.engine_step_timeout_s, client.drop_stream)
+        self._watch: asyncio.Task | None = None
 
     def start(self, engine_down: Optional[str] = None) -> None:
         """Starts stepping; with `engine_down` (why), reconnects first (the readiness probe
         failed: the model service answered Describe but could not compute)."""
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(engine_down), name="engine-loop"
-        )
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(engine_down), name="engine-loop")
+        self._watch = loop.create_task(self.step_timeout.watch(), name="engine-step-timeout")
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -159,7 +166,7 @@ class EngineLoop:
             try:
                 await self._step()
             except EngineUnavailable as error:
-                await self._recover(str(error))
+                await self._recover(self.step_timeout.take_reason(str(error)))
 
     def _end_all_failed(self) -> None:
         """Every request in flight ends with ERROR, through the scheduler (what they held is
@@ -190,7 +197,11 @@ class EngineLoop:
             await self._wait_for_news()
             return
         started = time.perf_counter()
-        result = await self.client.execute(plan)
+        self.step_timeout.awaiting(plan.step_id, started)
+        try:
+            result = await self.client.execute(plan)
+        finally:
+            self.step_timeout.answered()
         self._finish(plan, result, started, self.scheduler.update)
 
     async def _overlapped_step(self) -> None:
@@ -217,7 +228,11 @@ class EngineLoop:
 
     async def _finish_oldest(self) -> None:
         plan, sent = self._in_flight[0]
-        result = await self.client.receive(plan)
+        self.step_timeout.awaiting(plan.step_id, sent)
+        try:
+            result = await self.client.receive(plan)
+        finally:
+            self.step_timeout.answered()
         self._in_flight.popleft()
         self._finish(plan, result, sent, self.scheduler.reconcile)
 
@@ -301,20 +316,8 @@ class EngineLoop:
             # Aborts and deadlines still end requests while nothing can run.
             self.scheduler.collect_departures()
             self._deliver(self.scheduler.take_early_outputs())
-            try:
-                facts = await self.client.describe(max(backoff_s, 1.0))
-                incompatible = self._is_compatible(facts)
-                if incompatible is None:
-                    self.scheduler.reset_engine(facts)
-                    await self.client.probe(self.scheduler.take_step_ids(2), facts)
-                    break
-                log.error("engine_incompatible", reason=incompatible, attempt=attempt)
-            except (EngineUnavailable, asyncio.TimeoutError, ConnectionError) as error:
-                self.client.drop_stream()
-                log.info("engine_reconnect_failed", attempt=attempt, error=str(error))
-            except Exception as error:  # noqa: BLE001 - an AioRpcError of Describe, say
-                self.client.drop_stream()
-                log.info("engine_reconnect_failed", attempt=attempt, error=repr(error))
+            if await self._reconnect(attempt, max(backoff_s, 1.0)):
+                break
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, self.MAX_BACKOFF_S)
         self.num_engine_recoveries += 1
@@ -328,6 +331,31 @@ class EngineLoop:
             down_s=round(time.monotonic() - started, 3),
             num_waiting=self.scheduler.num_waiting,
         )
+
+    async def _reconnect(self, attempt: int, timeout_s: float) -> bool:
+        """One try: Describe, the compatibility check, then the readiness probe (a real step);
+        True once the model service has computed it."""
+        try:
+            facts = await self.client.describe(timeout_s)
+            incompatible = self._is_compatible(facts)
+            if incompatible is not None:
+                log.error("engine_incompatible", reason=incompatible, attempt=attempt)
+                return False
+            self.scheduler.reset_engine(facts)
+            first_step_id = self.scheduler.take_step_ids(2)
+            self.step_timeout.awaiting(first_step_id, time.perf_counter())
+            try:
+                await self.client.probe(first_step_id, facts)
+            finally:
+                self.step_timeout.answered()
+            return True
+        except (EngineUnavailable, asyncio.TimeoutError, ConnectionError) as error:
+            why = self.step_timeout.take_reason(str(error))
+        except Exception as error:  # noqa: BLE001 - an AioRpcError of Describe, say
+            why = repr(error)
+        self.client.drop_stream()
+        log.info("engine_reconnect_failed", attempt=attempt, error=why)
+        return False
 
     def _deliver(self, outputs: list[tuple[Request, RequestOutput]]) -> None:
         for request, output in put_outputs(outputs):  # the finished: ids and counts, never content

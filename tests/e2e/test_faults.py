@@ -330,3 +330,50 @@ async def test_a_loop_that_fails_again_as_it_starts_over_backs_off_then_recovers
         runner.execute, scheduler.reset_engine = working_execute, working_reset
         await server.stop(grace_s=1)
         await shutdown(engine, grace_s=1)
+
+
+async def test_a_step_left_unanswered_is_given_up_on_and_its_requests_finish_after():
+    """The model service's first decode-only step hangs, its connection still up (as a call
+    holding Python's lock would leave it, where its own watchdog cannot run): past the
+    scheduler's --engine-step-timeout-seconds the scheduler drops the stream and turns
+    NOT_SERVING, where it used to wait for good. Once the step returns, the scheduler reconnects
+    and the requests finish with the undisturbed run's greedy tokens."""
+    import threading
+
+    from model_service.server import serve, shutdown
+
+    engine = await serve(_in_process_engine_config())
+    model = engine.runner.model
+    working_forward = model.forward
+    release, hung = threading.Event(), threading.Event()
+    server = await start_scheduler(f"127.0.0.1:{engine.bound_port}", engine_step_timeout_s=0.5)
+    try:
+        stub = stub_for(server)
+        requests = [greedy_ids_request(p, 30) for p in PROMPTS[:2]]
+        reference = [await complete(stub, r) for r in requests]
+
+        def forward_hanging_once(input_ids, positions, *args, **kwargs):
+            if int(positions.min()) > 0 and not hung.is_set():
+                hung.set()
+                release.wait(60)
+            return working_forward(input_ids, positions, *args, **kwargs)
+
+        model.forward = forward_hanging_once
+        streamed: list[list[int]] = [[] for _ in requests]
+        tasks = [asyncio.ensure_future(stream_tokens(stub, r, streamed, i))
+                 for i, r in enumerate(requests)]
+        await wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s=20)
+        assert hung.is_set() and not any(t.done() for t in tasks)
+        release.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        for chunks, ref, tokens in zip(results, reference, streamed):
+            assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+            assert tokens == ref.token_ids
+        assert server.loop.num_engine_recoveries == 1
+        await wait_until_idle(server)
+        assert_no_leaked_blocks(server)
+    finally:
+        release.set()
+        model.forward = working_forward
+        await server.stop(grace_s=1)
+        await shutdown(engine, grace_s=1)
