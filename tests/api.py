@@ -199,3 +199,17 @@ async def stream_tokens(stub, request, token_lists: list[list[int]], index: int)
         chunks.append(chunk)
         token_lists[index].extend(chunk.token_ids)
     return chunks
+
+
+async def assert_finished_as_undisturbed(server, tasks, reference, streamed,
+                                         recoveries: int = 1) -> None:
+    """The streams `tasks` (stream_tokens into `streamed`) all end with LENGTH and exactly the
+    reference run's tokens, after `recoveries` recoveries of the engine; then nothing is left
+    in flight and no block leaked."""
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+    for chunks, ref, tokens in zip(results, reference, streamed):
+        assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert tokens == ref.token_ids
+    assert server.loop.num_engine_recoveries == recoveries
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
