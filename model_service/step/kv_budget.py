@@ -38,6 +38,7 @@ import torch
 from model_service.attention.kv_cache import kv_block_bytes
 from model_service.config import ModelServiceConfig
 from model_service.loading.loaded import LoadedModel
+from model_service.step import step_shape
 
 # CUDA memory the KV budget leaves free beside the profiled step's peak: what the caching
 # allocator does not count (the CUDA context's growth as kernels load, NCCL's buffers under tensor
@@ -69,8 +70,7 @@ def device_usage(device: torch.device) -> tuple[int, int]:
     """A CUDA device's total memory and what this process's tensors hold on it now (torch's
     allocator: the weights, the adapters' stack, a draft model; not the CUDA context, which the
     reserve stands for)."""
-    _free, total = torch.cuda.mem_get_info(device)
-    return int(total), int(torch.cuda.memory_allocated(device))
+    return step_shape.total_memory_bytes(device), int(torch.cuda.memory_allocated(device))
 
 
 # The graphs' pool in profiled step peaks. Beyond the largest step's activations it holds the
