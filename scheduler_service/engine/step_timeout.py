@@ -32,8 +32,10 @@ class StepTimeout:
         self.timed_out: Optional[str] = None  # why the last wait was given up, until taken
 
     def awaiting(self, step_id: int, sent: float) -> None:
-        """The loop waits for the result of `step_id`, sent at `sent` (time.perf_counter())."""
+        """The loop waits for the result of `step_id`, sent at `sent` (time.perf_counter()); a
+        reason left from a wait given up on whose result came anyway is stale now."""
         self._awaited = (step_id, sent)
+        self.timed_out = None
 
     def answered(self) -> None:
         self._awaited = None
