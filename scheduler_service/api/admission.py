@@ -189,7 +189,7 @@ class Admission:
                 field="request_id",
             )
         if queue and scheduler.num_waiting:
-            self._check_queue_room(request)
+            self._check_queue_room(request.num_tokens_to_compute)
 
     def _select_adapter(self, request: Request, name: str, serving: Serving) -> None:
         """The request's LoRA adapter by name (the base model's name or "": none); NOT_FOUND
@@ -212,21 +212,33 @@ class Admission:
         except intake.InvalidRequest as error:
             raise Rejected.invalid(error.field, error.detail) from None
 
-    def _check_queue_room(self, request: Request) -> None:
+    def check_room_for_all(self, requests: list[Request]) -> None:
+        """Room in the waiting queue for several requests queued at once (a completion's
+        prompts), by requests and by tokens, as check() finds it for one; behind frontend
+        processes the engine core checks each add instead."""
+        frontend = self._ready().frontend
+        if getattr(frontend, "checks_room_on_add", False) or not frontend.scheduler.num_waiting:
+            return
+        num_tokens = sum(request.num_tokens_to_compute for request in requests)
+        self._check_queue_room(num_tokens, len(requests))
+
+    def _check_queue_room(self, num_tokens: int, num_requests: int = 1) -> None:
         """RESOURCE_EXHAUSTED with a retry hint when the waiting queue is full, by requests or by
-        tokens (a request arriving at an empty queue is always taken)."""
+        tokens, for `num_requests` more of `num_tokens` prompt tokens in all (callers let one
+        arriving at an empty queue in)."""
         frontend, config = self._ready().frontend, self.config
         scheduler = frontend.scheduler
         waiting_tokens = scheduler.num_waiting_tokens
-        if scheduler.num_waiting >= config.max_queue_len:
+        arriving = "" if num_requests == 1 else f" + {num_requests} arriving"
+        if scheduler.num_waiting + num_requests > config.max_queue_len:
             why = (
-                f"queue full: {scheduler.num_waiting} requests waiting "
+                f"queue full: {scheduler.num_waiting} requests waiting{arriving} "
                 f"(max_queue_len {config.max_queue_len})"
             )
-        elif waiting_tokens + request.num_tokens_to_compute > config.max_queue_tokens:
+        elif waiting_tokens + num_tokens > config.max_queue_tokens:
             why = (
                 f"queue full: {waiting_tokens} prompt tokens waiting + "
-                f"{request.num_tokens_to_compute} exceed max_queue_tokens "
+                f"{num_tokens} exceed max_queue_tokens "
                 f"{config.max_queue_tokens}"
             )
         else:

@@ -3,7 +3,9 @@
 A FastAPI app served by uvicorn inside the scheduler's own event loop, beside the gRPC server
 (api/http_server.py). A body becomes the GenerateRequest a gRPC client would send
 (openai_requests.py) and goes through the same admission (admission.py) and output path
-(streams.py) as Generate; its outputs are shaped here as OpenAI's JSON or server-sent events.
+(streams.py) as Generate; its outputs are shaped as OpenAI's JSON or server-sent events by
+openai_answers.py. A completion's list of prompts is a request per prompt, answered together
+(completion_prompts.py, with `echo`).
 
 Extensions beyond OpenAI's fields (vLLM spells them the same): `top_k`, `ignore_eos`,
 `return_token_ids` (each choice gets the `token_ids` it generated), `stream_interval` (tokens
@@ -14,11 +16,8 @@ take and give vLLM's JSON.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 import uuid
-from typing import Any, AsyncIterator, Mapping, Optional, cast
+from typing import Mapping, Optional
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -27,12 +26,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planserve.v1 import generate_pb2
-from scheduler_service.api import chat_outputs, chat_prompt, gateway, lora_http
+from scheduler_service.api import chat_outputs, chat_prompt, completion_prompts, gateway, lora_http
 from scheduler_service.api.admission import Admission, Rejected, Serving
-from scheduler_service.api.chat_outputs import ChatOutput
+from scheduler_service.api.completion_prompts import Echo
 from scheduler_service.api.json_route import post_json
+from scheduler_service.api.openai_answers import Answer
 from scheduler_service.api.openai_errors import ApiError
-from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
 from scheduler_service.api.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,21 +42,10 @@ from scheduler_service.api.openai_requests import (
     rejected_error,
     to_pb,
 )
-from scheduler_service.api.openai_usage import Totals
-from scheduler_service.api.sse_chunks import DONE, SseChunks
-from scheduler_service.api.sse_direct import DirectSse, writer_of
-from scheduler_service.api.streams import (
-    Collected,
-    EventStream,
-    LastEvents,
-    finish_reason_name,
-    outputs_of,
-    placed,
-    unless_disconnected,
-)
+from scheduler_service.api.streams import EventStream, placed, unless_disconnected
 from scheduler_service.api.tool_requests import ToolPlan
 from scheduler_service.config import SchedulerConfig, parse_objective_priorities
-from scheduler_service.core.request import Request, RequestOutput
+from scheduler_service.core.request import Request
 from scheduler_service.text import tool_parsers
 
 
@@ -192,10 +180,16 @@ class OpenAIApp:
         return {"prompt": reply.text}
 
     async def admit(
-        self, body: _Common, chat: bool, http: Optional[HttpRequest] = None
+        self,
+        body: _Common,
+        chat: bool,
+        http: Optional[HttpRequest] = None,
+        prompt: Optional[completion_prompts.Prompt] = None,
+        request_id: Optional[str] = None,
     ) -> tuple[Serving, Request, Optional[ToolPlan]]:
         """Admits one body of any door (`http`: its request, for X-Request-Id and the gateway's
-        headers)."""
+        headers); a completion's, for one of its prompts (`request_id`: the prompt's, in a
+        list of them)."""
         serving = self.serving(body.model)
         reasoning = ""  # a chat's output is split, and its grammar waits for the thinking
         if isinstance(body, ChatCompletionRequest):
@@ -203,11 +197,12 @@ class OpenAIApp:
             parser = self.tool_parser.name if self.tool_parser is not None else None
             pb, plan = chat_prompt.chat_request_pb(body, parser, serving.tokenizer)
         else:
-            pb, plan = to_pb(body, uuid.uuid4().hex), None
+            pb, plan = to_pb(body, request_id or uuid.uuid4().hex, prompt=prompt), None
         if body.model != serving.facts.model_name:
             pb.lora_name = body.model  # an adapter (self.serving checked the name)
         headers = http.headers if http is not None else {}
-        pb.request_id = gateway.request_id(headers, pb.request_id)
+        if request_id is None:
+            pb.request_id = gateway.request_id(headers, pb.request_id)
         gateway.apply(pb, body.priority, body.cache_salt, headers, self._gateway_objectives)
         try:
             request = await self.admission.admit(pb, reasoning)
@@ -217,167 +212,49 @@ class OpenAIApp:
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
 
+    async def _completion_answer(self, body: CompletionRequest, http: HttpRequest) -> Answer:
+        """A completion's answer over its requests, one per prompt, each admitted as a body of
+        that prompt alone would be; all of them or none (a refusal aborts those before it)."""
+        prompts = completion_prompts.prompts_of(body.prompt, self.admission.config.max_queue_len)
+        response_id, requests = None, []
+        serving = self.serving(body.model)
+        try:
+            if len(prompts) == 1:
+                serving, request, _ = await self.admit(body, False, http, prompts[0])
+                requests.append(request)
+            else:
+                response_id = gateway.request_id(http.headers, uuid.uuid4().hex)
+                for position, prompt in enumerate(prompts):
+                    request_id = f"{response_id}-{position}"
+                    try:
+                        serving, request, _ = await self.admit(
+                            body, False, http, prompt, request_id
+                        )
+                    except ApiError as error:
+                        raise completion_prompts.naming_prompt(error, position) from None
+                    requests.append(request)
+                try:
+                    self.admission.check_room_for_all(requests)
+                except Rejected as rejected:
+                    raise rejected_error(rejected, False, body) from None
+        except BaseException:
+            for request in requests:
+                serving.frontend.abort_request(request.request_id)
+            raise
+        echo = None
+        if body.echo:
+            echo = Echo(prompts, requests, serving.tokenizer, only_prompt=body.max_tokens == 0)
+        return Answer(serving, requests, body, False, response_id, echo)
+
     async def _handle(self, body: _Common, http: HttpRequest, chat: bool):
-        serving, req, plan = await self.admit(body, chat, http)
-        response = _Response(serving, req, body, chat)
-        if chat:
-            response.chat_outputs = chat_outputs.for_samples(
+        if isinstance(body, CompletionRequest):
+            answer = await self._completion_answer(body, http)
+        else:
+            serving, req, plan = await self.admit(body, chat, http)
+            answer = Answer(serving, [req], body, chat)
+            answer.chat_outputs = chat_outputs.for_samples(
                 req, plan, self.tool_parser, self.reasoning_parser
             )
         if body.stream:
-            return EventStream(response.events(http.scope))
-        return await unless_disconnected(http, response.collect())
-
-
-class _Response:
-    """One admitted request's answer: whole (collect) or as server-sent events (events)."""
-
-    def __init__(self, serving: Serving, req: Request, body: _Common, chat: bool):
-        self.serving, self.req, self.body, self.chat = serving, req, body, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + req.request_id
-        self.created = int(time.time())
-        self.totals = Totals(req)
-        # Chat with tools or a reasoning parser: each sample split (chat_outputs.py).
-        self.chat_outputs: Optional[list[ChatOutput]] = None
-
-    def logprobs_of(self, entries, completion: Optional[CompletionLogprobs] = None):
-        if self.req.logprobs is None:
-            return None
-        if self.chat:
-            return chat_logprobs(self.serving.tokenizer, entries or [])
-        return (completion or CompletionLogprobs(self.serving.tokenizer)).add(entries)
-
-    async def collect(self) -> dict:
-        req, collected = self.req, Collected(self.req.n)
-        async with contextlib.aclosing(outputs_of(self.serving.frontend, req)) as stream:
-            async for output in stream:
-                collected.add(output)
-                if output.finish_reason is not None:
-                    self.totals.add(output)
-        choices = []
-        for index, sample in enumerate(collected.samples):
-            choice: dict[str, Any] = {"index": index}
-            reason = finish_reason_name(sample.finish_reason)
-            if self.chat_outputs is not None:
-                split = self.chat_outputs[index]
-                choice["message"] = split.message(sample.text, sample.finish_reason)
-                reason = split.finish_reason(sample.finish_reason)
-            elif self.chat:
-                choice["message"] = {"role": "assistant", "content": sample.text}
-            else:
-                choice["text"] = sample.text
-            choice["logprobs"] = self.logprobs_of(sample.logprobs)
-            choice["finish_reason"] = reason
-            if self.body.return_token_ids:
-                choice["token_ids"] = sample.token_ids
-            choices.append(choice)
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.req.lora_name or self.serving.facts.model_name,
-            "choices": choices,
-            "usage": self.totals.as_dict(),
-        }
-
-    def _split_chunks(self, output: RequestOutput, sse: SseChunks) -> list[str]:
-        """One output of a split chat sample as chunks: its deltas (chat_outputs.py), the first
-        carrying the output's logprobs and token ids, then the finish reason on its own."""
-        assert self.chat_outputs is not None
-        split = self.chat_outputs[output.index]
-        deltas = split.deltas(output.text, output.finish_reason)
-        if output.finish_reason is not None:
-            deltas.append({})  # the finishing chunk, after the calls
-        chunks = []
-        for number, delta in enumerate(deltas):
-            choice: dict[str, Any] = {"index": output.index, "delta": delta, "logprobs": None}
-            if number == 0:
-                choice["logprobs"] = self.logprobs_of(output.logprobs)
-                if self.body.return_token_ids:
-                    choice["token_ids"] = output.token_ids
-            last = output.finish_reason is not None and number == len(deltas) - 1
-            choice["finish_reason"] = split.finish_reason(output.finish_reason) if last else None
-            chunks.append(sse.chunk([choice]))
-        return chunks
-
-    async def events(self, scope: Mapping[str, Any]) -> AsyncIterator[str]:
-        """Chunks as server-sent events. The request is queued only once the response
-        started, so a client gone before that leaves nothing behind; one gone later (the
-        response task is cancelled on disconnect) aborts it. The common chunk is written where
-        its output arrives (api/sse_direct.py), the others here."""
-        req, chat = self.req, self.chat
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        sse = SseChunks(
-            self.id,
-            "chat.completion.chunk" if chat else "text_completion",
-            self.created,
-            self.req.lora_name or self.serving.facts.model_name,
-            include_usage,
-        )
-        chunks = _Chunks(self, sse)
-        writer = writer_of(scope)  # (none with --no-sse-direct-writes; a split chat: the task)
-        if writer is not None and self.chat_outputs is None:
-            direct = DirectSse(chunks.running).take_over(cast(asyncio.Queue, req.outputs))
-            direct.attach(writer)
-            req.outputs = direct
-        async with contextlib.aclosing(outputs_of(self.serving.frontend, req)) as stream:
-            if chat:  # the role first, once per choice
-                for index in range(req.n):
-                    delta = {"role": "assistant", "content": ""}
-                    role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                    yield sse.chunk([role])
-            samples_left, last = req.n, []  # the last sample's final chunks go out with [DONE]
-            async for output in stream:
-                if output.finish_reason is not None:
-                    self.totals.add(output)
-                    samples_left -= 1
-                elif _says_nothing(output):
-                    continue
-                if self.chat_outputs is not None:
-                    texts = self._split_chunks(output, sse)
-                else:
-                    texts = [chunks.of(output)]
-                if samples_left:
-                    for text in texts:
-                        yield text
-                else:
-                    last.extend(texts)
-        if include_usage:
-            last.append(sse.chunk([], self.totals.as_dict()))
-        yield LastEvents("".join(last) + DONE)
-
-
-def _says_nothing(output: RequestOutput) -> bool:
-    """An output that ends nothing and has no text or token ids yet: no chunk."""
-    return output.finish_reason is None and not output.text and not output.token_ids
-
-
-class _Chunks:
-    """A response's chunk of an output (not a split chat's: _split_chunks), made by the response
-    task or where the output arrives (`running`, api/sse_direct.py), in the outputs' order."""
-
-    def __init__(self, response: _Response, sse: SseChunks):
-        self.response, self.sse, req = response, sse, response.req
-        # Most chunks: text (or a chat delta) alone, made from a template (api/sse_chunks.py).
-        self.plain = req.logprobs is None and not response.body.return_token_ids
-        self.logprobs = [CompletionLogprobs(response.serving.tokenizer) for _ in range(req.n)]
-
-    def running(self, output: RequestOutput) -> str:
-        """The chunk of an output that does not end its sample ("" for none)."""
-        return "" if _says_nothing(output) else self.of(output)
-
-    def of(self, output: RequestOutput) -> str:
-        response, sse = self.response, self.sse
-        reason = finish_reason_name(output.finish_reason)
-        if self.plain:
-            return (sse.delta if response.chat else sse.text)(output.index, output.text, reason)
-        choice: dict[str, Any] = {"index": output.index}
-        if response.chat:
-            choice["delta"] = {"content": output.text} if output.text else {}
-        else:
-            choice["text"] = output.text
-        choice["logprobs"] = response.logprobs_of(output.logprobs, self.logprobs[output.index])
-        choice["finish_reason"] = reason
-        if response.body.return_token_ids:
-            choice["token_ids"] = output.token_ids
-        return sse.chunk([choice])
+            return EventStream(answer.events(http.scope))
+        return await unless_disconnected(http, answer.collect())

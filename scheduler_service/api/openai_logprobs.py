@@ -4,14 +4,22 @@ Completions (legacy): {"tokens": [...], "token_logprobs": [...], "top_logprobs":
 "text_offset": [...]}; chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
 A token's text is its own decode (byte-level pieces that are not valid UTF-8 alone decode with
 replacement characters; `bytes` carries the exact UTF-8 of that text, as OpenAI does).
+An echoed prompt's first token has no logprob (nothing comes before it): it is `Unscored`, and
+the legacy shape gives it null, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from scheduler_service.core.request import TokenLogprob
 from scheduler_service.text.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Unscored(TokenLogprob):
+    """A token without a logprob: an echoed prompt's first."""
 
 
 def _text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -43,8 +51,12 @@ class CompletionLogprobs:
         for e in entries or []:
             text = _text(self._tokenizer, e.token_id)
             shape["tokens"].append(text)
-            shape["token_logprobs"].append(e.logprob)
-            shape["top_logprobs"].append({_text(self._tokenizer, t): lp for t, lp in e.top})
+            if isinstance(e, Unscored):
+                shape["token_logprobs"].append(None)
+                shape["top_logprobs"].append(None)
+            else:
+                shape["token_logprobs"].append(e.logprob)
+                shape["top_logprobs"].append({_text(self._tokenizer, t): lp for t, lp in e.top})
             shape["text_offset"].append(self._offset)
             self._offset += len(text)
         return shape

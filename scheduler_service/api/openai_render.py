@@ -3,15 +3,17 @@
 A body is turned into its prompt exactly as generation turns it (the same to_pb, the same intake:
 the chat template, special tokens, every bound) and answered without being queued, in vLLM's
 shape: the GenerateRequest a generation would run, `{"request_id", "token_ids", "features",
-"sampling_params"}` (a list of one for completions, as vLLM answers one per prompt). A gateway
+"sampling_params"}` (for completions a list, one per prompt of the body, as vLLM answers). A gateway
 or a KV-aware router computes its prefix keys from these ids.
 """
 
 from __future__ import annotations
 
 import uuid
+from typing import Optional
 
 from scheduler_service.api.admission import Rejected
+from scheduler_service.api.completion_prompts import Prompt, prompts_of
 from scheduler_service.api.openai_http import OpenAIApp
 from scheduler_service.api.openai_requests import (
     ChatCompletionRequest,
@@ -51,18 +53,20 @@ def _rendered(request: Request, request_id: str) -> dict:
 def add_render_routes(openai: OpenAIApp) -> None:
     """Adds the two render routes to the OpenAI app (behind the token, as generation is)."""
 
-    def render(body: _Common, chat: bool) -> dict:
+    def render(body: _Common, chat: bool, prompt: Optional[Prompt] = None) -> dict:
         openai.serving(body.model)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            request = openai.admission.render(to_pb(body, request_id))
+            request = openai.admission.render(to_pb(body, request_id, prompt=prompt))
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
         return _rendered(request, request_id)
 
     @openai.app.post("/v1/completions/render")
     async def completions_render(body: CompletionRequest) -> list[dict]:
-        return [render(body, chat=False)]
+        """One rendering per prompt of the body."""
+        prompts = prompts_of(body.prompt, openai.admission.config.max_queue_len)
+        return [render(body, chat=False, prompt=prompt) for prompt in prompts]
 
     @openai.app.post("/v1/chat/completions/render")
     async def chat_completions_render(body: ChatCompletionRequest) -> dict:

@@ -16,6 +16,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict
 
 from planserve.v1 import generate_pb2
+from scheduler_service.api import completion_prompts
 from scheduler_service.api.admission import Rejected
 from scheduler_service.api.openai_errors import ApiError
 
@@ -266,31 +267,6 @@ def chat_turns(messages: list[ChatMessage], target, only_text: bool = True) -> N
         target.messages.add(role=role, content=content or "")
 
 
-def _completion_prompt_to_pb(body: CompletionRequest, pb: generate_pb2.GenerateRequest) -> None:
-    if body.echo:
-        raise ApiError(400, "echo: not supported", param="echo")
-    if body.suffix:
-        raise ApiError(400, "suffix: not supported", param="suffix")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(
-                400,
-                f"prompt: one prompt per request (a batch of {len(prompt)} is not supported)",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        pb.text = prompt
-        return
-    try:
-        pb.token_ids.ids.extend(prompt)
-    except (ValueError, TypeError):
-        raise ApiError(400, "prompt: token ids must be in the vocabulary", param="prompt") from None
-    if not prompt:
-        pb.token_ids.SetInParent()
-
-
 def _sampling_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
     if body.temperature is not None:
         pb.sampling.temperature = body.temperature
@@ -321,14 +297,21 @@ def _stopping_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
 
 
 def to_pb(
-    body: _Common, request_id: str, prompt_ids: Optional[list[int]] = None
+    body: _Common,
+    request_id: str,
+    prompt_ids: Optional[list[int]] = None,
+    prompt: Optional[completion_prompts.Prompt] = None,
 ) -> generate_pb2.GenerateRequest:
-    """The GenerateRequest a gRPC client would send for this body (checked by admission)."""
+    """The GenerateRequest a gRPC client would send for this body (checked by admission).
+    `prompt`: a completion's, one of completion_prompts.prompts_of(body.prompt)."""
     pb = generate_pb2.GenerateRequest(request_id=request_id)
     _logprobs_to_pb(body, pb)
     if isinstance(body, CompletionRequest):
-        _completion_prompt_to_pb(body, pb)
-        max_tokens = body.max_tokens
+        assert prompt is not None, "a completion is given one of its body's prompts"
+        if body.suffix:
+            raise ApiError(400, "suffix: not supported", param="suffix")
+        completion_prompts.prompt_to_pb(prompt, body.echo, pb)
+        max_tokens = completion_prompts.max_new_tokens(body.max_tokens, body.echo)
     else:
         body = cast(ChatCompletionRequest, body)
         if prompt_ids is not None:  # rendered by the door (tools, or tool turns in the history)

@@ -4,7 +4,8 @@ A request with n samples ends when each sample has had its final output. Until t
 reads its outputs; a door that stops reading early (the client cancelled or disconnected, the
 handler was cancelled) aborts what is left, which frees its blocks within one step. `Outstanding`
 keeps that rule for a stream of many requests (Session); `outputs_of` is the same for one
-request (Generate, the HTTP API's streamed and whole responses); `Collected` gathers a request's
+request (Generate, the HTTP API's streamed and whole responses) and `outputs_of_each` for
+several side by side (a completion's prompts); `Collected` gathers a request's
 outputs per sample for the doors that answer once (the HTTP API's whole responses, the offline
 LLM), `unless_disconnected` aborts an HTTP door's whole answer when its client goes, and
 `EventStream` is the HTTP doors' streamed answer, cancelled when its client goes.
@@ -154,6 +155,41 @@ async def outputs_of(
                 yield output
     finally:
         outstanding.abort_all()
+
+
+async def outputs_of_each(
+    frontend: EngineFrontend, requests: list[Request]
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """The outputs of several requests (a completion's prompts) as they come, each with its
+    request's position in `requests`, until every one has ended: `outputs_of` for each, read
+    side by side; stopping early, or a failure of any, aborts all that are left."""
+    together: asyncio.Queue = asyncio.Queue()
+
+    async def read(position: int, request: Request) -> None:
+        try:
+            async with contextlib.aclosing(outputs_of(frontend, request)) as outputs:
+                async for output in outputs:
+                    together.put_nowait((position, output))
+        except Exception as error:  # (a cancel ends the read: outputs_of aborts it)
+            together.put_nowait((position, error))
+        else:
+            together.put_nowait((position, None))
+
+    reads = [asyncio.ensure_future(read(p, request)) for p, request in enumerate(requests)]
+    try:
+        left = len(reads)
+        while left:
+            position, item = await together.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in reads:
+            task.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
 
 
 async def placed(frontend: EngineFrontend, request: Request) -> None:

@@ -12,7 +12,7 @@ import pytest_asyncio
 from api import assert_no_leaked_blocks, sse_request, wait_until_idle
 from conftest import FRONTEND_PROCESSES, EngineProcess, start_scheduler
 
-from scheduler_service.api import openai_http
+from scheduler_service.api import openai_answers
 from scheduler_service.api.sse_direct import DirectSse
 
 PROMPT = "The quick brown fox"
@@ -41,7 +41,7 @@ def direct(monkeypatch):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(openai_http, "DirectSse", Counted)
+    monkeypatch.setattr(openai_answers, "DirectSse", Counted)
     return made
 
 

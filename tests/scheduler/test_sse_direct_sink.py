@@ -21,7 +21,7 @@ SSE = SseChunks("cmpl-1", "text_completion", 1764200000, "m", with_usage=False)
 
 
 def _running(output: RequestOutput) -> str:
-    """A completion's running chunk as the HTTP door makes it (openai_http._Chunks.running)."""
+    """A completion's running chunk as the HTTP door makes it (openai_answers._Chunks.running)."""
     return SSE.text(output.index, output.text, None) if output.text or output.token_ids else ""
 
 
