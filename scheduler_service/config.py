@@ -193,6 +193,11 @@ class SchedulerConfig:
     """Serve POST /reset_prefix_cache on the HTTP API (behind the bearer token): forgets every
     cached prefix block while no request holds blocks (409 otherwise), as vLLM's. Off: 404."""
 
+    enable_tokenizer_info_endpoint: bool = False
+    """Serve GET /tokenizer_info on the HTTP API (behind the bearer token), as vLLM's flag of the
+    same name: the special tokens, the chat template and the model's length, which an evaluation
+    harness's remote tokenizer reads (with /tokenize and /detokenize). Off: 404."""
+
     kv_events_config: str = ""
     """KV-cache events as vLLM publishes them, as vLLM's JSON: '{"enable_kv_cache_events": true,
     "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}' (also

@@ -11,7 +11,7 @@ Extensions beyond OpenAI's fields (vLLM spells them the same): `top_k`, `ignore_
 `return_token_ids` (each choice gets the `token_ids` it generated), `stream_interval` (tokens
 per streamed chunk), and structured output as `guided_json`, `guided_regex`, `guided_choice`
 besides OpenAI's `response_format` (json_schema, json_object). `/tokenize` and `/detokenize`
-take and give vLLM's JSON.
+take and give vLLM's JSON, as does `/tokenizer_info` with --enable-tokenizer-info-endpoint.
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ class OpenAIApp:
         post_json(self.app, "/v1/chat/completions", self.chat_completions)
         self.app.post("/tokenize")(self.tokenize)
         self.app.post("/detokenize")(self.detokenize)
+        if config.enable_tokenizer_info_endpoint:
+            self.app.get("/tokenizer_info")(self.tokenizer_info)
         lora_http.add_routes(self.app, admission)
 
     @staticmethod
@@ -165,6 +167,17 @@ class OpenAIApp:
             "count": len(reply.token_ids),
             "max_model_len": reply.max_model_len,
             "tokens": list(reply.token_ids),
+        }
+
+    async def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's configuration as transformers names it (the
+        special tokens by name, the chat template, model_max_length)."""
+        facts = self.serving().facts
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # a tokenizer.json's, in transformers
+            **facts.special_tokens,
+            "chat_template": facts.chat_template or None,
+            "model_max_length": facts.max_model_len,
         }
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:

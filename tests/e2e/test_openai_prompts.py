@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import urllib.error
 import urllib.request
 
 import openai
@@ -181,38 +182,67 @@ async def test_a_client_gone_mid_stream_aborts_every_prompt_of_its_list(tiny_ser
     assert_no_leaked_blocks(tiny_server)
 
 
-async def test_a_list_that_would_overfill_the_waiting_queue_is_refused_whole():
+@pytest_asyncio.fixture(scope="module")
+async def own_server():
+    """A scheduler on an engine of its own: one sequence at a time, a queue of three, and
+    /tokenizer_info served."""
     engine = EngineProcess("--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "32")
-    server = await start_scheduler(engine.address, max_num_seqs=1, max_queue_len=3, http_port=0)
+    server = await start_scheduler(engine.address, max_num_seqs=1, max_queue_len=3, http_port=0,
+                                   enable_tokenizer_info_endpoint=True)
+    yield server
+    await server.stop(grace_s=1)
+    engine.stop()
+
+
+async def test_a_list_that_would_overfill_the_waiting_queue_is_refused_whole(own_server):
+    server = own_server
+    client = _client(server)
+    # One running, one waiting: a list of three would make four waiting.
+    hold = [asyncio.ensure_future(client.completions.create(
+        model=_model(server), prompt=[1, 2, 3], max_tokens=200, temperature=0,
+        extra_body={"ignore_eos": True})) for _ in range(2)]
+    while server.loop.scheduler.num_waiting < 1:
+        await asyncio.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await client.completions.create(model=_model(server), prompt=[[4], [5], [6]],
+                                        max_tokens=2)
+    message = caught.value.body["message"]  # (behind frontend processes: the core's words)
+    assert message.startswith("queue full") and "(max_queue_len 3)" in message
+    # None of the three stays queued (behind frontend processes the core took two before
+    # refusing the third: they are aborted, and gone at its next step).
+    for _ in range(500):
+        if server.loop.scheduler.num_waiting == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert server.loop.scheduler.num_waiting == 1
+    await asyncio.gather(*hold)
+    two = await client.completions.create(model=_model(server), prompt=[[4], [5]], max_tokens=2)
+    assert len(two.choices) == 2
+    await wait_until_idle(server)
+    assert_no_leaked_blocks(server)
+
+
+def _get(port: int, path: str) -> tuple[int, dict]:
     try:
-        client = _client(server)
-        # One running, one waiting: a list of three would make four waiting.
-        hold = [asyncio.ensure_future(client.completions.create(
-            model=_model(server), prompt=[1, 2, 3], max_tokens=200, temperature=0,
-            extra_body={"ignore_eos": True})) for _ in range(2)]
-        while server.loop.scheduler.num_waiting < 1:
-            await asyncio.sleep(0.01)
-        with pytest.raises(openai.RateLimitError) as caught:
-            await client.completions.create(model=_model(server), prompt=[[4], [5], [6]],
-                                            max_tokens=2)
-        message = caught.value.body["message"]  # (behind frontend processes: the core's words)
-        assert message.startswith("queue full") and "(max_queue_len 3)" in message
-        # None of the three stays queued (behind frontend processes the core took two before
-        # refusing the third: they are aborted, and gone at its next step).
-        for _ in range(500):
-            if server.loop.scheduler.num_waiting == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert server.loop.scheduler.num_waiting == 1
-        await asyncio.gather(*hold)
-        two = await client.completions.create(model=_model(server), prompt=[[4], [5]],
-                                              max_tokens=2)
-        assert len(two.choices) == 2
-        await wait_until_idle(server)
-        assert_no_leaked_blocks(server)
-    finally:
-        await server.stop(grace_s=1)
-        engine.stop()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+async def test_tokenizer_info_is_served_only_when_enabled_and_names_the_eos_token(
+        tiny_server, own_server):
+    status, _ = await asyncio.to_thread(_get, tiny_server.http_port, "/tokenizer_info")
+    assert status == 404
+    status, info = await asyncio.to_thread(_get, own_server.http_port, "/tokenizer_info")
+    facts = own_server.servicer.serving.facts
+    assert status == 200
+    assert info["model_max_length"] == facts.max_model_len
+    assert info["chat_template"] == (facts.chat_template or None)
+    # What a remote tokenizer does with it: the eos token's text back to its id.
+    eos = await asyncio.to_thread(_post, own_server.http_port, "/tokenize",
+                                  {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos["tokens"][0] in facts.eos_token_ids
 
 
 def _post(port: int, path: str, body: dict) -> list:
