@@ -22,9 +22,14 @@ from scheduler_service.api.openai_requests import (
     to_pb,
 )
 from scheduler_service.api.tool_requests import ToolError, ToolPlan
-from scheduler_service.text.tokenizer import Tokenizer
+from scheduler_service.text.tokenizer import ChatTemplateOptions, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
+# What the renderer itself passes the template: a request's chat_template_kwargs may not replace it.
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    ("messages", "tools", "add_generation_prompt", "continue_final_message")
+    + ("bos_token", "eos_token", "pad_token", "unk_token")
+)
 
 
 def has_tool_turns(messages: list[ChatMessage]) -> bool:
@@ -106,16 +111,47 @@ def plan_tools(body: ChatCompletionRequest, auto_parser: Optional[str]) -> Optio
         raise _api_error(error) from None
 
 
+def template_options(body: ChatCompletionRequest) -> Optional[ChatTemplateOptions]:
+    """How the body asks its conversation rendered; None for the plain rendering."""
+    kwargs = body.chat_template_kwargs or {}
+    if body.add_generation_prompt and not body.continue_final_message and not kwargs:
+        return None
+    for name in kwargs:
+        if name in _RESERVED_TEMPLATE_NAMES:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs.{name}: reserved (the server passes it to the template)",
+                param="chat_template_kwargs",
+            )
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise ApiError(
+                400,
+                "continue_final_message: needs add_generation_prompt set to false",
+                param="continue_final_message",
+            )
+        last = body.messages[-1] if body.messages else None
+        if last is None or last.role != "assistant" or not _text(len(body.messages) - 1, last):
+            raise ApiError(
+                400,
+                "continue_final_message: the last message must be an assistant's, with content",
+                param="continue_final_message",
+            )
+    return ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message, kwargs)
+
+
 def chat_request_pb(
     body: ChatCompletionRequest, auto_parser: Optional[str], tokenizer: Tokenizer
 ) -> tuple[generate_pb2.GenerateRequest, Optional[ToolPlan]]:
-    """A chat body's public request and its tool plan (None without tools): with tools or tool
-    turns its prompt is rendered here; "required" or a named function adds its calls' grammar."""
+    """A chat body's public request and its tool plan (None without tools): with tools, tool
+    turns or template options its prompt is rendered here; "required" or a named function adds
+    its calls' grammar."""
     plan = plan_tools(body, auto_parser)
+    options = template_options(body)
     ids = None
-    if plan is not None or has_tool_turns(body.messages):
+    if plan is not None or has_tool_turns(body.messages) or options is not None:
         try:
-            ids = tool_turns.prompt_ids(conversation(body.messages), plan, tokenizer)
+            ids = tool_turns.prompt_ids(conversation(body.messages), plan, tokenizer, options)
         except ToolError as error:
             raise _api_error(error) from None
     pb = to_pb(body, uuid.uuid4().hex, ids)

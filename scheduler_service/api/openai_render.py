@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 from typing import Optional
 
+from scheduler_service.api import chat_prompt
 from scheduler_service.api.admission import Rejected
 from scheduler_service.api.completion_prompts import Prompt, prompts_of
 from scheduler_service.api.openai_http import OpenAIApp
@@ -54,10 +55,16 @@ def add_render_routes(openai: OpenAIApp) -> None:
     """Adds the two render routes to the OpenAI app (behind the token, as generation is)."""
 
     def render(body: _Common, chat: bool, prompt: Optional[Prompt] = None) -> dict:
-        openai.serving(body.model)
+        serving = openai.serving(body.model)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if isinstance(body, ChatCompletionRequest):  # rendered as generation renders it
+            parser = openai.tool_parser.name if openai.tool_parser is not None else None
+            pb, _ = chat_prompt.chat_request_pb(body, parser, serving.tokenizer)
+            pb.request_id = request_id
+        else:
+            pb = to_pb(body, request_id, prompt=prompt)
         try:
-            request = openai.admission.render(to_pb(body, request_id, prompt=prompt))
+            request = openai.admission.render(pb)
         except Rejected as rejected:
             raise rejected_error(rejected, chat, body) from None
         return _rendered(request, request_id)

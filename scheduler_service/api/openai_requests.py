@@ -34,6 +34,7 @@ _PARAMS = (
     ("stopping.max_new_tokens", "max_tokens"),
     ("stopping.min_new_tokens", "min_tokens"),
     ("stopping.ignore_eos", "ignore_eos"),
+    ("stopping.stop_token_ids", "stop_token_ids"),
     ("stopping.stop", "stop"),
     ("top_logprobs", "top_logprobs"),  # completions spell it logprobs (the count)
     ("messages.messages", "messages"),
@@ -106,6 +107,7 @@ class _Common(BaseModel):
     top_k: Optional[int] = None  # extension
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None  # extension
     n: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -158,6 +160,10 @@ class ChatCompletionRequest(_Common):
     tools: Optional[list[Any]] = None  # checked and planned in tool_requests.py
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    # Extensions (vLLM's): how the chat template renders the conversation (chat_prompt.py).
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(BaseModel):
@@ -293,6 +299,14 @@ def _stopping_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
         _set(pb.stopping, "min_new_tokens", body.min_tokens, "min_tokens")
     if body.stop is not None:
         pb.stopping.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    for index, token_id in enumerate(body.stop_token_ids or ()):
+        if not 0 <= token_id < 1 << 32:
+            raise ApiError(
+                400,
+                f"stop_token_ids[{index}]: {token_id} is not a token id",
+                param="stop_token_ids",
+            )
+        pb.stopping.stop_token_ids.append(token_id)
     pb.stopping.ignore_eos = body.ignore_eos
 
 

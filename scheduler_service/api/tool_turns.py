@@ -17,7 +17,7 @@ import jinja2
 
 from scheduler_service.api.tool_requests import ToolError, ToolPlan
 from scheduler_service.text import tool_prompt
-from scheduler_service.text.tokenizer import Tokenizer
+from scheduler_service.text.tokenizer import ChatTemplateOptions, Tokenizer
 
 
 def call_turn(where: str, call_id: str, name: Any, arguments: Any) -> dict[str, Any]:
@@ -38,23 +38,31 @@ def call_turn(where: str, call_id: str, name: Any, arguments: Any) -> dict[str, 
     return {"id": call_id, "type": "function", "function": function}
 
 
-def render(turns: list[dict[str, Any]], plan: Optional[ToolPlan], tokenizer: Tokenizer) -> str:
-    """The prompt's text: the turns and the plan's tools, rendered."""
+def render(
+    turns: list[dict[str, Any]],
+    plan: Optional[ToolPlan],
+    tokenizer: Tokenizer,
+    options: Optional[ChatTemplateOptions] = None,
+) -> str:
+    """The prompt's text: the turns and the plan's tools, rendered as `options` asks."""
     tools = plan.tools if plan is not None else None
     if not tokenizer.has_chat_template:
         raise ToolError("messages", "messages", "the served model has no chat template")
     try:
         if tokenizer.supports_tools:
-            return tokenizer.render_chat(turns, tools)
-        return tokenizer.render_chat(tool_prompt.default_format(turns, tools))
-    except jinja2.TemplateError as error:
+            return tokenizer.render_chat(turns, tools, options)
+        return tokenizer.render_chat(tool_prompt.default_format(turns, tools), None, options)
+    except (jinja2.TemplateError, ValueError) as error:
         raise ToolError(
             "messages", "messages", f"the chat template refused them ({error})"
         ) from None
 
 
 def prompt_ids(
-    turns: list[dict[str, Any]], plan: Optional[ToolPlan], tokenizer: Tokenizer
+    turns: list[dict[str, Any]],
+    plan: Optional[ToolPlan],
+    tokenizer: Tokenizer,
+    options: Optional[ChatTemplateOptions] = None,
 ) -> list[int]:
     """The prompt's token ids (the template wrote every special token it wants)."""
-    return tokenizer.encode(render(turns, plan, tokenizer), add_special_tokens=False)
+    return tokenizer.encode(render(turns, plan, tokenizer, options), add_special_tokens=False)

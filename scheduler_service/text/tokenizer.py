@@ -7,6 +7,7 @@ document and the chat template as Jinja2 source, rendered the way `transformers`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Any, Callable, Optional, Sequence
@@ -24,6 +25,28 @@ _STREAM_CONTEXT_TOKENS = 5
 
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a request asks its conversation rendered (vLLM's and transformers' names): with the
+    assistant's prompt after it (add_generation_prompt), or with its last, assistant, message
+    left open for the model to go on with (continue_final_message); `kwargs` go to the template
+    beside the messages (`enable_thinking` for Qwen3's)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _open_final_message(text: str, content: str) -> str:
+    """The rendered conversation cut right after its last message's content, as transformers'
+    continue_final_message cuts it (what the template writes after a turn is dropped)."""
+    content = content.strip()
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise ValueError("the chat template does not write the final message's content as given")
+    return text[: at + len(content)]
 
 
 class Tokenizer:
@@ -54,16 +77,28 @@ class Tokenizer:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Optional[list[dict[str, Any]]] = None,
+        options: Optional[ChatTemplateOptions] = None,
     ) -> str:
         """The conversation rendered by the chat template, with the assistant prompt; `tools`
-        (OpenAI's tool objects) are passed to the template as transformers passes them."""
+        (OpenAI's tool objects) are passed to the template as transformers passes them, and
+        `options` (a request's) as their ChatTemplateOptions says."""
         if self._chat_template is None:
             raise ValueError("the model has no chat template")
+        options = options or ChatTemplateOptions()
         extra = {"tools": tools} if tools else {}
-        return self._chat_template.render(
-            messages=list(messages), add_generation_prompt=True, **extra, **self._special_tokens
+        text = self._chat_template.render(
+            messages=list(messages),
+            add_generation_prompt=options.add_generation_prompt,
+            **extra,
+            **self._special_tokens,
+            **options.kwargs,
         )
+        if options.continue_final_message:
+            text = _open_final_message(text, messages[-1].get("content") or "")
+        return text
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None

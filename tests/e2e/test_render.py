@@ -114,3 +114,28 @@ async def test_render_refuses_what_generation_refuses(tiny_server):
         tiny_server, "/v1/completions/render", {"model": model, "prompt": [10**9]}
     )
     assert status == 400 and error["error"]["param"] == "prompt"
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+RENDERED_BY_THE_DOOR = {  # bodies whose prompt the HTTP door renders itself (chat_prompt.py)
+    "tools": {"tools": [WEATHER_TOOL], "tool_choice": "required"},
+    "continue_final_message": {
+        "messages": [{"role": "user", "content": "Name a colour."},
+                     {"role": "assistant", "content": "My favourite colour is"}],
+        "add_generation_prompt": False, "continue_final_message": True},
+    "no generation prompt": {"add_generation_prompt": False},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RENDERED_BY_THE_DOOR))
+async def test_a_chat_the_door_renders_renders_as_generation_does(tiny_server, prompts_seen, case):
+    body = {"model": _model(tiny_server), "messages": CHATS[0], "max_tokens": 3,
+            **RENDERED_BY_THE_DOOR[case]}
+    status, rendered = await post(tiny_server, "/v1/chat/completions/render", body)
+    assert status == 200, rendered
+    status, _ = await post(tiny_server, "/v1/chat/completions", body)
+    assert status == 200
+    assert prompts_seen == [rendered["token_ids"]]
+    await wait_until_idle(tiny_server)
