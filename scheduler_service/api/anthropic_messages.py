@@ -11,6 +11,8 @@ exactly as a chat completion is); the split sample comes back as Anthropic conte
     tool_choice auto / any / tool / none        "auto" / "required" / a named function / "none"
     disable_parallel_tool_use                   parallel_tool_calls false
     stop_sequences                              stop
+    a last assistant message (a prefill)        continue_final_message, so the reply goes
+                                                on from it (and holds only what follows)
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         "tool_choice": tool_choice if tools or tool_choice not in (None, "none") else None,
         "parallel_tool_calls": parallel,
     }
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
+        chat["add_generation_prompt"], chat["continue_final_message"] = False, True
     try:
         return ChatCompletionRequest.model_validate(
             {key: value for key, value in chat.items() if value is not None}

@@ -188,3 +188,27 @@ async def test_x_api_key_is_accepted_as_the_token(tiny_server):
             )
     finally:
         await http.stop(grace_s=1)
+
+
+async def test_a_last_assistant_message_is_continued_as_a_prefill(tiny_server, client):
+    """Anthropic's prefill: the reply goes on from the assistant's words and holds only what
+    follows them, as a chat completion that continues its final message."""
+    started = [*ASK, {"role": "assistant", "content": "It is"}]
+    message = await client.messages.create(
+        model=_model(tiny_server), max_tokens=8, messages=started, **GREEDY
+    )
+    chat = await openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{tiny_server.http_port}/v1", api_key="x", max_retries=0
+    ).chat.completions.create(
+        model=_model(tiny_server),
+        max_tokens=8,
+        temperature=0,
+        messages=started,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    [block] = message.content
+    assert block.text == chat.choices[0].message.content
+    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    tokenizer = tiny_server.servicer.serving.tokenizer
+    closed = tokenizer.encode_chat(started)  # the assistant turn closed, a new one opened
+    assert message.usage.input_tokens < len(closed)
