@@ -24,22 +24,23 @@ import json
 import os
 import time
 import uuid
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from planserve.v1 import common_pb2, engine_pb2, generate_pb2
 from scheduler_service.api import intake
-from scheduler_service.api.streams import Collected, finish_reason_name
+from scheduler_service.api.streams import Collected
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core import plan as plan_codec
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import Request, TokenLogprob
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineFacts
 from scheduler_service.text import structured
 from scheduler_service.text.outputs import OutputProcessor
 from scheduler_service.text.tokenizer import Tokenizer
 from tools.offline_lora import LoRARequest, LoraRequests, OfflineAdapters, rpc_error
+from tools.offline_outputs import CompletionOutput, Logprob, RequestResult, result_of
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "CompletionOutput", "Logprob", "RequestResult"]
 
 
 @dataclasses.dataclass
@@ -66,6 +67,10 @@ class SamplingParams:
     regex: Optional[str] = None
     choice: Optional[Sequence[str]] = None
     json_object: bool = False
+    # Logprobs (vLLM's): per generated token, the chosen token's and this many alternatives';
+    # per prompt token after the first, the same.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def fill(self, pb: generate_pb2.GenerateRequest) -> None:
         """Writes these parameters into a GenerateRequest (validated later by intake)."""
@@ -91,6 +96,10 @@ class SamplingParams:
             stopping.min_new_tokens = self.min_tokens
         if self.n != 1:
             pb.n = self.n
+        if self.logprobs is not None:
+            pb.logprobs, pb.top_logprobs = True, self.logprobs
+        if self.prompt_logprobs is not None:
+            pb.prompt_logprobs = self.prompt_logprobs
         kinds = [
             name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
@@ -109,39 +118,6 @@ class SamplingParams:
             pb.structured_output.choice.CopyFrom(common_pb2.Choices(choices=list(self.choice)))
         elif self.json_object:
             pb.structured_output.json_object = True
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One sample of a prompt."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: Optional[str]  # "stop", "length", "cancelled", "deadline", "error"
-
-
-@dataclasses.dataclass
-class RequestResult:
-    """Everything generated for one prompt; `text`, `token_ids` and `finish_reason` are
-    sample 0's."""
-
-    request_id: str
-    prompt: Any
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.outputs[0].finish_reason
 
 
 class InProcessEngine:
@@ -307,12 +283,15 @@ class LLM:
     def _run(self, prompts: list, requests: list[Request]) -> list[RequestResult]:
         scheduler = self.scheduler
         collected = {request.request_id: Collected(request.n) for request in requests}
+        prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # sample 0's first output has them
         for request in requests:
             scheduler.add_request(request)
 
         def collect(outputs) -> None:
             for request, output in outputs:
                 collected[request.public_id].add(output)
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[request.public_id] = output.prompt_logprobs
 
         num_idle_steps = 0  # plans with nothing to compute, in a row
         while scheduler.has_work():
@@ -332,19 +311,12 @@ class LLM:
             self.adapters.pump()  # adapters idle since this result may be evicted now
         collect(scheduler.take_early_outputs())
         return [
-            RequestResult(
-                request_id=request.request_id,
-                prompt=prompt,
-                prompt_token_ids=list(request.prompt_token_ids),
-                outputs=[
-                    CompletionOutput(
-                        index=index,
-                        text=sample.text,
-                        token_ids=sample.token_ids,
-                        finish_reason=finish_reason_name(sample.finish_reason),
-                    )
-                    for index, sample in enumerate(collected[request.request_id].samples)
-                ],
+            result_of(
+                prompt,
+                request,
+                collected[request.request_id],
+                prompt_logprobs.get(request.request_id),
+                self.tokenizer,
             )
             for prompt, request in zip(prompts, requests)
         ]

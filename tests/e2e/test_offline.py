@@ -100,3 +100,33 @@ def test_bad_input_raises_naming_the_field(llm):
         llm.generate(["x", "y"], [SamplingParams()])
     # Nothing was left behind by the rejected calls.
     assert not llm.scheduler.requests and not llm.scheduler.has_work()
+
+
+async def test_logprobs_and_prompt_logprobs_equal_the_grpc_servers(llm, tiny_server):
+    """vLLM's shapes: per position a dict of token id -> Logprob, the chosen token's and k
+    alternatives' ranked 1 .. k; prompt logprobs lead with None for the first token."""
+    from planserve import SamplingParams
+    [result] = llm.generate([PROMPT_IDS], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1))
+    request = generate_pb2.GenerateRequest(logprobs=True, top_logprobs=2, prompt_logprobs=1)
+    request.token_ids.ids.extend(PROMPT_IDS)
+    request.sampling.temperature = 0
+    request.stopping.max_new_tokens = 6
+    request.stopping.ignore_eos = True
+    chunks = [chunk async for chunk in stub_for(tiny_server).Generate(request)]
+    served = [entry for chunk in chunks for entry in chunk.logprobs]
+    [output] = result.outputs
+    assert len(output.logprobs) == len(served) == 6
+    for token_id, position, entry in zip(output.token_ids, output.logprobs, served):
+        assert position[token_id].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert position[token_id].rank == 1  # greedy: the most likely token
+        ranked = sorted((p.rank, t) for t, p in position.items() if p.rank is not None)
+        assert [t for _, t in ranked] == [alt.token_id for alt in entry.top]
+        assert position[token_id].decoded_token == llm.tokenizer.decode(
+            [token_id], skip_special_tokens=False)
+    prompt_served = list(chunks[0].prompt_logprobs)
+    assert result.prompt_logprobs[0] is None
+    assert len(result.prompt_logprobs) == len(PROMPT_IDS)
+    for token_id, position, entry in zip(PROMPT_IDS[1:], result.prompt_logprobs[1:],
+                                         prompt_served):
+        assert position[token_id].logprob == pytest.approx(entry.logprob, abs=1e-6)
