@@ -158,7 +158,10 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
     }
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
-        chat["add_generation_prompt"], chat["continue_final_message"] = False, True
+        if (last["content"] or "").strip():
+            chat["add_generation_prompt"], chat["continue_final_message"] = False, True
+        else:  # an empty one prefills nothing (Anthropic's API allows it last): a new turn
+            messages.pop()
     try:
         return ChatCompletionRequest.model_validate(
             {key: value for key, value in chat.items() if value is not None}

@@ -212,3 +212,17 @@ async def test_a_last_assistant_message_is_continued_as_a_prefill(tiny_server, c
     tokenizer = tiny_server.servicer.serving.tokenizer
     closed = tokenizer.encode_chat(started)  # the assistant turn closed, a new one opened
     assert message.usage.input_tokens < len(closed)
+
+
+async def test_an_empty_last_assistant_message_prefills_nothing(tiny_server, client):
+    plain = await client.messages.create(
+        model=_model(tiny_server), max_tokens=6, messages=ASK, **GREEDY
+    )
+    empty = await client.messages.create(
+        model=_model(tiny_server),
+        max_tokens=6,
+        messages=[*ASK, {"role": "assistant", "content": ""}],
+        **GREEDY,
+    )
+    assert [b.model_dump() for b in empty.content] == [b.model_dump() for b in plain.content]
+    assert empty.usage.input_tokens == plain.usage.input_tokens
