@@ -1,5 +1,6 @@
-"""Fuzz the HTTP doors of a live scheduler (over the null model) with random JSON bodies: every
-field the doors read, with plausible values and junk of every JSON type. Every body gets an answer
+"""Fuzz the HTTP doors of a live scheduler (over the null model: completions, chat, render,
+Anthropic's messages, OpenAI's responses, tokenize) with random JSON bodies: every field the doors
+read, with plausible values and junk of every JSON type. Every body gets an answer
 in bounded time with a status below 500, and every refusal has its door's error shape with a
 message; the process stays up, and afterwards a valid request is served exactly and no KV block
 or request is left."""
@@ -132,8 +133,32 @@ ANTHROPIC = st.fixed_dictionaries(
               "temperature": (st.floats(0, 1)),
               "stop_sequences": (st.lists(st.text(max_size=3), max_size=2)),
               "tool_choice": (st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "x"}]))})
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "x"]),
+                           "content": st.one_of(st.text(max_size=10), st.lists(
+                               st.fixed_dictionaries({"type": st.sampled_from(
+                                   ["input_text", "output_text", "input_image"]),
+                                   "text": st.text(max_size=6)}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=3),
+                           "name": st.just("f"),
+                           "arguments": st.sampled_from(["{}", '{"a": 2}', "[", ""])}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"),
+                           "call_id": st.text(max_size=3), "output": st.text(max_size=6)}),
+    JUNK)
+RESPONSES = st.fixed_dictionaries(
+    {"model": st.just(MODEL),
+     "input": st.one_of(st.text(min_size=1, max_size=16), st.lists(ITEM, max_size=3))},
+    optional={"instructions": st.text(max_size=8), "max_output_tokens": st.integers(0, 6),
+              "temperature": st.floats(0, 2), "stream": st.booleans(),
+              "store": st.booleans(), "previous_response_id": st.text(max_size=4),
+              "tools": st.lists(st.fixed_dictionaries(
+                  {"type": st.just("function"), "name": st.sampled_from(["f", ""]),
+                   "parameters": st.sampled_from([{"type": "object"}, {"type": "x"}])}),
+                  max_size=2),
+              "tool_choice": st.sampled_from(["auto", "none", "required", "bogus"])})
 
-COMPLETION, CHAT, ANTHROPIC = map(_one_spoiled, (COMPLETION, CHAT, ANTHROPIC))
+COMPLETION, CHAT, ANTHROPIC, RESPONSES = map(
+    _one_spoiled, (COMPLETION, CHAT, ANTHROPIC, RESPONSES))
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +234,12 @@ def test_render_with_random_bodies(server, body, chat):
 @given(body=ANTHROPIC)
 def test_anthropic_messages_with_random_bodies(server, body):
     _post(server[0], "/v1/messages", body)
+
+
+@FUZZ
+@given(body=RESPONSES)
+def test_responses_with_random_bodies(server, body):
+    _post(server[0], "/v1/responses", body)
 
 
 @FUZZ
