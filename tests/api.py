@@ -213,3 +213,9 @@ async def assert_finished_as_undisturbed(server, tasks, reference, streamed,
     assert server.loop.num_engine_recoveries == recoveries
     await wait_until_idle(server)
     assert_no_leaked_blocks(server)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The process ids of a process's children (Linux)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]

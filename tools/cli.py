@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import os
 import sys
 from typing import Optional
-
-import structlog
 
 from bench.load import cli as bench_cli
 from config_fields import add_flags, flag_of, parsed
@@ -36,10 +33,8 @@ from scheduler_service.frontends import count as frontend_count
 from scheduler_service.ports import StartupError, check_port_free
 from scheduler_service.server import SchedulerServer, check_ports
 from tools import conformance
+from tools.supervisor import ModelServiceSupervisor
 
-log = structlog.get_logger("planserve.cli")
-
-ENGINE_PORT_LINE = "PLANSERVE_ENGINE_PORT="
 # Where and how the model service listens: `serve` places it itself (loopback, --engine-port,
 # plaintext); `planserve model-service` has these flags with their own defaults.
 _MODEL_LISTENER_FIELDS = ("host", "port", "tls_cert", "tls_key", "tls_client_ca")
@@ -70,79 +65,6 @@ def _model_service_argv(args: argparse.Namespace, host: str, port: int) -> list[
     return argv
 
 
-async def _start_model_service(argv: list[str]) -> tuple[asyncio.subprocess.Process, int]:
-    """Starts the model service and waits for the line that tells its port."""
-    child = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
-    stdout = child.stdout
-    assert stdout is not None  # stdout=PIPE
-    while True:
-        line = await stdout.readline()
-        if not line:
-            await child.wait()
-            raise RuntimeError(
-                f"model service exited with status {child.returncode} before it started serving"
-            )
-        text = line.decode().strip()
-        if text.startswith(ENGINE_PORT_LINE):
-            return child, int(text[len(ENGINE_PORT_LINE) :])
-
-
-class _ModelServiceSupervisor:
-    """`planserve serve`'s model service child, restarted on the same port whenever it dies (the
-    scheduler notices, reconnects and recomputes what was in flight). The delay before a restart
-    doubles, up to MAX_DELAY_S, while the child keeps dying within HEALTHY_S of its start."""
-
-    FIRST_DELAY_S = 0.5
-    MAX_DELAY_S = 30.0
-    HEALTHY_S = 60.0
-
-    def __init__(self, args: argparse.Namespace):
-        self._args = args
-        self.child: Optional[asyncio.subprocess.Process] = None
-        self.port = args.engine_port
-        self.num_restarts = 0
-        self._watch: Optional[asyncio.Task] = None
-
-    async def start(self) -> int:
-        self.child, self.port = await _start_model_service(
-            _model_service_argv(self._args, "127.0.0.1", self.port)
-        )
-        self._watch = asyncio.get_running_loop().create_task(self._restart_when_dead())
-        return self.port
-
-    async def _restart_when_dead(self) -> None:
-        delay_s = self.FIRST_DELAY_S
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            assert self.child is not None  # start() made it
-            status = await self.child.wait()
-            delay_s = self.FIRST_DELAY_S if loop.time() - started > self.HEALTHY_S else delay_s
-            log.warning("model_service_died", status=status, restart_in_s=delay_s)
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, self.MAX_DELAY_S)
-            try:
-                self.child, _ = await _start_model_service(
-                    _model_service_argv(self._args, "127.0.0.1", self.port)
-                )
-            except RuntimeError as error:  # died while starting: wait() returns at once
-                log.warning("model_service_restart_failed", error=str(error))
-                continue
-            self.num_restarts += 1
-            log.warning("model_service_restarted", port=self.port, restarts=self.num_restarts)
-
-    async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-        child = self.child
-        if child is not None and child.returncode is None:
-            child.terminate()
-            with contextlib.suppress(ProcessLookupError, asyncio.TimeoutError):
-                await asyncio.wait_for(child.wait(), 10)
-
-
 def profiling_the_token_budget(
     args: argparse.Namespace, config: SchedulerConfig
 ) -> argparse.Namespace:
@@ -162,7 +84,12 @@ async def _serve(args: argparse.Namespace) -> None:
     check_port_free("--engine-port", "127.0.0.1", args.engine_port)
     config = scheduler_cli.scheduler_config(args, f"127.0.0.1:{args.engine_port}")
     check_ports(config)
-    supervisor = _ModelServiceSupervisor(profiling_the_token_budget(args, config))
+    model_args = profiling_the_token_budget(args, config)
+    supervisor = ModelServiceSupervisor(
+        lambda port: _model_service_argv(model_args, "127.0.0.1", port),
+        args.engine_port,
+        args.model_service_liveness_seconds,
+    )
     try:
         engine_port = await supervisor.start()
     except RuntimeError as error:  # the child said why on stderr
@@ -194,6 +121,14 @@ def _add_serve(commands) -> None:
         type=int,
         default=50052,
         help="model service port (0 picks a free one) (default: 50052)",
+    )
+    serve.add_argument(
+        "--model-service-liveness-seconds",
+        type=float,
+        default=20.0,
+        help="the model service child's liveness probe: a health check this often, each given\n"
+        "half as long; after 3 failed in a row the child is killed and restarted, as the\n"
+        "deployment's livenessProbe does (0: no probe) (default: 20)",
     )
     serve.add_argument(
         "--sample",
@@ -231,6 +166,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_model_flags(args)
         except ValueError as error:
             parser.error(str(error))
+    liveness_s = getattr(args, "model_service_liveness_seconds", 0.0)
+    if liveness_s < 0:
+        parser.error(f"--model-service-liveness-seconds must be >= 0, got {liveness_s}")
     if args.command == "bench":
         bench_cli.main(args)
         return 0

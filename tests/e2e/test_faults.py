@@ -12,7 +12,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2
 
-from api import (assert_finished_as_undisturbed, assert_no_leaked_blocks, complete,
+from api import (assert_finished_as_undisturbed, assert_no_leaked_blocks, child_pids, complete,
                  greedy_ids_request, health_status, stream_tokens, stub_for, wait_for_health,
                  wait_until_idle)
 from conftest import EngineProcess, start_scheduler
@@ -126,11 +126,6 @@ def _in_process_engine_config():
                               cuda_graphs="off")
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
 async def test_planserve_serve_restarts_its_killed_model_service_and_requests_finish():
     # The null model with a step delay: a request is certainly still running at the kill.
     process = subprocess.Popen(
@@ -149,7 +144,7 @@ async def test_planserve_serve_restarts_its_killed_model_service_and_requests_fi
         stub = generate_pb2_grpc.GenerationServiceStub(channel)
         request = greedy_ids_request([1, 2, 3], 300)
         reference = await complete(stub, request)
-        [child] = _children(process.pid)
+        [child] = child_pids(process.pid)
 
         tokens: list[list[int]] = [[]]
         task = asyncio.ensure_future(stream_tokens(stub, request, tokens, 0))
@@ -160,7 +155,7 @@ async def test_planserve_serve_restarts_its_killed_model_service_and_requests_fi
         chunks = await task
         assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert tokens[0] == reference.token_ids
-        [restarted] = _children(process.pid)
+        [restarted] = child_pids(process.pid)
         assert restarted != child
         await channel.close()
         process.send_signal(signal.SIGTERM)
