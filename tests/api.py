@@ -5,6 +5,8 @@ import asyncio
 import dataclasses
 import json
 import socket
+import urllib.error
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -135,6 +137,20 @@ class SseStream:
             for choice in json.loads(event)["choices"]:
                 parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
         return "".join(parts)
+
+
+def http_json(port: int, path: str, body: dict | None = None,
+              timeout_s: float = 60) -> tuple[int, object]:
+    """GET `path` (POST `body` as JSON when given) on 127.0.0.1: the status and the JSON answer,
+    an error's too. Blocking: from a test's loop, call it with asyncio.to_thread."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 async def sse_request(port: int, path: str, body: dict, http_version: str = "1.1",

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 import pytest_asyncio
 
-from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
+from api import (assert_no_leaked_blocks, complete, greedy_ids_request, http_json, stub_for,
+                 wait_until_idle)
 from conftest import EngineProcess, start_scheduler
 from hf_folders import write_tiny_hf_folder
 
@@ -59,17 +58,6 @@ async def server(folder):
     engine.stop()
 
 
-def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def _transformers_ids(folder: str, messages: list[dict], options: dict) -> list[int]:
     import transformers
 
@@ -91,11 +79,11 @@ async def test_the_prompt_is_transformers_rendering_and_generation_uses_it(serve
     messages, options = CASES[case]
     body = {"model": _model(server), "messages": messages, "max_tokens": 4, **options}
     status, rendered = await asyncio.to_thread(
-        _post, server.http_port, "/v1/chat/completions/render", body)
+        http_json, server.http_port, "/v1/chat/completions/render", body)
     assert status == 200, rendered
     assert rendered["token_ids"] == _transformers_ids(folder, messages, options)
     status, reply = await asyncio.to_thread(
-        _post, server.http_port, "/v1/chat/completions", body)
+        http_json, server.http_port, "/v1/chat/completions", body)
     assert status == 200, reply
     assert reply["usage"]["prompt_tokens"] == len(rendered["token_ids"])
 
@@ -107,7 +95,7 @@ async def test_the_thinking_switch_changes_the_prompt(server):
                          ("none", None)):
         body = {"model": _model(server), "messages": ASK, "chat_template_kwargs": kwargs}
         _, rendered = await asyncio.to_thread(
-            _post, server.http_port, "/v1/chat/completions/render", body)
+            http_json, server.http_port, "/v1/chat/completions/render", body)
         ids[name] = rendered["token_ids"]
     assert ids["on"] == ids["none"]
     tokenizer = server.servicer.serving.tokenizer

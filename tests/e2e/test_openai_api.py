@@ -4,16 +4,14 @@ same bounds, OpenAI's shapes."""
 from __future__ import annotations
 
 import asyncio
-import json
 import types
-import urllib.error
-import urllib.request
 
 import grpc
 import openai
 import pytest
 
-from api import assert_no_leaked_blocks, complete, greedy_ids_request, stub_for, wait_until_idle
+from api import (assert_no_leaked_blocks, complete, greedy_ids_request, http_json, stub_for,
+                 wait_until_idle)
 from planserve.v1 import generate_pb2
 from scheduler_service.api.http_server import HttpServer
 from scheduler_service.api.admission import Rejected
@@ -33,19 +31,10 @@ def _model(server) -> str:
     return server.servicer.serving.facts.model_name
 
 
-def _get(port: int, path: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}",
-                                    timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 async def test_models_lists_the_served_model_and_health_is_ok(tiny_server, client):
     models = await client.models.list()
     assert [m.id for m in models.data] == [_model(tiny_server)]
-    status, body = await asyncio.to_thread(_get, tiny_server.http_port, "/health")
+    status, body = await asyncio.to_thread(http_json, tiny_server.http_port, "/health")
     assert (status, body) == (200, {"status": "ok"})
 
 
@@ -246,7 +235,7 @@ async def test_not_ready_is_503_and_a_full_queue_is_429():
             await client.completions.create(model="m", prompt="Hi")
         assert caught.value.status_code == 503
         assert caught.value.body["type"] == "service_unavailable"
-        status, body = await asyncio.to_thread(_get, server.port, "/health")
+        status, body = await asyncio.to_thread(http_json, server.port, "/health")
         assert (status, body) == (503, {"status": "starting"})
     finally:
         await server.stop(grace_s=1)

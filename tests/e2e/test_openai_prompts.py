@@ -6,16 +6,13 @@ default dtype they rank a right continuation above a wrong one."""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 import pytest_asyncio
 
-from api import (assert_no_leaked_blocks, complete, greedy_ids_request, stub_for,
+from api import (assert_no_leaked_blocks, complete, greedy_ids_request, http_json, stub_for,
                  wait_until_idle)
 from conftest import EngineProcess, start_scheduler
 from reference import hf_llama_from_loaded, reference_logprobs
@@ -222,40 +219,26 @@ async def test_a_list_that_would_overfill_the_waiting_queue_is_refused_whole(own
     assert_no_leaked_blocks(server)
 
 
-def _get(port: int, path: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 async def test_tokenizer_info_is_served_only_when_enabled_and_names_the_eos_token(
         tiny_server, own_server):
-    status, _ = await asyncio.to_thread(_get, tiny_server.http_port, "/tokenizer_info")
+    status, _ = await asyncio.to_thread(http_json, tiny_server.http_port, "/tokenizer_info")
     assert status == 404
-    status, info = await asyncio.to_thread(_get, own_server.http_port, "/tokenizer_info")
+    status, info = await asyncio.to_thread(http_json, own_server.http_port, "/tokenizer_info")
     facts = own_server.servicer.serving.facts
     assert status == 200
     assert info["model_max_length"] == facts.max_model_len
     assert info["chat_template"] == (facts.chat_template or None)
     # What a remote tokenizer does with it: the eos token's text back to its id.
-    eos = await asyncio.to_thread(_post, own_server.http_port, "/tokenize",
-                                  {"prompt": info["eos_token"], "add_special_tokens": False})
+    _, eos = await asyncio.to_thread(http_json, own_server.http_port, "/tokenize",
+                                     {"prompt": info["eos_token"], "add_special_tokens": False})
     assert eos["tokens"][0] in facts.eos_token_ids
-
-
-def _post(port: int, path: str, body: dict) -> list:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 async def test_render_answers_one_rendering_per_prompt(tiny_server):
     body = {"model": _model(tiny_server), "prompt": PROMPTS, "max_tokens": 3}
-    rendered = await asyncio.to_thread(_post, tiny_server.http_port, "/v1/completions/render", body)
+    status, rendered = await asyncio.to_thread(
+        http_json, tiny_server.http_port, "/v1/completions/render", body)
+    assert status == 200, rendered
     assert [r["token_ids"] for r in rendered] == PROMPTS
 
 

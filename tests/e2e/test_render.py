@@ -4,31 +4,15 @@ template, a system message, special tokens), read from the requests the engine s
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 
 import pytest
-from api import wait_until_idle
+from api import http_json, wait_until_idle
 
 SPECIAL = "<|im_start|>"  # SmolLM2's chat-turn token, as text inside a message
 
 
-def _post(port: int, path: str, body: dict) -> tuple[int, object]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 async def post(server, path: str, body: dict) -> tuple[int, object]:
-    return await asyncio.to_thread(_post, server.http_port, path, body)
+    return await asyncio.to_thread(http_json, server.http_port, path, body)
 
 
 @pytest.fixture

@@ -3,28 +3,14 @@ served model's tokenizer, the same prompts Generate builds, bounds named."""
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
 
-from api import complete, stub_for
+from api import complete, http_json, stub_for
 from planserve.v1 import generate_pb2
 
 TEXTS = ["Hello, world!", "  leading spaces and ünïcödé — 漢字 🙂\nnew line", "x"]
-
-
-def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -100,31 +86,31 @@ async def test_http_tokenize_and_detokenize(tiny_server):
     model = tiny_server.servicer.serving.facts.model_name
     stub = stub_for(tiny_server)
     text = TEXTS[1]
-    status, body = await asyncio.to_thread(_post, port, "/tokenize",
+    status, body = await asyncio.to_thread(http_json, port, "/tokenize",
                                            {"model": model, "prompt": text})
     grpc_tokens = await stub.Tokenize(generate_pb2.TokenizeRequest(text=text,
                                                                    add_special_tokens=True))
     assert status == 200
     assert body["tokens"] == list(grpc_tokens.token_ids) and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == grpc_tokens.max_model_len
-    status, back = await asyncio.to_thread(_post, port, "/detokenize",
+    status, back = await asyncio.to_thread(http_json, port, "/detokenize",
                                            {"model": model, "tokens": body["tokens"]})
     assert (status, back) == (200, {"prompt": text})
 
     messages = [{"role": "user", "content": "Name a colour."}]
-    status, chat = await asyncio.to_thread(_post, port, "/tokenize", {"messages": messages})
+    status, chat = await asyncio.to_thread(http_json, port, "/tokenize", {"messages": messages})
     grpc_chat = await stub.Tokenize(generate_pb2.TokenizeRequest(
         messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(
             role="user", content="Name a colour.")])))
     assert status == 200 and chat["tokens"] == list(grpc_chat.token_ids)
 
-    status, error = await asyncio.to_thread(_post, port, "/detokenize",
+    status, error = await asyncio.to_thread(http_json, port, "/detokenize",
                                             {"tokens": [1, facts_vocab(tiny_server)]})
     assert status == 400 and error["error"]["param"] == "tokens"
     assert "tokens[1]" in error["error"]["message"]
-    status, error = await asyncio.to_thread(_post, port, "/detokenize", {"tokens": [-1]})
+    status, error = await asyncio.to_thread(http_json, port, "/detokenize", {"tokens": [-1]})
     assert status == 400 and error["error"]["param"] == "tokens"
-    status, error = await asyncio.to_thread(_post, port, "/tokenize",
+    status, error = await asyncio.to_thread(http_json, port, "/tokenize",
                                             {"model": "nope", "prompt": "x"})
     assert status == 404 and error["error"]["code"] == "model_not_found"
 

@@ -4,17 +4,17 @@ INTERNAL for a message that parses (every bad field is mapped to a status), the 
 up, and afterwards a valid request is served exactly and no KV block is leaked."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import EngineProcess
+from fuzz_settings import CALL_TIMEOUT_S, FUZZ
 from model_service.models.null import null_continuation
 from planserve.v1 import generate_pb2, generate_pb2_grpc
 from proto_strategies import messages
@@ -23,11 +23,6 @@ pytestmark = pytest.mark.slow(
     reason="150 random examples a property, each a round trip to a live server (PLANSERVE_FUZZ_EXAMPLES sets fewer)"
 )
 
-CALL_TIMEOUT_S = 30  # a call still open after this is a hang
-FUZZ = settings(max_examples=int(os.environ.get("PLANSERVE_FUZZ_EXAMPLES", "150")),
-                deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
 # Codes that mean a handler raised something it did not map.
 UNMAPPED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 

@@ -5,27 +5,22 @@ process stays up, and afterwards the same valid plans give the same tokens as be
 (no state leaked across streams)."""
 from __future__ import annotations
 
-import os
-
 import grpc
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from conftest import EngineProcess
-from planserve.v1 import engine_pb2, engine_pb2_grpc
+from fuzz_settings import FUZZ
 from proto_strategies import messages
+from planserve.v1 import engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.slow(
     reason="150 random examples a property, each a round trip to a live server (PLANSERVE_FUZZ_EXAMPLES sets fewer)"
 )
 
-CALL_TIMEOUT_S = 60
+CALL_TIMEOUT_S = 60  # (a plan runs real steps: longer than the shared 30 s)
 NUM_KV_BLOCKS = 32
-FUZZ = settings(max_examples=int(os.environ.get("PLANSERVE_FUZZ_EXAMPLES", "150")),
-                deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
 
 # Values near the real bounds (a few slots, a few blocks, a short vocabulary prefix), with the
 # edges and far-out values mixed in, so that many plans pass the stateless checks.

@@ -7,28 +7,23 @@ or request is left."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import EngineProcess
+from fuzz_settings import CALL_TIMEOUT_S, FUZZ
 from model_service.models.null import null_continuation
 
 pytestmark = pytest.mark.slow(
     reason="150 random bodies a door, each a round trip to a live server (PLANSERVE_FUZZ_EXAMPLES sets fewer)"
 )
 
-CALL_TIMEOUT_S = 30  # an answer not started after this is a hang
-FUZZ = settings(max_examples=int(os.environ.get("PLANSERVE_FUZZ_EXAMPLES", "150")),
-                deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
 MODEL = "null"
 VOCAB = 259  # the null model's byte-level vocabulary and its specials (models/null.py)
 

@@ -1,7 +1,9 @@
-"""`planserve serve`'s liveness probe on its model service child: a child that is alive but no
-longer answers (stopped here with SIGSTOP, as a process wedged holding Python's lock would be) is
-killed and restarted, and the request in flight finishes with its undisturbed tokens. Without the
-probe, nothing ends such a child: the scheduler drops its stream, but every reconnect waits on it."""
+"""`planserve serve`'s supervision of its model service child (tools/supervisor.py), on the null
+model with a step delay, so that a request is certainly still running at the fault: a child
+killed is restarted; a child alive but no longer answering (stopped here with SIGSTOP, as a
+process wedged holding Python's lock would be) is killed by the liveness probe and restarted.
+Either way the request in flight finishes with its undisturbed tokens. Without the probe nothing
+ends a stopped child: the scheduler drops its stream, but every reconnect waits on it."""
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +36,10 @@ def _serve(*flags: str) -> tuple[subprocess.Popen, int, list[str]]:
     raise AssertionError(f"planserve serve exited with {process.wait()}")
 
 
-async def test_a_stopped_model_service_is_killed_restarted_and_its_requests_finish():
-    process, port, logs = _serve("--model-service-liveness-seconds", "0.5")
+async def _a_request_outlives(fault: signal.Signals, *flags: str) -> list[str]:
+    """Sends `fault` to the child mid-request; checks the request finishes as undisturbed on a
+    new child and that serve stops cleanly; returns serve's log events."""
+    process, port, logs = _serve(*flags)
     try:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stub = generate_pb2_grpc.GenerationServiceStub(channel)
@@ -47,7 +51,8 @@ async def test_a_stopped_model_service_is_killed_restarted_and_its_requests_fini
         task = asyncio.ensure_future(stream_tokens(stub, request, tokens, 0))
         while len(tokens[0]) < 10:
             await asyncio.sleep(0.005)
-        os.kill(child, signal.SIGSTOP)
+        os.kill(child, fault)
+        assert not task.done()  # 290 steps of 5 ms to go
         chunks = await asyncio.wait_for(task, timeout=60)
         assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert tokens[0] == reference.token_ids
@@ -56,13 +61,22 @@ async def test_a_stopped_model_service_is_killed_restarted_and_its_requests_fini
         await channel.close()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-        events = [json.loads(line).get("event") for line in logs if line.startswith("{")]
-        assert "model_service_unresponsive" in events and "model_service_restarted" in events
+        return [json.loads(line).get("event") for line in logs if line.startswith("{")]
     finally:
         if process.poll() is None:
             for pid in child_pids(process.pid):  # a child left stopped would stay so
                 os.kill(pid, signal.SIGKILL)
             process.kill()
+
+
+async def test_a_killed_model_service_is_restarted_and_its_requests_finish():
+    events = await _a_request_outlives(signal.SIGKILL)
+    assert "model_service_died" in events and "model_service_restarted" in events
+
+
+async def test_a_stopped_model_service_is_killed_restarted_and_its_requests_finish():
+    events = await _a_request_outlives(signal.SIGSTOP, "--model-service-liveness-seconds", "0.5")
+    assert "model_service_unresponsive" in events and "model_service_restarted" in events
 
 
 def test_a_negative_liveness_period_is_refused_naming_the_flag():
