@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from scheduler_service.api.openai_logprobs import ranked
 from scheduler_service.api.streams import Collected, finish_reason_name
 from scheduler_service.core.request import Request, TokenLogprob
 from scheduler_service.text.tokenizer import Tokenizer
@@ -59,18 +60,7 @@ class RequestResult:
 
 
 def _position(entry: TokenLogprob, tokenizer: Tokenizer) -> PositionLogprobs:
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    ranks = {token_id: rank for rank, (token_id, _) in enumerate(entry.top, start=1)}
-    position = {
-        token_id: Logprob(logprob, ranks[token_id], text(token_id))
-        for token_id, logprob in entry.top
-    }
-    position[entry.token_id] = Logprob(
-        entry.logprob, ranks.get(entry.token_id), text(entry.token_id)
-    )
-    return position
+    return {token_id: Logprob(*value) for token_id, value in ranked(entry, tokenizer).items()}
 
 
 def result_of(

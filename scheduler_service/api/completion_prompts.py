@@ -42,8 +42,8 @@ def prompts_of(prompt: Union[Prompt, list[str], list[list[int]]], most: int) -> 
 
 def prompt_to_pb(prompt: Prompt, echo: bool, pb: generate_pb2.GenerateRequest) -> None:
     """One prompt of a body into `pb` (its logprobs already set), with what echo asks."""
-    if echo and pb.logprobs:  # the prompt's logprobs, with as many alternatives
-        pb.prompt_logprobs = pb.top_logprobs
+    if echo and pb.logprobs and not pb.HasField("prompt_logprobs"):
+        pb.prompt_logprobs = pb.top_logprobs  # the prompt's, with as many alternatives
     if isinstance(prompt, str):
         pb.text = prompt
         return
@@ -118,5 +118,4 @@ class Echo:
             logprobs=logprobs,
             finish_reason=finish_reason,
             usage=usage,
-            prompt_logprobs=None,
         )

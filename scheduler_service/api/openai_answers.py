@@ -19,7 +19,11 @@ from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Optional, cast
 from scheduler_service.api.admission import Serving
 from scheduler_service.api.chat_outputs import ChatOutput
 from scheduler_service.api.completion_prompts import Echo
-from scheduler_service.api.openai_logprobs import CompletionLogprobs, chat_logprobs
+from scheduler_service.api.openai_logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    prompt_logprobs_json,
+)
 from scheduler_service.api.openai_requests import _Common
 from scheduler_service.api.openai_usage import Totals
 from scheduler_service.api.sse_chunks import DONE, SseChunks
@@ -27,6 +31,7 @@ from scheduler_service.api.sse_direct import DirectSse, writer_of
 from scheduler_service.api.streams import (
     Collected,
     LastEvents,
+    Sample,
     finish_reason_name,
     outputs_of,
     outputs_of_each,
@@ -82,29 +87,16 @@ class Answer:
 
     async def collect(self) -> dict:
         collected = Collected(self.num_choices)
+        prompt_logprobs: dict[int, list] = {}  # by prompt: sample 0's first output has them
         async with contextlib.aclosing(self._outputs()) as stream:
             async for output in stream:
                 collected.add(output)
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[output.index // self.req.n] = output.prompt_logprobs
                 if output.finish_reason is not None:
                     self.totals.add(output)
-        choices = []
-        for index, sample in enumerate(collected.samples):
-            choice: dict[str, Any] = {"index": index}
-            reason = finish_reason_name(sample.finish_reason)
-            if self.chat_outputs is not None:
-                split = self.chat_outputs[index]
-                choice["message"] = split.message(sample.text, sample.finish_reason)
-                reason = split.finish_reason(sample.finish_reason)
-            elif self.chat:
-                choice["message"] = {"role": "assistant", "content": sample.text}
-            else:
-                choice["text"] = sample.text
-            choice["logprobs"] = self.logprobs_of(sample.logprobs)
-            choice["finish_reason"] = reason
-            if self.body.return_token_ids:
-                choice["token_ids"] = sample.token_ids
-            choices.append(choice)
-        return {
+        choices = [self._choice(index, sample) for index, sample in enumerate(collected.samples)]
+        answer: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -112,6 +104,33 @@ class Answer:
             "choices": choices,
             "usage": self.totals.as_dict(),
         }
+        if self.body.prompt_logprobs is not None:  # vLLM's: per choice, or the chat's one prompt
+            shapes = {
+                p: prompt_logprobs_json(entries, self.serving.tokenizer)
+                for p, entries in prompt_logprobs.items()
+            }
+            if self.chat:
+                answer["prompt_logprobs"] = shapes.get(0)
+            for choice in choices if not self.chat else ():
+                choice["prompt_logprobs"] = shapes.get(choice["index"] // self.req.n)
+        return answer
+
+    def _choice(self, index: int, sample: Sample) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        reason = finish_reason_name(sample.finish_reason)
+        if self.chat_outputs is not None:
+            split = self.chat_outputs[index]
+            choice["message"] = split.message(sample.text, sample.finish_reason)
+            reason = split.finish_reason(sample.finish_reason)
+        elif self.chat:
+            choice["message"] = {"role": "assistant", "content": sample.text}
+        else:
+            choice["text"] = sample.text
+        choice["logprobs"] = self.logprobs_of(sample.logprobs)
+        choice["finish_reason"] = reason
+        if self.body.return_token_ids:
+            choice["token_ids"] = sample.token_ids
+        return choice
 
     def _split_chunks(self, output: RequestOutput, sse: SseChunks) -> list[str]:
         """One output of a split chat sample as chunks: its deltas (chat_outputs.py), the first

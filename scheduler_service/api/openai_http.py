@@ -8,7 +8,7 @@ openai_answers.py. A completion's list of prompts is a request per prompt, answe
 (completion_prompts.py, with `echo`).
 
 Extensions beyond OpenAI's fields (vLLM spells them the same): `top_k`, `ignore_eos`,
-`stop_token_ids`, the chat template's options (chat_prompt.template_options),
+`stop_token_ids`, `prompt_logprobs`, the chat template's options (chat_prompt.template_options),
 `return_token_ids` (each choice gets the `token_ids` it generated), `stream_interval` (tokens
 per streamed chunk), and structured output as `guided_json`, `guided_regex`, `guided_choice`
 besides OpenAI's `response_format` (json_schema, json_object). `/tokenize` and `/detokenize`

@@ -1,5 +1,8 @@
 """Logprobs in OpenAI's two JSON shapes, from the scheduler's TokenLogprob entries.
 
+vLLM's `prompt_logprobs` (and the offline API's logprobs): per position, the token's and its
+alternatives' {logprob, rank, decoded_token} by token id (`ranked`).
+
 Completions (legacy): {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: lp}],
 "text_offset": [...]}; chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}.
 A token's text is its own decode (byte-level pieces that are not valid UTF-8 alone decode with
@@ -24,6 +27,35 @@ class Unscored(TokenLogprob):
 
 def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def ranked(
+    entry: TokenLogprob, tokenizer: Tokenizer
+) -> dict[int, tuple[float, Optional[int], str]]:
+    """One position as vLLM gives it: token id -> (logprob, rank, decoded token), for the
+    position's token and its alternatives, ranked 1 .. k in order (the token's rank is None
+    where it is not among them)."""
+    ranks: dict[int, Optional[int]] = {t: rank for rank, (t, _) in enumerate(entry.top, start=1)}
+    position = {t: (lp, ranks[t], _text(tokenizer, t)) for t, lp in entry.top}
+    position[entry.token_id] = (
+        entry.logprob,
+        ranks.get(entry.token_id),
+        _text(tokenizer, entry.token_id),
+    )
+    return position
+
+
+def prompt_logprobs_json(entries: list[TokenLogprob], tokenizer: Tokenizer) -> list:
+    """vLLM's `prompt_logprobs` of a response: null for the first prompt token, then per token
+    {"<id>": {"logprob", "rank", "decoded_token"}}."""
+    positions = [
+        {
+            str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": text}
+            for token_id, (logprob, rank, text) in ranked(entry, tokenizer).items()
+        }
+        for entry in entries
+    ]
+    return [None, *positions]
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:

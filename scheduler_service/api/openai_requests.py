@@ -115,6 +115,7 @@ class _Common(BaseModel):
     return_token_ids: bool = False  # extension
     logprobs: Optional[Any] = None  # completions: int (alternatives); chat: bool
     top_logprobs: Optional[int] = None  # chat
+    prompt_logprobs: Optional[int] = None  # extension: whole responses only
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None  # extension
@@ -351,6 +352,12 @@ def to_pb(
 
 def _logprobs_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
     """Completions: logprobs = k alternatives; chat: logprobs = true and top_logprobs = k."""
+    if body.prompt_logprobs is not None:
+        if body.stream:
+            raise ApiError(
+                400, "prompt_logprobs: not available with stream true", param="prompt_logprobs"
+            )
+        _set(pb, "prompt_logprobs", body.prompt_logprobs, "prompt_logprobs")
     if isinstance(body, CompletionRequest):
         if body.logprobs is None:
             return

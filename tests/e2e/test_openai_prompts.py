@@ -267,3 +267,35 @@ async def test_echo_scores_rank_the_right_continuation_first_on_smollm2(smollm2_
         assert all(math.isfinite(score) and score <= 0 for score in continuation)
         scores.append(sum(continuation))
     assert scores[0] == max(scores), scores
+
+
+async def test_prompt_logprobs_are_vllms_shape_per_choice_and_per_chat(tiny_server):
+    """vLLM's `prompt_logprobs` extension: null for the first prompt token, then per token
+    {"<id>": {"logprob", "rank", "decoded_token"}}: the prompt token's logprob as gRPC's, and
+    the alternatives ranked 1 .. k."""
+    client = _client(tiny_server)
+    result = await client.completions.create(
+        model=_model(tiny_server), prompt=PROMPTS[:2], max_tokens=2, temperature=0,
+        extra_body={"prompt_logprobs": 2})
+    for prompt, choice in zip(PROMPTS[:2], result.choices):
+        served = choice.model_extra["prompt_logprobs"]
+        request = greedy_ids_request(prompt, 1, prompt_logprobs=2)
+        chunks = [c async for c in stub_for(tiny_server).Generate(request)]
+        entries = list(chunks[0].prompt_logprobs)
+        assert served[0] is None and len(served) == len(prompt)
+        for token_id, position, entry in zip(prompt[1:], served[1:], entries):
+            assert position[str(token_id)]["logprob"] == pytest.approx(entry.logprob, abs=1e-6)
+            ranked = sorted((p["rank"], int(t)) for t, p in position.items() if p["rank"])
+            assert [t for _, t in ranked] == [alternative.token_id for alternative in entry.top]
+    chat = await client.chat.completions.create(
+        model=_model(tiny_server), messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    for extra, message in (({"prompt_logprobs": 1, "stream": True},
+                            "prompt_logprobs: not available with stream true"),
+                           ({"prompt_logprobs": 21}, "prompt_logprobs: must be in [0, 20]")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=_model(tiny_server), prompt="Hi",
+                                            max_tokens=2, extra_body=extra)
+        assert caught.value.param == "prompt_logprobs"
+        assert caught.value.body["message"].startswith(message)

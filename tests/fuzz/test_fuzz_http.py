@@ -73,6 +73,7 @@ COMMON = {
     "repetition_penalty": (st.floats(0.5, 2)),
     "min_p": (st.floats(0, 1)),
     "min_tokens": (st.integers(0, 8)),
+    "prompt_logprobs": st.integers(0, 3),
     "logit_bias": (st.dictionaries(st.sampled_from(["1", "7", "258", "258", "x", "999999"]),
                                           st.floats(-200, 200), max_size=3)),
     "priority": (st.integers(-3, 3)),
