@@ -93,7 +93,8 @@ class Echo:
 
     def output(self, output: RequestOutput) -> RequestOutput:
         """The output as its choice shows it: the first led by the prompt; with the prompt
-        alone (max_tokens 0), the drawn token left out and the reason `length`."""
+        alone (max_tokens 0), the drawn token left out and the reason `length` (an error, an
+        abort or a deadline keeps its own)."""
         position = output.index // self._n
         if output.prompt_logprobs is not None:
             self._prompt_logprobs[position] = output.prompt_logprobs
@@ -101,7 +102,7 @@ class Echo:
         finish_reason, usage = output.finish_reason, output.usage
         if self._only_prompt:
             text, token_ids, logprobs = "", [], [] if logprobs is not None else None
-            if finish_reason is not None:
+            if finish_reason in (FinishReason.EOS, FinishReason.STOP):  # (the dropped token's)
                 finish_reason = FinishReason.LENGTH
             if usage is not None:
                 usage = dataclasses.replace(usage, completion_tokens=0)

@@ -111,8 +111,9 @@ class Answer:
             }
             if self.chat:
                 answer["prompt_logprobs"] = shapes.get(0)
-            for choice in choices if not self.chat else ():
-                choice["prompt_logprobs"] = shapes.get(choice["index"] // self.req.n)
+            else:
+                for choice in choices:
+                    choice["prompt_logprobs"] = shapes.get(choice["index"] // self.req.n)
         return answer
 
     def _choice(self, index: int, sample: Sample) -> dict[str, Any]:
