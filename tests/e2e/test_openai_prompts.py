@@ -16,6 +16,7 @@ from api import (assert_no_leaked_blocks, complete, greedy_ids_request, http_jso
                  wait_until_idle)
 from conftest import EngineProcess, start_scheduler
 from reference import hf_llama_from_loaded, reference_logprobs
+from scheduler_service.api.http_server import HttpServer
 
 PROMPTS = [[1, 17, 300, 4000, 22, 9], [5, 6, 7], list(range(700, 730))]
 # Float32 against transformers' float32 over the tiny vocabulary (test_sampling_surface.py).
@@ -242,24 +243,26 @@ async def test_render_answers_one_rendering_per_prompt(tiny_server):
     assert [r["token_ids"] for r in rendered] == PROMPTS
 
 
-@pytest_asyncio.fixture(scope="module")
-async def smollm2_http(smollm2_default_engine):
-    server = await start_scheduler(smollm2_default_engine, http_port=0)
-    yield server
-    await server.stop(grace_s=1)
-
-
-async def test_echo_scores_rank_the_right_continuation_first_on_smollm2(smollm2_http):
+async def test_echo_scores_rank_the_right_continuation_first_on_smollm2(smollm2_default_server):
     """A harness's loglikelihood request, as lm-evaluation-harness sends it: token-id prompts
     of context + continuation in one list, echo, logprobs 1, one new token; the continuation's
-    score is the sum of its tokens' logprobs. In this CPU's default dtype (what users run)."""
-    tokenizer = smollm2_http.servicer.serving.tokenizer
-    context = tokenizer.encode("The capital of France is")
-    endings = [" Paris.", " a banana.", " London."]
-    prompts = [context + tokenizer.encode(ending) for ending in endings]
-    result = await _client(smollm2_http).completions.create(
-        model=_model(smollm2_http), prompt=prompts, max_tokens=1, temperature=0, logprobs=1,
-        echo=True)
+    score is the sum of its tokens' logprobs. In this CPU's default dtype (what users run),
+    through an HTTP door on the session's SmolLM2 scheduler (its model service takes one)."""
+    server = smollm2_default_server
+    http = HttpServer(server.admission, "127.0.0.1", 0)
+    port = await http.start()
+    try:
+        tokenizer = server.servicer.serving.tokenizer
+        context = tokenizer.encode("The capital of France is")
+        endings = [" Paris.", " a banana.", " London."]
+        prompts = [context + tokenizer.encode(ending) for ending in endings]
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                    max_retries=0, timeout=120)
+        result = await client.completions.create(
+            model=_model(server), prompt=prompts, max_tokens=1, temperature=0, logprobs=1,
+            echo=True)
+    finally:
+        await http.stop(grace_s=1)
     scores = []
     for prompt, choice in zip(prompts, sorted(result.choices, key=lambda c: c.index)):
         assert len(choice.logprobs.token_logprobs) == len(prompt) + 1
