@@ -197,11 +197,8 @@ class EngineLoop:
             await self._wait_for_news()
             return
         started = time.perf_counter()
-        self.step_timeout.awaiting(plan.step_id, started)
-        try:
+        with self.step_timeout.awaiting(plan.step_id, started):
             result = await self.client.execute(plan)
-        finally:
-            self.step_timeout.answered()
         self._finish(plan, result, started, self.scheduler.update)
 
     async def _overlapped_step(self) -> None:
@@ -228,11 +225,8 @@ class EngineLoop:
 
     async def _finish_oldest(self) -> None:
         plan, sent = self._in_flight[0]
-        self.step_timeout.awaiting(plan.step_id, sent)
-        try:
+        with self.step_timeout.awaiting(plan.step_id, sent):
             result = await self.client.receive(plan)
-        finally:
-            self.step_timeout.answered()
         self._in_flight.popleft()
         self._finish(plan, result, sent, self.scheduler.reconcile)
 
@@ -343,11 +337,8 @@ class EngineLoop:
                 return False
             self.scheduler.reset_engine(facts)
             first_step_id = self.scheduler.take_step_ids(2)
-            self.step_timeout.awaiting(first_step_id, time.perf_counter())
-            try:
+            with self.step_timeout.awaiting(first_step_id, time.perf_counter()):
                 await self.client.probe(first_step_id, facts)
-            finally:
-                self.step_timeout.answered()
             return True
         except (EngineUnavailable, asyncio.TimeoutError, ConnectionError) as error:
             why = self.step_timeout.take_reason(str(error))

@@ -31,14 +31,19 @@ class StepTimeout:
         self._awaited: Optional[tuple[int, float]] = None  # (step id, perf_counter at its send)
         self.timed_out: Optional[str] = None  # why the last wait was given up, until taken
 
-    def awaiting(self, step_id: int, sent: float) -> None:
-        """The loop waits for the result of `step_id`, sent at `sent` (time.perf_counter()); a
-        reason left from a wait given up on whose result came anyway is stale now."""
+    def awaiting(self, step_id: int, sent: float) -> "StepTimeout":
+        """The loop waits for the result of `step_id`, sent at `sent` (time.perf_counter()),
+        until the `with` block it opens ends; a reason left from a wait given up on whose
+        result came anyway is stale now."""
         self._awaited = (step_id, sent)
         self.timed_out = None
+        return self
 
-    def answered(self) -> None:
-        self._awaited = None
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc_info) -> None:
+        self._awaited = None  # answered, or failed: nothing is awaited any more
 
     def take_reason(self, otherwise: str) -> str:
         """Why the stream ended: the timeout, if it gave up the wait, else `otherwise`."""
