@@ -19,7 +19,9 @@ from typing import Callable, Optional
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from scheduler_service.engine.client import says_serving
 
 log = structlog.get_logger("planserve.cli")
 
@@ -99,7 +101,7 @@ class ModelServiceSupervisor:
                 if child is None or child.returncode is not None:
                     failures = 0
                     continue
-                if await self._answers(health):
+                if await says_serving(health, self.liveness_s / 2):
                     failures = 0
                     continue
                 failures += 1
@@ -109,14 +111,6 @@ class ModelServiceSupervisor:
                     )
                     child.kill()  # _restart_when_dead starts the next one
                     failures = 0
-
-    async def _answers(self, health: health_pb2_grpc.HealthStub) -> bool:
-        request = health_pb2.HealthCheckRequest(service="")
-        try:
-            reply = await health.Check(request, timeout=self.liveness_s / 2)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def stop(self) -> None:
         for task in self._tasks:

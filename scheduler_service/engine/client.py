@@ -136,6 +136,16 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+async def says_serving(health: health_pb2_grpc.HealthStub, timeout_s: float) -> bool:
+    """Whether a model service's health service answers SERVING within `timeout_s` (the
+    scheduler's idle check, `planserve serve`'s liveness probe)."""
+    try:
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 class EngineClient:
     def __init__(
         self,
@@ -254,13 +264,7 @@ class EngineClient:
 
     async def is_alive(self, timeout_s: float) -> bool:
         """A cheap liveness check while idle: the model service's own health service."""
-        try:
-            reply = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return await says_serving(self._health, timeout_s)
 
     def drop_stream(self) -> None:
         if self._stream is not None:
