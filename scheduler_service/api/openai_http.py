@@ -42,6 +42,7 @@ from scheduler_service.api.openai_requests import (
     chat_turns,
     rejected_error,
     to_pb,
+    token_ids,
 )
 from scheduler_service.api.streams import EventStream, placed, unless_disconnected
 from scheduler_service.api.tool_requests import ToolPlan
@@ -183,11 +184,9 @@ class OpenAIApp:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self.serving(body.model)
-        for index, token in enumerate(body.tokens):
-            if not 0 <= token < 1 << 32:
-                raise ApiError(400, f"tokens[{index}]: {token} is not a token id", param="tokens")
+        ids = token_ids(body.tokens, "tokens")
         try:
-            reply = self.admission.detokenize(generate_pb2.DetokenizeRequest(token_ids=body.tokens))
+            reply = self.admission.detokenize(generate_pb2.DetokenizeRequest(token_ids=ids))
         except Rejected as rejected:  # the body calls the public request's token_ids tokens
             message = rejected.message.replace("token_ids", "tokens", 1)
             raise ApiError(400, message, param="tokens", code=rejected.code.name.lower()) from None

@@ -246,6 +246,15 @@ def _response_format_to_pb(response_format: dict, out) -> None:
         )
 
 
+def token_ids(ids: list[int], param: str) -> list[int]:
+    """`ids` as the public request takes them (uint32), else a 400 naming the first outside;
+    the vocabulary's bound is admission's to check."""
+    for index, token_id in enumerate(ids):
+        if not 0 <= token_id < 1 << 32:
+            raise ApiError(400, f"{param}[{index}]: {token_id} is not a token id", param=param)
+    return ids
+
+
 def _set(message, field: str, value, param: str) -> None:
     try:
         setattr(message, field, value)
@@ -300,14 +309,7 @@ def _stopping_to_pb(body: _Common, pb: generate_pb2.GenerateRequest) -> None:
         _set(pb.stopping, "min_new_tokens", body.min_tokens, "min_tokens")
     if body.stop is not None:
         pb.stopping.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
-    for index, token_id in enumerate(body.stop_token_ids or ()):
-        if not 0 <= token_id < 1 << 32:
-            raise ApiError(
-                400,
-                f"stop_token_ids[{index}]: {token_id} is not a token id",
-                param="stop_token_ids",
-            )
-        pb.stopping.stop_token_ids.append(token_id)
+    pb.stopping.stop_token_ids.extend(token_ids(body.stop_token_ids or [], "stop_token_ids"))
     pb.stopping.ignore_eos = body.ignore_eos
 
 
