@@ -31,7 +31,7 @@ from scheduler_service.api import intake
 from scheduler_service.api.streams import Collected
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.core import plan as plan_codec
-from scheduler_service.core.request import Request, TokenLogprob
+from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.client import EngineFacts
 from scheduler_service.text import structured
@@ -283,15 +283,12 @@ class LLM:
     def _run(self, prompts: list, requests: list[Request]) -> list[RequestResult]:
         scheduler = self.scheduler
         collected = {request.request_id: Collected(request.n) for request in requests}
-        prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # sample 0's first output has them
         for request in requests:
             scheduler.add_request(request)
 
         def collect(outputs) -> None:
             for request, output in outputs:
                 collected[request.public_id].add(output)
-                if output.prompt_logprobs is not None:
-                    prompt_logprobs[request.public_id] = output.prompt_logprobs
 
         num_idle_steps = 0  # plans with nothing to compute, in a row
         while scheduler.has_work():
@@ -311,12 +308,6 @@ class LLM:
             self.adapters.pump()  # adapters idle since this result may be evicted now
         collect(scheduler.take_early_outputs())
         return [
-            result_of(
-                prompt,
-                request,
-                collected[request.request_id],
-                prompt_logprobs.get(request.request_id),
-                self.tokenizer,
-            )
+            result_of(prompt, request, collected[request.request_id], self.tokenizer)
             for prompt, request in zip(prompts, requests)
         ]

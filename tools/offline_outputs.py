@@ -67,11 +67,9 @@ def result_of(
     prompt: Any,
     request: Request,
     collected: Collected,
-    prompt_entries: Optional[list[TokenLogprob]],
     tokenizer: Tokenizer,
 ) -> RequestResult:
-    """One prompt's result from its request's gathered outputs (and its prompt's logprobs,
-    sample 0's first output's)."""
+    """One prompt's result from its request's gathered outputs."""
     outputs = []
     for index, sample in enumerate(collected.samples):
         logprobs = None
@@ -81,7 +79,8 @@ def result_of(
         outputs.append(CompletionOutput(index, sample.text, sample.token_ids, reason, logprobs))
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     if request.prompt_logprobs is not None:
-        prompt_logprobs = [None] + [_position(e, tokenizer) for e in prompt_entries or ()]
+        entries = collected.samples[0].prompt_logprobs or []
+        prompt_logprobs = [None] + [_position(e, tokenizer) for e in entries]
     return RequestResult(
         request.request_id, prompt, list(request.prompt_token_ids), outputs, prompt_logprobs
     )

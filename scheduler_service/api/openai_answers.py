@@ -87,12 +87,9 @@ class Answer:
 
     async def collect(self) -> dict:
         collected = Collected(self.num_choices)
-        prompt_logprobs: dict[int, list] = {}  # by prompt: sample 0's first output has them
         async with contextlib.aclosing(self._outputs()) as stream:
             async for output in stream:
                 collected.add(output)
-                if output.prompt_logprobs is not None:
-                    prompt_logprobs[output.index // self.req.n] = output.prompt_logprobs
                 if output.finish_reason is not None:
                     self.totals.add(output)
         choices = [self._choice(index, sample) for index, sample in enumerate(collected.samples)]
@@ -105,15 +102,16 @@ class Answer:
             "usage": self.totals.as_dict(),
         }
         if self.body.prompt_logprobs is not None:  # vLLM's: per choice, or the chat's one prompt
-            shapes = {
-                p: prompt_logprobs_json(entries, self.serving.tokenizer)
-                for p, entries in prompt_logprobs.items()
-            }
+            n, samples, tokenizer = self.req.n, collected.samples, self.serving.tokenizer
+            entries = [samples[p * n].prompt_logprobs for p in range(len(self.requests))]
+            shapes = [  # by prompt, from its sample 0 (None: it ended before any output)
+                None if e is None else prompt_logprobs_json(e, tokenizer) for e in entries
+            ]
             if self.chat:
-                answer["prompt_logprobs"] = shapes.get(0)
+                answer["prompt_logprobs"] = shapes[0]
             else:
                 for choice in choices:
-                    choice["prompt_logprobs"] = shapes.get(choice["index"] // self.req.n)
+                    choice["prompt_logprobs"] = shapes[choice["index"] // n]
         return answer
 
     def _choice(self, index: int, sample: Sample) -> dict[str, Any]:

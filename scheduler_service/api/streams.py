@@ -221,6 +221,8 @@ class Sample:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
+    # With prompt logprobs asked for: the request's, on its sample 0 (whose first output has them).
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
     @property
     def text(self) -> str:
@@ -238,6 +240,8 @@ class Collected:
         sample.texts.append(output.text)
         sample.token_ids.extend(output.token_ids)
         sample.logprobs.extend(output.logprobs or ())
+        if output.prompt_logprobs is not None:
+            sample.prompt_logprobs = output.prompt_logprobs
         if output.finish_reason is not None:
             sample.finish_reason = output.finish_reason
 
